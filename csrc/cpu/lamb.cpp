@@ -1,0 +1,92 @@
+// LAMB (You et al. 2019) with apex FusedLAMB's semantics.  The caller folds loss-scale
+// unscaling and global-norm clipping into `grad_factor`.  Per element, in float:
+//   g *= grad_factor (negated if maximize);  L2 mode: g += wd * p
+//   m = beta1 * m + beta3 * g;  v = beta2 * v + (1 - beta2) * g * g
+//   u = (m / bc1) / (sqrt(v / bc2) + eps);  AdamW mode: u += wd * p
+// and per tensor: ratio = ||p|| / ||u|| when use_trust_ratio and both norms are non-zero,
+// else 1;  p -= lr * ratio * u.
+// Pass 1 updates the moments and accumulates ||p||^2 and ||u||^2; pass 2 recomputes u
+// from the stored moments (cheaper than writing and re-reading a temporary).
+#include <cmath>
+
+#include "tensor_walk.h"
+
+namespace fastopt {
+
+namespace {
+constexpr int64_t kBlock = 4096;
+
+struct LambMath {
+  VecF gf, wd, b1, b3, b2, w2, inv_bc1, inv_bc2, eps;
+  bool l2, decoupled;
+  explicit LambMath(const LambArgs& a)
+      : gf(VecF::set1(a.maximize ? -a.grad_factor : a.grad_factor)), wd(VecF::set1(a.weight_decay)),
+        b1(VecF::set1(a.beta1)), b3(VecF::set1(a.beta3)), b2(VecF::set1(a.beta2)),
+        w2(VecF::set1(1.0f - a.beta2)), inv_bc1(VecF::set1(1.0f / a.bias_correction1)),
+        inv_bc2(VecF::set1(1.0f / a.bias_correction2)), eps(VecF::set1(a.eps)),
+        l2(!a.adam_w_mode && a.weight_decay != 0.0f), decoupled(a.adam_w_mode && a.weight_decay != 0.0f) {}
+  VecF update(VecF p, VecF m, VecF v) const {
+    VecF u = (m * inv_bc1) / (VecF::sqrt(v * inv_bc2) + eps);
+    return decoupled ? VecF::fmadd(wd, p, u) : u;
+  }
+};
+}  // namespace
+
+void lamb_step(const Slots& slots, const LambArgs& a) {
+  const LambMath mth(a);
+  const int64_t n = static_cast<int64_t>(slots.size());
+
+  // Pass 1: moments, and the norms of the parameter and of the update (per thread rows,
+  // reduced in a fixed order).
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<double> partial(static_cast<size_t>(threads) * 2 * n, 0.0);
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    const TensorSlot& s = slots[t];
+    double ps = 0.0, us = 0.0;
+    dispatch_dtypes(s, [&](auto p, auto g, auto) {
+      for (int64_t blk = b; blk < e; blk += kBlock) {
+        VecF pacc = VecF::zero(), uacc = VecF::zero();
+        for_each_vec<2, false, decltype(p), decltype(g), None>(s, blk, std::min(e, blk + kBlock),
+            [&](VecF& pv, VecF gv, std::array<VecF, 2>& st) {
+              gv = gv * mth.gf;
+              if (mth.l2) gv = VecF::fmadd(mth.wd, pv, gv);
+              st[0] = VecF::fmadd(mth.b3, gv, st[0] * mth.b1);
+              st[1] = VecF::fmadd(mth.w2, gv * gv, st[1] * mth.b2);
+              const VecF u = mth.update(pv, st[0], st[1]);
+              pacc = VecF::fmadd(pv, pv, pacc);
+              uacc = VecF::fmadd(u, u, uacc);
+            });
+        ps += pacc.sum();
+        us += uacc.sum();
+      }
+    });
+    double* row = partial.data() + static_cast<size_t>(at::get_thread_num()) * 2 * n;
+    row[2 * t] += ps;
+    row[2 * t + 1] += us;
+  });
+  std::vector<float> scale(n);
+  for (int64_t t = 0; t < n; ++t) {
+    double ps = 0.0, us = 0.0;
+    for (int r = 0; r < threads; ++r) {
+      ps += partial[static_cast<size_t>(r) * 2 * n + 2 * t];
+      us += partial[static_cast<size_t>(r) * 2 * n + 2 * t + 1];
+    }
+    const double pn = std::sqrt(ps), un = std::sqrt(us);
+    const double ratio = (a.use_trust_ratio && pn != 0.0 && un != 0.0) ? pn / un : 1.0;
+    scale[t] = static_cast<float>(-static_cast<double>(a.lr) * ratio);
+  }
+
+  // Pass 2: apply p -= lr * ratio * u, writing the optional half-precision copy.
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    const TensorSlot& s = slots[t];
+    const VecF neg = VecF::set1(scale[t]);
+    dispatch_dtypes(s, [&](auto p, auto, auto c) {
+      for_each_vec<2, true, decltype(p), None, decltype(c)>(s, b, e,
+          [&](VecF& pv, VecF, std::array<VecF, 2>& st) {
+            pv = VecF::fmadd(neg, mth.update(pv, st[0], st[1]), pv);
+          });
+    });
+  });
+}
+
+}  // namespace fastopt

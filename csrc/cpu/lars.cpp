@@ -1,0 +1,39 @@
+// LARS (You et al. 2017, "Large Batch Training of Convolutional Networks"):
+//   per tensor: local_lr = eeta * ||p|| / (||g|| + wd * ||p|| + epsilon) if both norms > 0, else 1
+//   buf = momentum * buf + (g + wd * p);  p -= lr * local_lr * buf
+// with g unscaled (and negated if maximize).  The norms come from a first pass.
+#include <cmath>
+
+#include "tensor_walk.h"
+
+namespace fastopt {
+
+void lars_step(const Slots& slots, const LarsArgs& a) {
+  const int64_t n = static_cast<int64_t>(slots.size());
+  std::vector<double> g_sq(n), p_sq(n);
+  sum_squares(slots, 0, g_sq.data());
+  sum_squares(slots, 1, p_sq.data());
+  std::vector<float> neg_step(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const double pn = std::sqrt(p_sq[t]);
+    const double gn = std::sqrt(g_sq[t]) * a.inv_grad_scale;
+    const double local = (pn > 0.0 && gn > 0.0)
+        ? a.eeta * pn / (gn + static_cast<double>(a.weight_decay) * pn + a.epsilon) : 1.0;
+    neg_step[t] = static_cast<float>(-static_cast<double>(a.lr) * local);
+  }
+  const VecF gs = VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale);
+  const VecF wd = VecF::set1(a.weight_decay), mom = VecF::set1(a.momentum);
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    const TensorSlot& s = slots[t];
+    const VecF neg = VecF::set1(neg_step[t]);
+    dispatch_dtypes(s, [&](auto p, auto g, auto c) {
+      for_each_vec<1, true, decltype(p), decltype(g), decltype(c)>(s, b, e,
+          [&](VecF& pv, VecF gv, std::array<VecF, 1>& st) {
+            st[0] = VecF::fmadd(st[0], mom, VecF::fmadd(wd, pv, gv * gs));
+            pv = VecF::fmadd(neg, st[0], pv);
+          });
+    });
+  });
+}
+
+}  // namespace fastopt

@@ -1,0 +1,186 @@
+// How the CPU kernels walk over many tensors.
+//
+// `parallel_over` splits the concatenation of all slots into units of kUnit elements
+// (a tensor's start is padded to a unit boundary, so a unit never spans two tensors and
+// threads never share a cache line) and hands each thread an equal share of units
+// through ATen's parallel_for, which honours torch.set_num_threads().  Balance is by
+// element count, so one huge tensor and thousands of small ones are treated alike.
+//
+// `for_each_vec` runs an algorithm body over one piece of one tensor, vector by vector,
+// loading the parameter and gradient in their storage types, the float32 states, and
+// storing the results (plus the optional half-precision parameter copy).  The tail is
+// padded into a small buffer and goes through the same vector body, so every element
+// sees exactly the same arithmetic.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "kernel_api.h"
+#include "vec.h"
+
+namespace fastopt {
+
+constexpr int64_t kUnit = 64;            // elements per unit (256 bytes of float32)
+constexpr int64_t kGrainUnits = 512;     // below ~32K elements, stay on one thread
+
+template <typename Fn>  // fn(slot_index, begin, end)
+void parallel_over(const Slots& slots, const Fn& fn) {
+  const int64_t n = static_cast<int64_t>(slots.size());
+  std::vector<int64_t> start(n + 1, 0);  // first unit of each slot
+  for (int64_t t = 0; t < n; ++t) start[t + 1] = start[t] + (slots[t].numel + kUnit - 1) / kUnit;
+  if (start[n] == 0) return;
+  at::parallel_for(0, start[n], kGrainUnits, [&](int64_t ub, int64_t ue) {
+    int64_t t = std::upper_bound(start.begin(), start.end(), ub) - start.begin() - 1;
+    for (; t < n && start[t] < ue; ++t) {
+      const int64_t b = (std::max(ub, start[t]) - start[t]) * kUnit;
+      const int64_t e = std::min((std::min(ue, start[t + 1]) - start[t]) * kUnit, slots[t].numel);
+      if (b < e) fn(t, b, e);
+    }
+  });
+}
+
+// Per-slot sums reduced over threads in a fixed order (deterministic for a given
+// thread count).  fn(slot_index, begin, end) returns this piece's contribution.
+template <typename Fn>
+void parallel_sum_per_slot(const Slots& slots, double* out, const Fn& fn) {
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<double> partial(static_cast<size_t>(threads) * n, 0.0);
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    partial[static_cast<size_t>(at::get_thread_num()) * n + t] += fn(t, b, e);
+  });
+  for (int64_t t = 0; t < n; ++t) {
+    double s = 0.0;
+    for (int r = 0; r < threads; ++r) s += partial[static_cast<size_t>(r) * n + t];
+    out[t] = s;
+  }
+}
+
+template <typename Tag>
+using storage_t = typename Tag::type;
+
+// Calls fn(P{}, G{}, C{}) with the storage tags of the slot.  Supported combinations:
+// float32 master params with float32/fp16/bf16 grads and an optional fp16/bf16 copy;
+// fp16 or bf16 params (no master) with grads of the same dtype or float32.
+template <typename Fn>
+void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
+  auto with_copy = [&](auto p, auto g) {
+    switch (s.copy_dtype) {
+      case DType::kFloat16: return fn(p, g, F16{});
+      case DType::kBFloat16: return fn(p, g, BF16{});
+      default: return fn(p, g, None{});
+    }
+  };
+  switch (s.param_dtype) {
+    case DType::kFloat32:
+      switch (s.grad_dtype) {
+        case DType::kFloat16: return with_copy(F32{}, F16{});
+        case DType::kBFloat16: return with_copy(F32{}, BF16{});
+        default: return with_copy(F32{}, F32{});
+      }
+    case DType::kFloat16:
+      return s.grad_dtype == DType::kFloat32 ? fn(F16{}, F32{}, None{}) : fn(F16{}, F16{}, None{});
+    default:
+      return s.grad_dtype == DType::kFloat32 ? fn(BF16{}, F32{}, None{}) : fn(BF16{}, BF16{}, None{});
+  }
+}
+
+// body(VecF& param, VecF grad, std::array<VecF, NS>& state) updates param and state in
+// registers; the first NS state pointers of the slot are loaded and stored.  With
+// kStoreParam false the parameter (and its copy) is only read; with G = None no
+// gradient is read and the body sees zeros.
+template <int NS, bool kStoreParam, typename P, typename G, typename C, typename Body>
+inline void for_each_vec(const TensorSlot& s, int64_t b, int64_t e, const Body& body) {
+  using PT = storage_t<P>;
+  using GT = std::conditional_t<std::is_same_v<G, None>, float, storage_t<G>>;
+  constexpr bool kHasGrad = !std::is_same_v<G, None>;
+  constexpr bool kHasCopy = kStoreParam && !std::is_same_v<C, None>;
+  constexpr int W = VecF::W;
+  PT* p = static_cast<PT*>(s.param);
+  const GT* g = static_cast<const GT*>(s.grad);
+  std::array<float*, NS> st;
+  for (int k = 0; k < NS; ++k) st[k] = s.state[k];
+
+  auto one = [&](PT* pp, const GT* gp, const std::array<float*, NS>& sp, int64_t off, void* cp) {
+    VecF pv = VecF::load(pp + off);
+    VecF gv;
+    if constexpr (kHasGrad) gv = VecF::load(gp + off); else gv = VecF::zero();
+    std::array<VecF, NS> sv;
+    for (int k = 0; k < NS; ++k) sv[k] = VecF::load(sp[k] + off);
+    body(pv, gv, sv);
+    if constexpr (kStoreParam) pv.store(pp + off);
+    for (int k = 0; k < NS; ++k) sv[k].store(sp[k] + off);
+    if constexpr (kHasCopy) pv.store(static_cast<storage_t<C>*>(cp) + off);
+  };
+
+  int64_t i = b;
+  for (; i + W <= e; i += W) one(p, g, st, i, s.copy);
+  if (i < e) {
+    const int64_t r = e - i;
+    alignas(64) PT pb[W];
+    alignas(64) GT gb[W];
+    alignas(64) float sb[NS > 0 ? NS : 1][W];
+    std::memset(static_cast<void*>(pb), 0, sizeof(pb));
+    std::memset(static_cast<void*>(gb), 0, sizeof(gb));
+    std::memset(sb, 0, sizeof(sb));
+    std::memcpy(static_cast<void*>(pb), p + i, r * sizeof(PT));
+    if constexpr (kHasGrad) std::memcpy(static_cast<void*>(gb), g + i, r * sizeof(GT));
+    std::array<float*, NS> sbp;
+    for (int k = 0; k < NS; ++k) {
+      std::memcpy(sb[k], st[k] + i, r * sizeof(float));
+      sbp[k] = sb[k];
+    }
+    if constexpr (kHasCopy) {
+      alignas(64) storage_t<C> cb[W];
+      one(pb, gb, sbp, 0, cb);
+      std::memcpy(static_cast<void*>(static_cast<storage_t<C>*>(s.copy) + i), cb, r * sizeof(storage_t<C>));
+    } else {
+      one(pb, gb, sbp, 0, nullptr);
+    }
+    if constexpr (kStoreParam) std::memcpy(static_cast<void*>(p + i), pb, r * sizeof(PT));
+    for (int k = 0; k < NS; ++k) std::memcpy(st[k] + i, sb[k], r * sizeof(float));
+  }
+}
+
+// Calls fn(tag) with the storage tag of a dtype.
+template <typename Fn>
+void dispatch_storage(DType d, const Fn& fn) {
+  switch (d) {
+    case DType::kFloat16: return fn(F16{});
+    case DType::kBFloat16: return fn(BF16{});
+    default: return fn(F32{});
+  }
+}
+
+// Reads x[b:e) vector by vector (the tail zero-padded) and calls fn(VecF).
+template <typename T, typename Fn>
+inline void for_each_vec_read(const T* x, int64_t b, int64_t e, const Fn& fn) {
+  constexpr int W = VecF::W;
+  int64_t i = b;
+  for (; i + W <= e; i += W) fn(VecF::load(x + i));
+  if (i < e) {
+    alignas(64) T buf[W];
+    std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+    std::memcpy(static_cast<void*>(buf), x + i, (e - i) * sizeof(T));
+    fn(VecF::load(buf));
+  }
+}
+
+// The common case: an element-wise algorithm with NS float32 states.
+template <int NS, typename Body>
+void elementwise_step(const Slots& slots, const Body& body) {
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    const TensorSlot& s = slots[t];
+    dispatch_dtypes(s, [&](auto p, auto g, auto c) {
+      for_each_vec<NS, true, decltype(p), decltype(g), decltype(c)>(s, b, e, body);
+    });
+  });
+}
+
+}  // namespace fastopt

@@ -1,0 +1,25 @@
+"""lightning-fastopt: fast, memory-lean optimizer steps for PyTorch Lightning.
+
+Importing the package never builds anything: the compiled kernels are built (or loaded
+from the cache) on first use, and if that is impossible a warning says why and a
+pure-PyTorch path computes the same results.
+"""
+
+from lightning_fastopt import functional
+from lightning_fastopt.optim import (
+    CPUAdam,
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedLars,
+    FusedLion,
+    FusedOptimizer,
+    FusedSGD,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUAdam", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
+    "functional", "__version__",
+]

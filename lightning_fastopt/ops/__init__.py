@@ -1,0 +1,60 @@
+"""Building, loading and choosing the optimizer kernels.
+
+A *backend* is a module-like object with the low-level functions ``adam_``, ``sgd_``,
+``adagrad_``, ``lion_``, ``lamb_``, ``lars_``, ``all_finite`` and ``sum_squares``: either
+the compiled CPU extension or :mod:`lightning_fastopt.ops.torch_backend`.
+``LIGHTNING_FASTOPT_BACKEND`` chooses: ``auto`` (default: compiled when it builds),
+``torch`` (always the pure-PyTorch path) or ``compiled`` (fail if it does not build).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from lightning_fastopt.ops import torch_backend
+from lightning_fastopt.ops.builder import ExtensionBuildError
+from lightning_fastopt.ops.cpu import cpu_extension_error, load_cpu_extension
+
+BACKEND_ENV = "LIGHTNING_FASTOPT_BACKEND"
+_CHOICES = ("auto", "torch", "compiled")
+
+
+def backend_choice() -> str:
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {_CHOICES}")
+    return choice
+
+
+def cpu_backend() -> ModuleType:
+    """The backend for CPU tensors."""
+    choice = backend_choice()
+    if choice == "torch":
+        return torch_backend
+    ext = load_cpu_extension(warn=choice == "auto")
+    if ext is None:
+        if choice == "compiled":
+            raise ExtensionBuildError(
+                f"{BACKEND_ENV}=compiled but the CPU extension is unavailable: {cpu_extension_error()}"
+            )
+        return torch_backend
+    return ext
+
+
+def backend_for(device_type: str) -> ModuleType:
+    """The backend for tensors on a device of this type ("cpu", "cuda", ...)."""
+    return cpu_backend() if device_type == "cpu" else torch_backend
+
+
+def unsupported_tensor_error(backend: ModuleType) -> type[BaseException]:
+    """The exception a backend raises for tensors it does not take (none for torch)."""
+    return getattr(backend, "UnsupportedTensor", _NeverRaised)
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+__all__ = ["BACKEND_ENV", "ExtensionBuildError", "backend_for", "cpu_backend", "torch_backend",
+           "unsupported_tensor_error"]

@@ -1,0 +1,82 @@
+"""The CPU kernel extension: where its sources are, how it is built, and loading it once.
+
+Failure to build never breaks anything: `load_cpu_extension` returns None after one
+warning that quotes the compiler's message, and callers use the pure-PyTorch backend.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+from lightning_fastopt.ops.builder import ExtensionBuildError, ExtensionSpec, load_extension
+from lightning_fastopt.ops.isa import detect_isa
+
+CPU_SOURCES = ("adam.cpp", "adagrad.cpp", "lamb.cpp", "lars.cpp", "lion.cpp", "reduce.cpp", "sgd.cpp", "bindings.cpp")
+CPU_HEADERS = ("kernel_api.h", "tensor_walk.h", "vec.h")
+_BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-c++20-extensions")
+
+
+def source_root() -> Path:
+    """`csrc/` of a source checkout, or the copy shipped inside an installed wheel."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here.parent / "csrc", here / "_csrc"):
+        if (candidate / "cpu" / "bindings.cpp").exists():
+            return candidate
+    raise ExtensionBuildError(f"C++ sources not found next to {here} (looked for csrc/ and _csrc/)")
+
+
+def cpu_extension_spec(isa: str | None = None) -> ExtensionSpec:
+    chosen = detect_isa() if isa is None else _isa_by_name(isa)
+    cpu_dir = source_root() / "cpu"
+    return ExtensionSpec(
+        name=f"lightning_fastopt_cpu_{chosen.name}",
+        variant=chosen.name,
+        sources=tuple(str(cpu_dir / s) for s in CPU_SOURCES),
+        headers=tuple(str(cpu_dir / h) for h in CPU_HEADERS),
+        cflags=_BASE_CFLAGS + chosen.cflags,
+        ldflags=("-fopenmp",),
+        with_cuda=False,
+    )
+
+
+def _isa_by_name(name: str):
+    from lightning_fastopt.ops.isa import _ISAS
+
+    if name not in _ISAS:
+        raise ValueError(f"unknown ISA {name!r}; expected one of {sorted(_ISAS)}")
+    return _ISAS[name]
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+_errors: dict[str, str] = {}
+
+
+def load_cpu_extension(isa: str | None = None, warn: bool = True) -> ModuleType | None:
+    """The compiled CPU kernels, built on first use; None (after one warning) if unavailable."""
+    key = isa or "auto"
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        try:
+            module = load_extension(cpu_extension_spec(isa))
+        except (ExtensionBuildError, OSError, ImportError, TimeoutError, ValueError) as err:
+            module = None
+            _errors[key] = f"{type(err).__name__}: {err}"
+            if warn:
+                warnings.warn(
+                    "lightning_fastopt: the compiled CPU optimizers are unavailable, using the "
+                    f"(correct, slower) pure-PyTorch path instead. Reason:\n{err}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        _loaded[key] = module
+        return module
+
+
+def cpu_extension_error(isa: str | None = None) -> str | None:
+    return _errors.get(isa or "auto")

@@ -1,0 +1,196 @@
+"""The pure-PyTorch backend: the same low-level functions as the compiled extension.
+
+Used when the extension cannot be built, when ``LIGHTNING_FASTOPT_BACKEND=torch``, for
+tensors the CPU kernels do not take (non-contiguous ones), and for CUDA tensors until
+the CUDA kernels are built.  Scalars arrive already resolved by lightning_fastopt.functional;
+the math mirrors csrc/cpu/*.cpp operation for operation, in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+isa = "torch"
+
+
+def _f32(tensors):
+    return [t if t.dtype == torch.float32 else t.float() for t in tensors]
+
+
+def _scaled_grads(grads, factor: float):
+    """float32 copies of the gradients times factor (the user's grads are not modified)."""
+    return torch._foreach_mul(_f32(grads), factor)
+
+
+def _finish(params, work, copies) -> None:
+    """Write float32 working copies back to half-precision params, and fill param copies."""
+    for p, w in zip(params, work):
+        if p is not w:
+            p.copy_(w)
+    if copies is not None:
+        for c, w in zip(copies, work):
+            c.copy_(w)
+
+
+def all_finite(tensors) -> bool:
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def sum_squares(tensors) -> list[float]:
+    if not tensors:
+        return []
+    sums = torch.stack([t.double().square().sum() for t in tensors])
+    return sums.tolist()
+
+
+def _lerp_(dst, src, weight: float) -> None:
+    torch._foreach_lerp_(dst, src, weight)
+
+
+def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
+          weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
+          check_finite) -> bool:
+    if check_finite and not all_finite(grads):
+        return True
+    if not params:
+        return False
+    work = _f32(params)
+    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    if weight_decay != 0:
+        if adamw:
+            torch._foreach_mul_(work, 1 - lr * weight_decay)
+        else:
+            torch._foreach_add_(g, work, alpha=weight_decay)
+    _lerp_(exp_avgs, g, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, 1 - beta2)
+    second = exp_avg_sqs
+    if amsgrad:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        second = max_exp_avg_sqs
+    denom = torch._foreach_sqrt(second)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(work, exp_avgs, denom, value=-step_size)
+    _finish(params, work, copies)
+    return False
+
+
+def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weight_decay, inv_grad_scale,
+         nesterov, maximize, wd_after_momentum, first_step, check_finite) -> bool:
+    if check_finite and not all_finite(grads):
+        return True
+    if not params:
+        return False
+    work = _f32(params)
+    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    if weight_decay != 0 and not wd_after_momentum:
+        torch._foreach_add_(g, work, alpha=weight_decay)
+    if momentum != 0:
+        if first_step:
+            torch._foreach_copy_(momentum_buffers, g)
+        else:
+            torch._foreach_mul_(momentum_buffers, momentum)
+            torch._foreach_add_(momentum_buffers, g, alpha=1 - dampening)
+        if nesterov:
+            torch._foreach_add_(g, momentum_buffers, alpha=momentum)
+        else:
+            g = [b.clone() for b in momentum_buffers] if weight_decay != 0 and wd_after_momentum else momentum_buffers
+    if weight_decay != 0 and wd_after_momentum:
+        torch._foreach_add_(g, work, alpha=weight_decay)
+    torch._foreach_add_(work, g, alpha=-lr)
+    _finish(params, work, copies)
+    return False
+
+
+def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,
+             check_finite) -> bool:
+    if check_finite and not all_finite(grads):
+        return True
+    if not params:
+        return False
+    work = _f32(params)
+    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    if weight_decay != 0:
+        torch._foreach_add_(g, work, alpha=weight_decay)
+    torch._foreach_addcmul_(state_sums, g, g, 1.0)
+    std = torch._foreach_sqrt(state_sums)
+    torch._foreach_add_(std, eps)
+    torch._foreach_addcdiv_(work, g, std, value=-clr)
+    _finish(params, work, copies)
+    return False
+
+
+def lion_(params, grads, exp_avgs, copies, lr, beta1, beta2, weight_decay, inv_grad_scale, maximize,
+          check_finite) -> bool:
+    if check_finite and not all_finite(grads):
+        return True
+    if not params:
+        return False
+    work = _f32(params)
+    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    if weight_decay != 0:
+        torch._foreach_mul_(work, 1 - lr * weight_decay)
+    c = [m.clone() for m in exp_avgs]
+    _lerp_(c, g, 1 - beta1)
+    torch._foreach_add_(work, torch._foreach_sign(c), alpha=-lr)
+    _lerp_(exp_avgs, g, 1 - beta2)
+    _finish(params, work, copies)
+    return False
+
+
+def _lamb_update(work, exp_avgs, exp_avg_sqs, bias_correction1, bias_correction2, eps, weight_decay,
+                 adam_w_mode):
+    num = torch._foreach_mul(exp_avgs, 1.0 / bias_correction1)
+    den = torch._foreach_mul(exp_avg_sqs, 1.0 / bias_correction2)
+    torch._foreach_sqrt_(den)
+    torch._foreach_add_(den, eps)
+    torch._foreach_div_(num, den)
+    if adam_w_mode and weight_decay != 0:
+        torch._foreach_add_(num, work, alpha=weight_decay)
+    return num
+
+
+def lamb_(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, beta3, eps, weight_decay,
+          bias_correction1, bias_correction2, grad_factor, adam_w_mode, use_trust_ratio, maximize) -> None:
+    if not params:
+        return
+    work = _f32(params)
+    g = _scaled_grads(grads, -grad_factor if maximize else grad_factor)
+    if not adam_w_mode and weight_decay != 0:
+        torch._foreach_add_(g, work, alpha=weight_decay)
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, g, alpha=beta3)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, 1 - beta2)
+    update = _lamb_update(work, exp_avgs, exp_avg_sqs, bias_correction1, bias_correction2, eps, weight_decay,
+                          adam_w_mode)
+    p_norms = sum_squares(work)
+    u_norms = sum_squares(update)
+    for w, u, ps, us in zip(work, update, p_norms, u_norms):
+        ratio = (ps ** 0.5) / (us ** 0.5) if use_trust_ratio and ps > 0 and us > 0 else 1.0
+        w.add_(u, alpha=-lr * ratio)
+    _finish(params, work, copies)
+
+
+def lars_(params, grads, momentum_buffers, copies, lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale,
+          maximize, check_finite) -> bool:
+    if check_finite and not all_finite(grads):
+        return True
+    if not params:
+        return False
+    work = _f32(params)
+    g_norms = [s ** 0.5 * inv_grad_scale for s in sum_squares(grads)]
+    p_norms = [s ** 0.5 for s in sum_squares(work)]
+    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    torch._foreach_add_(g, work, alpha=weight_decay)
+    torch._foreach_mul_(momentum_buffers, momentum)
+    torch._foreach_add_(momentum_buffers, g)
+    for w, buf, pn, gn in zip(work, momentum_buffers, p_norms, g_norms):
+        local = eeta * pn / (gn + weight_decay * pn + epsilon) if pn > 0 and gn > 0 else 1.0
+        w.add_(buf, alpha=-lr * local)
+    _finish(params, work, copies)
+    return False

@@ -1,0 +1,98 @@
+"""FusedAdam (Adam/AdamW, amsgrad) and CPUAdam (DeepSpeedCPUAdam's signature)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_fastopt.functional import fused_adam_
+from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam and AdamW in one fused pass per step, with torch.optim.Adam's formula.
+
+    ``adamw_mode=True`` (default) applies decoupled weight decay (AdamW), False adds
+    ``weight_decay * p`` to the gradient (Adam).  It is stored in ``param_groups`` under
+    torch's key ``decoupled_weight_decay`` so that state dicts load into torch.optim.Adam /
+    AdamW and back; ``decoupled_weight_decay``, when given, sets it.  ``bias_correction``
+    False drops Adam's bias corrections.  ``amsgrad`` keeps ``max_exp_avg_sq``.
+
+    Every torch.optim.Adam keyword is accepted: ``maximize`` works as in torch, a tensor
+    ``lr`` is read each step, ``foreach``/``fused`` have no effect (this is always fused);
+    ``differentiable=True`` and ``capturable=True`` raise.
+
+    State per parameter (float32): ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``.
+    """
+
+    state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True, *,
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False,
+                 decoupled_weight_decay: bool | None = None) -> None:
+        if decoupled_weight_decay is not None:
+            adamw_mode = bool(decoupled_weight_decay)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=adamw_mode,
+                        maximize=maximize, foreach=foreach, fused=fused, capturable=False, differentiable=False)
+        self._validate_group(defaults)
+        super().__init__(params, defaults, foreach=foreach, fused=fused, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _normalize_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        if "adamw_mode" in group:
+            group["decoupled_weight_decay"] = bool(group.pop("adamw_mode"))
+        return group
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        check_lr(group["lr"])
+        check_betas(group["betas"])
+        check_range("eps", group["eps"], 0.0)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+
+    def _init_state(self, group, p, state) -> None:
+        super()._init_state(group, p, state)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = self._zeros(p)
+
+    @staticmethod
+    def _zeros(p):
+        import torch
+
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def _bucket_state_keys(self, group) -> tuple[str, ...]:
+        return self.state_keys + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _buckets(self, group, params, grads):
+        if group["amsgrad"]:  # amsgrad switched on after the state was created
+            for p in params:
+                st = self.state[p]
+                if st and "max_exp_avg_sq" not in st:
+                    st["max_exp_avg_sq"] = self._zeros(p)
+        return super()._buckets(group, params, grads)
+
+    def _update(self, group, b: Bucket, grad_scale, context) -> None:
+        beta1, beta2 = group["betas"]
+        fused_adam_(b.params, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], b.states.get("max_exp_avg_sq"),
+                    step=b.step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                    adamw_mode=group["decoupled_weight_decay"], maximize=group["maximize"],
+                    bias_correction=group["bias_correction"], grad_scale=grad_scale)
+
+
+class CPUAdam(FusedAdam):
+    """FusedAdam with DeepSpeed's ``DeepSpeedCPUAdam`` signature: switch by changing one import.
+
+    ``fp32_optimizer_states=False`` (half-precision state) is not supported: state is
+    always float32 here, and asking for anything else raises.
+    """
+
+    def __init__(self, model_params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
+                 fp32_optimizer_states: bool = True) -> None:
+        if not fp32_optimizer_states:
+            raise ValueError("CPUAdam keeps optimizer state in float32; fp32_optimizer_states=False is not supported")
+        super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adamw_mode=adamw_mode)

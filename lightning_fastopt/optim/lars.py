@@ -1,0 +1,40 @@
+"""FusedLars: layer-wise adaptive rate scaling (You et al. 2017)."""
+
+from __future__ import annotations
+
+from lightning_fastopt.functional import fused_lars_
+from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_lr, check_range
+
+
+class FusedLars(FusedOptimizer):
+    """LARS.  Per parameter tensor, with norms of the (unscaled) gradient and the weight::
+
+        local_lr = eeta * ||p|| / (||g|| + weight_decay * ||p|| + epsilon)   if ||p|| > 0 and ||g|| > 0
+                 = 1                                                          otherwise
+        buf = momentum * buf + (g + weight_decay * p)
+        p  -= lr * local_lr * buf
+
+    State per parameter (float32): ``momentum_buffer`` (starts at zero).
+    """
+
+    state_keys = ("momentum_buffer",)
+    counts_steps = False
+
+    def __init__(self, params, lr=1e-3, momentum: float = 0.0, eeta: float = 1e-3, weight_decay: float = 0.0,
+                 epsilon: float = 0.0, *, maximize: bool = False) -> None:
+        defaults = dict(lr=lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay, epsilon=epsilon,
+                        maximize=maximize)
+        self._validate_group(defaults)
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group) -> None:
+        check_lr(group["lr"])
+        check_range("momentum", group["momentum"], 0.0)
+        check_range("eeta", group["eeta"], 0.0, low_open=True)
+        check_range("weight_decay", group["weight_decay"], 0.0)
+        check_range("epsilon", group["epsilon"], 0.0)
+
+    def _update(self, group, b: Bucket, grad_scale, context) -> None:
+        fused_lars_(b.params, b.grads, b.states["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
+                    eeta=group["eeta"], weight_decay=group["weight_decay"], epsilon=group["epsilon"],
+                    maximize=group["maximize"], grad_scale=grad_scale)

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+import lightning_fastopt.ops as ops
+from lightning_fastopt.ops import torch_backend
+from lightning_fastopt.ops.cpu import load_cpu_extension
+from lightning_fastopt.ops.isa import detect_isa
+
+# Every correctness test runs on each CPU backend: the compiled kernels for this CPU's
+# best instruction set, the portable ("generic") compiled build, and the pure-PyTorch
+# fallback.  They must all agree with the references.
+_BACKENDS = sorted({detect_isa().name, "generic"}) + ["torch"]
+
+
+def _load(name):
+    if name == "torch":
+        return torch_backend
+    module = load_cpu_extension(name, warn=False)
+    if module is None:
+        pytest.fail(f"the {name} CPU extension did not build")
+    return module
+
+
+@pytest.fixture(params=_BACKENDS)
+def backend(request, monkeypatch):
+    module = _load(request.param)
+    monkeypatch.setattr(ops, "cpu_backend", lambda: module)
+    return module
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The best compiled backend only (for tests about the kernels themselves)."""
+    module = _load(detect_isa().name)
+    monkeypatch.setattr(ops, "cpu_backend", lambda: module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

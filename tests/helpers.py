@@ -1,0 +1,43 @@
+import torch
+
+SIZES = (0, 1, 7, 1023)  # odd sizes: empty, scalar-like, sub-vector, tail after full vectors
+BIG = 1_000_003  # spans many threads' shares and kernel blocks, with a tail
+STEPS = 50
+
+# Per-group hyperparameter overrides: three groups with different settings.
+def split_groups(params, overrides):
+    """Spread params over len(overrides) groups (round robin), each group with its overrides."""
+    groups = [dict(params=[], **o) for o in overrides]
+    for i, p in enumerate(params):
+        groups[i % len(groups)]["params"].append(p)
+    return groups
+
+
+def twin_params(sizes, dtype=torch.float32):
+    base = [torch.randn(n) for n in sizes]
+    a = [b.clone().to(dtype).requires_grad_() for b in base]
+    b = [b.clone().to(dtype).requires_grad_() for b in base]
+    return a, b
+
+
+def run_twins(make_a, make_b, sizes, overrides, steps=STEPS, grad_dtype=None, after_step=None):
+    """Train two optimizers on identical params and identical random grads; return both param lists."""
+    a, b = twin_params(sizes)
+    opt_a = make_a(split_groups(a, overrides))
+    opt_b = make_b(split_groups(b, overrides))
+    for step in range(steps):
+        for x, y in zip(a, b):
+            g = torch.randn_like(x)
+            x.grad = g.clone() if grad_dtype is None else g.to(grad_dtype)
+            y.grad = g.clone() if grad_dtype is None else g.to(grad_dtype).float()
+        opt_a.step()
+        opt_b.step()
+        if after_step:
+            after_step(step, opt_a, opt_b)
+    return a, b, opt_a, opt_b
+
+
+def assert_params_close(a, b, rtol, atol):
+    for i, (x, y) in enumerate(zip(a, b)):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"param {i} (numel {x.numel()}): {m}")

@@ -1,0 +1,68 @@
+"""Plain-PyTorch reference implementations, one tensor at a time, for the optimizers
+torch.optim lacks (LAMB, LARS, Lion) and for Adam without bias correction.  Written
+from the algorithms' definitions, independently of lightning_fastopt."""
+
+import math
+
+import torch
+
+
+def lion_step(p, g, m, *, lr, beta1, beta2, weight_decay, maximize=False):
+    g = -g if maximize else g
+    p.mul_(1 - lr * weight_decay)
+    c = m.lerp(g, 1 - beta1)
+    p.add_(torch.sign(c), alpha=-lr)
+    m.lerp_(g, 1 - beta2)
+
+
+def lars_step(p, g, buf, *, lr, momentum, eeta, weight_decay, epsilon, maximize=False):
+    g = -g if maximize else g
+    pn = p.double().norm().item()
+    gn = g.double().norm().item()
+    local = eeta * pn / (gn + weight_decay * pn + epsilon) if pn > 0 and gn > 0 else 1.0
+    buf.mul_(momentum).add_(g + weight_decay * p)
+    p.add_(buf, alpha=-lr * local)
+
+
+def lamb_step(params, grads, ms, vs, *, step, lr, beta1, beta2, eps, weight_decay, bias_correction=True,
+              adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False, maximize=False):
+    """One LAMB step over all tensors of a group (apex FusedLAMB semantics)."""
+    grads = [-g if maximize else g for g in grads]
+    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads))
+    divisor = norm / max_grad_norm if max_grad_norm > 0 and norm > max_grad_norm else 1.0
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    bc1 = 1 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1 - beta2 ** step if bias_correction else 1.0
+    for p, g, m, v in zip(params, grads, ms, vs):
+        g = g / divisor
+        if not adam_w_mode and weight_decay != 0:
+            g = g + weight_decay * p
+        m.mul_(beta1).add_(g, alpha=beta3)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        u = (m / bc1) / ((v / bc2).sqrt() + eps)
+        if adam_w_mode and weight_decay != 0:
+            u = u + weight_decay * p
+        pn, un = p.double().norm().item(), u.double().norm().item()
+        ratio = pn / un if (weight_decay != 0 or use_nvlamb) and pn > 0 and un > 0 else 1.0
+        p.add_(u, alpha=-lr * ratio)
+
+
+def adam_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction=True,
+              maximize=False, vmax=None):
+    """Adam/AdamW as torch.optim.Adam computes it, with optional bias correction."""
+    g = -g if maximize else g
+    if weight_decay:
+        if adamw:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1 - beta2 ** step if bias_correction else 1.0
+    second = v
+    if vmax is not None:
+        torch.maximum(vmax, v, out=vmax)
+        second = vmax
+    denom = second.sqrt() / math.sqrt(bc2) + eps
+    p.addcdiv_(m, denom, value=-lr / bc1)

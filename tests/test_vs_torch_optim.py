@@ -1,0 +1,123 @@
+"""FusedAdam, FusedSGD and FusedAdagrad against torch.optim, element by element.
+
+50 steps, three parameter groups with different hyperparameters, sizes 0, 1, 7, 1023
+(and 1,000,003 once per optimizer), on every CPU backend.  Tolerances:
+- Adam/AdamW: torch.testing's float32 defaults, rtol 1.3e-6 and atol 1e-5 (the same
+  formula, evaluated with fused multiply-adds; differences stay at a few ulps per step);
+- SGD and Adagrad: rtol 1e-6, atol 1e-6.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_fastopt import FusedAdagrad, FusedAdam, FusedSGD
+from tests.helpers import BIG, SIZES, assert_params_close, run_twins
+
+ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
+TIGHT = dict(rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("adamw,amsgrad,maximize", list(itertools.product([True, False], repeat=3)))
+def test_adam_matches_torch(backend, adamw, amsgrad, maximize):
+    overrides = [dict(), dict(lr=0.05, weight_decay=0.1), dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
+    torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    a, b, oa, ob = run_twins(
+        lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad, maximize=maximize),
+        lambda g: torch_cls(g, lr=1e-2, weight_decay=0.01, amsgrad=amsgrad, maximize=maximize),
+        SIZES, overrides)
+    assert_params_close(a, b, **ADAM_TOL)
+    for x, y in zip(a, b):
+        if x.numel():
+            sa, sb = oa.state[x], ob.state[y]
+            torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], **ADAM_TOL)
+            torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], **ADAM_TOL)
+            assert float(sa["step"]) == float(sb["step"]) == 50
+
+
+def test_adam_big_tensor(backend):
+    a, b, _, _ = run_twins(lambda g: FusedAdam(g, lr=1e-3, weight_decay=0.01),
+                           lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01), (BIG, 5), [dict()], steps=20)
+    assert_params_close(a, b, **ADAM_TOL)
+
+
+@pytest.mark.parametrize("momentum,dampening,nesterov,maximize,weight_decay", [
+    (0.0, 0.0, False, False, 0.0),
+    (0.0, 0.0, False, True, 0.01),
+    (0.9, 0.0, False, False, 0.01),
+    (0.9, 0.0, True, False, 0.01),
+    (0.9, 0.5, False, True, 0.0),
+    (0.5, 0.1, False, False, 0.1),
+])
+def test_sgd_matches_torch(backend, momentum, dampening, nesterov, maximize, weight_decay):
+    kw = dict(lr=1e-2, momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize,
+              weight_decay=weight_decay)
+    overrides = [dict(), dict(lr=0.05), dict(weight_decay=0.2)]
+    a, b, oa, ob = run_twins(lambda g: FusedSGD(g, **kw), lambda g: torch.optim.SGD(g, **kw), SIZES, overrides)
+    assert_params_close(a, b, **TIGHT)
+    if momentum:
+        for x, y in zip(a, b):
+            torch.testing.assert_close(oa.state[x]["momentum_buffer"], ob.state[y]["momentum_buffer"], **TIGHT)
+
+
+def test_sgd_big_tensor(backend):
+    kw = dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    a, b, _, _ = run_twins(lambda g: FusedSGD(g, **kw), lambda g: torch.optim.SGD(g, **kw), (BIG,), [dict()], steps=20)
+    assert_params_close(a, b, **TIGHT)
+
+
+def test_sgd_wd_after_momentum(backend):
+    """apex's option: decay is added after the momentum update (checked against that rule)."""
+    lr, mom, wd = 0.05, 0.9, 0.1
+    a, _ = [torch.randn(n).requires_grad_() for n in SIZES], None
+    ref = [p.detach().clone() for p in a]
+    bufs = [None] * len(a)
+    opt = FusedSGD(a, lr=lr, momentum=mom, weight_decay=wd, wd_after_momentum=True)
+    for _ in range(20):
+        for i, p in enumerate(a):
+            g = torch.randn_like(p)
+            p.grad = g
+            bufs[i] = g.clone() if bufs[i] is None else bufs[i] * mom + g
+            ref[i] -= lr * (bufs[i] + wd * ref[i])
+        opt.step()
+    assert_params_close(a, ref, **TIGHT)
+
+
+@pytest.mark.parametrize("lr_decay,weight_decay,init,maximize", [
+    (0.0, 0.0, 0.0, False), (0.01, 0.1, 0.1, False), (0.0, 0.01, 0.5, True)])
+def test_adagrad_matches_torch(backend, lr_decay, weight_decay, init, maximize):
+    kw = dict(lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=init,
+              maximize=maximize, eps=1e-10)
+    overrides = [dict(), dict(lr=0.05), dict(eps=1e-6)]
+    a, b, oa, ob = run_twins(lambda g: FusedAdagrad(g, **kw), lambda g: torch.optim.Adagrad(g, **kw), SIZES, overrides)
+    assert_params_close(a, b, **TIGHT)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(oa.state[x]["sum"], ob.state[y]["sum"], **TIGHT)
+
+
+def test_adagrad_big_tensor(backend):
+    a, b, _, _ = run_twins(lambda g: FusedAdagrad(g, lr=1e-2), lambda g: torch.optim.Adagrad(g, lr=1e-2), (BIG,),
+                           [dict()], steps=20)
+    assert_params_close(a, b, **TIGHT)
+
+
+def test_params_without_grad_are_untouched(backend):
+    p1, p2 = torch.randn(10, requires_grad=True), torch.randn(10, requires_grad=True)
+    before = p2.detach().clone()
+    opt = FusedAdam([p1, p2], weight_decay=0.01)
+    p1.grad = torch.randn(10)
+    opt.step()
+    assert torch.equal(p2.detach(), before)
+    assert len(opt.state[p2]) == 0
+    # p2 joins later, one step behind p1: both must still follow torch.
+    ref1, ref2 = p1.detach().clone().requires_grad_(), p2.detach().clone().requires_grad_()
+    ropt = torch.optim.AdamW([ref1, ref2], weight_decay=0.01)
+    ropt.state[ref1] = {k: v.clone() for k, v in opt.state[p1].items()}
+    for _ in range(5):
+        g1, g2 = torch.randn(10), torch.randn(10)
+        p1.grad, p2.grad, ref1.grad, ref2.grad = g1, g2, g1.clone(), g2.clone()
+        opt.step()
+        ropt.step()
+    assert_params_close([p1, p2], [ref1, ref2], **ADAM_TOL)
+    assert float(opt.state[p1]["step"]) == 6 and float(opt.state[p2]["step"]) == 5
