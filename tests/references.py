@@ -8,11 +8,15 @@ import torch
 
 
 def lion_step(p, g, m, *, lr, beta1, beta2, weight_decay, maximize=False):
+    """Returns a mask of the elements whose update direction is ambiguous: the
+    interpolation is within 4 float32 ulps of zero, so its sign depends on rounding."""
     g = -g if maximize else g
     p.mul_(1 - lr * weight_decay)
     c = m.lerp(g, 1 - beta1)
+    ambiguous = c.abs() <= 4 * torch.finfo(torch.float32).eps * (m.abs() + g.abs())
     p.add_(torch.sign(c), alpha=-lr)
     m.lerp_(g, 1 - beta2)
+    return ambiguous
 
 
 def lars_step(p, g, buf, *, lr, momentum, eeta, weight_decay, epsilon, maximize=False):

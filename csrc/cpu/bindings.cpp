@@ -119,7 +119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastopt;
   m.doc() = "lightning_fastopt CPU fused optimizer kernels";
   m.attr("isa") = compiled_isa();
-  py::register_exception<UnsupportedTensor>(m, "UnsupportedTensor", PyExc_ValueError);
+  // module-local: several builds (ISAs) of this module may be loaded in one process
+  py::register_local_exception<UnsupportedTensor>(m, "UnsupportedTensor", PyExc_ValueError);
 
   m.def("all_finite", [](const TensorList& tensors) {
     Slots slots = make_slots(tensors, &tensors, {}, std::nullopt);
