@@ -95,8 +95,13 @@ void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
 // registers; the first NS state pointers of the slot are loaded and stored.  With
 // kStoreParam false the parameter (and its copy) is only read; with G = None no
 // gradient is read and the body sees zeros.
+// One out-of-line function per dtype combination (a fresh inlining budget for each), with
+// the per-vector step forced inline: otherwise GCC stops inlining the body once enough
+// instantiations share one caller, and the loop pays a call per vector.
+#define FASTOPT_ALWAYS_INLINE __attribute__((always_inline))
+
 template <int NS, bool kStoreParam, typename P, typename G, typename C, typename Body>
-inline void for_each_vec(const TensorSlot& s, int64_t b, int64_t e, const Body& body) {
+__attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int64_t e, const Body& body) {
   using PT = storage_t<P>;
   using GT = std::conditional_t<std::is_same_v<G, None>, float, storage_t<G>>;
   constexpr bool kHasGrad = !std::is_same_v<G, None>;
@@ -107,19 +112,38 @@ inline void for_each_vec(const TensorSlot& s, int64_t b, int64_t e, const Body& 
   std::array<float*, NS> st;
   for (int k = 0; k < NS; ++k) st[k] = s.state[k];
 
-  auto one = [&](PT* pp, const GT* gp, const std::array<float*, NS>& sp, int64_t off, void* cp) {
+  auto one = [&](PT* pp, const GT* gp, const std::array<float*, NS>& sp, int64_t off, void* cp) FASTOPT_ALWAYS_INLINE {
     VecF pv = VecF::load(pp + off);
     VecF gv;
     if constexpr (kHasGrad) gv = VecF::load(gp + off); else gv = VecF::zero();
     std::array<VecF, NS> sv;
     for (int k = 0; k < NS; ++k) sv[k] = VecF::load(sp[k] + off);
     body(pv, gv, sv);
-    if constexpr (kStoreParam) pv.store(pp + off);
     for (int k = 0; k < NS; ++k) sv[k].store(sp[k] + off);
+    if constexpr (kStoreParam) pv.store(pp + off);
     if constexpr (kHasCopy) pv.store(static_cast<storage_t<C>*>(cp) + off);
   };
 
   int64_t i = b;
+  if constexpr (kHasCopy) {
+    // The parameter copy is write-only: non-temporal stores save reading each of its
+    // lines first (b is a multiple of kUnit, so every vector is aligned like the base).
+    auto* c = static_cast<storage_t<C>*>(s.copy);
+    if (reinterpret_cast<uintptr_t>(c) % VecF::kStreamAlign == 0) {
+      for (; i + W <= e; i += W) {
+        VecF pv = VecF::load(p + i);
+        VecF gv;
+        if constexpr (kHasGrad) gv = VecF::load(g + i); else gv = VecF::zero();
+        std::array<VecF, NS> sv;
+        for (int k = 0; k < NS; ++k) sv[k] = VecF::load(st[k] + i);
+        body(pv, gv, sv);
+        for (int k = 0; k < NS; ++k) sv[k].store(st[k] + i);
+        pv.store(p + i);
+        pv.stream(c + i);
+      }
+      stream_fence();
+    }
+  }
   for (; i + W <= e; i += W) one(p, g, st, i, s.copy);
   if (i < e) {
     const int64_t r = e - i;

@@ -50,18 +50,23 @@ struct VecF {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
-  void store(c10::Half* p) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  void store(c10::BFloat16* p) const {
+  // The 16 half-precision values, rounded to nearest even (NaN stays NaN), as raw bits.
+  __m256i bits(const c10::Half*) const { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  __m256i bits(const c10::BFloat16*) const {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
+  template <typename H>
+  void store(H* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits(p)); }
+  // Non-temporal store (p 32-byte aligned): for write-only outputs it skips reading the
+  // destination line before writing it.
+  template <typename H>
+  void stream(H* p) const { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits(p)); }
+  static constexpr int kStreamAlign = 32;
 
   friend VecF operator+(VecF a, VecF b) { return _mm512_add_ps(a.v, b.v); }
   friend VecF operator-(VecF a, VecF b) { return _mm512_sub_ps(a.v, b.v); }
@@ -100,20 +105,24 @@ struct VecF {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
-  void store(c10::Half* p) const {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  void store(c10::BFloat16* p) const {
+  // The 8 half-precision values, rounded to nearest even (NaN stays NaN), as raw bits.
+  __m128i bits(const c10::Half*) const { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  __m128i bits(const c10::BFloat16*) const {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // 32 -> 16 bit: packus works per 128-bit lane, so put the two halves back in order.
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
   }
+  template <typename H>
+  void store(H* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bits(p)); }
+  // Non-temporal store (p 16-byte aligned): for write-only outputs it skips reading the
+  // destination line before writing it.
+  template <typename H>
+  void stream(H* p) const { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bits(p)); }
+  static constexpr int kStreamAlign = 16;
 
   friend VecF operator+(VecF a, VecF b) { return _mm256_add_ps(a.v, b.v); }
   friend VecF operator-(VecF a, VecF b) { return _mm256_sub_ps(a.v, b.v); }
@@ -146,6 +155,9 @@ struct VecF {
   static VecF load(const T* p) { VecF r; for (int i = 0; i < W; ++i) r.v[i] = static_cast<float>(p[i]); return r; }
   template <typename T>
   void store(T* p) const { for (int i = 0; i < W; ++i) p[i] = static_cast<T>(v[i]); }
+  template <typename H>
+  void stream(H* p) const { store(p); }
+  static constexpr int kStreamAlign = 1;
 
 #define FASTOPT_BINOP(op)                                        \
   friend VecF operator op(const VecF& a, const VecF& b) {        \
@@ -163,6 +175,13 @@ struct VecF {
 };
 
 #endif
+
+// Orders non-temporal stores before whatever follows (a no-op without them).
+inline void stream_fence() {
+#if defined(FASTOPT_ISA_AVX512) || defined(FASTOPT_ISA_AVX2)
+  _mm_sfence();
+#endif
+}
 
 // Name of the instruction set this translation unit was compiled for.
 inline const char* isa_name() {

@@ -65,13 +65,14 @@ class FusedAdam(FusedOptimizer):
     def _bucket_state_keys(self, group) -> tuple[str, ...]:
         return self.state_keys + (("max_exp_avg_sq",) if group["amsgrad"] else ())
 
-    def _buckets(self, group, params, grads):
-        if group["amsgrad"]:  # amsgrad switched on after the state was created
-            for p in params:
-                st = self.state[p]
+    def _buckets(self, group):
+        if self._switched_on(group, "amsgrad"):
+            # amsgrad may be switched on after the state was created: start the maxima at zero
+            for p in group["params"]:
+                st = self.state.get(p)
                 if st and "max_exp_avg_sq" not in st:
                     st["max_exp_avg_sq"] = self._zeros(p)
-        return super()._buckets(group, params, grads)
+        return super()._buckets(group)
 
     def _update(self, group, b: Bucket, grad_scale, context) -> None:
         beta1, beta2 = group["betas"]

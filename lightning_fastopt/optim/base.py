@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,9 +51,11 @@ def check_lr(lr) -> None:
 class Bucket:
     """Parameters of one group that are updated by one kernel call."""
 
-    params: list[Tensor] = field(default_factory=list)
-    grads: list[Tensor] = field(default_factory=list)
-    states: dict[str, list[Tensor]] = field(default_factory=dict)
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: dict[str, list[Tensor]]
+    step_tensor: Tensor | None = None  # the shared step count (optimizers that count steps)
+    first: bool = False  # no state before this step (optimizers that do not count steps)
     step: int = 1  # the step number after this update
 
 
@@ -114,122 +116,141 @@ class FusedOptimizer(torch.optim.Optimizer):
                 st["step"] = st["step"].detach().clone()
         return sd
 
+    def _switched_on(self, group: dict[str, Any], key: str) -> bool:
+        """True once when group[key] becomes truthy (or is first seen truthy): the moment to
+        create state that the option needs, without a pass over the parameters every step."""
+        seen = self.__dict__.setdefault("_seen_options", {})
+        now = bool(group[key])
+        before = seen.get((id(group), key))
+        seen[(id(group), key)] = now
+        return now and before is not True
+
     # ------------------------------------------------------------------ state
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
         """Create the float32 state of a parameter (override for non-zero initial values)."""
         for key in self.state_keys:
             state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
-    def _buckets(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> list[Bucket]:
-        """Split a group's parameters by device and by step count, creating missing state."""
-        fresh_step: Tensor | None = None
+    def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
+        """The parameters of a group that have gradients, in buckets of one device and one
+        step count, creating missing state.  Step counts are not advanced here.
+
+        Fast path (the common case): one device, and every parameter either new or sharing
+        the group's step tensor; one pass, one bucket.  Otherwise parameters are split by
+        device and step count, and parameters at the same count are given one shared tensor.
+        """
+        keys = self._bucket_state_keys(group)
+        state_of = self.state
+        counts = self.counts_steps
+        params, grads, fresh = [], [], []
+        lists: dict[str, list[Tensor]] = {k: [] for k in keys}
+        shared = None
+        device = None
+        uniform = True
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout is not torch.strided:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+            st = state_of[p]
+            if not st:
+                self._init_state(group, p, st)
+                fresh.append(st)
+            elif counts:
+                step_t = st["step"]
+                if shared is None and isinstance(step_t, Tensor):
+                    shared = step_t
+                elif step_t is not shared:
+                    uniform = False
+            d = p.device
+            if device is None:
+                device = d
+            elif d != device:
+                uniform = False
+            params.append(p)
+            grads.append(g)
+            for k in keys:
+                lists[k].append(st[k])
+        if not params:
+            return []
+        if counts:
+            if uniform and (shared is None or not fresh or float(shared) == 0.0):
+                if shared is None:  # every parameter is new
+                    shared = torch.zeros((), dtype=torch.float32)
+                for st in fresh:
+                    st["step"] = shared
+                return [Bucket(params, grads, lists, step_tensor=shared)]
+            for st in fresh:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            return self._split(group, params, grads, keys)
+        if uniform and (not fresh or len(fresh) == len(params)):
+            return [Bucket(params, grads, lists, first=bool(fresh))]
+        fresh_ids = {id(st) for st in fresh}
+        return self._split(group, params, grads, keys, fresh_ids)
+
+    def _split(self, group, params, grads, keys, fresh_ids=frozenset()) -> list[Bucket]:
+        """The general case: buckets by device and step count (or first-step-ness)."""
         buckets: dict[tuple, Bucket] = {}
-        step_tensors: dict[tuple, Tensor] = {}
         for p, g in zip(params, grads):
-            state = self.state[p]
-            if not state:
-                self._init_state(group, p, state)
-                if self.counts_steps:
-                    if fresh_step is None:
-                        fresh_step = torch.zeros((), dtype=torch.float32)
-                    state["step"] = fresh_step
-                first = True
-            else:
-                first = False
+            st = self.state[p]
             if self.counts_steps:
-                st = state["step"]
-                if not isinstance(st, Tensor):
-                    st = state["step"] = torch.tensor(float(st), dtype=torch.float32)
-                key = (p.device, id(st))
-                step_tensors.setdefault(key, st)
+                step_t = st["step"]
+                value = float(step_t)
+                key = (p.device, value)
             else:
-                key = (p.device, first)
+                key = (p.device, id(st) in fresh_ids)
             b = buckets.get(key)
             if b is None:
-                b = buckets[key] = Bucket(states={k: [] for k in self._bucket_state_keys(group)})
-                b.step = 1 if first else 2
+                b = buckets[key] = Bucket([], [], {k: [] for k in keys}, first=not self.counts_steps and key[1])
+                if self.counts_steps:
+                    b.step_tensor = step_t if isinstance(step_t, Tensor) else torch.tensor(value)
+            if self.counts_steps:
+                st["step"] = b.step_tensor  # parameters at the same count share one tensor
             b.params.append(p)
             b.grads.append(g)
-            for k in b.states:
-                b.states[k].append(state[k])
-        if self.counts_steps:
-            buckets = self._merge_equal_steps(buckets, step_tensors)
+            for k in keys:
+                b.states[k].append(st[k])
         return list(buckets.values())
-
-    def _merge_equal_steps(self, buckets: dict[tuple, Bucket], step_tensors: dict[tuple, Tensor]) -> dict:
-        """Buckets whose step tensors hold the same count become one, sharing one tensor.
-
-        After a load_state_dict every parameter has its own step tensor; this brings them
-        back to one shared tensor per group, so the common case costs one increment."""
-        merged: dict[tuple, Bucket] = {}
-        shared: dict[tuple, Tensor] = {}
-        for key, b in buckets.items():
-            st = step_tensors[key]
-            mkey = (key[0], float(st))
-            if mkey in merged:
-                m = merged[mkey]
-                m.params += b.params
-                m.grads += b.grads
-                for k in m.states:
-                    m.states[k] += b.states[k]
-                for p in b.params:
-                    self.state[p]["step"] = shared[mkey]
-            else:
-                merged[mkey] = b
-                shared[mkey] = st
-        for mkey, b in merged.items():
-            st = shared[mkey]
-            st.add_(1)
-            b.step = int(st.item())
-        return merged
 
     def _bucket_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state tensors a bucket passes to the kernel (override when options add some)."""
         return self.state_keys
 
     # ------------------------------------------------------------------ step
-    def _collect(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor]]:
-        params, grads = [], []
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            if g.layout != torch.strided:
-                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-            if g.is_complex():
-                raise TypeError(f"{type(self).__name__} does not support complex gradients")
-            params.append(p)
-            grads.append(g)
-        return params, grads
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
              check_finite: bool = False):
         """One optimizer step.
 
         grad_scale: divide the gradients by this (loss-scale unscaling, done in the kernel).
-        check_finite: if any gradient is inf/NaN, update nothing, count the step in
-        ``skipped_steps`` and set ``last_step_skipped``.
+        check_finite: if any gradient is inf/NaN, change nothing (no parameter, no state,
+        no step count), count the step in ``skipped_steps`` and set ``last_step_skipped``.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        collected = [(group, *self._collect(group)) for group in self.param_groups]
         self.last_step_skipped = False
-        if check_finite and not grads_all_finite([g for _, _, grads in collected for g in grads]):
-            self.skipped_steps += 1
-            self.last_step_skipped = True
-            return loss
-        context = self._step_context(collected, grad_scale)
-        for group, params, grads in collected:
-            if not params:
-                continue
-            for bucket in self._buckets(group, params, grads):
+        if check_finite:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            if not grads_all_finite(grads):
+                self.skipped_steps += 1
+                self.last_step_skipped = True
+                return loss
+        plans = [(group, self._buckets(group)) for group in self.param_groups]
+        context = self._step_context([b for _, buckets in plans for b in buckets], grad_scale)
+        for group, buckets in plans:
+            for bucket in buckets:
+                if bucket.step_tensor is not None:
+                    bucket.step_tensor.add_(1)
+                    bucket.step = int(bucket.step_tensor.item())
+                else:
+                    bucket.step = 1 if bucket.first else 2
                 self._update(group, bucket, grad_scale, context)
         return loss
 
-    def _step_context(self, collected, grad_scale) -> Any:
+    def _step_context(self, buckets: list[Bucket], grad_scale) -> Any:
         """Computed once per step before any update (LAMB: the global gradient norm)."""
         return None
 

@@ -44,8 +44,8 @@ class FusedLAMB(FusedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("max_grad_norm", group["max_grad_norm"], 0.0)
 
-    def _step_context(self, collected, grad_scale) -> float:
-        norm = global_grad_norm([g for _, _, grads in collected for g in grads], grad_scale)
+    def _step_context(self, buckets, grad_scale) -> float:
+        norm = global_grad_norm([g for b in buckets for g in b.grads], grad_scale)
         if not math.isfinite(norm):
             raise ValueError(f"FusedLAMB: the global gradient norm is {norm}; use step(check_finite=True) "
                              "(or lightning_fastopt's precision plugin) to skip such steps")

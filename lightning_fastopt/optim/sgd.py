@@ -44,13 +44,13 @@ class FusedSGD(FusedOptimizer):
     def _bucket_state_keys(self, group) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _buckets(self, group, params, grads):
-        if group["momentum"] != 0:  # momentum switched on later: start those buffers now
-            for p in params:
-                st = self.state[p]
-                if st.get("momentum_buffer") is None:
+    def _buckets(self, group):
+        if self._switched_on(group, "momentum"):  # momentum may be switched on later: start buffers
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st is not None and st.get("momentum_buffer") is None:
                     st.clear()
-        return super()._buckets(group, params, grads)
+        return super()._buckets(group)
 
     def _update(self, group, b: Bucket, grad_scale, context) -> None:
         fused_sgd_(b.params, b.grads, b.states.get("momentum_buffer"), step=b.step, lr=group["lr"],
