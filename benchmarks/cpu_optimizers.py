@@ -225,8 +225,20 @@ def mixed_precision_implementations(sizes) -> list[tuple[str, Callable[[], objec
             opt.step()
         torch._foreach_copy_(torch_copies, detached)
 
+    def torch_composition_as_written():
+        # the composition as usually written (and as issue 2 states it): grad.float() allocates
+        g = [x.float() for x in grads]
+        found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(g, found_inf, inv_scale)
+        if found_inf.item() == 0:
+            for p, x in zip(params, g):
+                p.grad = x
+            opt.step()
+        torch._foreach_copy_(torch_copies, detached)
+
     return [("lightning_fastopt fused_adam_ (one pass)", ours),
-            ("torch: copy to fp32 + check/unscale + AdamW(fused) + copy out", torch_composition)]
+            ("torch: preallocated fp32 grads + check/unscale + AdamW(fused) + copy out", torch_composition),
+            ("torch: grad.float() + check/unscale + AdamW(fused) + copy out", torch_composition_as_written)]
 
 
 LAYOUTS = {

@@ -1,0 +1,222 @@
+"""The JIT build: cache keys, the lock, stale-lock recovery, concurrent builds, missing
+tools, real compiler errors, the forced fallback, and no CUDA library in the CPU op."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_fastopt.ops as ops
+import lightning_fastopt.ops.cpu as cpu
+from lightning_fastopt.ops import builder, torch_backend
+from lightning_fastopt.ops.builder import ExtensionBuildError, ExtensionSpec, build_dir, build_key, load_extension
+from lightning_fastopt.ops.cpu import cpu_extension_spec, load_cpu_extension
+from lightning_fastopt.ops.isa import available_isas, detect_isa
+from lightning_fastopt.ops.locking import BuildLockTimeout, file_lock
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = textwrap.dedent("""
+    #include <pybind11/pybind11.h>
+    int answer() { return 42; }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
+""")
+
+
+def tiny_spec(tmp_path, name="fastopt_tiny", source=TINY, variant="t"):
+    src = tmp_path / f"{name}.cpp"
+    src.write_text(source)
+    return ExtensionSpec(name=name, variant=variant, sources=(str(src),))
+
+
+@pytest.fixture
+def ext_dir(tmp_path, monkeypatch):
+    d = tmp_path / "extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(d))
+    return d
+
+
+def test_cache_key_covers_isa_sources_and_flags(tmp_path, ext_dir):
+    keys = {isa: build_dir(cpu_extension_spec(isa)) for isa in available_isas()}
+    assert len(set(keys.values())) == len(keys)
+    for isa, d in keys.items():
+        assert f"-{isa}-" in os.path.basename(d)  # the ISA is visible in the directory name
+        assert d.startswith(str(ext_dir))  # TORCH_EXTENSIONS_DIR is respected
+    spec = tiny_spec(tmp_path)
+    key = build_key(spec)
+    Path(spec.sources[0]).write_text(TINY + "\n// changed\n")
+    assert build_key(spec) != key
+    assert build_key(ExtensionSpec(**{**spec.__dict__, "cflags": ("-O1",)})) != build_key(spec)
+
+
+def test_isa_detection_and_override(monkeypatch):
+    best = detect_isa().name
+    assert best in ("generic", "avx2", "avx512")
+    monkeypatch.setenv("LIGHTNING_FASTOPT_ISA", "generic")
+    assert detect_isa().name == "generic"
+    monkeypatch.setenv("LIGHTNING_FASTOPT_ISA", "avx9")
+    with pytest.raises(ValueError, match="LIGHTNING_FASTOPT_ISA='avx9'"):
+        detect_isa()
+    if best != "avx512":
+        monkeypatch.setenv("LIGHTNING_FASTOPT_ISA", "avx512")
+        with pytest.raises(ValueError, match="supports at most"):
+            detect_isa()
+
+
+def _hold_lock(path, ready):
+    code = (f"from lightning_fastopt.ops.locking import file_lock\nimport time, pathlib\n"
+            f"with file_lock({str(path)!r}, timeout=5):\n"
+            f"    pathlib.Path({str(ready)!r}).write_text('1')\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "lock holder did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def test_lock_times_out_with_a_clear_error_then_recovers_after_sigkill(tmp_path):
+    lock = tmp_path / "build.lock"
+    holder = _hold_lock(lock, tmp_path / "ready")
+    try:
+        start = time.monotonic()
+        with pytest.raises(BuildLockTimeout, match="LIGHTNING_FASTOPT_BUILD_TIMEOUT"):
+            with file_lock(str(lock), timeout=0.5):
+                pass
+        assert time.monotonic() - start < 5
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the killed holder's lock is gone with it: no stale lock to clean up
+    with file_lock(str(lock), timeout=5):
+        pass
+
+
+def test_stale_torch_baton_is_removed_and_build_succeeds(tmp_path, ext_dir):
+    spec = tiny_spec(tmp_path)
+    d = Path(build_dir(spec))
+    d.mkdir(parents=True)
+    (d / "lock").write_text("")  # what a killed torch build leaves behind; torch would wait forever
+    module = load_extension(spec, timeout=300)
+    assert module.answer() == 42
+    assert not (d / "lock").exists()
+    assert builder.is_built(spec)
+
+
+def test_concurrent_processes_build_once(tmp_path, ext_dir):
+    spec = tiny_spec(tmp_path, name="fastopt_tiny_concurrent")
+    code = textwrap.dedent(f"""
+        from lightning_fastopt.ops.builder import ExtensionSpec, load_extension
+        spec = ExtensionSpec(name={spec.name!r}, variant="t", sources=({spec.sources[0]!r},))
+        assert load_extension(spec, timeout=300).answer() == 42
+    """)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env) for _ in range(3)]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
+    log = (Path(build_dir(spec)) / ".ninja_log").read_text().splitlines()
+    compiles = [line for line in log if not line.startswith("#") and line.split("\t")[3].endswith(".o")]
+    assert len(compiles) == 1, log
+
+
+def test_compiler_error_is_quoted(tmp_path, ext_dir):
+    spec = tiny_spec(tmp_path, name="fastopt_broken", source="int main( { this is not C++ }\n")
+    with pytest.raises(ExtensionBuildError, match="error"):
+        load_extension(spec, timeout=300)
+    assert not builder.is_built(spec)
+
+
+def test_failed_build_warns_once_and_falls_back(tmp_path, ext_dir, monkeypatch):
+    broken = tiny_spec(tmp_path, name="fastopt_broken_cpu", source="#error deliberately broken kernel\n")
+    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None: broken)
+    monkeypatch.setattr(cpu, "_loaded", {})
+    monkeypatch.setattr(cpu, "_errors", {})
+    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match="deliberately broken kernel"):
+        backend = ops.cpu_backend()
+    assert backend is torch_backend
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # only one warning
+        assert ops.cpu_backend() is torch_backend
+    monkeypatch.setenv(ops.BACKEND_ENV, "compiled")
+    with pytest.raises(ExtensionBuildError, match="deliberately broken kernel"):
+        ops.cpu_backend()
+
+
+def test_backend_env(monkeypatch):
+    monkeypatch.setenv(ops.BACKEND_ENV, "torch")
+    assert ops.cpu_backend() is torch_backend
+    monkeypatch.setenv(ops.BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError, match="expected one of"):
+        ops.cpu_backend()
+
+
+def test_missing_compiler_keeps_import_working_and_falls_back(tmp_path):
+    """A subprocess with no usable compiler: import works, one warning says what is
+    missing, and the optimizer gives torch's result through the pure-PyTorch path."""
+    code = textwrap.dedent("""
+        import warnings, torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import lightning_fastopt
+            p = torch.nn.Parameter(torch.randn(100)); q = torch.nn.Parameter(p.detach().clone())
+            a = lightning_fastopt.FusedAdam([p], lr=0.1, weight_decay=0.01); b = torch.optim.AdamW([q], lr=0.1)
+            for _ in range(5):
+                g = torch.randn(100); p.grad = g.clone(); q.grad = g.clone(); a.step(); b.step()
+        msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1, msgs
+        assert "C++ compiler '/nonexistent/c++'" in msgs[0], msgs[0]
+        torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
+        print("fallback ok")
+    """)
+    env = {**os.environ, "CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "fallback ok" in out.stdout
+
+
+def test_cpu_extension_links_no_cuda_library():
+    module = load_cpu_extension(detect_isa().name, warn=False)
+    assert module is not None
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    needed = subprocess.run([readelf, "-d", module.__file__], capture_output=True, text=True, check=True).stdout
+    libs = [line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line]
+    assert libs, needed
+    assert not [lib for lib in libs if "cuda" in lib.lower() or "nvrtc" in lib.lower() or "curand" in lib.lower()]
+
+
+def test_ops_cli_info_and_build():
+    env = {k: v for k, v in os.environ.items() if k != ops.BACKEND_ENV}
+    info = subprocess.run([sys.executable, "-m", "lightning_fastopt.ops", "info"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert info.returncode == 0, info.stderr
+    assert f"CPU instruction set: {detect_isa().name}" in info.stdout
+    assert "cache root:" in info.stdout and "FusedLAMB" in info.stdout
+    assert f"compiled ({detect_isa().name})" in info.stdout
+    build = subprocess.run([sys.executable, "-m", "lightning_fastopt.ops", "build"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    assert f"cpu[{detect_isa().name}]: ready" in build.stdout
+
+
+def test_thread_count_is_honoured_and_results_do_not_depend_on_it(compiled):
+    from lightning_fastopt.functional import fused_lamb_
+
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        p, g = [torch.randn(300_001)], [torch.randn(300_001)]
+        fused_lamb_(p, g, [torch.zeros(300_001)], [torch.zeros(300_001)], step=1, lr=1e-2, beta1=0.9,
+                    beta2=0.999, eps=1e-6, weight_decay=0.01)
+        results.append(p[0])
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
