@@ -121,9 +121,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         create state that the option needs, without a pass over the parameters every step."""
         seen = self.__dict__.setdefault("_seen_options", {})
         now = bool(group[key])
-        before = seen.get((id(group), key))
-        seen[(id(group), key)] = now
-        return now and before is not True
+        # the group itself is kept in the record: an id alone could be reused by a new group
+        record = seen.get((id(group), key))
+        before = record is not None and record[0] is group and record[1]
+        seen[(id(group), key)] = (group, now)
+        return now and not before
 
     # ------------------------------------------------------------------ state
     def _init_state(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
