@@ -26,6 +26,13 @@ def _grads(params):
     return [torch.randn_like(p) for p in params]
 
 
+def _by_group(opt, params):
+    """(group, index into params) for every parameter, group by group."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            yield group, next(k for k, q in enumerate(params) if q is p)
+
+
 @pytest.mark.parametrize("adam_w_mode,grad_averaging,bias_correction,use_nvlamb,weight_decay,max_grad_norm", [
     (True, True, True, False, 0.01, 1.0),
     (False, True, True, False, 0.01, 1.0),
@@ -115,12 +122,10 @@ def test_lars_matches_reference(backend, momentum, weight_decay, epsilon, maximi
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opt.step()
-        for group in opt.param_groups:
-            for p in group["params"]:
-                i = next(k for k, q in enumerate(params) if q is p)
-                ref.lars_step(mirror[i], grads[i], bufs[i], lr=group["lr"], momentum=group["momentum"],
-                              eeta=group["eeta"], weight_decay=group["weight_decay"], epsilon=group["epsilon"],
-                              maximize=group["maximize"])
+        for group, i in _by_group(opt, params):
+            ref.lars_step(mirror[i], grads[i], bufs[i], lr=group["lr"], momentum=group["momentum"],
+                          eeta=group["eeta"], weight_decay=group["weight_decay"], epsilon=group["epsilon"],
+                          maximize=group["maximize"])
     assert_params_close(params, mirror, **NORM_TOL)
 
 
@@ -152,17 +157,16 @@ def test_lion_matches_reference_each_step(backend, betas, weight_decay, maximize
         for p, g in zip(params, grads):
             p.grad = g.clone()
         opt.step()
-        for group in opt.param_groups:
-            for p in group["params"]:
-                i = next(k for k, q in enumerate(params) if q is p)
-                ambiguous = ref.lion_step(before[i], grads[i], moments[i], lr=group["lr"], beta1=group["betas"][0],
-                                          beta2=group["betas"][1], weight_decay=group["weight_decay"],
-                                          maximize=group["maximize"])
-                ours = p.detach()
-                torch.testing.assert_close(ours[~ambiguous], before[i][~ambiguous], rtol=1e-6, atol=1e-7)
-                assert ((ours - before[i])[ambiguous].abs() <= 2 * group["lr"] * (1 + 1e-5)).all()
-                assert ambiguous.sum() <= max(1, p.numel() // 100_000)
-                torch.testing.assert_close(opt.state[p]["exp_avg"], moments[i], rtol=1e-6, atol=1e-6)
+        for group, i in _by_group(opt, params):
+            p = params[i]
+            ambiguous = ref.lion_step(before[i], grads[i], moments[i], lr=group["lr"], beta1=group["betas"][0],
+                                      beta2=group["betas"][1], weight_decay=group["weight_decay"],
+                                      maximize=group["maximize"])
+            ours = p.detach()
+            torch.testing.assert_close(ours[~ambiguous], before[i][~ambiguous], rtol=1e-6, atol=1e-7)
+            assert ((ours - before[i])[ambiguous].abs() <= 2 * group["lr"] * (1 + 1e-5)).all()
+            assert ambiguous.sum() <= max(1, p.numel() // 100_000)
+            torch.testing.assert_close(opt.state[p]["exp_avg"], moments[i], rtol=1e-6, atol=1e-6)
 
 
 def test_adam_without_bias_correction(backend):

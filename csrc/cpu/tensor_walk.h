@@ -112,7 +112,9 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
   std::array<float*, NS> st;
   for (int k = 0; k < NS; ++k) st[k] = s.state[k];
 
-  auto one = [&](PT* pp, const GT* gp, const std::array<float*, NS>& sp, int64_t off, void* cp) FASTOPT_ALWAYS_INLINE {
+  // One vector at offset `off`; Stream selects a non-temporal store for the copy.
+  auto one = [&](auto stream, PT* pp, const GT* gp, const std::array<float*, NS>& sp, int64_t off,
+                 void* cp) FASTOPT_ALWAYS_INLINE {
     VecF pv = VecF::load(pp + off);
     VecF gv;
     if constexpr (kHasGrad) gv = VecF::load(gp + off); else gv = VecF::zero();
@@ -121,30 +123,24 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
     body(pv, gv, sv);
     for (int k = 0; k < NS; ++k) sv[k].store(sp[k] + off);
     if constexpr (kStoreParam) pv.store(pp + off);
-    if constexpr (kHasCopy) pv.store(static_cast<storage_t<C>*>(cp) + off);
+    if constexpr (kHasCopy) {
+      if constexpr (decltype(stream)::value) pv.stream(static_cast<storage_t<C>*>(cp) + off);
+      else pv.store(static_cast<storage_t<C>*>(cp) + off);
+    }
   };
+  constexpr std::true_type kStream{};
+  constexpr std::false_type kPlain{};
 
   int64_t i = b;
   if constexpr (kHasCopy) {
     // The parameter copy is write-only: non-temporal stores save reading each of its
     // lines first (b is a multiple of kUnit, so every vector is aligned like the base).
-    auto* c = static_cast<storage_t<C>*>(s.copy);
-    if (reinterpret_cast<uintptr_t>(c) % VecF::kStreamAlign == 0) {
-      for (; i + W <= e; i += W) {
-        VecF pv = VecF::load(p + i);
-        VecF gv;
-        if constexpr (kHasGrad) gv = VecF::load(g + i); else gv = VecF::zero();
-        std::array<VecF, NS> sv;
-        for (int k = 0; k < NS; ++k) sv[k] = VecF::load(st[k] + i);
-        body(pv, gv, sv);
-        for (int k = 0; k < NS; ++k) sv[k].store(st[k] + i);
-        pv.store(p + i);
-        pv.stream(c + i);
-      }
+    if (reinterpret_cast<uintptr_t>(s.copy) % VecF::kStreamAlign == 0) {
+      for (; i + W <= e; i += W) one(kStream, p, g, st, i, s.copy);
       stream_fence();
     }
   }
-  for (; i + W <= e; i += W) one(p, g, st, i, s.copy);
+  for (; i + W <= e; i += W) one(kPlain, p, g, st, i, s.copy);
   if (i < e) {
     const int64_t r = e - i;
     alignas(64) PT pb[W];
@@ -162,10 +158,10 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
     }
     if constexpr (kHasCopy) {
       alignas(64) storage_t<C> cb[W];
-      one(pb, gb, sbp, 0, cb);
+      one(kPlain, pb, gb, sbp, 0, cb);
       std::memcpy(static_cast<void*>(static_cast<storage_t<C>*>(s.copy) + i), cb, r * sizeof(storage_t<C>));
     } else {
-      one(pb, gb, sbp, 0, nullptr);
+      one(kPlain, pb, gb, sbp, 0, nullptr);
     }
     if constexpr (kStoreParam) std::memcpy(static_cast<void*>(p + i), pb, r * sizeof(PT));
     for (int k = 0; k < NS; ++k) std::memcpy(st[k] + i, sb[k], r * sizeof(float));
