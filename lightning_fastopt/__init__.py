@@ -6,6 +6,7 @@ pure-PyTorch path computes the same results.
 """
 
 from lightning_fastopt import functional
+from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim import (
     CPUAdam,
     FusedAdagrad,
@@ -20,6 +21,6 @@ from lightning_fastopt.optim import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPUAdam", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
+    "CPUAdam", "DynamicLossScaler", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
     "functional", "__version__",
 ]
