@@ -32,7 +32,7 @@ def test_growth_after_exactly_window_clean_steps_refills_hysteresis():
     s.update(True)
     s.update(True)  # hysteresis 2 -> 1, then halve: 8 -> 4
     assert (s.scale, s.hysteresis_left) == (4, 1)
-    for i in range(3):
+    for _ in range(3):
         s.update(False)
         assert s.scale == 4
     s.update(False)

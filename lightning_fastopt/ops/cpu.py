@@ -6,7 +6,6 @@ warning that quotes the compiler's message, and callers use the pure-PyTorch bac
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from pathlib import Path
