@@ -7,6 +7,7 @@ pure-PyTorch path computes the same results.
 
 from lightning_fastopt import functional
 from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.precision import FastOptPrecision
 from lightning_fastopt.optim import (
     CPUAdam,
     FusedAdagrad,
@@ -21,6 +22,6 @@ from lightning_fastopt.optim import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPUAdam", "DynamicLossScaler", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
+    "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
     "functional", "__version__",
 ]

@@ -1,0 +1,158 @@
+"""FastOptPrecision: Lightning precision plugin with DeepSpeed-style fp16 loss scaling.
+
+Usable on its own, ``Trainer(plugins=[FastOptPrecision("16-mixed")])`` (on the CPU, where
+Lightning turns ``precision="16-mixed"`` into bf16, this is the way to get fp16), and by
+the fastopt strategies.
+
+One optimizer step, in fp16:
+1. forward under fp16 autocast, the loss multiplied by the current scale, backward;
+2. the gradients are checked for inf/NaN; on overflow, clipping and the whole step are
+   skipped (no parameter or optimizer state changes), ``skipped_steps`` grows, and the
+   scale follows the rule of :class:`~lightning_fastopt.loss_scaler.DynamicLossScaler`;
+3. otherwise Lightning's hooks and gradient clipping run on the (still scaled) gradients,
+   with the scale taken out of the arithmetic so that the clipping thresholds mean what
+   they mean in fp32, and the optimizer steps: our fused optimizers unscale inside the
+   kernel, any other optimizer gets its gradients unscaled in place first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from torch import Tensor
+
+from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.optim.base import FusedOptimizer
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
+_PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true"]
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+class FastOptPrecision(Precision):
+    """Precision plugin: ``"16-mixed"`` (fp16 autocast, dynamic loss scaling with DeepSpeed's
+    knobs), ``"bf16-mixed"`` (bf16 autocast) or ``"32-true"``.
+
+    Args:
+        precision: one of ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``.
+        loss_scale: 0 for dynamic scaling, or a fixed scale (fp16 only).
+        initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
+        loss_scale_window: clean steps before the scale doubles.
+        hysteresis: overflows tolerated before the scale halves.
+        min_loss_scale: the scale never goes below this.
+        device: autocast device type; by default the device of the model's parameters.
+
+    After construction ``loss_scale`` is the current scale (1.0 unless fp16) and
+    ``skipped_steps`` the number of optimizer steps skipped for overflow.
+    """
+
+    def __init__(self, precision: _PrecisionFlag = "16-mixed", loss_scale: float = 0.0,
+                 initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 min_loss_scale: float = 1.0, device: str | None = None) -> None:
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(f"FastOptPrecision supports precision in {SUPPORTED_PRECISIONS}, got {precision!r}")
+        self.precision = precision
+        self.scaler = (DynamicLossScaler(loss_scale, initial_scale_power, loss_scale_window, hysteresis,
+                                         min_loss_scale) if precision == "16-mixed" else None)
+        self.device = device
+        self._overflow = False
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    # ------------------------------------------------------------------ autocast
+    def connect(self, model, optimizers, lr_schedulers):
+        if self.device is None:
+            param = next(iter(model.parameters()), None)
+            self.device = param.device.type if param is not None else "cpu"
+        return super().connect(model, optimizers, lr_schedulers)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self.precision == "32-true":
+            return contextlib.nullcontext()
+        dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.autocast(device, dtype=dtype, cache_enabled=False)
+
+    # ------------------------------------------------------------------ scaling and stepping
+    def pre_backward(self, tensor: Tensor, module) -> Tensor:
+        if self.scaler is not None:
+            tensor = tensor * self.scaler.scale
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # training_step returned None: Lightning skipped backward
+        self._overflow = self.scaler is not None and not grads_all_finite(_grads(optimizer))
+        self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
+        if self._overflow:
+            self.scaler.update(overflow=True)
+            optimizer._opt_called = True  # LR schedulers check this; the skipped step still counts
+            log.info("lightning_fastopt: gradient overflow, step skipped; loss scale now %g", self.scaler.scale)
+            return closure_result
+        scale = self.scaler.scale if self.scaler is not None else None
+        if isinstance(optimizer, FusedOptimizer):
+            optimizer.step(grad_scale=scale, **kwargs)
+        else:
+            if scale is not None:
+                torch._foreach_mul_(_grads(optimizer), 1.0 / scale)
+            optimizer.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        return closure_result
+
+    def _clip_gradients(self, model, optimizer, clip_val=None, gradient_clip_algorithm=None) -> None:
+        if self._overflow:
+            return  # the step is skipped anyway; inf/NaN gradients have no meaningful norm
+        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_gradients(self, optimizer, clip_val: float | int = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """Clip the (possibly still scaled) gradients as if they were unscaled."""
+        if clip_val <= 0:
+            return
+        grads = _grads(optimizer)
+        if not grads:
+            return
+        scale = self.loss_scale
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            bound = float(clip_val) * scale
+            for g in grads:
+                g.clamp_(-bound, bound)
+            return
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        total = torch.linalg.vector_norm(torch.stack(norms)).item() / scale
+        coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1.0 and math.isfinite(coef):
+            torch._foreach_mul_(grads, coef)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"FastOptPrecision({self.precision!r}, loss_scale={self.loss_scale:g})"

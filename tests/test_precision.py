@@ -1,0 +1,170 @@
+"""FastOptPrecision in real Lightning runs on the CPU: fp16 loss scaling with injected
+inf/NaN gradients (skipped steps change nothing, the scale follows the rule, training
+recovers), clipping on scaled gradients, equivalence with plain Lightning in fp32, the
+plugin state in checkpoints, and bad flags."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fastopt import FusedAdam
+from lightning_fastopt.precision import FastOptPrecision
+
+
+def _data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, make_opt=None, inject_at=(), grad_dtype_check=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.make_opt = make_opt or (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01))
+        self.inject_at = set(inject_at)
+        self.losses, self.events = [], []
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self):
+        if self.global_step in self.inject_at:
+            w = self.net[0].weight
+            w.grad[0, 0] = math.inf if self.global_step % 2 else math.nan
+
+    def on_train_batch_start(self, batch, batch_idx):
+        opt = self.trainer.optimizers[0]
+        self._before = ([p.detach().clone() for p in self.parameters()],
+                        {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()})
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        plugin = self.trainer.precision_plugin
+        step = self.global_step - 1
+        params, states = self._before
+        unchanged = all(torch.equal(a, b) for a, b in zip(params, self.parameters()))
+        opt = self.trainer.optimizers[0]
+        state_same = all(torch.equal(v, opt.state[p][k]) for p in self.parameters()
+                         for k, v in states.get(id(p), {}).items())
+        self.events.append((step, unchanged and state_same, getattr(plugin, "loss_scale", 1.0)))
+
+    def configure_optimizers(self):
+        return self.make_opt(self.parameters())
+
+
+def _trainer(plugin=None, **kw):
+    args = dict(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+    args.update(kw)
+    if plugin is not None:
+        args["plugins"] = [plugin]
+    return L.Trainer(**args)
+
+
+def test_fp16_overflow_skips_steps_and_follows_the_scale_rule(backend):
+    plugin = FastOptPrecision("16-mixed", initial_scale_power=10, loss_scale_window=4, hysteresis=2)
+    model = Regressor(inject_at={3, 4, 5, 12})
+    trainer = _trainer(plugin)
+    trainer.fit(model, _data())
+    events = dict((s, (unchanged, scale)) for s, unchanged, scale in model.events)
+    for step in (3, 4, 5, 12):
+        assert events[step][0], f"step {step} overflowed but changed parameters or state"
+    assert not events[2][0] and not events[6][0]
+    # scale: 1024, x2 after 4 clean steps (0..3 has an overflow at 3: steps 0,1,2 clean),
+    # overflow at 3 uses hysteresis, at 4 halves, at 5 halves again (hysteresis not refilled)
+    assert events[2][1] == 1024 and events[3][1] == 1024 and events[4][1] == 512 and events[5][1] == 256
+    assert events[9][1] == 512  # steps 6..9: four clean steps, the scale doubles
+    assert plugin.skipped_steps == 4
+    assert trainer.global_step == 24  # skipped steps still count, as in Lightning's AMP
+    assert model.losses[-1] < 0.5 * model.losses[0]
+
+
+def test_fp16_without_overflow_matches_an_unscaled_run(backend):
+    """Loss scaling is invisible when nothing overflows: same weights as fp16 autocast
+    without scaling (static scale 1), within fp32 rounding of the scaled backward."""
+    scaled, unscaled = Regressor(), Regressor()
+    _trainer(FastOptPrecision("16-mixed", initial_scale_power=12, loss_scale_window=1000)).fit(scaled, _data())
+    _trainer(FastOptPrecision("16-mixed", loss_scale=1.0)).fit(unscaled, _data())
+    for a, b in zip(scaled.parameters(), unscaled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm,clip", [("norm", 0.05), ("value", 0.01)])
+def test_32_true_with_clipping_and_accumulation_matches_plain_lightning(backend, algorithm, clip):
+    ours = Regressor()
+    reference = Regressor(make_opt=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
+    kw = dict(gradient_clip_val=clip, gradient_clip_algorithm=algorithm, accumulate_grad_batches=2)
+    _trainer(FastOptPrecision("32-true"), **kw).fit(ours, _data())
+    _trainer(None, **kw).fit(reference, _data())
+    for a, b in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+
+
+def test_clipping_scaled_gradients_equals_clipping_unscaled_ones():
+    for algorithm, clip in (("norm", 0.5), ("value", 0.1)):
+        g = torch.randn(100) * 3
+        p1, p2 = nn.Parameter(torch.zeros(100)), nn.Parameter(torch.zeros(100))
+        plugin = FastOptPrecision("16-mixed", initial_scale_power=8)
+        p1.grad = g * plugin.loss_scale
+        plugin.clip_gradients(torch.optim.SGD([p1], lr=0.1), clip, algorithm)
+        p2.grad = g.clone()
+        FastOptPrecision("32-true").clip_gradients(torch.optim.SGD([p2], lr=0.1), clip, algorithm)
+        torch.testing.assert_close(p1.grad / plugin.loss_scale, p2.grad, rtol=1e-6, atol=1e-7)
+    ref = nn.Parameter(torch.zeros(100))
+    ref.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_([ref], 0.5)
+    p4 = nn.Parameter(torch.zeros(100))
+    p4.grad = g.clone()
+    FastOptPrecision("32-true").clip_gradients(torch.optim.SGD([p4], lr=0.1), 0.5, "norm")
+    torch.testing.assert_close(p4.grad, ref.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_stock_torch_optimizer_gets_unscaled_gradients(backend):
+    model = Regressor(make_opt=lambda p: torch.optim.SGD(p, lr=1e-2))
+    plugin = FastOptPrecision("16-mixed", initial_scale_power=14)
+    _trainer(plugin, max_epochs=2).fit(model, _data())
+    assert model.losses[-1] < model.losses[0]
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_scaler_state_is_saved_and_restored(backend, tmp_path):
+    plugin = FastOptPrecision("16-mixed", initial_scale_power=10, loss_scale_window=3)
+    model = Regressor(inject_at={2, 3})
+    trainer = _trainer(plugin, max_epochs=1)
+    trainer.fit(model, _data())
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["FastOptPrecision"] == plugin.state_dict()
+    resumed = FastOptPrecision("16-mixed", initial_scale_power=10, loss_scale_window=3)
+    _trainer(resumed, max_epochs=1).fit(Regressor(), _data(), ckpt_path=path)  # already at max_epochs
+    assert resumed.loss_scale == plugin.loss_scale and resumed.skipped_steps == plugin.skipped_steps == 2
+
+
+def test_bf16_mixed_trains(backend):
+    model = Regressor()
+    plugin = FastOptPrecision("bf16-mixed")
+    _trainer(plugin).fit(model, _data())
+    assert plugin.loss_scale == 1.0 and plugin.skipped_steps == 0
+    assert model.losses[-1] < 0.5 * model.losses[0]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(precision="16-true"), r"supports precision in \('16-mixed', 'bf16-mixed', '32-true'\)"),
+    (dict(precision="64-true"), "supports precision in"),
+    (dict(initial_scale_power=-2), "initial_scale_power must be an integer >= 0"),
+    (dict(hysteresis=0), "hysteresis must be an integer >= 1"),
+    (dict(min_loss_scale=-1.0), "min_loss_scale must be a positive finite number"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FastOptPrecision(**kwargs)
