@@ -8,6 +8,7 @@ pure-PyTorch path computes the same results.
 from lightning_fastopt import functional
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.precision import FastOptPrecision
+from lightning_fastopt.strategy import FastOptStrategy
 from lightning_fastopt.optim import (
     CPUAdam,
     FusedAdagrad,
@@ -21,7 +22,19 @@ from lightning_fastopt.optim import (
 
 __version__ = "0.1.0"
 
+
+def _register_strategies() -> None:
+    """Make ``Trainer(strategy="fastopt")`` work after ``import lightning_fastopt`` (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_fastopt.strategy import FastOptStrategy
+
+    FastOptStrategy.register_strategies(StrategyRegistry)
+
+
+_register_strategies()
+
 __all__ = [
-    "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
+    "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FastOptStrategy", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
     "functional", "__version__",
 ]

@@ -1,0 +1,109 @@
+"""Trainer(strategy="fastopt"): the same training as plain Lightning with torch.optim,
+optimizer mapping, LR schedulers, clipping, accumulation, param groups, and clear errors."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_fastopt  # noqa: F401  (registers the strategy names)
+from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedAdagrad, FusedSGD
+from tests.test_precision import _data
+
+ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+class Model(L.LightningModule):
+    def __init__(self, make_opt, sched=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.make_opt = make_opt
+        self.sched = sched
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        groups = [{"params": self.net[0].parameters()}, {"params": self.net[2].parameters(), "lr": 3e-3}]
+        opt = self.make_opt(groups)
+        if not self.sched:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit(strategy, model, **kw):
+    args = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, strategy=strategy)
+    args.update(kw)
+    trainer = L.Trainer(**args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, _data())
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    return trainer
+
+
+@pytest.mark.parametrize("make_opt,fused_cls", [
+    (lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01), FusedAdam),
+    (lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.01, amsgrad=True), FusedAdam),
+    (lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True), FusedSGD),
+    (lambda g: torch.optim.Adagrad(g, lr=1e-2), FusedAdagrad),
+], ids=["adamw", "adam-amsgrad", "sgd", "adagrad"])
+def test_same_weights_as_plain_lightning(backend, make_opt, fused_cls):
+    kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.1)
+    ours, ref = Model(make_opt), Model(make_opt)
+    trainer = _fit("fastopt", ours, **kw)
+    ref_trainer = _fit("ddp", ref, **kw)  # same launcher and sampler as ours (a DDP strategy)
+    assert type(trainer.optimizers[0]) is fused_cls
+    assert isinstance(trainer.strategy, FastOptStrategy)
+    assert isinstance(trainer.precision_plugin, FastOptPrecision)
+    # the scheduler moved the lr of the very groups our optimizer steps with
+    assert trainer.optimizers[0].param_groups[1]["lr"] == ref_trainer.optimizers[0].param_groups[1]["lr"] < 3e-3
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, **ADAM_TOL)
+
+
+def test_clip_by_value_and_our_own_optimizer(backend):
+    make = lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01)  # noqa: E731
+    ours, ref = Model(make, sched=False), Model(lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
+                                                sched=False)
+    trainer = _fit("fastopt", ours, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    _fit("ddp", ref, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    assert type(trainer.optimizers[0]) is FusedAdam
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, **ADAM_TOL)
+
+
+def test_precision_flags_map_to_our_plugin():
+    s = FastOptStrategy(initial_scale_power=7)
+    t = L.Trainer(accelerator="cpu", devices=1, strategy=s, precision="bf16-mixed", logger=False)
+    assert isinstance(t.precision_plugin, FastOptPrecision) and t.precision_plugin.precision == "bf16-mixed"
+    t = L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", plugins=[FastOptPrecision("16-mixed")],
+                  logger=False)
+    assert t.precision_plugin.precision == "16-mixed"
+    with pytest.raises(TypeError, match=r"support precision in \('16-mixed', 'bf16-mixed', '32-true'\)"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", precision="bf16-true", logger=False)
+
+
+def test_unknown_optimizer_is_a_clear_error(backend):
+    with pytest.raises(ValueError, match=r"cannot run torch.optim.rmsprop.RMSprop; supported optimizers"):
+        _fit("fastopt", Model(lambda g: torch.optim.RMSprop(g, lr=1e-2), sched=False))
+
+
+def test_bad_loss_scale_knobs_fail_at_construction():
+    with pytest.raises(ValueError, match="hysteresis must be an integer >= 1"):
+        FastOptStrategy(hysteresis=0)
+    with pytest.raises(ValueError, match="loss_scale_window must be an integer >= 1"):
+        FastOptStrategy(loss_scale_window=0)
+
+
+def test_registration_is_idempotent():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_fastopt._register_strategies()
+    assert "fastopt" in StrategyRegistry.available_strategies()
