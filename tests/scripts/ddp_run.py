@@ -1,0 +1,62 @@
+"""Train a small model with 2 CPU processes (gloo) and save rank 0's final weights.
+
+    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf]
+
+Lightning's default launcher re-runs this script for rank 1, so it must be a script."""
+
+import math
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import lightning_fastopt  # noqa: E402,F401  (registers "fastopt")
+from lightning_fastopt import FastOptPrecision  # noqa: E402
+
+
+class Model(L.LightningModule):
+    def __init__(self, inject):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.inject = inject
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def on_after_backward(self):
+        # rank 1 only: DDP has already averaged the grads, so every rank sees the inf
+        if self.inject and self.global_step == 2 and self.global_rank == 1:
+            self.net[0].weight.grad[0, 0] = math.inf
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+                                                   "interval": "step"}}
+
+
+def main():
+    strategy, out = sys.argv[1], sys.argv[2]
+    inject = "--inject-inf" in sys.argv
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    plugins = [FastOptPrecision("16-mixed", initial_scale_power=8)] if inject else None
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins)
+    model = Model(inject)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if inject:
+        state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
+    torch.save(state, f"{out}.rank{trainer.global_rank}")
+
+
+if __name__ == "__main__":
+    main()
