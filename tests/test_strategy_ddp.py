@@ -14,8 +14,12 @@ SCRIPT = REPO / "tests" / "scripts" / "ddp_run.py"
 
 
 def _run(strategy, out, *extra):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("LOCAL_RANK", None)
+    # A clean distributed environment: in-process Lightning runs earlier in this pytest
+    # process leave MASTER_PORT & co. behind, with that port still held by their store.
+    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                 "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars and not k.startswith("PL_")}
+    env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out), *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
