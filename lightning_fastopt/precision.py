@@ -103,7 +103,8 @@ class FastOptPrecision(Precision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: Lightning skipped backward
-        self._overflow = self.scaler is not None and not grads_all_finite(_grads(optimizer))
+        grads = _grads(optimizer)
+        self._overflow = self.scaler is not None and not grads_all_finite(grads)
         self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
         if self._overflow:
             self.scaler.update(overflow=True)
@@ -115,7 +116,7 @@ class FastOptPrecision(Precision):
             optimizer.step(grad_scale=scale, **kwargs)
         else:
             if scale is not None:
-                torch._foreach_mul_(_grads(optimizer), 1.0 / scale)
+                torch._foreach_mul_(_grads(optimizer), 1.0 / scale)  # again: hooks may replace .grad
             optimizer.step(**kwargs)
         if self.scaler is not None:
             self.scaler.update(overflow=False)

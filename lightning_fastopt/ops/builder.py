@@ -95,9 +95,7 @@ def build_dir(spec: ExtensionSpec) -> str:
 
 
 def _import_built(spec: ExtensionSpec, directory: str) -> ModuleType:
-    path = os.path.join(directory, spec.name + importlib.machinery.EXTENSION_SUFFIXES[-1])
-    if not os.path.exists(path):
-        path = os.path.join(directory, spec.name + ".so")
+    path = os.path.join(directory, spec.name + ".so")  # the name torch.utils.cpp_extension gives it
     loader = importlib.machinery.ExtensionFileLoader(spec.name, path)
     mod_spec = importlib.util.spec_from_file_location(spec.name, path, loader=loader)
     module = importlib.util.module_from_spec(mod_spec)
