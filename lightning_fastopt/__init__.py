@@ -27,14 +27,12 @@ def _register_strategies() -> None:
     """Make ``Trainer(strategy="fastopt")`` work after ``import lightning_fastopt`` (idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_fastopt.strategy import FastOptStrategy
-
     FastOptStrategy.register_strategies(StrategyRegistry)
 
 
 _register_strategies()
 
 __all__ = [
-    "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FastOptStrategy", "FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD",
-    "functional", "__version__",
+    "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FastOptStrategy", "FusedAdagrad", "FusedAdam",
+    "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "functional", "__version__",
 ]
