@@ -32,7 +32,7 @@ from lightning_fastopt.ops import backend_for, torch_backend, unsupported_tensor
 TensorList = Sequence[Tensor]
 
 __all__ = [
-    "fused_adagrad_", "fused_adam_", "fused_lamb_", "fused_lars_", "fused_lion_", "fused_sgd_",
+    "by_device", "fused_adagrad_", "fused_adam_", "fused_lamb_", "fused_lars_", "fused_lion_", "fused_sgd_",
     "grads_all_finite", "global_grad_norm",
 ]
 
@@ -76,18 +76,24 @@ def _list(x):
     return None if x is None else list(x)
 
 
+def by_device(tensors: TensorList) -> list[list[Tensor]]:
+    """The tensors split into one list per device, in order of first appearance."""
+    lists: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        lists.setdefault(t.device, []).append(t)
+    return list(lists.values())
+
+
 def grads_all_finite(grads: TensorList) -> bool:
-    """True when no gradient holds inf or NaN."""
-    if not len(grads):
-        return True
-    return bool(_call("all_finite", grads))
+    """True when no gradient holds inf or NaN (the tensors may be on several devices)."""
+    return all(bool(_call("all_finite", same)) for same in by_device(grads))
 
 
 def global_grad_norm(grads: TensorList, grad_scale=None) -> float:
-    """The L2 norm of all gradients together, unscaled by grad_scale (double accumulation)."""
-    if not len(grads):
-        return 0.0
-    return math.sqrt(sum(_call("sum_squares", grads))) * _inv_scale(grad_scale)
+    """The L2 norm of all gradients together (on any devices), unscaled by grad_scale
+    (double accumulation)."""
+    total = sum(sum(_call("sum_squares", same)) for same in by_device(grads))
+    return math.sqrt(total) * _inv_scale(grad_scale)
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,

@@ -28,9 +28,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch import Tensor
 
-from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.functional import by_device, grads_all_finite
 from lightning_fastopt.loss_scaler import DynamicLossScaler
-from lightning_fastopt.optim.base import FusedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +38,11 @@ _PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true"]
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The gradients the optimizer's next step reads (an offload optimizer keeps some in
+    host memory: it says where)."""
+    gradients = getattr(optimizer, "gradients", None)
+    if gradients is not None:
+        return gradients()
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
@@ -79,6 +83,11 @@ class FastOptPrecision(Precision):
     def skipped_steps(self) -> int:
         return self.scaler.skipped_steps if self.scaler is not None else 0
 
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last optimizer step was skipped for overflowing gradients."""
+        return self._overflow
+
     # ------------------------------------------------------------------ autocast
     def connect(self, model, optimizers, lr_schedulers):
         if self.device is None:
@@ -112,7 +121,7 @@ class FastOptPrecision(Precision):
             log.info("lightning_fastopt: gradient overflow, step skipped; loss scale now %g", self.scaler.scale)
             return closure_result
         scale = self.scaler.scale if self.scaler is not None else None
-        if isinstance(optimizer, FusedOptimizer):
+        if getattr(optimizer, "fuses_unscale", False):
             optimizer.step(grad_scale=scale, **kwargs)
         else:
             if scale is not None:
@@ -141,11 +150,15 @@ class FastOptPrecision(Precision):
             for g in grads:
                 g.clamp_(-bound, bound)
             return
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        total = torch.linalg.vector_norm(torch.stack(norms)).item() / scale
+        squares = 0.0
+        for same in by_device(grads):  # an offload optimizer has gradients on two devices
+            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in same])
+            squares += torch.linalg.vector_norm(torch.stack(norms)).item() ** 2
+        total = math.sqrt(squares) / scale
         coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
         if coef < 1.0 and math.isfinite(coef):
-            torch._foreach_mul_(grads, coef)
+            for same in by_device(grads):
+                torch._foreach_mul_(same, coef)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -1,10 +1,11 @@
-"""FastOptStrategy: Lightning's DDP strategy with lightning_fastopt's fused optimizers and
-precision plugin.
+"""FastOptStrategy: Lightning's DDP strategy with lightning_fastopt's fused optimizers,
+CPU offload of the optimizer, and its precision plugin.
 
-``import lightning_fastopt`` registers the name ``fastopt`` (fused kernels, no offload);
-``Trainer(strategy="fastopt", precision="16-mixed")`` then needs no other change to a
-Lightning project.  What the strategy adds to ``DDPStrategy`` (so devices, launchers,
-cluster environments and torchrun work as in Lightning):
+``import lightning_fastopt`` registers the names ``fastopt`` (fused kernels, no offload)
+and ``fastopt_offload`` (every master weight and all optimizer state in CPU memory);
+``Trainer(strategy="fastopt_offload", precision="16-mixed")`` then needs no other change
+to a Lightning project.  What the strategy adds to ``DDPStrategy`` (so devices,
+launchers, cluster environments and torchrun work as in Lightning):
 
 - the precision flag becomes :class:`~lightning_fastopt.precision.FastOptPrecision`
   with the strategy's loss-scale knobs (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``;
@@ -13,20 +14,33 @@ cluster environments and torchrun work as in Lightning):
   equivalent: ``torch.optim.Adam/AdamW/SGD/Adagrad`` become ``FusedAdam``/``FusedSGD``/
   ``FusedAdagrad`` with the same hyperparameters, sharing the very same ``param_groups``
   dicts, so LR schedulers bound to the user's optimizer keep working; our own optimizers
-  are used as they are; any other optimizer is a clear error.
+  are used as they are; any other optimizer is a clear error;
+- that optimizer runs inside an :class:`~lightning_fastopt.offload.OffloadOptimizer`,
+  which keeps ``offload_fraction`` of the master weights and optimizer state in (pinned)
+  CPU memory and overlaps the copies with compute;
+- optimizer state is checkpointed keyed by parameter name (torch-compatible, the same
+  for every offload fraction), checkpoints are written atomically, and with one process
+  the module is not wrapped in DistributedDataParallel (nothing to reduce).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
+from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim import FusedAdagrad, FusedAdam, FusedOptimizer, FusedSGD
+from lightning_fastopt.optim.base import check_range
 from lightning_fastopt.precision import SUPPORTED_PRECISIONS, FastOptPrecision
 
 log = logging.getLogger(__name__)
@@ -87,27 +101,63 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 class FastOptStrategy(DDPStrategy):
-    """DDP with fused optimizer steps and DeepSpeed-style fp16 loss scaling.
+    """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
+    fp16 loss scaling.
 
     Args:
+        offload_fraction: share of the parameters (by element count) whose fp32 master
+            weights and optimizer state live in CPU memory and are updated by the CPU
+            kernels, in [0, 1]; the rest are updated on the accelerator.
+        overlap: copy gradients to the host and parameters back on side streams,
+            overlapping compute (CUDA).
+        pin_memory: page-locked host buffers (faster, asynchronous copies; CUDA).
+        bucket_size_mb: offloaded parameters are handled in buckets of about this many
+            MiB (fp32): constant-size host buffers, and the CPU starts on a bucket as
+            soon as its gradients have landed.
+        cpu_threads: threads of the CPU optimizer step (and of torch on this process);
+            default: the cores available to this process divided by the processes per node.
         loss_scale: 0 for dynamic loss scaling (fp16), or a fixed scale.
         initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
         loss_scale_window: clean steps before the scale doubles.
         hysteresis: overflows tolerated before the scale halves.
         min_loss_scale: the scale never goes below this.
+        wall_clock_breakdown: log the time of each phase of every optimizer step (grad
+            D2H, GPU step, CPU step, param H2D, in ms) and the loss scale to the Trainer's
+            loggers.  Timing synchronizes the device, so use it to diagnose, not to train.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
-    strategy_name = "fastopt"
+    strategy_name = "fastopt_offload"
 
-    def __init__(self, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0, **kwargs: Any) -> None:
+    def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
+                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
+                 initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, **kwargs: Any) -> None:
+        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+        check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
+        for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
+                           ("wall_clock_breakdown", wall_clock_breakdown)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                        or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
+                             f"got {cpu_threads!r}")
+        self.offload_fraction = float(offload_fraction)
+        self.overlap = overlap
+        self.pin_memory = pin_memory
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.cpu_threads = cpu_threads
+        self.wall_clock_breakdown = wall_clock_breakdown
         # set before super().__init__, which calls the precision_plugin setter
         self._scale_knobs = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
                                  loss_scale_window=loss_scale_window, hysteresis=hysteresis,
                                  min_loss_scale=min_loss_scale)
         DynamicLossScaler(**self._scale_knobs)  # bad knobs fail here, with the argument's name
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._threads_before: int | None = None
+        if kwargs.get("checkpoint_io") is None:
+            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(**kwargs)
 
     # ------------------------------------------------------------------ precision
@@ -133,29 +183,108 @@ class FastOptStrategy(DDPStrategy):
                         f"(or plugins=[FastOptPrecision(...)]), got {type(plugin).__name__}"
                         f"({getattr(plugin, 'precision', '?')!r})")
 
+    # ------------------------------------------------------------------ environment
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        threads = self.cpu_threads or default_cpu_threads(self.num_processes)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        log.info("lightning_fastopt: %d CPU thread(s) for the optimizer step on rank %d", threads, self.global_rank)
+
+    def configure_ddp(self) -> None:
+        if self.world_size > 1:
+            super().configure_ddp()
+        # one process: nothing to all-reduce, and the backward hooks see final gradients
+
     # ------------------------------------------------------------------ optimizers
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
-        fused = []
+        names = {p: n for n, p in self.lightning_module.named_parameters()}
+        wrapped = []
         for opt in self.optimizers:
-            new = to_fused_optimizer(opt)
-            if new is not opt:
+            fused = to_fused_optimizer(opt)
+            if fused is not opt:
                 log.info("lightning_fastopt: running %s as %s with the same hyperparameters",
-                         type(opt).__name__, type(new).__name__)
-                self._user_optimizers[id(new)] = opt
-            fused.append(new)
-        self.optimizers = fused
+                         type(opt).__name__, type(fused).__name__)
+            offload = OffloadOptimizer(fused, names, offload_fraction=self.offload_fraction,
+                                       bucket_size_mb=self.bucket_size_mb, overlap=self.overlap,
+                                       pin_memory=self.pin_memory,
+                                       copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
+                                       wall_clock_breakdown=self.wall_clock_breakdown)
+            log.info("lightning_fastopt: %r", offload)
+            self._user_optimizers[id(offload)] = opt
+            wrapped.append(offload)
+        self.optimizers = wrapped
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning enters this for the micro-batches of an accumulation window that do
+        not step: gradients are not final, so nothing is copied to the host yet."""
+        offload = [o for o in self.optimizers if isinstance(o, OffloadOptimizer)]
+        for o in offload:
+            o.accumulating = True
+        try:
+            with super().block_backward_sync():
+                yield
+        finally:
+            for o in offload:
+                o.accumulating = False
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        user = self._user_optimizers.get(id(optimizer))
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        user = self._user_optimizers.get(id(raw))
         if user is not None:
             user._opt_called = True  # LR schedulers bound to the user's optimizer check this
+        if self.wall_clock_breakdown and isinstance(raw, OffloadOptimizer):
+            self._log_step_times(raw)
         return out
+
+    def _log_step_times(self, optimizer: OffloadOptimizer) -> None:
+        trainer = self.lightning_module.trainer
+        metrics = {"fastopt/loss_scale": float(self.precision_plugin.loss_scale)}
+        if not self.precision_plugin.last_step_skipped:
+            metrics.update({f"fastopt/{k}_ms": v for k, v in optimizer.last_step_times.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Each optimizer loads its saved state where its parameters live (the base class
+        would move offloaded state to the accelerator)."""
+        saved = checkpoint["optimizer_states"]
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"the checkpoint has {len(saved)} optimizer state(s), this run has "
+                             f"{len(self.optimizers)} optimizer(s)")
+        for opt, state in zip(self.optimizers, saved):
+            opt.load_state_dict(state)
+
+    # ------------------------------------------------------------------ teardown
+    def teardown(self) -> None:
+        for opt in self.optimizers:
+            if isinstance(opt, OffloadOptimizer):
+                opt.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        super().teardown()
 
     # ------------------------------------------------------------------ registry
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls,
-                                       description="DDP with lightning_fastopt's fused optimizers and fp16 loss scaling")
+        names = {
+            "fastopt": ("DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0),
+            "fastopt_offload": ("fastopt with every master weight and all optimizer state in CPU memory", 1.0),
+        }
+        for name, (description, fraction) in names.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, offload_fraction=fraction)
+
+
+def default_cpu_threads(processes_per_node: int) -> int:
+    """The cores this process may run on, shared among the processes of this node."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, processes_per_node))

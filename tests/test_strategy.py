@@ -10,6 +10,7 @@ from torch import nn
 
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedAdagrad, FusedSGD
+from lightning_fastopt.offload import OffloadOptimizer
 from tests.test_precision import _data
 
 ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
@@ -48,33 +49,48 @@ def _fit(strategy, model, **kw):
     return trainer
 
 
+STRATEGIES = {
+    "fastopt": lambda: "fastopt",
+    "fastopt_offload": lambda: "fastopt_offload",
+    "half_offloaded": lambda: FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0004),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("make_opt,fused_cls", [
     (lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01), FusedAdam),
     (lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.01, amsgrad=True), FusedAdam),
     (lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True), FusedSGD),
     (lambda g: torch.optim.Adagrad(g, lr=1e-2), FusedAdagrad),
 ], ids=["adamw", "adam-amsgrad", "sgd", "adagrad"])
-def test_same_weights_as_plain_lightning(backend, make_opt, fused_cls):
+def test_same_weights_as_plain_lightning(backend, make_opt, fused_cls, strategy):
+    """Two param groups, a step-interval scheduler, accumulation over 2 batches and
+    clipping by norm: 16 optimizer steps equal plain Lightning's with torch.optim
+    (Adam: rtol 1.3e-6, atol 1e-5)."""
     kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.1)
     ours, ref = Model(make_opt), Model(make_opt)
-    trainer = _fit("fastopt", ours, **kw)
+    trainer = _fit(STRATEGIES[strategy](), ours, **kw)
     ref_trainer = _fit("ddp", ref, **kw)  # same launcher and sampler as ours (a DDP strategy)
-    assert type(trainer.optimizers[0]) is fused_cls
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, OffloadOptimizer) and type(opt.optimizer) is fused_cls
+    assert opt.offload_fraction == {"fastopt": 0.0, "fastopt_offload": 1.0, "half_offloaded": 0.5}[strategy]
     assert isinstance(trainer.strategy, FastOptStrategy)
     assert isinstance(trainer.precision_plugin, FastOptPrecision)
     # the scheduler moved the lr of the very groups our optimizer steps with
-    assert trainer.optimizers[0].param_groups[1]["lr"] == ref_trainer.optimizers[0].param_groups[1]["lr"] < 3e-3
+    assert opt.param_groups[1]["lr"] == ref_trainer.optimizers[0].param_groups[1]["lr"] < 3e-3
+    assert trainer.global_step == ref_trainer.global_step == 8
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, **ADAM_TOL)
 
 
-def test_clip_by_value_and_our_own_optimizer(backend):
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_clip_by_value_and_our_own_optimizer(backend, strategy):
     make = lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01)  # noqa: E731
     ours, ref = Model(make, sched=False), Model(lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
                                                 sched=False)
-    trainer = _fit("fastopt", ours, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    trainer = _fit(STRATEGIES[strategy](), ours, gradient_clip_val=0.01, gradient_clip_algorithm="value")
     _fit("ddp", ref, gradient_clip_val=0.01, gradient_clip_algorithm="value")
-    assert type(trainer.optimizers[0]) is FusedAdam
+    assert type(trainer.optimizers[0].optimizer) is FusedAdam
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, **ADAM_TOL)
 

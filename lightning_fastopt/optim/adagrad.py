@@ -47,4 +47,5 @@ class FusedAdagrad(FusedOptimizer):
     def _update(self, group, b: Bucket, grad_scale, context) -> None:
         fused_adagrad_(b.params, b.grads, b.states["sum"], step=b.step, lr=group["lr"], lr_decay=group["lr_decay"],
                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                       grad_scale=grad_scale)
+                       grad_scale=grad_scale,
+                       param_copies=b.copies)

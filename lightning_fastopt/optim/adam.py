@@ -80,7 +80,8 @@ class FusedAdam(FusedOptimizer):
                     step=b.step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
                     adamw_mode=group["decoupled_weight_decay"], maximize=group["maximize"],
-                    bias_correction=group["bias_correction"], grad_scale=grad_scale)
+                    bias_correction=group["bias_correction"], grad_scale=grad_scale,
+                    param_copies=b.copies)
 
 
 class CPUAdam(FusedAdam):

@@ -21,6 +21,8 @@ from torch import Tensor
 from lightning_fastopt.functional import grads_all_finite
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_COMPUTE = object()  # step(): compute the step context here
+_GROUP_ONLY_KEYS = ("params", "param_names")
 
 
 def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
@@ -57,11 +59,22 @@ class Bucket:
     step_tensor: Tensor | None = None  # the shared step count (optimizers that count steps)
     first: bool = False  # no state before this step (optimizers that do not count steps)
     step: int = 1  # the step number after this update
+    copies: list[Tensor] | None = None  # tensors that receive the updated params (model-dtype copies)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
+    """Base class.  Two attributes let a wrapper (the offload optimizer) drive the kernels
+    over tensors it owns: ``grad_source`` maps a parameter to the gradient to use instead
+    of ``p.grad`` (for example a float32 master updated from a pinned bfloat16 host
+    buffer), and ``copies_to`` maps a parameter to a half-precision tensor that receives
+    the updated value in the same pass.  Both default to None (plain ``p.grad``, no copy).
+    """
+
     state_keys: tuple[str, ...] = ()
     counts_steps: bool = True
+    fuses_unscale = True  # step(grad_scale=...) unscales inside the kernels
+    grad_source: dict[Tensor, Tensor] | None = None
+    copies_to: dict[Tensor, Tensor] | None = None
 
     def __init__(self, params, defaults: dict[str, Any], *, foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, differentiable: bool = False) -> None:
@@ -77,6 +90,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.skipped_steps = 0
         self.last_step_skipped = False
+
+    def sibling(self, params_per_group: list[list[Tensor]]) -> FusedOptimizer:
+        """A new optimizer of this class and these defaults, one group per group of this one
+        (same hyperparameters) over other tensors, with its own state."""
+        if len(params_per_group) != len(self.param_groups):
+            raise ValueError(f"expected {len(self.param_groups)} parameter lists, got {len(params_per_group)}")
+        groups = [dict(hyperparameters(g), params=list(ps)) for g, ps in zip(self.param_groups, params_per_group)]
+        new = type(self).__new__(type(self))
+        FusedOptimizer.__init__(new, groups, dict(self.defaults))
+        return new
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -144,13 +167,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         keys = self._bucket_state_keys(group)
         state_of = self.state
         counts = self.counts_steps
+        source = self.grad_source
         params, grads, fresh = [], [], []
         lists: dict[str, list[Tensor]] = {k: [] for k in keys}
         shared = None
         device = None
         uniform = True
         for p in group["params"]:
-            g = p.grad
+            g = p.grad if source is None else source.get(p)
             if g is None:
                 continue
             if g.layout is not torch.strided:
@@ -182,12 +206,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                     shared = torch.zeros((), dtype=torch.float32)
                 for st in fresh:
                     st["step"] = shared
-                return [Bucket(params, grads, lists, step_tensor=shared)]
+                return [Bucket(params, grads, lists, step_tensor=shared, copies=self._copies(params))]
             for st in fresh:
                 st["step"] = torch.zeros((), dtype=torch.float32)
             return self._split(group, params, grads, keys)
         if uniform and (not fresh or len(fresh) == len(params)):
-            return [Bucket(params, grads, lists, first=bool(fresh))]
+            return [Bucket(params, grads, lists, first=bool(fresh), copies=self._copies(params))]
         fresh_ids = {id(st) for st in fresh}
         return self._split(group, params, grads, keys, fresh_ids)
 
@@ -213,7 +237,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             b.grads.append(g)
             for k in keys:
                 b.states[k].append(st[k])
-        return list(buckets.values())
+        out = list(buckets.values())
+        for b in out:
+            b.copies = self._copies(b.params)
+        return out
+
+    def _copies(self, params: list[Tensor]) -> list[Tensor] | None:
+        targets = self.copies_to
+        if not targets:
+            return None
+        copies = [targets.get(p) for p in params]
+        if all(c is None for c in copies):
+            return None
+        if any(c is None for c in copies):
+            raise ValueError("copies_to must name a copy for every parameter of a bucket, or none")
+        return copies
 
     def _bucket_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state tensors a bucket passes to the kernel (override when options add some)."""
@@ -222,12 +260,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False):
+             check_finite: bool = False, step_context: Any = _COMPUTE):
         """One optimizer step.
 
         grad_scale: divide the gradients by this (loss-scale unscaling, done in the kernel).
         check_finite: if any gradient is inf/NaN, change nothing (no parameter, no state,
         no step count), count the step in ``skipped_steps`` and set ``last_step_skipped``.
+        step_context: what :meth:`step_context` computed over every gradient of the step,
+        when a wrapper steps several optimizers as one (FusedLAMB's global norm).
         """
         loss = None
         if closure is not None:
@@ -235,13 +275,17 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.last_step_skipped = False
         if check_finite:
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            if not grads_all_finite(grads):
+            source = self.grad_source
+            grads = [p.grad if source is None else source.get(p) for group in self.param_groups
+                     for p in group["params"]]
+            if not grads_all_finite([g for g in grads if g is not None]):
                 self.skipped_steps += 1
                 self.last_step_skipped = True
                 return loss
         plans = [(group, self._buckets(group)) for group in self.param_groups]
-        context = self._step_context([b for _, buckets in plans for b in buckets], grad_scale)
+        all_buckets = [b for _, buckets in plans for b in buckets]
+        context = self.step_context([g for b in all_buckets for g in b.grads], grad_scale) \
+            if step_context is _COMPUTE else step_context
         for group, buckets in plans:
             for bucket in buckets:
                 if bucket.step_tensor is not None:
@@ -252,9 +296,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._update(group, bucket, grad_scale, context)
         return loss
 
-    def _step_context(self, buckets: list[Bucket], grad_scale) -> Any:
-        """Computed once per step before any update (LAMB: the global gradient norm)."""
+    def step_context(self, grads: list[Tensor], grad_scale) -> Any:
+        """Computed once per step from every gradient, before any update (FusedLAMB: the
+        global gradient norm); None for optimizers that need nothing."""
         return None
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_scale, context: Any) -> None:
         raise NotImplementedError
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings, without its parameters."""
+    return {k: v for k, v in group.items() if k not in _GROUP_ONLY_KEYS}

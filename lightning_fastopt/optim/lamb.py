@@ -44,8 +44,8 @@ class FusedLAMB(FusedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("max_grad_norm", group["max_grad_norm"], 0.0)
 
-    def _step_context(self, buckets, grad_scale) -> float:
-        norm = global_grad_norm([g for b in buckets for g in b.grads], grad_scale)
+    def step_context(self, grads, grad_scale) -> float:
+        norm = global_grad_norm(grads, grad_scale)
         if not math.isfinite(norm):
             raise ValueError(f"FusedLAMB: the global gradient norm is {norm}; use step(check_finite=True) "
                              "(or lightning_fastopt's precision plugin) to skip such steps")
@@ -58,4 +58,4 @@ class FusedLAMB(FusedOptimizer):
                     bias_correction=group["bias_correction"], adam_w_mode=group["adam_w_mode"],
                     grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
                     use_nvlamb=group["use_nvlamb"], maximize=group["maximize"], grad_scale=grad_scale,
-                    global_grad_norm_value=context)
+                    global_grad_norm_value=context, param_copies=b.copies)

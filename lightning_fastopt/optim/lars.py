@@ -37,4 +37,5 @@ class FusedLars(FusedOptimizer):
     def _update(self, group, b: Bucket, grad_scale, context) -> None:
         fused_lars_(b.params, b.grads, b.states["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
                     eeta=group["eeta"], weight_decay=group["weight_decay"], epsilon=group["epsilon"],
-                    maximize=group["maximize"], grad_scale=grad_scale)
+                    maximize=group["maximize"], grad_scale=grad_scale,
+                    param_copies=b.copies)

@@ -56,4 +56,5 @@ class FusedSGD(FusedOptimizer):
         fused_sgd_(b.params, b.grads, b.states.get("momentum_buffer"), step=b.step, lr=group["lr"],
                    momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
                    nesterov=group["nesterov"], maximize=group["maximize"],
-                   wd_after_momentum=group["wd_after_momentum"], grad_scale=grad_scale)
+                   wd_after_momentum=group["wd_after_momentum"], grad_scale=grad_scale,
+                   param_copies=b.copies)

@@ -1,0 +1,85 @@
+"""Device-to-host gradient copies and host-to-device parameter copies on side streams.
+
+On a CUDA run with ``overlap=True`` gradients go to the host on one side stream while
+backward keeps computing, and updated parameters come back on another while the CPU
+updates the next bucket; events order everything, the host blocks only where it reads
+a gradient buffer.  With ``overlap=False`` the copies run on the current stream and
+block.  On a CPU run there is nothing to copy: :attr:`needed` is False.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+class CopyStreams:
+    def __init__(self, device: torch.device, overlap: bool = True) -> None:
+        self.device = device
+        self.needed = device.type != "cpu"
+        self.is_cuda = device.type == "cuda"
+        use_streams = self.is_cuda and overlap
+        self.d2h = torch.cuda.Stream(device) if use_streams else None
+        self.h2d = torch.cuda.Stream(device) if use_streams else None
+
+    def new_event(self):
+        return torch.cuda.Event() if self.d2h is not None else None
+
+    def _current(self):
+        return torch.cuda.current_stream(self.device)
+
+    # ------------------------------------------------------------------ gradients to the host
+    def grad_to_host(self, grad: Tensor, host: Tensor) -> None:
+        """Start copying ``grad`` into the pinned ``host`` buffer (after the work that
+        produced it); ``grad`` may be freed by the caller right after."""
+        if self.d2h is None:
+            host.copy_(grad)
+            return
+        self.d2h.wait_stream(self._current())
+        with torch.cuda.stream(self.d2h):
+            host.copy_(grad, non_blocking=True)
+        grad.record_stream(self.d2h)  # its memory is not reused before the copy has run
+
+    def mark_grads_sent(self, event) -> None:
+        """Record ``event`` after the gradient copies issued so far."""
+        if event is not None:
+            event.record(self.d2h)
+
+    @staticmethod
+    def wait_on_host(event) -> None:
+        """Block the host until ``event`` has passed (a bucket's gradients have landed)."""
+        if event is not None:
+            event.synchronize()
+
+    # ------------------------------------------------------------------ parameters back
+    def mark_compute_done(self, event) -> None:
+        """Record ``event`` on the compute stream: parameter copies wait for it, so they
+        never overwrite a weight that backward may still read."""
+        if event is not None:
+            event.record(self._current())
+
+    def params_to_device(self, pairs: Iterable[tuple[Tensor, Tensor]], after, event) -> None:
+        """Copy each host tensor into its device tensor (``(device, host)`` pairs) once
+        ``after`` has passed, and record ``event`` when they are issued."""
+        if self.h2d is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        self.h2d.wait_event(after)
+        with torch.cuda.stream(self.h2d):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        event.record(self.h2d)
+
+    def compute_waits_for(self, event) -> None:
+        """Make later work on the compute stream (the next forward) wait for ``event``,
+        without blocking the host."""
+        if event is not None:
+            self._current().wait_event(event)
+
+    def synchronize(self) -> None:
+        """Wait for every copy (timing and teardown)."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)

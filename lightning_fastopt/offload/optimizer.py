@@ -1,0 +1,405 @@
+"""OffloadOptimizer: one optimizer step split between the accelerator and the CPU.
+
+A fraction of the parameters (``offload_fraction`` of all elements, see
+:func:`~lightning_fastopt.offload.partition.choose_offloaded`) keep their float32 master
+weights and optimizer state in (pinned) host memory and are updated by the CPU kernels;
+the rest are updated where they live by the same optimizer class.  On an accelerator:
+
+1. during backward, a post-accumulate-grad hook on each offloaded parameter copies its
+   gradient into a pinned host buffer on a side stream and frees the device gradient;
+   the last copy of a bucket (about ``bucket_size_mb`` of parameters) records an event;
+2. ``step()`` launches the device share's update on the compute stream (asynchronous),
+   then for each bucket in the order its gradients were produced: waits for that
+   bucket's copies, runs the CPU kernel (reading fp16/bf16/fp32 gradients, unscaling,
+   updating the master and state, writing the model-dtype copy in the same pass) and
+   starts that bucket's host-to-device copy on another side stream while the CPU moves
+   on to the next bucket;
+3. the compute stream waits (on the device, not the host) for the last copy before the
+   next forward.
+
+On a CPU-only run the same code runs with nothing to copy: an offloaded float32
+parameter is its own master.
+
+One source of truth: the model's parameters.  A master copy is refreshed from its
+parameter whenever the parameter was written by anything but this optimizer
+(``load_state_dict``, a checkpoint restore, a callback), detected from the tensor's
+version counter before every step; :meth:`refresh_master_weights` forces it.
+
+The optimizer wraps a :class:`~lightning_fastopt.optim.base.FusedOptimizer` and shares
+its ``param_groups`` dicts (and so the user's, when that one was mapped from a
+torch.optim optimizer): LR schedulers bound to either keep working.  Its state dict is
+keyed by parameter name (:mod:`lightning_fastopt.checkpoint`), identical for every
+offload fraction and loadable by torch.optim.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.checkpoint import named_state_dict, read_named_state
+from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.offload.copies import CopyStreams
+from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve
+from lightning_fastopt.offload.timing import StepTimer
+from lightning_fastopt.optim.base import FusedOptimizer, check_range, hyperparameters
+
+log = logging.getLogger(__name__)
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Args:
+        optimizer: the fused optimizer whose parameters and hyperparameters to run.  Its
+            state moves into this optimizer; it is not stepped itself afterwards.
+        param_names: a name for each parameter (the module's ``named_parameters``); the
+            state dict is keyed by them.  Unnamed parameters are called ``param<i>``.
+        offload_fraction: share of parameter elements updated on the CPU, in [0, 1].
+        bucket_size_mb: host buffers are allocated, and gradients awaited, in buckets of
+            about this many MiB of float32 parameters.
+        overlap: copy on side streams, overlapping compute (CUDA); False copies in line.
+        pin_memory: allocate the host buffers in page-locked memory (CUDA).
+        copy_grads_in_hooks: copy gradients to the host from backward hooks.  Turn off
+            when something reduces the gradients after the hooks fire (DDP across
+            processes): they are then copied when the step starts.
+        wall_clock_breakdown: time each phase of every step into :attr:`last_step_times`
+            (synchronizes the device; for diagnosis).
+    """
+
+    fuses_unscale = True  # step(grad_scale=...) unscales inside the kernels
+
+    def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
+                 offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
+                 pin_memory: bool = True, copy_grads_in_hooks: bool = True,
+                 wall_clock_breakdown: bool = False) -> None:
+        if not isinstance(optimizer, FusedOptimizer):
+            raise TypeError(f"OffloadOptimizer runs lightning_fastopt's fused optimizers, got {type(optimizer).__name__}")
+        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+        check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
+        self._constructed = False
+        self.optimizer = optimizer
+        # the same group dicts: torch's add_param_group keeps the dict objects it is given
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.offload_fraction = float(offload_fraction)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
+        params = [p for g in self.param_groups for p in g["params"]]
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"OffloadOptimizer needs every parameter on one device, got {sorted(map(str, devices))}")
+        self.device = params[0].device if params else torch.device("cpu")
+        self.copies = CopyStreams(self.device, overlap)
+        self._timer = StepTimer(wall_clock_breakdown, self.copies.synchronize)
+        self._pin = pin_memory and self.copies.is_cuda
+        self._slots = self._make_slots(param_names or {}, params, offload_fraction)
+        self._slot_of = {s.param: s for s in self._slots}
+        self._device_inner = optimizer.sibling(self._per_group([s for s in self._slots if not s.offloaded]))
+        offloaded = [s for s in reversed(self._slots) if s.offloaded]  # the order backward produces them
+        self._buckets = [
+            self._make_bucket(chunk)
+            for chunk in split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded],
+                                            int(bucket_size_mb * 2**20))
+        ]
+        self._take_state(optimizer)
+        self._compute_done = self.copies.new_event()
+        self._hooks = []
+        if self.copies.needed and copy_grads_in_hooks:
+            for s in offloaded:
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._new_gradients()
+        self._constructed = True
+
+    # ------------------------------------------------------------------ construction
+    def _make_slots(self, names: Mapping[Tensor, str], params: list[Tensor], fraction: float) -> list[ParamSlot]:
+        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        chosen = choose_offloaded(params, fraction)
+        slots = []
+        for i, (p, off) in enumerate(zip(params, chosen)):
+            name = names.get(p, f"param{i}")
+            if off and self.copies.needed:
+                master = torch.empty(0)  # a pinned view, carved per bucket
+            elif p.dtype == torch.float32:
+                master = p
+            else:
+                master = p.detach().float()
+            slots.append(ParamSlot(name, p, i, group_of[p], off, master))
+        seen: dict[str, int] = {}
+        for s in slots:
+            if s.name in seen:
+                raise ValueError(f"two parameters are both named {s.name!r}")
+            seen[s.name] = s.index
+            s.remember_weights()
+        return slots
+
+    def _make_bucket(self, slots: list[ParamSlot]) -> HostBucket:
+        buffers: list[Tensor] = []
+        if self.copies.needed:
+            shapes = [s.param.shape for s in slots]
+            masters, bufs = carve(shapes, [torch.float32] * len(slots), self._pin)
+            grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
+            half = [s for s in slots if s.param.dtype != torch.float32]
+            copies, cbufs = carve([s.param.shape for s in half], [s.param.dtype for s in half], self._pin)
+            buffers = bufs + gbufs + cbufs
+            for s, m, g in zip(slots, masters, grads):
+                m.copy_(s.param.detach())
+                s.master, s.host_grad = m, g
+            for s, c in zip(half, copies):
+                s.host_copy = c
+        bucket = HostBucket(slots, self.optimizer.sibling(self._per_group(slots)), buffers)
+        bucket.grads_ready = self.copies.new_event()
+        bucket.params_sent = self.copies.new_event()
+        for s in slots:
+            s.bucket = bucket
+        return bucket
+
+    def _per_group(self, slots: list[ParamSlot]) -> list[list[Tensor]]:
+        lists: list[list[Tensor]] = [[] for _ in self.param_groups]
+        for s in sorted(slots, key=lambda s: s.index):
+            lists[s.group].append(s.master)
+        return lists
+
+    def _inner_of(self, slot: ParamSlot) -> FusedOptimizer:
+        return slot.bucket.inner if slot.bucket is not None else self._device_inner
+
+    def _take_state(self, optimizer: FusedOptimizer) -> None:
+        """Move state the wrapped optimizer already had (a resumed torch optimizer)."""
+        for s in self._slots:
+            st = optimizer.state.pop(s.param, None)
+            if st:
+                self._inner_of(s).state[s.master] = {k: _to_like(v, s.master) for k, v in st.items()}
+        optimizer.state.clear()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_constructed", False):
+            raise NotImplementedError("OffloadOptimizer cannot take new parameter groups after construction; "
+                                      "give every group to the optimizer before the strategy sets it up")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def offloaded_numel(self) -> int:
+        return sum(s.param.numel() for s in self._slots if s.offloaded)
+
+    @property
+    def last_step_times(self) -> dict[str, float]:
+        """Milliseconds per phase of the last step (``wall_clock_breakdown=True``)."""
+        return dict(self._timer.last)
+
+    def state_of(self, param: Tensor) -> dict[str, Any]:
+        """The optimizer state of a model parameter (empty before its first step).  The
+        state lives in inner optimizers, not in ``self.state``: Lightning moves whatever
+        ``self.state`` holds to the accelerator, which would undo the offload."""
+        slot = self._slot_of[param]
+        return self._inner_of(slot).state.get(slot.master, {})
+
+    def offloaded_names(self) -> list[str]:
+        return [s.name for s in self._slots if s.offloaded]
+
+    # ------------------------------------------------------------------ gradients
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if self.accumulating:
+            return  # Lightning is accumulating: the gradient is not final yet
+        slot = self._slot_of[param]
+        self._send_grad(slot)
+        bucket = slot.bucket
+        bucket.unsent -= 1
+        if bucket.unsent <= 0 and not bucket.recorded:
+            self.copies.mark_grads_sent(bucket.grads_ready)
+            bucket.recorded = True
+
+    def _send_grad(self, slot: ParamSlot) -> None:
+        g = slot.param.grad
+        if slot.grad_sent or g is None:
+            return
+        if g.layout is not torch.strided:
+            raise ValueError(f"OffloadOptimizer does not support sparse gradients ({slot.name})")
+        self.copies.grad_to_host(g, slot.host_grad)
+        slot.grad_sent = True
+        slot.param.grad = None  # the device no longer needs it
+
+    def _send_pending_grads(self) -> None:
+        if not self.copies.needed:
+            return
+        for b in self._buckets:
+            if not b.recorded:
+                for s in b.slots:
+                    self._send_grad(s)
+                self.copies.mark_grads_sent(b.grads_ready)
+                b.recorded = True
+
+    def _grad_of(self, slot: ParamSlot) -> Tensor | None:
+        if slot.host_grad is not None:
+            return slot.host_grad if slot.grad_sent else None
+        return slot.param.grad
+
+    def gradients(self) -> list[Tensor]:
+        """Every gradient the next step will use, where the step will read it (offloaded
+        ones in host memory, once landed): for overflow checks and gradient clipping,
+        which may scale them in place."""
+        self._send_pending_grads()
+        for b in self._buckets:
+            self.copies.wait_on_host(b.grads_ready)
+        return [g for g in map(self._grad_of, self._slots) if g is not None]
+
+    def _new_gradients(self) -> None:
+        for b in self._buckets:
+            b.reset()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._new_gradients()
+
+    # ------------------------------------------------------------------ masters
+    def refresh_master_weights(self, only_changed: bool = False) -> int:
+        """Copy the model's parameters into the separate float32 masters; returns how many."""
+        n = 0
+        for s in self._slots:
+            if s.separate_master and (not only_changed or s.weights_changed()):
+                s.master.copy_(s.param.detach())
+                s.remember_weights()
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
+             check_finite: bool = False):
+        """One step of every parameter; the arguments mean what they mean for
+        :meth:`FusedOptimizer.step <lightning_fastopt.optim.base.FusedOptimizer.step>`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_step_skipped = False
+        timer = self._timer
+        timer.start_step()
+        refreshed = self.refresh_master_weights(only_changed=True)
+        if refreshed:
+            log.info("lightning_fastopt: %d master weight(s) refreshed from the model, whose weights were changed "
+                     "outside the optimizer", refreshed)
+        with timer.phase("grad_d2h"):
+            self._send_pending_grads()
+        needs_all = check_finite or type(self.optimizer).step_context is not FusedOptimizer.step_context
+        if needs_all:
+            with timer.phase("grad_d2h"):
+                grads = self.gradients()
+            if check_finite and not grads_all_finite(grads):
+                self.skipped_steps += 1
+                self.last_step_skipped = True
+                self._new_gradients()
+                timer.end_step()
+                return loss
+            context = self.optimizer.step_context(grads, grad_scale)
+        else:
+            context = None
+        for inner in self._inners():
+            for mine, theirs in zip(inner.param_groups, self.param_groups):
+                mine.update(hyperparameters(theirs))
+        self.copies.mark_compute_done(self._compute_done)
+        with timer.phase("gpu_step"):
+            self._step_inner(self._device_inner, self._slots_on_device(), grad_scale, context)
+        last_sent = None
+        for b in self._buckets:
+            with timer.phase("grad_d2h"):
+                self.copies.wait_on_host(b.grads_ready)
+            with timer.phase("cpu_step"):
+                updated = self._step_inner(b.inner, b.slots, grad_scale, context)
+            if self.copies.needed and updated:
+                with timer.phase("param_h2d"):
+                    self.copies.params_to_device(
+                        [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in updated],
+                        self._compute_done, b.params_sent)
+                last_sent = b.params_sent
+        self.copies.compute_waits_for(last_sent)  # the next forward sees the new weights
+        for s in self._slots:
+            if s.separate_master:
+                s.remember_weights()
+        self._new_gradients()
+        timer.end_step()
+        return loss
+
+    def _inners(self) -> list[FusedOptimizer]:
+        return [self._device_inner] + [b.inner for b in self._buckets]
+
+    def _slots_on_device(self) -> list[ParamSlot]:
+        cache = self.__dict__.get("_device_slots")
+        if cache is None:
+            cache = self._device_slots = [s for s in self._slots if not s.offloaded]
+        return cache
+
+    def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context) -> list[ParamSlot]:
+        """Step one inner optimizer over the slots that have a gradient; returns them."""
+        sources, targets, updated = {}, {}, []
+        for s in slots:
+            g = self._grad_of(s)
+            if g is None:
+                continue
+            sources[s.master] = g
+            updated.append(s)
+            if s.param.dtype != torch.float32:
+                targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
+        if not updated:
+            return []
+        inner.grad_source = sources
+        inner.copies_to = targets or None
+        try:
+            inner.step(grad_scale=grad_scale, step_context=context)
+        finally:
+            inner.grad_source = None
+            inner.copies_to = None
+        return updated
+
+    # ------------------------------------------------------------------ state dict
+    def _names(self) -> list[list[str]]:
+        return [[self._slot_of[p].name for p in g["params"]] for g in self.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {}
+        for s in self._slots:
+            st = self._inner_of(s).state.get(s.master)
+            if st:
+                state[s.name] = st
+        return named_state_dict(self.param_groups, self._names(), state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class (any offload fraction) or of the torch.optim
+        equivalent; raises CheckpointMismatchError when it belongs to another model."""
+        by_name, saved_groups = read_named_state(state_dict, self._names(),
+                                                 {s.name: s.param.shape for s in self._slots})
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update(saved)  # in place: LR schedulers hold these dicts
+            self.optimizer._validate_group(group)
+        for inner in self._inners():
+            inner.state.clear()
+        for s in self._slots:
+            st = by_name.get(s.name)
+            if st:
+                self._inner_of(s).state[s.master] = {k: _to_like(v, s.master) for k, v in st.items()}
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Remove the backward hooks and release the host buffers."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.copies.synchronize()
+
+    def __repr__(self) -> str:
+        return (f"OffloadOptimizer({type(self.optimizer).__name__}, offload_fraction={self.offload_fraction}, "
+                f"offloaded={self.offloaded_numel} of {sum(s.param.numel() for s in self._slots)} elements, "
+                f"{len(self._buckets)} host bucket(s), device={self.device})")
+
+
+def _to_like(value: Any, master: Tensor) -> Any:
+    """A saved state value ready for a master tensor: float32 tensors on its device
+    (a ``step`` stays a float32 scalar on the CPU), anything else as it is."""
+    if not isinstance(value, Tensor):
+        return value
+    if value.dim() == 0:
+        return value.detach().to("cpu", torch.float32).clone()
+    return value.detach().to(master.device, torch.float32, copy=True).contiguous()

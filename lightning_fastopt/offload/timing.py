@@ -1,0 +1,41 @@
+"""Per-step wall-clock breakdown of the offload optimizer (``wall_clock_breakdown``).
+
+Timing a phase waits for the device before and after it, so the numbers are honest but
+the overlap they measure is removed while timing is on: use it to diagnose, not to train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+PHASES = ("grad_d2h", "gpu_step", "cpu_step", "param_h2d")
+
+
+class StepTimer:
+    def __init__(self, enabled: bool, synchronize: Callable[[], None]) -> None:
+        self.enabled = enabled
+        self._synchronize = synchronize
+        self.last: dict[str, float] = {}  # milliseconds per phase of the last step
+        self._current: dict[str, float] = {}
+
+    def start_step(self) -> None:
+        self._current = dict.fromkeys(PHASES, 0.0)
+
+    def end_step(self) -> None:
+        if self.enabled:
+            self.last = self._current
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self._synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self._current[name] = self._current.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
