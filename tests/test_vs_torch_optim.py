@@ -121,3 +121,30 @@ def test_params_without_grad_are_untouched(backend):
         ropt.step()
     assert_params_close([p1, p2], [ref1, ref2], **ADAM_TOL)
     assert float(opt.state[p1]["step"]) == 6 and float(opt.state[p2]["step"]) == 5
+
+
+@pytest.mark.parametrize("make,make_ref,tol", [
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01), lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
+     ADAM_TOL),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9), lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9), TIGHT),
+    (lambda g: FusedAdagrad(g, lr=1e-2), lambda g: torch.optim.Adagrad(g, lr=1e-2), TIGHT),
+], ids=["adamw", "sgd", "adagrad"])
+def test_gradients_missing_on_some_steps(backend, make, make_ref, tol):
+    """A parameter without a gradient on a step keeps its step count, as in torch: the
+    others' shared count must not carry it along."""
+    ps = [torch.randn(n, requires_grad=True) for n in (7, 1023, 1)]
+    rs = [p.detach().clone().requires_grad_() for p in ps]
+    opt, ref = make(ps), make_ref(rs)
+    for step in range(12):
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            if (step + i) % 4 == 0:
+                p.grad = r.grad = None
+                continue
+            g = torch.randn_like(p)
+            p.grad, r.grad = g, g.clone()
+        opt.step()
+        ref.step()
+    assert_params_close(ps, rs, **tol)
+    for p, r in zip(ps, rs):
+        if "step" in ref.state[r]:
+            assert float(opt.state[p]["step"]) == float(ref.state[r]["step"])

@@ -16,9 +16,12 @@ from torch import Tensor
 
 
 class CopyStreams:
-    def __init__(self, device: torch.device, overlap: bool = True) -> None:
+    """``copy_on_cpu=True`` makes a CPU run copy as an accelerator run would (into
+    separate host buffers, in line), so that code path is exercised without a GPU."""
+
+    def __init__(self, device: torch.device, overlap: bool = True, copy_on_cpu: bool = False) -> None:
         self.device = device
-        self.needed = device.type != "cpu"
+        self.needed = device.type != "cpu" or copy_on_cpu
         self.is_cuda = device.type == "cuda"
         use_streams = self.is_cuda and overlap
         self.d2h = torch.cuda.Stream(device) if use_streams else None

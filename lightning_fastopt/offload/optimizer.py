@@ -68,6 +68,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             processes): they are then copied when the step starts.
         wall_clock_breakdown: time each phase of every step into :attr:`last_step_times`
             (synchronizes the device; for diagnosis).
+        copy_on_cpu: on a CPU run, keep separate host masters and gradient buffers and
+            copy as on an accelerator (the accelerator code path, without one; for tests).
     """
 
     fuses_unscale = True  # step(grad_scale=...) unscales inside the kernels
@@ -75,7 +77,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
                  pin_memory: bool = True, copy_grads_in_hooks: bool = True,
-                 wall_clock_breakdown: bool = False) -> None:
+                 wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
         if not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"OffloadOptimizer runs lightning_fastopt's fused optimizers, got {type(optimizer).__name__}")
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
@@ -93,7 +95,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(f"OffloadOptimizer needs every parameter on one device, got {sorted(map(str, devices))}")
         self.device = params[0].device if params else torch.device("cpu")
-        self.copies = CopyStreams(self.device, overlap)
+        self.copies = CopyStreams(self.device, overlap, copy_on_cpu)
         self._timer = StepTimer(wall_clock_breakdown, self.copies.synchronize)
         self._pin = pin_memory and self.copies.is_cuda
         self._slots = self._make_slots(param_names or {}, params, offload_fraction)

@@ -160,9 +160,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The parameters of a group that have gradients, in buckets of one device and one
         step count, creating missing state.  Step counts are not advanced here.
 
-        Fast path (the common case): one device, and every parameter either new or sharing
-        the group's step tensor; one pass, one bucket.  Otherwise parameters are split by
-        device and step count, and parameters at the same count are given one shared tensor.
+        Fast path (the common case): one device, every parameter either new or sharing
+        the group's step tensor, and no parameter with state but without a gradient (its
+        count must not move); one pass, one bucket.  Otherwise parameters are split by
+        device and step count, and the parameters of a bucket are given a new shared tensor.
         """
         keys = self._bucket_state_keys(group)
         state_of = self.state
@@ -176,6 +177,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             g = p.grad if source is None else source.get(p)
             if g is None:
+                if counts and uniform and state_of.get(p):
+                    uniform = False  # it may share the step tensor that the others advance
                 continue
             if g.layout is not torch.strided:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
@@ -230,7 +233,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if b is None:
                 b = buckets[key] = Bucket([], [], {k: [] for k in keys}, first=not self.counts_steps and key[1])
                 if self.counts_steps:
-                    b.step_tensor = step_t if isinstance(step_t, Tensor) else torch.tensor(value)
+                    # a new tensor: the old one may be shared with parameters not stepped now
+                    b.step_tensor = torch.tensor(value, dtype=torch.float32)
             if self.counts_steps:
                 st["step"] = b.step_tensor  # parameters at the same count share one tensor
             b.params.append(p)
