@@ -41,3 +41,15 @@ def assert_params_close(a, b, rtol, atol):
     for i, (x, y) in enumerate(zip(a, b)):
         torch.testing.assert_close(x.detach(), y.detach(), rtol=rtol, atol=atol,
                                    msg=lambda m: f"param {i} (numel {x.numel()}): {m}")
+
+
+def subprocess_env(repo):
+    """The environment for a child training process: this one without the distributed
+    variables that in-process Lightning runs leave behind (with their port still held)."""
+    import os
+
+    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                 "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars and not k.startswith("PL_")}
+    env["PYTHONPATH"] = str(repo)
+    return env

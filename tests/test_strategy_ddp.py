@@ -2,26 +2,21 @@
 torch AdamW (clipping, accumulation, an LR scheduler), and an overflow on one rank skips
 the step on both."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from tests.helpers import subprocess_env
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ddp_run.py"
 
 
 def _run(strategy, out, *extra):
-    # A clean distributed environment: in-process Lightning runs earlier in this pytest
-    # process leave MASTER_PORT & co. behind, with that port still held by their store.
-    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                 "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars and not k.startswith("PL_")}
-    env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out), *extra], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out), *extra], cwd=REPO,
+                          env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
