@@ -7,6 +7,8 @@ pure-PyTorch path computes the same results.
 
 from lightning_fastopt import functional
 from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.memory import MemoryEstimate, estimate_memory
+from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.precision import FastOptPrecision
 from lightning_fastopt.strategy import FastOptStrategy
 from lightning_fastopt.optim import (
@@ -24,7 +26,7 @@ __version__ = "0.1.0"
 
 
 def _register_strategies() -> None:
-    """Make ``Trainer(strategy="fastopt")`` work after ``import lightning_fastopt`` (idempotent)."""
+    """Make ``Trainer(strategy="fastopt_offload")`` work after ``import lightning_fastopt`` (idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     FastOptStrategy.register_strategies(StrategyRegistry)
@@ -34,5 +36,6 @@ _register_strategies()
 
 __all__ = [
     "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FastOptStrategy", "FusedAdagrad", "FusedAdam",
-    "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "functional", "__version__",
+    "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "MemoryEstimate", "OffloadOptimizer",
+    "estimate_memory", "functional", "__version__",
 ]

@@ -123,3 +123,71 @@ def test_registration_is_idempotent():
 
     lightning_fastopt._register_strategies()
     assert "fastopt" in StrategyRegistry.available_strategies()
+
+
+def test_strategy_arguments_are_validated():
+    with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\], got 1.5"):
+        FastOptStrategy(offload_fraction=1.5)
+    with pytest.raises(ValueError, match=r"bucket_size_mb must be in \(0.0, inf\), got 0"):
+        FastOptStrategy(bucket_size_mb=0)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="cpu_threads must be a positive integer or None"):
+            FastOptStrategy(cpu_threads=bad)
+    with pytest.raises(TypeError, match="overlap must be True or False, got 'yes'"):
+        FastOptStrategy(overlap="yes")
+    with pytest.raises(ValueError, match="min_loss_scale"):
+        FastOptStrategy(min_loss_scale=0)
+
+
+def test_registered_names_and_their_fractions():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, fraction in (("fastopt", 0.0), ("fastopt_offload", 1.0)):
+        t = L.Trainer(accelerator="cpu", devices=1, strategy=name.upper(), logger=False)
+        assert isinstance(t.strategy, FastOptStrategy) and t.strategy.offload_fraction == fraction
+        assert name in StrategyRegistry.available_strategies()
+
+
+class _Recorder(L.pytorch.loggers.Logger):
+    name, version, experiment = "recorder", 0, None
+
+    def __init__(self):
+        super().__init__()
+        self.metrics = []
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+class _ThreadProbe(L.Callback):
+    def on_train_batch_start(self, *args):
+        self.threads = torch.get_num_threads()
+
+
+def test_wall_clock_breakdown_and_cpu_threads(backend):
+    logger, probe = _Recorder(), _ThreadProbe()
+    before = torch.get_num_threads()
+    strategy = FastOptStrategy(offload_fraction=0.5, wall_clock_breakdown=True, cpu_threads=1)
+    _fit(strategy, Model(lambda g: torch.optim.AdamW(g, lr=1e-2)), logger=logger, callbacks=[probe],
+         plugins=[FastOptPrecision("16-mixed")])
+    steps = [m for _, m in logger.metrics if "fastopt/loss_scale" in m]
+    assert len(steps) == 16
+    for m in steps:
+        assert m["fastopt/loss_scale"] > 0
+        for phase in ("grad_d2h", "gpu_step", "cpu_step", "param_h2d"):
+            assert m.get(f"fastopt/{phase}_ms", 0.0) >= 0.0
+    assert sum(m.get("fastopt/cpu_step_ms", 0.0) for m in steps) > 0
+    assert probe.threads == 1 and torch.get_num_threads() == before  # restored at teardown
+
+
+def test_default_cpu_threads_share_the_cores():
+    import os
+
+    from lightning_fastopt.strategy import default_cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert default_cpu_threads(1) == cores
+    assert default_cpu_threads(cores * 4) == 1
