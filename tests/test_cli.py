@@ -1,0 +1,91 @@
+"""The example through LightningCLI and the YAML configs in examples/configs: the strategy
+by registered name and by class_path (in a fresh interpreter that never imported
+lightning_fastopt), optimizer and scheduler by class_path, the precision plugin by
+class_path, and the loss of the main job going down."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, OffloadOptimizer
+from tests.helpers import subprocess_env
+
+pytest.importorskip("jsonargparse")
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "examples" / "configs"
+SMALL = ["--model.n_layer", "1", "--model.n_embd", "32", "--trainer.limit_val_batches", "1",
+         "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+         "--trainer.enable_checkpointing", "false"]
+
+
+def _cli(config, tmp_path, *extra):
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from train_gpt import main
+    finally:
+        sys.path.pop(0)
+    sys.argv[1:] = []  # the CLI gets its arguments from args, not from pytest's command line
+    return main(["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path), *SMALL, *extra])
+
+
+def test_main_job_config_strategy_by_name(tmp_path):
+    cli = _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.max_epochs", "3")
+    trainer = cli.trainer
+    assert isinstance(trainer.strategy, FastOptStrategy) and trainer.strategy.offload_fraction == 1.0
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, OffloadOptimizer) and type(opt.optimizer) is FusedAdam
+    assert opt.offloaded_numel == sum(p.numel() for p in cli.model.parameters())
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    assert sched.optimizer.param_groups[0] is opt.param_groups[0]  # the scheduler drives our groups
+    assert trainer.global_step == 3 * 10
+
+
+def test_main_job_loss_goes_down(tmp_path, capsys):
+    _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.max_epochs", "4", "--model.n_layer", "2",
+         "--model.n_embd", "64")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "mean train loss" in ln]
+    losses = [float(ln.rsplit(" ", 1)[1]) for ln in lines]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
+
+
+def test_class_path_config_in_a_fresh_interpreter(tmp_path):
+    """No `import lightning_fastopt` anywhere: jsonargparse imports the strategy and the
+    precision plugin from their class_path."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO / 'examples')!r})
+from gpt import TextData, TinyGPT
+from lightning.pytorch.cli import LightningCLI
+assert "lightning_fastopt" not in sys.modules
+cli = LightningCLI(TinyGPT, TextData, args=sys.argv[1:])
+t = cli.trainer
+print("RESULT", type(t.strategy).__name__, t.strategy.offload_fraction, type(t.precision_plugin).__name__,
+      t.precision_plugin.precision, type(t.optimizers[0].optimizer).__name__, t.global_step)
+"""
+    args = ["fit", "--config", str(CONFIGS / "gpt_offload_class_path.yaml"), "--trainer.default_root_dir",
+            str(tmp_path), "--trainer.max_steps", "3", *SMALL]
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=subprocess_env(REPO),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    assert result.split()[1:] == ["FastOptStrategy", "0.5", "FastOptPrecision", "16-mixed", "FusedLAMB", "3"]
+
+
+def test_strategy_by_class_path_on_the_command_line(tmp_path):
+    cli = _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.max_steps", "2", "--trainer.strategy",
+               "lightning_fastopt.FastOptStrategy", "--trainer.strategy.offload_fraction", "0.25",
+               "--trainer.strategy.initial_scale_power", "8")
+    assert isinstance(cli.trainer.strategy, FastOptStrategy)
+    assert cli.trainer.strategy.offload_fraction == 0.25
+    assert isinstance(cli.trainer.precision_plugin, FastOptPrecision)
+
+
+def test_bad_value_in_a_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\], got 1.5"):
+        _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.strategy", "lightning_fastopt.FastOptStrategy",
+             "--trainer.strategy.offload_fraction", "1.5")
