@@ -113,7 +113,7 @@ def main() -> None:
           f"torch={torch.__version__}", flush=True)
 
     peak = {}
-    for kind, (model, opt, x, t) in runs.items():  # warm up; peak memory of one iteration
+    for kind, (model, opt, x, _) in runs.items():  # warm up; peak memory of one iteration
         for _ in range(2):
             one_iteration(model, opt, x, device, {"step": [], "iteration": []})
         if device == "cuda":
@@ -122,17 +122,17 @@ def main() -> None:
             one_iteration(model, opt, x, device, {"step": [], "iteration": []})
             peak[kind] = (torch.cuda.max_memory_allocated(), before)
     for _ in range(repeat):  # round robin: drift of a shared machine hits every row alike
-        for kind, (model, opt, x, t) in runs.items():
+        for model, opt, x, t in runs.values():
             one_iteration(model, opt, x, device, t)
             t["overlapped"].append(overlapped_iteration(model, opt, x, device))
 
     ref_step = statistics.median(runs[kinds[0]][3]["step"])
     rows = []
-    header = (f"| configuration | step ms | vs torch fused | iteration ms (overlapped) | peak device MiB "
-              f"| state+masters on device | on host |")
+    header = ("| configuration | step ms | vs torch fused | iteration ms (overlapped) | peak device MiB "
+              "| state+masters on device | on host |")
     print(header)
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for kind, (model, opt, x, t) in runs.items():
+    for kind, (model, _, _, t) in runs.items():
         step = statistics.median(t["step"])
         over = statistics.median(t["overlapped"])
         fraction = 0.0 if kind.startswith("torch") else float(kind.split("=")[1])

@@ -1,10 +1,12 @@
-"""README keeps exactly two set-up commands, CI runs the test one, and the main job's
-script runs (tiny sizes: the numbers are not checked here, the benchmark reports them)."""
+"""README keeps exactly two set-up commands, CI runs the test one, the main job runs,
+and the benchmark scripts run."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,16 +22,33 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     commands = _setup_commands()
     assert len(commands) == 2, commands
     main_job, tests = commands
-    assert "benchmarks/cpu_optimizers.py" in main_job
+    assert "examples/train_gpt.py fit --config examples/configs/gpt_offload.yaml" in main_job
     assert "pytest" in tests
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci
 
 
-def test_main_job_script_runs():
+def test_main_job_runs_and_reports_the_loss(tmp_path):
+    """The main job's command, shortened (one epoch, one layer)."""
+    cmd = _setup_commands()[0].split("&&", 1)[1].split()
+    assert cmd[0] == "python3"
+    out = subprocess.run([sys.executable, *cmd[1:], "--trainer.max_epochs", "1", "--model.n_layer", "1",
+                          "--trainer.default_root_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env=subprocess_env(REPO))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "epoch 0: mean train loss" in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_benchmark_scripts_run():
+    """Tiny sizes: the numbers are not checked here, the benchmarks report them."""
     out = subprocess.run([sys.executable, "benchmarks/cpu_optimizers.py", "--quick", "--repeat", "1",
                           "--algorithms", "adam,adam-mixed,lamb"], cwd=REPO, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr
     assert "read-modify-write bandwidth" in out.stdout
     assert "| lamb | lightning_fastopt FusedLAMB |" in out.stdout
+    out = subprocess.run([sys.executable, "benchmarks/offload_step.py", "--quick"], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "| offload_fraction=0.5 |" in out.stdout and "| torch AdamW(fused=True) | " in out.stdout

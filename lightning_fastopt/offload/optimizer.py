@@ -79,7 +79,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  pin_memory: bool = True, copy_grads_in_hooks: bool = True,
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
         if not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(f"OffloadOptimizer runs lightning_fastopt's fused optimizers, got {type(optimizer).__name__}")
+            raise TypeError("OffloadOptimizer runs lightning_fastopt's fused optimizers, "
+                            f"got {type(optimizer).__name__}")
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         self._constructed = False
