@@ -1,4 +1,4 @@
-"""`fastopt` with 2 real processes (gloo): the same weights as Lightning's plain `ddp` with
+"""`fastopt` and `fastopt_offload` with 2 real processes (gloo): the same weights as Lightning's plain `ddp` with
 torch AdamW (clipping, accumulation, an LR scheduler), and an overflow on one rank skips
 the step on both."""
 
@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import subprocess_env
@@ -21,8 +22,9 @@ def _run(strategy, out, *extra):
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
-def test_two_process_fastopt_matches_plain_ddp(tmp_path):
-    ours, ours_rank1 = _run("fastopt", tmp_path / "fastopt.pt")
+@pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload"])
+def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
+    ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt")
     ref, _ = _run("ddp", tmp_path / "ddp.pt")
     assert ours.keys() == ref.keys()
     for k in ours:
