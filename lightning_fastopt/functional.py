@@ -5,7 +5,8 @@ What the optimizer classes and the offload/ZeRO strategy call.  Every function u
 
 - ``params`` and the states are the float32 master copies (half-precision params are
   accepted too and updated in their own dtype; state is always float32);
-- ``grads`` may be float32, float16 or bfloat16 and are never modified;
+- ``grads`` may be float32, float16 or bfloat16 and are never modified (except by
+  torch's fused CUDA kernels when ``grad_scale`` is not 1, see below);
 - ``grad_scale`` (float or 0-dim tensor): the grads are divided by it inside the kernel
   (loss-scale unscaling);
 - ``check_finite=True``: if any gradient holds inf or NaN nothing at all is updated and
@@ -15,8 +16,10 @@ What the optimizer classes and the offload/ZeRO strategy call.  Every function u
 - ``step`` is the step number after this update (1 on the first call).
 
 CPU tensors go to the compiled kernels (one pass over memory, plus a read of the grads
-for ``check_finite``); other devices, and any tensor the kernels do not take, go to the
-pure-PyTorch backend, which computes the same thing.
+for ``check_finite``).  On CUDA, float32 Adam/AdamW and SGD run torch's fused kernels
+(:mod:`lightning_fastopt.ops.torch_fused`, which unscale the gradients in place) until
+our CUDA kernels land.  Everything else goes to the pure-PyTorch backend, which computes
+the same thing.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_fastopt.ops import backend_for, torch_backend, unsupported_tensor_error
+from lightning_fastopt.ops import backend_for, torch_backend, torch_fused, unsupported_tensor_error
 
 TensorList = Sequence[Tensor]
 
@@ -49,6 +52,12 @@ def _inv_scale(grad_scale) -> float:
     if not scale > 0 or not math.isfinite(scale):
         raise ValueError(f"grad_scale must be a positive finite number, got {scale}")
     return float(torch.tensor(scale, dtype=torch.float64).reciprocal().float())
+
+
+def _grad_scale_value(grad_scale) -> float:
+    """grad_scale as a float (1.0 for None), checked as _inv_scale checks it."""
+    _inv_scale(grad_scale)
+    return 1.0 if grad_scale is None else _scalar(grad_scale)
 
 
 def _check_lengths(params: TensorList, **lists) -> None:
@@ -107,6 +116,14 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, s
     if not len(params):
         return False
     lr = _scalar(lr)
+    if bias_correction and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs,
+                                             max_exp_avg_sqs if amsgrad else None, copies=param_copies):
+        if check_finite and not grads_all_finite(grads):
+            return True
+        torch_fused.adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=step, lr=lr, beta1=beta1,
+                          beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, adamw=adamw_mode,
+                          maximize=maximize, grad_scale=_grad_scale_value(grad_scale))
+        return False
     bc1 = 1 - beta1 ** step if bias_correction else 1.0
     bc2 = 1 - beta2 ** step if bias_correction else 1.0
     return _call("adam_", params, list(grads), list(exp_avgs), list(exp_avg_sqs),
@@ -127,6 +144,14 @@ def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, 
     if momentum and momentum_buffers is None:
         raise ValueError("momentum != 0 needs momentum_buffers")
     if not len(params):
+        return False
+    if not wd_after_momentum and torch_fused.takes(params, grads, momentum_buffers if momentum else None,
+                                                   copies=param_copies):
+        if check_finite and not grads_all_finite(grads):
+            return True
+        torch_fused.sgd_(params, grads, momentum_buffers, lr=_scalar(lr), momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first_step=step == 1,
+                         grad_scale=_grad_scale_value(grad_scale))
         return False
     return _call("sgd_", params, list(grads), _list(momentum_buffers) if momentum else None, _list(param_copies),
                  _scalar(lr), momentum, dampening, weight_decay, _inv_scale(grad_scale), nesterov, maximize,

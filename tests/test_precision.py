@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fastopt import FusedAdam
+from lightning_fastopt import FastOptStrategy, FusedAdam
 from lightning_fastopt.precision import FastOptPrecision
 
 
@@ -42,18 +42,23 @@ class Regressor(L.LightningModule):
             w = self.net[0].weight
             w.grad[0, 0] = math.inf if self.global_step % 2 else math.nan
 
-    def on_train_batch_start(self, batch, batch_idx):
+    def _states(self):
         opt = self.trainer.optimizers[0]
+        if hasattr(opt, "state_of"):  # an offload optimizer keeps its state out of opt.state
+            return {id(p): opt.state_of(p) for p in self.parameters()}
+        return {id(p): s for p, s in opt.state.items()}
+
+    def on_train_batch_start(self, batch, batch_idx):
         self._before = ([p.detach().clone() for p in self.parameters()],
-                        {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()})
+                        {i: {k: v.clone() for k, v in s.items()} for i, s in self._states().items()})
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         plugin = self.trainer.precision_plugin
         step = self.global_step - 1
         params, states = self._before
         unchanged = all(torch.equal(a, b) for a, b in zip(params, self.parameters()))
-        opt = self.trainer.optimizers[0]
-        state_same = all(torch.equal(v, opt.state[p][k]) for p in self.parameters()
+        now = self._states()
+        state_same = all(torch.equal(v, now[id(p)][k]) for p in self.parameters()
                          for k, v in states.get(id(p), {}).items())
         self.events.append((step, unchanged and state_same, getattr(plugin, "loss_scale", 1.0)))
 
@@ -70,10 +75,15 @@ def _trainer(plugin=None, **kw):
     return L.Trainer(**args)
 
 
-def test_fp16_overflow_skips_steps_and_follows_the_scale_rule(backend):
+@pytest.mark.parametrize("strategy", ["auto", "fastopt_offload", "half_offloaded"])
+def test_fp16_overflow_skips_steps_and_follows_the_scale_rule(backend, strategy):
+    """Injected inf/NaN gradients with Lightning's default strategy and with the offload
+    optimizer (all, or half of the parameters offloaded)."""
     plugin = FastOptPrecision("16-mixed", initial_scale_power=10, loss_scale_window=4, hysteresis=2)
     model = Regressor(inject_at={3, 4, 5, 12})
-    trainer = _trainer(plugin)
+    if strategy == "half_offloaded":
+        strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0001)
+    trainer = _trainer(plugin, strategy=strategy)
     trainer.fit(model, _data())
     events = dict((s, (unchanged, scale)) for s, unchanged, scale in model.events)
     for step in (3, 4, 5, 12):

@@ -1,0 +1,67 @@
+"""The torch-fused path that serves CUDA tensors until our CUDA kernels land, run here on
+the CPU (torch ships the same kernels for both): FusedAdam and FusedSGD through it match
+torch.optim (Adam rtol 1.3e-6 / atol 1e-5, SGD 1e-6), with loss-scale unscaling, and
+calls it cannot compute exactly as ours go to the other backends."""
+
+import pytest
+import torch
+
+from lightning_fastopt import FusedAdam, FusedSGD
+from lightning_fastopt.ops import torch_fused
+from tests.helpers import SIZES, assert_params_close, split_groups
+
+GROUPS = [dict(), dict(lr=3e-3, weight_decay=0.0), dict(lr=5e-4)]
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch_fused, "DEVICE_TYPES", ("cpu", "cuda"))
+    calls = []
+    for name in ("adam_", "sgd_"):
+        real = getattr(torch_fused, name)
+        monkeypatch.setattr(torch_fused, name, lambda *a, _real=real, _n=name, **k: (calls.append(_n), _real(*a, **k)))
+    return calls
+
+
+@pytest.mark.parametrize("make,make_ref,tol", [
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, amsgrad=True),
+     lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05, amsgrad=True), dict(rtol=1.3e-6, atol=1e-5)),
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, adamw_mode=False, maximize=True),
+     lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.05, maximize=True), dict(rtol=1.3e-6, atol=1e-5)),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+     lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3), dict(rtol=1e-6, atol=1e-6)),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True),
+     lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True), dict(rtol=1e-6, atol=1e-6)),
+], ids=["adamw-amsgrad", "adam-l2-maximize", "sgd-dampening", "sgd-nesterov"])
+def test_matches_torch_optim_with_unscaling(fused_on_cpu, make, make_ref, tol):
+    ps = [torch.randn(n, requires_grad=True) for n in SIZES * 3]
+    rs = [p.detach().clone().requires_grad_() for p in ps]
+    opt, ref = make(split_groups(ps, GROUPS)), make_ref(split_groups(rs, GROUPS))
+    for _ in range(20):
+        for p, r in zip(ps, rs):
+            g = torch.randn_like(p)
+            p.grad, r.grad = g * 64.0, g.clone()
+        opt.step(grad_scale=64.0)
+        ref.step()
+    assert_params_close(ps, rs, **tol)
+    assert fused_on_cpu  # the torch-fused path ran
+
+
+def test_overflow_skips_before_the_fused_kernel(fused_on_cpu):
+    p = torch.randn(5, requires_grad=True)
+    opt = FusedAdam([p])
+    p.grad = torch.full((5,), float("inf"))
+    before = p.detach().clone()
+    opt.step(check_finite=True)
+    assert opt.last_step_skipped and torch.equal(p.detach(), before)
+
+
+def test_what_it_does_not_take(monkeypatch):
+    f32 = [torch.zeros(3)]
+    assert not torch_fused.takes(f32, f32)  # CPU tensors go to our compiled kernels
+    monkeypatch.setattr(torch_fused, "DEVICE_TYPES", ("cpu",))
+    assert torch_fused.takes(f32, f32)
+    assert not torch_fused.takes([torch.zeros(3, dtype=torch.bfloat16)], f32)  # half params
+    assert not torch_fused.takes(f32, [torch.zeros(3, dtype=torch.bfloat16)])  # half grads
+    assert not torch_fused.takes(f32, f32, copies=[torch.zeros(3, dtype=torch.bfloat16)])
+    assert not torch_fused.takes([], [])
