@@ -8,8 +8,9 @@ is a sign, so a 1-ulp difference in an interpolation that is exactly at 0 would 
 element by 2*lr: Lion is checked one step at a time from a shared state (the reference
 restarts from our parameters and moments each step): parameters with rtol 1e-6 and
 atol 1e-7, except elements whose interpolation is within 4 ulps of zero, which may
-differ by at most 2*lr (about one in a million elements); moments with rtol 1e-6 and atol 1e-6 (lerp can cancel to near zero, where
-one ulp of the O(1) inputs is a large relative error).
+differ by at most 2*lr (about one in a million elements); moments with rtol 1e-6 and
+atol 1e-6 (lerp can cancel to near zero, where one ulp of the O(1) inputs is a large
+relative error).
 """
 
 import pytest
