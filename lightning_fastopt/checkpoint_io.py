@@ -15,9 +15,9 @@ import tempfile
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from fsspec.implementations.local import LocalFileSystem
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -18,7 +18,6 @@ One optimizer step, in fp16:
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -26,12 +25,12 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fastopt.functional import by_device, grads_all_finite
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 
-log = logging.getLogger(__name__)
 
 SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 _PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true"]
@@ -118,7 +117,7 @@ class FastOptPrecision(Precision):
         if self._overflow:
             self.scaler.update(overflow=True)
             optimizer._opt_called = True  # LR schedulers check this; the skipped step still counts
-            log.info("lightning_fastopt: gradient overflow, step skipped; loss scale now %g", self.scaler.scale)
+            rank_zero_info(f"lightning_fastopt: gradient overflow, step skipped; loss scale now {self.scaler.scale:g}")
             return closure_result
         scale = self.scaler.scale if self.scaler is not None else None
         if getattr(optimizer, "fuses_unscale", False):

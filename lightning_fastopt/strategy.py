@@ -26,7 +26,6 @@ launchers, cluster environments and torchrun work as in Lightning):
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
@@ -43,7 +43,6 @@ from lightning_fastopt.optim import FusedAdagrad, FusedAdam, FusedOptimizer, Fus
 from lightning_fastopt.optim.base import check_range
 from lightning_fastopt.precision import SUPPORTED_PRECISIONS, FastOptPrecision
 
-log = logging.getLogger(__name__)
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -189,7 +188,7 @@ class FastOptStrategy(DDPStrategy):
         threads = self.cpu_threads or default_cpu_threads(self.num_processes)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
-        log.info("lightning_fastopt: %d CPU thread(s) for the optimizer step on rank %d", threads, self.global_rank)
+        rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
 
     def configure_ddp(self) -> None:
         if self.world_size > 1:
@@ -204,14 +203,14 @@ class FastOptStrategy(DDPStrategy):
         for opt in self.optimizers:
             fused = to_fused_optimizer(opt)
             if fused is not opt:
-                log.info("lightning_fastopt: running %s as %s with the same hyperparameters",
-                         type(opt).__name__, type(fused).__name__)
+                rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
+                               "with the same hyperparameters")
             offload = OffloadOptimizer(fused, names, offload_fraction=self.offload_fraction,
                                        bucket_size_mb=self.bucket_size_mb, overlap=self.overlap,
                                        pin_memory=self.pin_memory,
                                        copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
                                        wall_clock_breakdown=self.wall_clock_breakdown)
-            log.info("lightning_fastopt: %r", offload)
+            rank_zero_info(f"lightning_fastopt: {offload!r}")
             self._user_optimizers[id(offload)] = opt
             wrapped.append(offload)
         self.optimizers = wrapped

@@ -34,11 +34,11 @@ offload fraction and loadable by torch.optim.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fastopt.checkpoint import named_state_dict, read_named_state
@@ -48,8 +48,6 @@ from lightning_fastopt.offload.partition import choose_offloaded, split_into_buc
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve
 from lightning_fastopt.offload.timing import StepTimer
 from lightning_fastopt.optim.base import FusedOptimizer, check_range, hyperparameters
-
-log = logging.getLogger(__name__)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -283,8 +281,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         timer.start_step()
         refreshed = self.refresh_master_weights(only_changed=True)
         if refreshed:
-            log.info("lightning_fastopt: %d master weight(s) refreshed from the model, whose weights were changed "
-                     "outside the optimizer", refreshed)
+            rank_zero_info(f"lightning_fastopt: {refreshed} master weight(s) refreshed from the model, whose "
+                           "weights were changed outside the optimizer")
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
         needs_all = check_finite or type(self.optimizer).step_context is not FusedOptimizer.step_context
