@@ -41,6 +41,7 @@ from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim import FusedAdagrad, FusedAdam, FusedOptimizer, FusedSGD
 from lightning_fastopt.optim.base import check_range
+from lightning_fastopt.zero import ZeroOptimizer
 from lightning_fastopt.precision import SUPPORTED_PRECISIONS, FastOptPrecision
 
 
@@ -123,6 +124,9 @@ class FastOptStrategy(DDPStrategy):
         wall_clock_breakdown: log the time of each phase of every optimizer step (grad
             D2H, GPU step, CPU step, param H2D, in ms) and the loss scale to the Trainer's
             loggers.  Timing synchronizes the device, so use it to diagnose, not to train.
+        zero_stage: 0 (every rank keeps all optimizer state) or 1 (ZeRO stage 1: the fp32
+            masters and optimizer state are sharded across the data-parallel ranks; each
+            rank's shard is offloaded by ``offload_fraction``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -131,7 +135,8 @@ class FastOptStrategy(DDPStrategy):
     def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
-                 min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, **kwargs: Any) -> None:
+                 min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, zero_stage: int = 0,
+                 **kwargs: Any) -> None:
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
@@ -142,6 +147,9 @@ class FastOptStrategy(DDPStrategy):
                                         or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
                              f"got {cpu_threads!r}")
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}")
+        self.zero_stage = int(zero_stage)
         self.offload_fraction = float(offload_fraction)
         self.overlap = overlap
         self.pin_memory = pin_memory
@@ -205,11 +213,11 @@ class FastOptStrategy(DDPStrategy):
             if fused is not opt:
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
-            offload = OffloadOptimizer(fused, names, offload_fraction=self.offload_fraction,
-                                       bucket_size_mb=self.bucket_size_mb, overlap=self.overlap,
-                                       pin_memory=self.pin_memory,
-                                       copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
-                                       wall_clock_breakdown=self.wall_clock_breakdown)
+            kind = ZeroOptimizer if self.zero_stage == 1 else OffloadOptimizer
+            offload = kind(fused, names, offload_fraction=self.offload_fraction, bucket_size_mb=self.bucket_size_mb,
+                           overlap=self.overlap, pin_memory=self.pin_memory,
+                           copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
+                           wall_clock_breakdown=self.wall_clock_breakdown)
             rank_zero_info(f"lightning_fastopt: {offload!r}")
             self._user_optimizers[id(offload)] = opt
             wrapped.append(offload)
@@ -219,7 +227,7 @@ class FastOptStrategy(DDPStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning enters this for the micro-batches of an accumulation window that do
         not step: gradients are not final, so nothing is copied to the host yet."""
-        offload = [o for o in self.optimizers if isinstance(o, OffloadOptimizer)]
+        offload = [_offload_part(o) for o in self.optimizers if _offload_part(o) is not None]
         for o in offload:
             o.accumulating = True
         try:
@@ -235,8 +243,8 @@ class FastOptStrategy(DDPStrategy):
         user = self._user_optimizers.get(id(raw))
         if user is not None:
             user._opt_called = True  # LR schedulers bound to the user's optimizer check this
-        if self.wall_clock_breakdown and isinstance(raw, OffloadOptimizer):
-            self._log_step_times(raw)
+        if self.wall_clock_breakdown and _offload_part(raw) is not None:
+            self._log_step_times(_offload_part(raw))
         return out
 
     def _log_step_times(self, optimizer: OffloadOptimizer) -> None:
@@ -261,7 +269,7 @@ class FastOptStrategy(DDPStrategy):
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:
         for opt in self.optimizers:
-            if isinstance(opt, OffloadOptimizer):
+            if isinstance(opt, (OffloadOptimizer, ZeroOptimizer)):
                 opt.close()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
@@ -278,6 +286,13 @@ class FastOptStrategy(DDPStrategy):
         for name, (description, fraction) in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, offload_fraction=fraction)
+
+
+def _offload_part(optimizer) -> OffloadOptimizer | None:
+    """The offload optimizer inside one of ours (a ZeRO optimizer holds one for its shard)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.local
+    return optimizer if isinstance(optimizer, OffloadOptimizer) else None
 
 
 def default_cpu_threads(processes_per_node: int) -> int:

@@ -22,10 +22,17 @@ def _run(strategy, out, *extra):
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload"])
+@pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload", "zero1", "zero1_offload"])
 def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
     ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt")
     ref, _ = _run("ddp", tmp_path / "ddp.pt")
+    if strategy.startswith("zero1"):
+        # each rank owns about half of the 8*16+16+16+1 = 161 elements, and keeps Adam's two
+        # float32 moments for those only
+        owned = [int(r.pop("owned_numel")) for r in (ours, ours_rank1)]
+        state_bytes = [int(r.pop("state_bytes")) for r in (ours, ours_rank1)]
+        assert sum(owned) == 161 and max(owned) <= 161 // 2 + 128
+        assert state_bytes == [8 * n for n in owned]
     assert ours.keys() == ref.keys()
     for k in ours:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync

@@ -42,6 +42,9 @@ class Model(L.LightningModule):
 
 def main():
     strategy, out = sys.argv[1], sys.argv[2]
+    if strategy.startswith("zero1"):  # ZeRO stage 1, the shards kept on the device or all offloaded
+        strategy = lightning_fastopt.FastOptStrategy(zero_stage=1, bucket_size_mb=0.0002,
+                                                     offload_fraction=1.0 if "offload" in strategy else 0.0)
     inject = "--inject-inf" in sys.argv
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
@@ -55,6 +58,11 @@ def main():
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if inject:
         state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
+    opt = trainer.optimizers[0]
+    if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state
+        state["owned_numel"] = torch.tensor(opt.owned_numel)
+        state["state_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for p in model.parameters()
+                                                for k, t in opt.state_of(p).items() if k != "step"))
     torch.save(state, f"{out}.rank{trainer.global_rank}")
 
 

@@ -1,0 +1,164 @@
+"""ZeroOptimizer: ZeRO stage 1, optimizer state and master weights sharded across ranks.
+
+Every data-parallel rank holds the whole model and (after DDP's all-reduce) the whole
+averaged gradient, but only the ranks that own a parameter
+(:func:`~lightning_fastopt.zero.partition.assign_owners`) keep its fp32 master and
+optimizer state and update it, in an :class:`~lightning_fastopt.offload.OffloadOptimizer`
+over the owned parameters (so a rank's shard can itself be offloaded to the CPU).  After
+the update each owner broadcasts its parameters to the others, in buckets of about
+``bucket_size_mb``.  Per rank, Adam's 12 bytes of state and masters per parameter become
+12/N.
+
+The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
+schedulers work); the state dict of a rank holds its shard, keyed by parameter name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_fastopt.checkpoint import read_named_state
+from lightning_fastopt.offload import OffloadOptimizer, split_into_buckets
+from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters
+from lightning_fastopt.zero.partition import assign_owners
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Args:
+        optimizer: the fused optimizer with every parameter (the user's groups).
+        param_names: a name for each parameter (state dicts are keyed by them).
+        process_group: the data-parallel group (default: the whole world).
+        offload_fraction, bucket_size_mb, overlap, pin_memory, copy_grads_in_hooks,
+        wall_clock_breakdown, copy_on_cpu: for this rank's
+        :class:`~lightning_fastopt.offload.OffloadOptimizer`.
+    """
+
+    fuses_unscale = True
+
+    def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
+                 process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
+                 overlap: bool = True, pin_memory: bool = True, copy_grads_in_hooks: bool = False,
+                 wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
+        if not isinstance(optimizer, FusedOptimizer):
+            raise TypeError(f"ZeroOptimizer runs lightning_fastopt's fused optimizers, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
+        self.group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self.world_size = dist.get_world_size(process_group) if distributed else 1
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self.param_names = dict(param_names or {})
+        for i, p in enumerate(self._params):
+            self.param_names.setdefault(p, f"param{i}")
+        self.owners = assign_owners([p.numel() for p in self._params], self.world_size)
+        owned = {p for p, o in zip(self._params, self.owners) if o == self.rank}
+        shard = optimizer.sibling([[p for p in g["params"] if p in owned] for g in self.param_groups])
+        for p in owned:  # state the wrapped optimizer had moves with its parameter
+            if optimizer.state.get(p):
+                shard.state[p] = optimizer.state[p]
+        optimizer.state.clear()
+        self.local = OffloadOptimizer(shard, self.param_names, offload_fraction=offload_fraction,
+                                      bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
+                                      copy_grads_in_hooks=copy_grads_in_hooks,
+                                      wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu)
+        bucket_bytes = int(bucket_size_mb * 2**20)
+        self._broadcast_buckets = []  # (owner rank, [params]) in the order every rank runs them
+        for r in range(self.world_size):
+            mine = [p for p, o in zip(self._params, self.owners) if o == r]
+            for dtype in sorted({p.dtype for p in mine}, key=str):
+                same = [p for p in mine if p.dtype == dtype]
+                for chunk in split_into_buckets(same, [p.numel() * p.element_size() for p in same], bucket_bytes):
+                    self._broadcast_buckets.append((r, chunk))
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def owned_numel(self) -> int:
+        return sum(p.numel() for p, o in zip(self._params, self.owners) if o == self.rank)
+
+    def state_of(self, param: Tensor) -> dict[str, Any]:
+        """The optimizer state of a parameter this rank owns (empty for the others)."""
+        return self.local.state_of(param) if param in self.local._slot_of else {}
+
+    def partition(self) -> dict[str, int]:
+        """The owning rank of each parameter, by name."""
+        return {self.param_names[p]: o for p, o in zip(self._params, self.owners)}
+
+    # ------------------------------------------------------------------ gradients and step
+    def gradients(self) -> list[Tensor]:
+        """The gradients the step reads (after DDP's all-reduce every rank has them all:
+        overflow checks and norms agree on every rank)."""
+        local = self.local.gradients()
+        others = [p.grad for p in self._params if p.grad is not None and p not in self.local._slot_of]
+        return others + local
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.local.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
+             check_finite: bool = False):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for mine, theirs in zip(self.local.optimizer.param_groups, self.param_groups):
+            mine.update(hyperparameters(theirs))
+        self.local.step(grad_scale=grad_scale, check_finite=check_finite)
+        self.last_step_skipped = self.local.last_step_skipped
+        self.skipped_steps = self.local.skipped_steps
+        if not self.last_step_skipped:
+            self._broadcast_params()
+        return loss
+
+    def _broadcast_params(self) -> None:
+        if self.world_size == 1:
+            return
+        for owner, params in self._broadcast_buckets:
+            src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+            if owner == self.rank:
+                flat = _flatten_dense_tensors([p.detach() for p in params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            dist.broadcast(flat, src=src, group=self.group)
+            if owner != self.rank:
+                for p, value in zip(params, _unflatten_dense_tensors(flat, params)):
+                    p.data.copy_(value)
+
+    # ------------------------------------------------------------------ state dict
+    def _names(self) -> list[list[str]]:
+        return [[self.param_names[p] for p in g["params"]] for g in self.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: the owned parameters' state, keyed by name, with every group's
+        settings (``param_groups[i]["params"]`` lists the owned names only)."""
+        return self.local.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole optimizer state (ours keyed by name, or torch's by position, from any
+        world size once merged): this rank keeps the part it owns."""
+        by_name, saved_groups = read_named_state(state_dict, self._names(),
+                                                 {self.param_names[p]: p.shape for p in self._params})
+        owned_names = [[self.param_names[p] for p in g["params"]] for g in self.local.param_groups]
+        self.local.load_state_dict({
+            "state": {n: by_name[n] for names in owned_names for n in names if n in by_name},
+            "param_groups": [dict(hp, params=names) for hp, names in zip(saved_groups, owned_names)],
+        })
+        for group, hp in zip(self.param_groups, saved_groups):
+            group.update(hp)  # in place: LR schedulers hold these dicts
+
+    def close(self) -> None:
+        self.local.close()
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage 1, rank {self.rank}/{self.world_size}, owns {self.owned_numel} of "
+                f"{sum(p.numel() for p in self._params)} elements, {self.local!r})")
