@@ -36,6 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_fastopt.checkpoint import finish_sharded, is_sharded, load_sharded, staging_path, write_main, write_shard
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
@@ -256,6 +257,31 @@ class FastOptStrategy(DDPStrategy):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """ZeRO: every rank writes its optimizer shard into a directory (see
+        :mod:`lightning_fastopt.checkpoint`); otherwise one file, written atomically."""
+        zero = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
+        if not zero:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = self.broadcast(os.path.abspath(os.fspath(filepath)))
+        staging = self.broadcast(staging_path(path))
+        if self.is_global_zero:
+            os.makedirs(staging)
+        self.barrier("fastopt_checkpoint_staging")
+        write_shard(staging, self.global_rank, checkpoint.get("optimizer_states", []))
+        if self.is_global_zero:
+            write_main(staging, checkpoint)
+        self.barrier("fastopt_checkpoint_shards")
+        if self.is_global_zero:
+            finish_sharded(staging, path, world_size=self.world_size, zero_stage=self.zero_stage,
+                           partitions=[o.partition() for o in zero])
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Sharded (ZeRO) directories are merged, to be re-sharded for this world size."""
+        if is_sharded(checkpoint_path):
+            return load_sharded(checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Each optimizer loads its saved state where its parameters live (the base class
         would move offloaded state to the accelerator)."""

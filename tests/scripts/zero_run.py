@@ -1,0 +1,66 @@
+"""A ZeRO training run for the sharded-checkpoint tests: 4 epochs over 64 samples with a
+global batch of 8 (2 ranks x 4, or 1 x 8), a checkpoint at the end of every epoch.
+
+    python tests/scripts/zero_run.py OUT --devices 2 [--resume CKPT] [--strategy zero1|ddp]
+
+Lightning's default launcher re-runs this script for rank 1.  Writes OUT/final.pt on rank 0.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_fastopt import FastOptStrategy  # noqa: E402
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 5, 0.7),
+                                                   "interval": "step"}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--resume")
+    ap.add_argument("--strategy", default="zero1", choices=["zero1", "ddp"])
+    ap.add_argument("--offload", type=float, default=0.0)
+    ap.add_argument("--save-to", help="also save the final state here (over whatever is there)")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = torch.sin(x @ torch.randn(8, 1, generator=g))
+    strategy = (FastOptStrategy(zero_stage=1, offload_fraction=args.offload, bucket_size_mb=0.0005)
+                if args.strategy == "zero1" else "ddp")
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=4, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[ModelCheckpoint(dirpath=args.out / "ckpt", every_n_epochs=1, save_top_k=-1,
+                                                   save_last=True)])
+    model = Model()
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8 // args.devices), ckpt_path=args.resume)
+    if args.save_to:
+        trainer.save_checkpoint(args.save_to)
+    if trainer.is_global_zero:
+        torch.save({"weights": model.state_dict(), "step": trainer.global_step}, args.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""ZeRO stage 1 checkpoints in real processes (gloo): a directory of per-rank shards and a
+manifest; saved at 2 ranks and resumed at 1, and the other way round, the run continues
+as if never stopped (a global batch of 8 either way: the same samples per step, summed
+in another order, so Adam's tolerance, rtol 1.3e-6 / atol 1e-5); a consolidated
+checkpoint resumes under plain Lightning with torch AdamW; a re-save never keeps a stale
+shard; an unfinished save leaves the previous checkpoint."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fastopt import checkpoint as ck
+from tests.helpers import subprocess_env
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "scripts" / "zero_run.py"
+EPOCH_2 = "epoch=1-step=16.ckpt"
+
+
+def _run(out, *args):
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], cwd=REPO, env=subprocess_env(REPO),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def _assert_close(a, b):
+    assert a["step"] == b["step"] == 32
+    for k in a["weights"]:
+        torch.testing.assert_close(a["weights"][k], b["weights"][k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero2ranks")
+    return out, _run(out, "--devices", "2")
+
+
+def test_directory_layout_and_manifest(two_rank_run):
+    out, _ = two_rank_run
+    path = out / "ckpt" / EPOCH_2
+    assert sorted(os.listdir(path)) == ["checkpoint.pt", "manifest.json", "optimizer_shard_00000.pt",
+                                        "optimizer_shard_00001.pt"]
+    import json
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["zero_stage"] == 1 and manifest["format_version"] == 1
+    owners = manifest["partitions"][0]
+    assert set(owners.values()) == {0, 1} and list(owners)[0] == "net.0.weight"
+    shard0 = torch.load(path / "optimizer_shard_00000.pt", weights_only=True)[0]
+    assert set(shard0["state"]) == {n for n, r in owners.items() if r == 0}  # rank 0 saved only its own
+
+
+def test_resume_two_ranks_on_one(two_rank_run, tmp_path):
+    out, ref = two_rank_run
+    over = tmp_path / "over.ckpt"
+    shutil.copytree(out / "ckpt" / "last.ckpt", over)  # a two-rank checkpoint to save over
+    resumed = _run(tmp_path, "--devices", "1", "--resume", str(out / "ckpt" / EPOCH_2), "--save-to", str(over))
+    _assert_close(resumed, ref)
+    # the one-rank save replaced the two-rank checkpoint whole: no stale shard of rank 1 left
+    assert sorted(os.listdir(over)) == ["checkpoint.pt", "manifest.json", "optimizer_shard_00000.pt"]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p]
+    assert ck.load_sharded(over)["global_step"] == 32
+
+
+def test_resume_one_rank_on_two(tmp_path):
+    ref = _run(tmp_path / "one", "--devices", "1")
+    resumed = _run(tmp_path / "two", "--devices", "2", "--resume", str(tmp_path / "one" / "ckpt" / EPOCH_2))
+    _assert_close(resumed, ref)
+
+
+def test_consolidated_checkpoint_resumes_under_plain_lightning(two_rank_run, tmp_path):
+    out, ref = two_rank_run
+    single = tmp_path / "consolidated.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "lightning_fastopt.checkpoint", "consolidate",
+                           str(out / "ckpt" / EPOCH_2), str(single)], cwd=REPO, env=subprocess_env(REPO),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    plain = torch.load(single, weights_only=True)
+    assert list(plain["optimizer_states"][0]["state"]) == list(plain["state_dict"])  # whole, in model order
+    resumed = _run(tmp_path, "--devices", "1", "--strategy", "ddp", "--resume", str(single))
+    _assert_close(resumed, ref)
+
+
+def test_unfinished_save_leaves_the_previous_checkpoint(two_rank_run, tmp_path):
+    out, _ = two_rank_run
+    path = tmp_path / "last.ckpt"
+    shutil.copytree(out / "ckpt" / EPOCH_2, path)
+    staging = ck.staging_path(path)
+    os.makedirs(staging)
+    ck.write_shard(staging, 0, [{"state": {}, "param_groups": []}])  # a rank dies here: no finish_sharded
+    assert ck.is_sharded(path) and not ck.is_sharded(staging)
+    assert ck.load_sharded(path)["global_step"] == 16
+    with pytest.raises(RuntimeError, match="incomplete"):
+        ck.finish_sharded(staging, path, world_size=2, zero_stage=1, partitions=[])
+    assert ck.load_sharded(path)["global_step"] == 16
