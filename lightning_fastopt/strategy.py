@@ -308,10 +308,12 @@ class FastOptStrategy(DDPStrategy):
         names = {
             "fastopt": ("DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0),
             "fastopt_offload": ("fastopt with every master weight and all optimizer state in CPU memory", 1.0),
+            "fastopt_zero1": ("fastopt with masters and optimizer state sharded across ranks (ZeRO stage 1)", 0.0),
         }
         for name, (description, fraction) in names.items():
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, offload_fraction=fraction)
+                strategy_registry.register(name, cls, description=description, offload_fraction=fraction,
+                                           zero_stage=1 if "zero1" in name else 0)
 
 
 def _offload_part(optimizer) -> OffloadOptimizer | None:

@@ -1,0 +1,46 @@
+"""The ZeRO partition: contiguous, stable, every rank within one tensor of its ideal share;
+and ZeroOptimizer in one process (it owns everything and steps like the fused optimizer)."""
+
+import random
+
+import pytest
+import torch
+
+from lightning_fastopt import FusedAdam
+from lightning_fastopt.zero import ZeroOptimizer, assign_owners
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_balanced_contiguous_and_stable(world):
+    rng = random.Random(world)
+    for _ in range(50):
+        sizes = [rng.choice([0, 1, 7, 100, 4096, 50_000]) for _ in range(rng.randint(1, 40))]
+        owners = assign_owners(sizes, world)
+        assert owners == assign_owners(list(sizes), world)  # depends on the sizes only
+        assert owners == sorted(owners) and all(0 <= o < world for o in owners)  # contiguous runs
+        total = sum(sizes)
+        for r in range(world):
+            share = sum(n for n, o in zip(sizes, owners) if o == r)
+            assert abs(share - total / world) <= max(sizes), (sizes, owners)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        assign_owners([1], 0)
+
+
+def test_one_process_owns_everything_and_matches_the_fused_optimizer(backend):
+    ps = [torch.randn(n, requires_grad=True) for n in (7, 1023, 1)]
+    rs = [p.detach().clone().requires_grad_() for p in ps]
+    zero = ZeroOptimizer(FusedAdam(ps, lr=1e-2), {p: f"p{i}" for i, p in enumerate(ps)}, offload_fraction=0.5,
+                         copy_on_cpu=True)
+    ref = FusedAdam(rs, lr=1e-2)
+    assert zero.world_size == 1 and zero.owned_numel == 1031
+    for _ in range(5):
+        for p, r in zip(ps, rs):
+            g = torch.randn_like(p)
+            p.grad, r.grad = g, g.clone()
+        zero.step()
+        ref.step()
+        zero.zero_grad()
+    for p, r in zip(ps, rs):
+        assert torch.equal(p, r)
+    assert set(zero.partition().values()) == {0}
+    assert set(zero.state_dict()["state"]) == {"p0", "p1", "p2"}
