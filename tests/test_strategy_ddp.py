@@ -40,11 +40,25 @@ def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
         torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def test_overflow_on_one_rank_skips_the_step_on_both(tmp_path):
+@pytest.mark.parametrize("strategy", ["fastopt", "zero1"])
+def test_overflow_on_one_rank_skips_the_step_on_both(tmp_path, strategy):
     """An inf injected into rank 1's gradients (fp16 loss scaling) skips that step on both
-    ranks: the same skip count, identical finite weights."""
-    rank0, rank1 = _run("fastopt", tmp_path / "inf.pt", "--inject-inf")
+    ranks: the same skip count, identical finite weights.  Under ZeRO rank 1 does not own
+    the poisoned parameter's state: the overflow flag is still shared."""
+    rank0, rank1 = _run(strategy, tmp_path / "inf.pt", "--inject-inf")
+    for r in (rank0, rank1):
+        r.pop("owned_numel", None)
+        r.pop("state_bytes", None)
     assert int(rank0.pop("skipped_steps")) == int(rank1.pop("skipped_steps")) == 1
     for k in rank0:
         assert torch.isfinite(rank0[k]).all()
         assert torch.equal(rank0[k], rank1[k])
+
+
+def test_zero1_lamb_global_norm_spans_the_shards(tmp_path):
+    """FusedLAMB's global gradient norm (its max_grad_norm clipping) over shards held by
+    two ranks equals the norm over the whole model (rtol 1e-5: summed in another order)."""
+    ours, _ = _run("zero1", tmp_path / "zero.pt", "--lamb")
+    ref, _ = _run("fastopt", tmp_path / "ref.pt", "--lamb")
+    for k in ref:
+        torch.testing.assert_close(ours[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

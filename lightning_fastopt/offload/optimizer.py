@@ -47,7 +47,7 @@ from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve
 from lightning_fastopt.offload.timing import StepTimer
-from lightning_fastopt.optim.base import FusedOptimizer, check_range, hyperparameters
+from lightning_fastopt.optim.base import _COMPUTE, FusedOptimizer, check_range, hyperparameters, needs_step_context
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -269,7 +269,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False):
+             check_finite: bool = False, step_context: Any = _COMPUTE):
         """One step of every parameter; the arguments mean what they mean for
         :meth:`FusedOptimizer.step <lightning_fastopt.optim.base.FusedOptimizer.step>`."""
         loss = None
@@ -285,7 +285,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                            "weights were changed outside the optimizer")
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
-        needs_all = check_finite or type(self.optimizer).step_context is not FusedOptimizer.step_context
+        needs_all = check_finite or (step_context is _COMPUTE and needs_step_context(self.optimizer))
         if needs_all:
             with timer.phase("grad_d2h"):
                 grads = self.gradients()
@@ -295,9 +295,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._new_gradients()
                 timer.end_step()
                 return loss
-            context = self.optimizer.step_context(grads, grad_scale)
+            context = self.optimizer.step_context(grads, grad_scale) if step_context is _COMPUTE else step_context
         else:
-            context = None
+            context = None if step_context is _COMPUTE else step_context
         for inner in self._inners():
             for mine, theirs in zip(inner.param_groups, self.param_groups):
                 mine.update(hyperparameters(theirs))

@@ -301,8 +301,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def step_context(self, grads: list[Tensor], grad_scale) -> Any:
-        """Computed once per step from every gradient, before any update (FusedLAMB: the
-        global gradient norm); None for optimizers that need nothing."""
+        """Computed once per step from every gradient, before any update; None for
+        optimizers that need nothing.  When it is not None it is an L2 norm over the
+        gradients (FusedLAMB's global norm): a wrapper that holds the gradients in shards
+        combines the shards' values as the root of the sum of their squares."""
         return None
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_scale, context: Any) -> None:
@@ -312,3 +314,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's settings, without its parameters."""
     return {k: v for k, v in group.items() if k not in _GROUP_ONLY_KEYS}
+
+
+def needs_step_context(optimizer: FusedOptimizer) -> bool:
+    """Whether the optimizer computes something over every gradient before stepping."""
+    return type(optimizer).step_context is not FusedOptimizer.step_context

@@ -15,6 +15,7 @@ schedulers work); the state dict of a rank holds its shard, keyed by parameter n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,7 +26,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_fastopt.checkpoint import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer, split_into_buckets
-from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters
+from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters, needs_step_context
 from lightning_fastopt.zero.partition import assign_owners
 
 
@@ -40,6 +42,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     fuses_unscale = True
+    shards_gradients = True  # gradients() holds this rank's shard: norms and overflow flags are reduced over ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
@@ -94,11 +97,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ gradients and step
     def gradients(self) -> list[Tensor]:
-        """The gradients the step reads (after DDP's all-reduce every rank has them all:
-        overflow checks and norms agree on every rank)."""
-        local = self.local.gradients()
-        others = [p.grad for p in self._params if p.grad is not None and p not in self.local._slot_of]
-        return others + local
+        """The gradients this rank's step reads: those of the parameters it owns.  Overflow
+        checks and norms over them are combined across ranks (``shards_gradients``)."""
+        return self.local.gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -113,12 +114,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for mine, theirs in zip(self.local.optimizer.param_groups, self.param_groups):
             mine.update(hyperparameters(theirs))
-        self.local.step(grad_scale=grad_scale, check_finite=check_finite)
-        self.last_step_skipped = self.local.last_step_skipped
-        self.skipped_steps = self.local.skipped_steps
-        if not self.last_step_skipped:
-            self._broadcast_params()
+        if check_finite:
+            finite = grads_all_finite(self.gradients())
+            if self._sum_over_ranks(0.0 if finite else 1.0) > 0:  # an overflow anywhere skips everywhere
+                self.skipped_steps += 1
+                self.last_step_skipped = True
+                self.local.zero_grad()
+                return loss
+        context = None
+        if needs_step_context(self.optimizer):  # a global norm: the root of the summed squares of the shards'
+            local_norm = self.optimizer.step_context(self.gradients(), grad_scale)
+            context = math.sqrt(self._sum_over_ranks(local_norm ** 2))
+        self.local.step(grad_scale=grad_scale, step_context=context)
+        self.last_step_skipped = False
+        self._broadcast_params()
         return loss
+
+    def _sum_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self.group)
+        return float(t.item())
 
     def _broadcast_params(self) -> None:
         if self.world_size == 1:

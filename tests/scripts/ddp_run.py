@@ -1,6 +1,6 @@
 """Train a small model with 2 CPU processes (gloo) and save rank 0's final weights.
 
-    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf]
+    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--lamb]
 
 Lightning's default launcher re-runs this script for rank 1, so it must be a script."""
 
@@ -19,8 +19,9 @@ from lightning_fastopt import FastOptPrecision  # noqa: E402
 
 
 class Model(L.LightningModule):
-    def __init__(self, inject):
+    def __init__(self, inject, lamb=False):
         super().__init__()
+        self.lamb = lamb
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.inject = inject
@@ -35,7 +36,8 @@ class Model(L.LightningModule):
             self.net[0].weight.grad[0, 0] = math.inf
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = (lightning_fastopt.FusedLAMB(self.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
+               if self.lamb else torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
                                                    "interval": "step"}}
 
@@ -53,7 +55,7 @@ def main():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins)
-    model = Model(inject)
+    model = Model(inject, lamb="--lamb" in sys.argv)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if inject:
