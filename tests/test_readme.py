@@ -52,3 +52,7 @@ def test_benchmark_scripts_run():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "| offload_fraction=0.5 |" in out.stdout and "| torch AdamW(fused=True) | " in out.stdout
+    out = subprocess.run([sys.executable, "benchmarks/zero.py", "--quick"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env=subprocess_env(REPO))
+    assert out.returncode == 0, out.stderr
+    assert "| 1 | 1 |" in out.stdout and "ideal stage-1 share" in out.stdout
