@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
@@ -125,9 +126,11 @@ class FastOptStrategy(DDPStrategy):
         wall_clock_breakdown: log the time of each phase of every optimizer step (grad
             D2H, GPU step, CPU step, param H2D, in ms) and the loss scale to the Trainer's
             loggers.  Timing synchronizes the device, so use it to diagnose, not to train.
-        zero_stage: 0 (every rank keeps all optimizer state) or 1 (ZeRO stage 1: the fp32
+        zero_stage: 0 (every rank keeps all optimizer state), 1 (ZeRO stage 1: the fp32
             masters and optimizer state are sharded across the data-parallel ranks; each
-            rank's shard is offloaded by ``offload_fraction``).
+            rank's shard is offloaded by ``offload_fraction``) or 2 (stage 2: gradients too,
+            reduced to their owner during backward, without a DDP wrapper; buffers such
+            as BatchNorm statistics are synchronized once at the start, not every step).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -148,8 +151,8 @@ class FastOptStrategy(DDPStrategy):
                                         or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
                              f"got {cpu_threads!r}")
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}")
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         self.zero_stage = int(zero_stage)
         self.offload_fraction = float(offload_fraction)
         self.overlap = overlap
@@ -200,8 +203,10 @@ class FastOptStrategy(DDPStrategy):
         rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
 
     def configure_ddp(self) -> None:
-        if self.world_size > 1:
+        if self.world_size > 1 and self.zero_stage < 2:
             super().configure_ddp()
+        elif self.world_size > 1:  # ZeRO stage 2 reduces the gradients itself: start from rank 0's weights
+            _sync_module_states(self.model)
         # one process: nothing to all-reduce, and the backward hooks see final gradients
 
     # ------------------------------------------------------------------ optimizers
@@ -214,11 +219,14 @@ class FastOptStrategy(DDPStrategy):
             if fused is not opt:
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
-            kind = ZeroOptimizer if self.zero_stage == 1 else OffloadOptimizer
-            offload = kind(fused, names, offload_fraction=self.offload_fraction, bucket_size_mb=self.bucket_size_mb,
-                           overlap=self.overlap, pin_memory=self.pin_memory,
-                           copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
-                           wall_clock_breakdown=self.wall_clock_breakdown)
+            common = dict(offload_fraction=self.offload_fraction, bucket_size_mb=self.bucket_size_mb,
+                          overlap=self.overlap, pin_memory=self.pin_memory,
+                          copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
+                          wall_clock_breakdown=self.wall_clock_breakdown)
+            if self.zero_stage:
+                offload = ZeroOptimizer(fused, names, stage=self.zero_stage, **common)
+            else:
+                offload = OffloadOptimizer(fused, names, **common)
             rank_zero_info(f"lightning_fastopt: {offload!r}")
             self._user_optimizers[id(offload)] = opt
             wrapped.append(offload)
@@ -228,7 +236,7 @@ class FastOptStrategy(DDPStrategy):
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning enters this for the micro-batches of an accumulation window that do
         not step: gradients are not final, so nothing is copied to the host yet."""
-        offload = [_offload_part(o) for o in self.optimizers if _offload_part(o) is not None]
+        offload = [o for o in self.optimizers if isinstance(o, (OffloadOptimizer, ZeroOptimizer))]
         for o in offload:
             o.accumulating = True
         try:
@@ -309,11 +317,14 @@ class FastOptStrategy(DDPStrategy):
             "fastopt": ("DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0),
             "fastopt_offload": ("fastopt with every master weight and all optimizer state in CPU memory", 1.0),
             "fastopt_zero1": ("fastopt with masters and optimizer state sharded across ranks (ZeRO stage 1)", 0.0),
+            "fastopt_zero2": ("fastopt_zero1 with gradients sharded too (ZeRO stage 2)", 0.0),
+            "fastopt_zero2_offload": ("fastopt_zero2 with every rank's shard in CPU memory", 1.0),
         }
         for name, (description, fraction) in names.items():
             if name not in strategy_registry:
+                stage = 1 if "zero1" in name else 2 if "zero2" in name else 0
                 strategy_registry.register(name, cls, description=description, offload_fraction=fraction,
-                                           zero_stage=1 if "zero1" in name else 0)
+                                           zero_stage=stage)
 
 
 def _offload_part(optimizer) -> OffloadOptimizer | None:

@@ -138,14 +138,15 @@ def test_strategy_arguments_are_validated():
     with pytest.raises(ValueError, match="min_loss_scale"):
         FastOptStrategy(min_loss_scale=0)
     for bad in (3, -1, True, "1"):
-        with pytest.raises(ValueError, match="zero_stage must be 0 or 1"):
+        with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
             FastOptStrategy(zero_stage=bad)
 
 
 def test_registered_names_and_their_fractions():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for name, fraction, stage in (("fastopt", 0.0, 0), ("fastopt_offload", 1.0, 0), ("fastopt_zero1", 0.0, 1)):
+    for name, fraction, stage in (("fastopt", 0.0, 0), ("fastopt_offload", 1.0, 0), ("fastopt_zero1", 0.0, 1),
+                                  ("fastopt_zero2", 0.0, 2), ("fastopt_zero2_offload", 1.0, 2)):
         t = L.Trainer(accelerator="cpu", devices=1, strategy=name.upper(), logger=False)
         assert isinstance(t.strategy, FastOptStrategy) and t.strategy.offload_fraction == fraction
         assert t.strategy.zero_stage == stage

@@ -22,17 +22,21 @@ def _run(strategy, out, *extra):
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload", "zero1", "zero1_offload"])
+@pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload", "zero1", "zero1_offload", "zero2",
+                                      "zero2_offload"])
 def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
     ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt")
     ref, _ = _run("ddp", tmp_path / "ddp.pt")
-    if strategy.startswith("zero1"):
+    if strategy.startswith("zero"):
         # each rank owns about half of the 8*16+16+16+1 = 161 elements, and keeps Adam's two
         # float32 moments for those only
         owned = [int(r.pop("owned_numel")) for r in (ours, ours_rank1)]
         state_bytes = [int(r.pop("state_bytes")) for r in (ours, ours_rank1)]
+        grads = [int(r.pop("grad_numel")) for r in (ours, ours_rank1)]
         assert sum(owned) == 161 and max(owned) <= 161 // 2 + 128
         assert state_bytes == [8 * n for n in owned]
+        # stage 2: a rank keeps only its own shard of the gradients when it steps; stage 1 all
+        assert grads == (owned if strategy.startswith("zero2") else [161, 161])
     assert ours.keys() == ref.keys()
     for k in ours:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
@@ -40,15 +44,15 @@ def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
         torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("strategy", ["fastopt", "zero1"])
+@pytest.mark.parametrize("strategy", ["fastopt", "zero1", "zero2"])
 def test_overflow_on_one_rank_skips_the_step_on_both(tmp_path, strategy):
     """An inf injected into rank 1's gradients (fp16 loss scaling) skips that step on both
     ranks: the same skip count, identical finite weights.  Under ZeRO rank 1 does not own
     the poisoned parameter's state: the overflow flag is still shared."""
     rank0, rank1 = _run(strategy, tmp_path / "inf.pt", "--inject-inf")
     for r in (rank0, rank1):
-        r.pop("owned_numel", None)
-        r.pop("state_bytes", None)
+        for k in ("owned_numel", "state_bytes", "grad_numel"):
+            r.pop(k, None)
     assert int(rank0.pop("skipped_steps")) == int(rank1.pop("skipped_steps")) == 1
     for k in rank0:
         assert torch.isfinite(rank0[k]).all()

@@ -1,4 +1,4 @@
-"""ZeRO stage 1 checkpoints in real processes (gloo): a directory of per-rank shards and a
+"""ZeRO checkpoints in real processes (gloo): a directory of per-rank shards and a
 manifest; saved at 2 ranks and resumed at 1, and the other way round, the run continues
 as if never stopped (a global batch of 8 either way: the same samples per step, summed
 in another order, so Adam's tolerance, rtol 1.3e-6 / atol 1e-5); a consolidated
@@ -71,6 +71,14 @@ def test_resume_two_ranks_on_one(two_rank_run, tmp_path):
 def test_resume_one_rank_on_two(tmp_path):
     ref = _run(tmp_path / "one", "--devices", "1")
     resumed = _run(tmp_path / "two", "--devices", "2", "--resume", str(tmp_path / "one" / "ckpt" / EPOCH_2))
+    _assert_close(resumed, ref)
+
+
+def test_resume_stage_1_as_stage_2_offloaded(two_rank_run, tmp_path):
+    """Another stage and offload fraction: the shards are merged and re-sharded."""
+    out, ref = two_rank_run
+    resumed = _run(tmp_path, "--devices", "2", "--stage", "2", "--offload", "0.5", "--resume",
+                   str(out / "ckpt" / EPOCH_2))
     _assert_close(resumed, ref)
 
 

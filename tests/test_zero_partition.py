@@ -26,11 +26,12 @@ def test_balanced_contiguous_and_stable(world):
         assign_owners([1], 0)
 
 
-def test_one_process_owns_everything_and_matches_the_fused_optimizer(backend):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_process_owns_everything_and_matches_the_fused_optimizer(backend, stage):
     ps = [torch.randn(n, requires_grad=True) for n in (7, 1023, 1)]
     rs = [p.detach().clone().requires_grad_() for p in ps]
-    zero = ZeroOptimizer(FusedAdam(ps, lr=1e-2), {p: f"p{i}" for i, p in enumerate(ps)}, offload_fraction=0.5,
-                         copy_on_cpu=True)
+    zero = ZeroOptimizer(FusedAdam(ps, lr=1e-2), {p: f"p{i}" for i, p in enumerate(ps)}, stage=stage,
+                         offload_fraction=0.5, copy_on_cpu=True)
     ref = FusedAdam(rs, lr=1e-2)
     assert zero.world_size == 1 and zero.owned_numel == 1031
     for _ in range(5):
@@ -44,3 +45,8 @@ def test_one_process_owns_everything_and_matches_the_fused_optimizer(backend):
         assert torch.equal(p, r)
     assert set(zero.partition().values()) == {0}
     assert set(zero.state_dict()["state"]) == {"p0", "p1", "p2"}
+
+
+def test_bad_stage():
+    with pytest.raises(ValueError, match="stage must be 1 or 2, got 3"):
+        ZeroOptimizer(FusedAdam([torch.zeros(2, requires_grad=True)]), stage=3)

@@ -1,4 +1,5 @@
-"""ZeroOptimizer: ZeRO stage 1, optimizer state and master weights sharded across ranks.
+"""ZeroOptimizer: ZeRO stages 1 and 2, optimizer state and master weights (and, at stage 2,
+gradients) sharded across ranks.
 
 Every data-parallel rank holds the whole model and (after DDP's all-reduce) the whole
 averaged gradient, but only the ranks that own a parameter
@@ -8,6 +9,11 @@ over the owned parameters (so a rank's shard can itself be offloaded to the CPU)
 the update each owner broadcasts its parameters to the others, in buckets of about
 ``bucket_size_mb``.  Per rank, Adam's 12 bytes of state and masters per parameter become
 12/N.
+
+Stage 2 (``stage=2``, no DDP wrapper) also shards the gradients: a
+:class:`~lightning_fastopt.zero.grad_reducer.GradReducer` sums each bucket of gradients
+into its owner during backward and the other ranks free theirs, so a rank keeps the
+gradients of its own shard (plus the bucket being filled).
 
 The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
 schedulers work); the state dict of a rank holds its shard, keyed by parameter name.
@@ -28,6 +34,7 @@ from lightning_fastopt.checkpoint import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer, split_into_buckets
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters, needs_step_context
+from lightning_fastopt.zero.grad_reducer import GradReducer
 from lightning_fastopt.zero.partition import assign_owners
 
 
@@ -35,6 +42,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """Args:
         optimizer: the fused optimizer with every parameter (the user's groups).
         param_names: a name for each parameter (state dicts are keyed by them).
+        stage: 1 (gradients all-reduced by DDP beforehand) or 2 (gradients reduced to their
+            owner here, from backward hooks; the module must not be wrapped in DDP).
         process_group: the data-parallel group (default: the whole world).
         offload_fraction, bucket_size_mb, overlap, pin_memory, copy_grads_in_hooks,
         wall_clock_breakdown, copy_on_cpu: for this rank's
@@ -45,11 +54,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     shards_gradients = True  # gradients() holds this rank's shard: norms and overflow flags are reduced over ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
-                 process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
+                 stage: int = 1, process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
                  overlap: bool = True, pin_memory: bool = True, copy_grads_in_hooks: bool = False,
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
         if not isinstance(optimizer, FusedOptimizer):
             raise TypeError(f"ZeroOptimizer runs lightning_fastopt's fused optimizers, got {type(optimizer).__name__}")
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        self.stage = stage
         self.optimizer = optimizer
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
         self.group = process_group
@@ -69,9 +81,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer.state.clear()
         self.local = OffloadOptimizer(shard, self.param_names, offload_fraction=offload_fraction,
                                       bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
-                                      copy_grads_in_hooks=copy_grads_in_hooks,
+                                      copy_grads_in_hooks=copy_grads_in_hooks and stage == 1,
                                       wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu)
         bucket_bytes = int(bucket_size_mb * 2**20)
+        self.reducer = (GradReducer(self._params, self.owners, self.rank, self.world_size, bucket_bytes, process_group)
+                        if stage == 2 and self.world_size > 1 else None)  # one rank: nothing to reduce
+        self._reduced = False  # stage 2: this step's gradients have reached their owners
         self._broadcast_buckets = []  # (owner rank, [params]) in the order every rank runs them
         for r in range(self.world_size):
             mine = [p for p, o in zip(self._params, self.owners) if o == r]
@@ -81,6 +96,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._broadcast_buckets.append((r, chunk))
         self.skipped_steps = 0
         self.last_step_skipped = False
+
+    @property
+    def accumulating(self) -> bool:
+        return self.local.accumulating
+
+    @accumulating.setter
+    def accumulating(self, value: bool) -> None:
+        """Set while Lightning accumulates gradients: nothing is communicated or copied."""
+        self.local.accumulating = value
+        if self.reducer is not None:
+            self.reducer.accumulating = value
 
     # ------------------------------------------------------------------ what users read
     @property
@@ -99,11 +125,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def gradients(self) -> list[Tensor]:
         """The gradients this rank's step reads: those of the parameters it owns.  Overflow
         checks and norms over them are combined across ranks (``shards_gradients``)."""
+        if self.reducer is not None and not self._reduced:
+            self.reducer.finish()
+            self._reduced = True
         return self.local.gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.local.zero_grad(set_to_none)
+        if self.reducer is not None:
+            self.reducer.reset()
+        self._reduced = False
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
@@ -114,8 +146,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for mine, theirs in zip(self.local.optimizer.param_groups, self.param_groups):
             mine.update(hyperparameters(theirs))
+        grads = self.gradients()  # at stage 2 this waits for the reductions
+        self._reduced = False  # the next backward starts a new step
         if check_finite:
-            finite = grads_all_finite(self.gradients())
+            finite = grads_all_finite(grads)
             if self._sum_over_ranks(0.0 if finite else 1.0) > 0:  # an overflow anywhere skips everywhere
                 self.skipped_steps += 1
                 self.last_step_skipped = True
@@ -123,7 +157,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return loss
         context = None
         if needs_step_context(self.optimizer):  # a global norm: the root of the summed squares of the shards'
-            local_norm = self.optimizer.step_context(self.gradients(), grad_scale)
+            local_norm = self.optimizer.step_context(grads, grad_scale)
             context = math.sqrt(self._sum_over_ranks(local_norm ** 2))
         self.local.step(grad_scale=grad_scale, step_context=context)
         self.last_step_skipped = False
@@ -176,7 +210,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         self.local.close()
+        if self.reducer is not None:
+            self.reducer.close()
 
     def __repr__(self) -> str:
-        return (f"ZeroOptimizer(stage 1, rank {self.rank}/{self.world_size}, owns {self.owned_numel} of "
+        return (f"ZeroOptimizer(stage {self.stage}, rank {self.rank}/{self.world_size}, owns {self.owned_numel} of "
                 f"{sum(p.numel() for p in self._params)} elements, {self.local!r})")

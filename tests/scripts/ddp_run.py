@@ -30,10 +30,16 @@ class Model(L.LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
+    def on_before_optimizer_step(self, optimizer):
+        # the bytes of gradient this rank holds when it steps (ZeRO 2: its own shard only)
+        self.grad_numel = sum(p.grad.numel() for p in self.parameters() if p.grad is not None)
+
     def on_after_backward(self):
         # rank 1 only: DDP has already averaged the grads, so every rank sees the inf
-        if self.inject and self.global_step == 2 and self.global_rank == 1:
-            self.net[0].weight.grad[0, 0] = math.inf
+        # (ZeRO 2: once a bucket is sent a rank that does not own it has no gradient left)
+        grad = self.net[0].weight.grad
+        if self.inject and self.global_step == 2 and self.global_rank == 1 and grad is not None:
+            grad[0, 0] = math.inf
 
     def configure_optimizers(self):
         opt = (lightning_fastopt.FusedLAMB(self.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
@@ -44,8 +50,8 @@ class Model(L.LightningModule):
 
 def main():
     strategy, out = sys.argv[1], sys.argv[2]
-    if strategy.startswith("zero1"):  # ZeRO stage 1, the shards kept on the device or all offloaded
-        strategy = lightning_fastopt.FastOptStrategy(zero_stage=1, bucket_size_mb=0.0002,
+    if strategy.startswith("zero"):  # ZeRO stage 1 or 2, the shards kept on the device or all offloaded
+        strategy = lightning_fastopt.FastOptStrategy(zero_stage=int(strategy[4]), bucket_size_mb=0.0002,
                                                      offload_fraction=1.0 if "offload" in strategy else 0.0)
     inject = "--inject-inf" in sys.argv
     g = torch.Generator().manual_seed(0)
@@ -63,6 +69,7 @@ def main():
     opt = trainer.optimizers[0]
     if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state
         state["owned_numel"] = torch.tensor(opt.owned_numel)
+        state["grad_numel"] = torch.tensor(model.grad_numel)
         state["state_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for p in model.parameters()
                                                 for k, t in opt.state_of(p).items() if k != "step"))
     torch.save(state, f"{out}.rank{trainer.global_rank}")

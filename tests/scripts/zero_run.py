@@ -43,12 +43,13 @@ def main():
     ap.add_argument("--resume")
     ap.add_argument("--strategy", default="zero1", choices=["zero1", "ddp"])
     ap.add_argument("--offload", type=float, default=0.0)
+    ap.add_argument("--stage", type=int, default=1)
     ap.add_argument("--save-to", help="also save the final state here (over whatever is there)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     y = torch.sin(x @ torch.randn(8, 1, generator=g))
-    strategy = (FastOptStrategy(zero_stage=1, offload_fraction=args.offload, bucket_size_mb=0.0005)
+    strategy = (FastOptStrategy(zero_stage=args.stage, offload_fraction=args.offload, bucket_size_mb=0.0005)
                 if args.strategy == "zero1" else "ddp")
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=4, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,

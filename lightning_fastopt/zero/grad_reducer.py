@@ -1,0 +1,122 @@
+"""GradReducer: ZeRO stage 2's gradient path, reduced to the owning rank during backward.
+
+Parameters are grouped into buckets of one owner and one dtype, in the order backward
+produces their gradients (the reverse of registration), of about ``bucket_size_mb``.  A
+post-accumulate-grad hook marks each parameter ready; when a bucket is complete, and every
+bucket before it has been sent (all ranks send in the same order), its gradients are
+flattened into one buffer and summed into the owner's with an asynchronous
+``torch.distributed.reduce``.  Ranks that do not own the bucket free their gradients at
+once, so a rank holds full gradients only for the bucket being filled, plus its own shard.
+
+Each buffer ends with one element per parameter saying whether this rank had a gradient
+for it: a parameter no rank computed a gradient for keeps ``grad = None`` on its owner
+(and is not stepped, as in torch), instead of receiving zeros.
+
+While Lightning accumulates gradients (``accumulating``) the hooks do nothing: gradients
+add up locally and are communicated once per optimizer step.  :meth:`finish` sends what
+is left (in order), waits for every reduction and leaves the owner's averaged gradients
+in ``p.grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_fastopt.offload.partition import split_into_buckets
+
+
+@dataclass(eq=False)
+class _CommBucket:
+    owner: int
+    params: list[Tensor]
+    ready: set = field(default_factory=set)  # ids of the parameters whose gradient is final
+    flat: Tensor | None = None
+    work: object = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class GradReducer:
+    def __init__(self, params: list[Tensor], owners: list[int], rank: int, world_size: int, bucket_bytes: int,
+                 process_group=None) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, process_group
+        self.accumulating = False
+        self.buckets: list[_CommBucket] = []
+        order = list(reversed(range(len(params))))  # backward's order
+        for owner in sorted(set(owners), key=lambda r: -max(i for i, o in enumerate(owners) if o == r)):
+            mine = [params[i] for i in order if owners[i] == owner]
+            for dtype in sorted({p.dtype for p in mine}, key=str):
+                same = [p for p in mine if p.dtype == dtype]
+                for chunk in split_into_buckets(same, [p.numel() * p.element_size() for p in same], bucket_bytes):
+                    self.buckets.append(_CommBucket(owner, chunk))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0  # the first bucket not sent yet
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def _src_or_dst(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if self.accumulating:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        self._send_ready()
+
+    def _send_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._send(self.buckets[self._next])
+            self._next += 1
+
+    def _send(self, bucket: _CommBucket) -> None:
+        p0 = bucket.params[0]
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in bucket.params]
+        had = torch.tensor([float(p.grad is not None) for p in bucket.params], dtype=p0.dtype, device=p0.device)
+        bucket.flat = torch.cat(parts + [had])
+        bucket.work = dist.reduce(bucket.flat, dst=self._src_or_dst(bucket.owner), op=dist.ReduceOp.SUM,
+                                  group=self.group, async_op=True)
+        if bucket.owner != self.rank:
+            for p in bucket.params:
+                p.grad = None  # the owner has it now
+
+    # ------------------------------------------------------------------ step
+    def finish(self) -> None:
+        """Send the buckets backward did not complete (parameters without a gradient count
+        as zeros), wait for every reduction, and write the owner's averaged gradients."""
+        for b in self.buckets[self._next:]:
+            b.ready = {id(p) for p in b.params}
+        self._send_ready()
+        for b in self.buckets:
+            if b.work is None:
+                continue
+            b.work.wait()
+            if b.owner == self.rank:
+                n = sum(p.numel() for p in b.params)
+                values, had = b.flat[:n], b.flat[n:]
+                offset = 0
+                for i, p in enumerate(b.params):
+                    k = p.numel()
+                    p.grad = values[offset:offset + k].view_as(p).div_(self.world_size) if had[i] > 0 else None
+                    offset += k
+            b.flat, b.work = None, None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the marks of this step (zero_grad, and after each step)."""
+        for b in self.buckets:
+            b.ready = set()
+            b.flat, b.work = None, None
+        self._next = 0
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
