@@ -55,4 +55,4 @@ def test_benchmark_scripts_run():
     out = subprocess.run([sys.executable, "benchmarks/zero.py", "--quick"], cwd=REPO, capture_output=True, text=True,
                          timeout=600, env=subprocess_env(REPO))
     assert out.returncode == 0, out.stderr
-    assert "| 1 | 1 |" in out.stdout and "ideal stage-1 share" in out.stdout
+    assert "| 2 | 1 |" in out.stdout and "ideal sharded state" in out.stdout
