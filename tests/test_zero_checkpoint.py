@@ -107,3 +107,26 @@ def test_unfinished_save_leaves_the_previous_checkpoint(two_rank_run, tmp_path):
     with pytest.raises(RuntimeError, match="incomplete"):
         ck.finish_sharded(staging, path, world_size=2, zero_stage=1, partitions=[])
     assert ck.load_sharded(path)["global_step"] == 16
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    """Rank 1 is killed (SIGKILL) half-way through writing its shard of the second
+    checkpoint: rank 0 gives up at the barrier, the first checkpoint and last.ckpt still
+    load whole, the half-written one never appears under its name, and training resumes."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--devices", "2", "--kill-rank1-at-save", "3"],
+                          cwd=REPO, env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith("."))
+    assert ckpts == ["epoch=0-step=8.ckpt", "last.ckpt"]  # saves 1 and 2: epoch 0 and last
+    for name in ckpts:
+        assert ck.load_sharded(tmp_path / "ckpt" / name)["global_step"] == 8
+    ref = _run(tmp_path / "ref", "--devices", "2")
+    resumed = _run(tmp_path / "resumed", "--devices", "2", "--resume", str(tmp_path / "ckpt" / "last.ckpt"))
+    _assert_close(resumed, ref)
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_two_ranks_equal_one_process_with_the_same_global_batch(two_rank_run, tmp_path, stage):
+    one = _run(tmp_path / "one", "--devices", "1", "--stage", stage)
+    two = two_rank_run[1] if stage == "1" else _run(tmp_path / "two", "--devices", "2", "--stage", stage)
+    _assert_close(two, one)

@@ -100,7 +100,7 @@ class GradReducer:
             b.work.wait()
             if b.owner == self.rank:
                 n = sum(p.numel() for p in b.params)
-                values, had = b.flat[:n], b.flat[n:]
+                values, had = b.flat[:n], b.flat[n:].tolist()  # one device sync per bucket
                 offset = 0
                 for i, p in enumerate(b.params):
                     k = p.numel()

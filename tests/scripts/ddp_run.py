@@ -1,6 +1,8 @@
 """Train a small model with 2 CPU processes (gloo) and save rank 0's final weights.
 
-    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--lamb]
+    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu]
+
+Also runs under torchrun (Lightning then takes the ranks from the environment).
 
 Lightning's default launcher re-runs this script for rank 1, so it must be a script."""
 
@@ -57,13 +59,14 @@ def main():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g)
-    plugins = [FastOptPrecision("16-mixed", initial_scale_power=8)] if inject else None
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+    fp16 = inject or "--fp16" in sys.argv
+    plugins = [FastOptPrecision("16-mixed", initial_scale_power=8)] if fp16 else None
+    trainer = L.Trainer(accelerator="gpu" if "--gpu" in sys.argv else "cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins)
     model = Model(inject, lamb="--lamb" in sys.argv)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if inject:
         state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
     opt = trainer.optimizers[0]

@@ -7,7 +7,10 @@ Lightning's default launcher re-runs this script for rank 1.  Writes OUT/final.p
 """
 
 import argparse
+import os
+import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -36,6 +39,25 @@ class Model(L.LightningModule):
                                                    "interval": "step"}}
 
 
+def _die_in_save(n):
+    """Rank 1 writes half of its n-th optimizer shard, then gets SIGKILL."""
+    import lightning_fastopt.strategy as strategy_module
+    from lightning_fastopt.checkpoint import shard_file
+
+    real, saves = strategy_module.write_shard, []
+
+    def write_shard(staging, rank, states):
+        saves.append(rank)
+        if rank == 1 and len(saves) == n:
+            with open(os.path.join(staging, shard_file(rank)), "wb") as f:
+                f.write(b"PK\x03\x04 half a shard")
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(staging, rank, states)
+
+    strategy_module.write_shard = write_shard
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -44,12 +66,16 @@ def main():
     ap.add_argument("--strategy", default="zero1", choices=["zero1", "ddp"])
     ap.add_argument("--offload", type=float, default=0.0)
     ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--kill-rank1-at-save", type=int, help="rank 1 dies half-way through its n-th shard")
     ap.add_argument("--save-to", help="also save the final state here (over whatever is there)")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     y = torch.sin(x @ torch.randn(8, 1, generator=g))
-    strategy = (FastOptStrategy(zero_stage=args.stage, offload_fraction=args.offload, bucket_size_mb=0.0005)
+    if args.kill_rank1_at_save:
+        _die_in_save(args.kill_rank1_at_save)
+    strategy = (FastOptStrategy(zero_stage=args.stage, offload_fraction=args.offload, bucket_size_mb=0.0005,
+                                timeout=timedelta(seconds=20))
                 if args.strategy == "zero1" else "ddp")
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=4, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
