@@ -235,7 +235,8 @@ class FastOptStrategy(DDPStrategy):
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning enters this for the micro-batches of an accumulation window that do
-        not step: gradients are not final, so nothing is copied to the host yet."""
+        not step: gradients are not final, so nothing is copied to the host or (ZeRO stage
+        2) sent to its owner yet."""
         offload = [o for o in self.optimizers if isinstance(o, (OffloadOptimizer, ZeroOptimizer))]
         for o in offload:
             o.accumulating = True
