@@ -142,7 +142,8 @@ def staging_path(path) -> str:
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
 
 
-def _save_file(obj: Any, path: str) -> None:
+def save_synced(obj: Any, path) -> None:
+    """``torch.save`` into ``path``, flushed to the disk before returning."""
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -150,11 +151,11 @@ def _save_file(obj: Any, path: str) -> None:
 
 
 def write_shard(staging: str, rank: int, optimizer_states: list[dict[str, Any]]) -> None:
-    _save_file(optimizer_states, os.path.join(staging, shard_file(rank)))
+    save_synced(optimizer_states, os.path.join(staging, shard_file(rank)))
 
 
 def write_main(staging: str, checkpoint: dict[str, Any]) -> None:
-    _save_file({k: v for k, v in checkpoint.items() if k != "optimizer_states"}, os.path.join(staging, MAIN_FILE))
+    save_synced({k: v for k, v in checkpoint.items() if k != "optimizer_states"}, os.path.join(staging, MAIN_FILE))
 
 
 def finish_sharded(staging: str, path, *, world_size: int, zero_stage: int,

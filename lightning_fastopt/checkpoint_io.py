@@ -14,10 +14,11 @@ import os
 import tempfile
 from typing import Any
 
-import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lightning_fastopt.checkpoint import save_synced
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -30,11 +31,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
+            save_synced(checkpoint, tmp)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

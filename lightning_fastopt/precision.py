@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_fastopt.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 
@@ -44,26 +45,6 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     if gradients is not None:
         return gradients()
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _reduce(value: float, op) -> float:
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def _on_any_rank(flag: bool) -> bool:
-    """True on every rank when it is True on one (one all-reduce; nothing without a group)."""
-    return bool(_reduce(float(flag), dist.ReduceOp.MAX)) if _distributed() else flag
-
-
-def _sum_over_ranks(value: float) -> float:
-    return _reduce(value, dist.ReduceOp.SUM) if _distributed() else value
 
 
 class FastOptPrecision(Precision):
@@ -134,7 +115,8 @@ class FastOptPrecision(Precision):
             return closure_result  # training_step returned None: Lightning skipped backward
         grads = _grads(optimizer)
         # an overflow on any rank skips the step on every rank
-        self._overflow = self.scaler is not None and _on_any_rank(not grads_all_finite(grads))
+        self._overflow = self.scaler is not None and bool(
+            all_reduce_scalar(float(not grads_all_finite(grads)), dist.ReduceOp.MAX))
         self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
         if self._overflow:
             self.scaler.update(overflow=True)
@@ -176,7 +158,7 @@ class FastOptPrecision(Precision):
             norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in same])
             squares += torch.linalg.vector_norm(torch.stack(norms)).item() ** 2
         if getattr(optimizer, "shards_gradients", False):  # ZeRO: each rank holds its own shard
-            squares = _sum_over_ranks(squares)
+            squares = all_reduce_scalar(squares)
         total = math.sqrt(squares) / scale
         coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
         if coef < 1.0 and math.isfinite(coef):

@@ -253,8 +253,9 @@ class FastOptStrategy(DDPStrategy):
         user = self._user_optimizers.get(id(raw))
         if user is not None:
             user._opt_called = True  # LR schedulers bound to the user's optimizer check this
-        if self.wall_clock_breakdown and _offload_part(raw) is not None:
-            self._log_step_times(_offload_part(raw))
+        offload = _offload_part(raw)
+        if self.wall_clock_breakdown and offload is not None:
+            self._log_step_times(offload)
         return out
 
     def _log_step_times(self, optimizer: OffloadOptimizer) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from lightning_fastopt import FusedAdam
 from lightning_fastopt.zero import ZeroOptimizer, assign_owners
+from lightning_fastopt.zero.partition import owner_buckets
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
@@ -50,3 +51,13 @@ def test_one_process_owns_everything_and_matches_the_fused_optimizer(backend, st
 def test_bad_stage():
     with pytest.raises(ValueError, match="stage must be 1 or 2, got 3"):
         ZeroOptimizer(FusedAdam([torch.zeros(2, requires_grad=True)]), stage=3)
+
+
+def test_owner_buckets_keep_order_split_dtypes_and_sizes():
+    ps = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(9), torch.zeros(2)]
+    owners = [0, 0, 0, 1, 1]
+    index = {id(p): i for i, p in enumerate(ps)}
+    got = [(o, [index[id(p)] for p in chunk]) for o, chunk in owner_buckets(ps, owners, 32)]
+    assert got == [(0, [1]), (0, [0, 2]), (1, [3]), (1, [4])]  # 9 floats exceed 32 bytes: alone
+    backward = [(o, [index[id(p)] for p in chunk]) for o, chunk in owner_buckets(ps[::-1], owners[::-1], 32)]
+    assert backward == [(1, [4]), (1, [3]), (0, [1]), (0, [2, 0])]

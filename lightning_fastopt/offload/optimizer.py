@@ -99,7 +99,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._pin = pin_memory and self.copies.is_cuda
         self._slots = self._make_slots(param_names or {}, params, offload_fraction)
         self._slot_of = {s.param: s for s in self._slots}
-        self._device_inner = optimizer.sibling(self._per_group([s for s in self._slots if not s.offloaded]))
+        self._device_slots = [s for s in self._slots if not s.offloaded]
+        self._device_inner = optimizer.sibling(self._per_group(self._device_slots))
         offloaded = [s for s in reversed(self._slots) if s.offloaded]  # the order backward produces them
         self._buckets = [
             self._make_bucket(chunk)
@@ -129,11 +130,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             else:
                 master = p.detach().float()
             slots.append(ParamSlot(name, p, i, group_of[p], off, master))
-        seen: dict[str, int] = {}
+        seen: set[str] = set()
         for s in slots:
             if s.name in seen:
                 raise ValueError(f"two parameters are both named {s.name!r}")
-            seen[s.name] = s.index
+            seen.add(s.name)
             s.remember_weights()
         return slots
 
@@ -167,12 +168,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _inner_of(self, slot: ParamSlot) -> FusedOptimizer:
         return slot.bucket.inner if slot.bucket is not None else self._device_inner
 
+    def _set_state(self, slot: ParamSlot, state: dict[str, Any]) -> None:
+        """Give a parameter's state (taken over or loaded) to the inner optimizer that owns it,
+        as float32 tensors beside its master."""
+        self._inner_of(slot).state[slot.master] = {k: _to_like(v, slot.master) for k, v in state.items()}
+
     def _take_state(self, optimizer: FusedOptimizer) -> None:
         """Move state the wrapped optimizer already had (a resumed torch optimizer)."""
         for s in self._slots:
             st = optimizer.state.pop(s.param, None)
             if st:
-                self._inner_of(s).state[s.master] = {k: _to_like(v, s.master) for k, v in st.items()}
+                self._set_state(s, st)
         optimizer.state.clear()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -197,9 +203,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         ``self.state`` holds to the accelerator, which would undo the offload."""
         slot = self._slot_of[param]
         return self._inner_of(slot).state.get(slot.master, {})
-
-    def offloaded_names(self) -> list[str]:
-        return [s.name for s in self._slots if s.offloaded]
 
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -303,7 +306,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 mine.update(hyperparameters(theirs))
         self.copies.mark_compute_done(self._compute_done)
         with timer.phase("gpu_step"):
-            self._step_inner(self._device_inner, self._slots_on_device(), grad_scale, context)
+            self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
         last_sent = None
         for b in self._buckets:
             with timer.phase("grad_d2h"):
@@ -326,12 +329,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _inners(self) -> list[FusedOptimizer]:
         return [self._device_inner] + [b.inner for b in self._buckets]
-
-    def _slots_on_device(self) -> list[ParamSlot]:
-        cache = self.__dict__.get("_device_slots")
-        if cache is None:
-            cache = self._device_slots = [s for s in self._slots if not s.offloaded]
-        return cache
 
     def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context) -> list[ParamSlot]:
         """Step one inner optimizer over the slots that have a gradient; returns them."""
@@ -380,11 +377,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for s in self._slots:
             st = by_name.get(s.name)
             if st:
-                self._inner_of(s).state[s.master] = {k: _to_like(v, s.master) for k, v in st.items()}
+                self._set_state(s, st)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Remove the backward hooks and release the host buffers."""
+        """Remove the backward hooks and wait for copies in flight (the host buffers go
+        with the optimizer)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fastopt.offload.partition import split_into_buckets
+from lightning_fastopt.distributed import global_rank
+from lightning_fastopt.zero.partition import owner_buckets
 
 
 @dataclass(eq=False)
@@ -47,20 +48,12 @@ class GradReducer:
                  process_group=None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, process_group
         self.accumulating = False
-        self.buckets: list[_CommBucket] = []
-        order = list(reversed(range(len(params))))  # backward's order
-        for owner in sorted(set(owners), key=lambda r: -max(i for i, o in enumerate(owners) if o == r)):
-            mine = [params[i] for i in order if owners[i] == owner]
-            for dtype in sorted({p.dtype for p in mine}, key=str):
-                same = [p for p in mine if p.dtype == dtype]
-                for chunk in split_into_buckets(same, [p.numel() * p.element_size() for p in same], bucket_bytes):
-                    self.buckets.append(_CommBucket(owner, chunk))
+        # backward's order: the last parameters' gradients come first
+        self.buckets = [_CommBucket(owner, chunk)
+                        for owner, chunk in owner_buckets(params[::-1], owners[::-1], bucket_bytes)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # the first bucket not sent yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-
-    def _src_or_dst(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -81,7 +74,7 @@ class GradReducer:
                  for p in bucket.params]
         had = torch.tensor([float(p.grad is not None) for p in bucket.params], dtype=p0.dtype, device=p0.device)
         bucket.flat = torch.cat(parts + [had])
-        bucket.work = dist.reduce(bucket.flat, dst=self._src_or_dst(bucket.owner), op=dist.ReduceOp.SUM,
+        bucket.work = dist.reduce(bucket.flat, dst=global_rank(self.group, bucket.owner), op=dist.ReduceOp.SUM,
                                   group=self.group, async_op=True)
         if bucket.owner != self.rank:
             for p in bucket.params:

@@ -31,11 +31,12 @@ from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_fastopt.checkpoint import read_named_state
-from lightning_fastopt.offload import OffloadOptimizer, split_into_buckets
+from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.distributed import all_reduce_scalar, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters, needs_step_context
 from lightning_fastopt.zero.grad_reducer import GradReducer
-from lightning_fastopt.zero.partition import assign_owners
+from lightning_fastopt.zero.partition import assign_owners, owner_buckets
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -65,9 +66,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
         self.group = process_group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(process_group) if distributed else 0
-        self.world_size = dist.get_world_size(process_group) if distributed else 1
+        self.world_size = world_size(process_group)
+        self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
         self._params = [p for g in self.param_groups for p in g["params"]]
         self.param_names = dict(param_names or {})
         for i, p in enumerate(self._params):
@@ -87,13 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = (GradReducer(self._params, self.owners, self.rank, self.world_size, bucket_bytes, process_group)
                         if stage == 2 and self.world_size > 1 else None)  # one rank: nothing to reduce
         self._reduced = False  # stage 2: this step's gradients have reached their owners
-        self._broadcast_buckets = []  # (owner rank, [params]) in the order every rank runs them
-        for r in range(self.world_size):
-            mine = [p for p, o in zip(self._params, self.owners) if o == r]
-            for dtype in sorted({p.dtype for p in mine}, key=str):
-                same = [p for p in mine if p.dtype == dtype]
-                for chunk in split_into_buckets(same, [p.numel() * p.element_size() for p in same], bucket_bytes):
-                    self._broadcast_buckets.append((r, chunk))
+        self._broadcast_buckets = owner_buckets(self._params, self.owners, bucket_bytes)
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -150,7 +144,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = False  # the next backward starts a new step
         if check_finite:
             finite = grads_all_finite(grads)
-            if self._sum_over_ranks(0.0 if finite else 1.0) > 0:  # an overflow anywhere skips everywhere
+            if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere
                 self.skipped_steps += 1
                 self.last_step_skipped = True
                 self.local.zero_grad()
@@ -158,25 +152,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         context = None
         if needs_step_context(self.optimizer):  # a global norm: the root of the summed squares of the shards'
             local_norm = self.optimizer.step_context(grads, grad_scale)
-            context = math.sqrt(self._sum_over_ranks(local_norm ** 2))
+            context = math.sqrt(all_reduce_scalar(local_norm ** 2, group=self.group))
         self.local.step(grad_scale=grad_scale, step_context=context)
         self.last_step_skipped = False
         self._broadcast_params()
         return loss
 
-    def _sum_over_ranks(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=self.group)
-        return float(t.item())
 
     def _broadcast_params(self) -> None:
         if self.world_size == 1:
             return
         for owner, params in self._broadcast_buckets:
-            src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+            src = global_rank(self.group, owner)
             if owner == self.rank:
                 flat = _flatten_dense_tensors([p.detach() for p in params])
             else:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import Tensor
+
+from lightning_fastopt.offload.partition import split_into_buckets
+
 
 def assign_owners(numels: Sequence[int], world_size: int) -> list[int]:
     """The owning rank of each parameter: contiguous runs, balanced by element count.
@@ -23,3 +27,17 @@ def assign_owners(numels: Sequence[int], world_size: int) -> list[int]:
         owners.append(min(world_size - 1, int(middle * world_size / total)) if total else 0)
         start += n
     return owners
+
+
+def owner_buckets(params: Sequence[Tensor], owners: Sequence[int], bucket_bytes: int) -> list[tuple[int, list[Tensor]]]:
+    """``(owner, parameters)`` buckets of one owner and one dtype, of at most
+    ``bucket_bytes`` (a larger tensor alone), owners in order of first appearance and
+    parameters in the given order: the same list on every rank."""
+    buckets = []
+    for owner in dict.fromkeys(owners):
+        mine = [p for p, o in zip(params, owners) if o == owner]
+        for dtype in sorted({p.dtype for p in mine}, key=str):
+            same = [p for p in mine if p.dtype == dtype]
+            for chunk in split_into_buckets(same, [p.numel() * p.element_size() for p in same], bucket_bytes):
+                buckets.append((owner, chunk))
+    return buckets

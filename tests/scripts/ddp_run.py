@@ -61,7 +61,8 @@ def main():
     y = x @ torch.randn(8, 1, generator=g)
     fp16 = inject or "--fp16" in sys.argv
     plugins = [FastOptPrecision("16-mixed", initial_scale_power=8)] if fp16 else None
-    trainer = L.Trainer(accelerator="gpu" if "--gpu" in sys.argv else "cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
+    accelerator = "gpu" if "--gpu" in sys.argv else "cpu"
+    trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins)
     model = Model(inject, lamb="--lamb" in sys.argv)
