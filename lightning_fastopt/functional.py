@@ -7,36 +7,47 @@ What the optimizer classes and the offload/ZeRO strategy call.  Every function u
   accepted too and updated in their own dtype; state is always float32);
 - ``grads`` may be float32, float16 or bfloat16 and are never modified (except by
   torch's fused CUDA kernels when ``grad_scale`` is not 1, see below);
-- ``grad_scale`` (float or 0-dim tensor): the grads are divided by it inside the kernel
-  (loss-scale unscaling);
+- ``grad_scale`` (float or one-element tensor): the grads are divided by it inside the
+  kernel (loss-scale unscaling);
 - ``check_finite=True``: if any gradient holds inf or NaN nothing at all is updated and
   the function returns True (the step was skipped); otherwise it returns False;
+- ``found_inf`` (one-element float32 tensor, torch.amp's flag): when it is nonzero
+  nothing is updated.  The CUDA kernels read it on the device (no synchronisation; the
+  function then returns False without knowing); elsewhere it is read on the host and
+  the function returns True when it was set;
 - ``param_copies``: optional float16/bfloat16 tensors that receive the updated
   parameters in the same pass;
-- ``step`` is the step number after this update (1 on the first call).
+- ``step`` is the step number after this update (1 on the first call), an int or a
+  one-element float32 tensor; ``lr`` a float or a one-element tensor.  On the CUDA
+  kernels, a ``step`` tensor on the parameters' device (with a device ``lr`` tensor, or a
+  float ``lr``) is read on the device: such a call never waits for the GPU and can be
+  captured in a CUDA graph.
 
-CPU tensors go to the compiled kernels (one pass over memory, plus a read of the grads
-for ``check_finite``).  On CUDA, float32 Adam/AdamW and SGD run torch's fused kernels
-(:mod:`lightning_fastopt.ops.torch_fused`, which unscale the gradients in place) until
-our CUDA kernels land.  Everything else goes to the pure-PyTorch backend, which computes
-the same thing.
+CPU tensors go to the compiled CPU kernels (one pass over memory, plus a read of the
+grads for ``check_finite``).  CUDA tensors go to the compiled CUDA kernels (one
+multi-tensor launch series per dtype combination); when those are unavailable, float32
+Adam/AdamW and SGD run torch's fused kernels (:mod:`lightning_fastopt.ops.torch_fused`,
+which unscale the gradients in place) and everything else the pure-PyTorch backend,
+which computes the same thing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from lightning_fastopt.ops import backend_for, torch_backend, torch_fused, unsupported_tensor_error
+from lightning_fastopt.ops import backend_for, cuda_backend, torch_backend, torch_fused, unsupported_tensor_error
 
 TensorList = Sequence[Tensor]
 
 __all__ = [
     "by_device", "fused_adagrad_", "fused_adam_", "fused_lamb_", "fused_lars_", "fused_lion_", "fused_sgd_",
-    "grads_all_finite", "global_grad_norm",
+    "grads_all_finite", "global_grad_norm", "sum_of_squares", "unscale_grads_",
 ]
 
 
@@ -85,6 +96,80 @@ def _list(x):
     return None if x is None else list(x)
 
 
+def _on_cuda_kernels(params: TensorList, *lists) -> ModuleType | None:
+    """The compiled CUDA kernels when they take this call (every tensor dense, contiguous
+    and on the device of params[0]), else None."""
+    if not len(params) or params[0].device.type != "cuda":
+        return None
+    ext = cuda_backend()
+    if ext is None:
+        return None
+    device = params[0].device
+    for tensors in (params, *lists):
+        for t in tensors or ():
+            if t.device != device or t.layout is not torch.strided or not t.is_contiguous():
+                return None
+    return ext
+
+
+def _device_scalar(t: Tensor, device: torch.device) -> Tensor:
+    return t.detach().reshape(1).to(device=device, dtype=torch.float32)
+
+
+@dataclass
+class _Scalars:
+    """The scalars of one call.  With the CUDA kernels, tensors on the parameters' device
+    travel as device pointers (``kwargs``) and are never read here; otherwise every value
+    is read on the host."""
+
+    ext: ModuleType | None
+    kwargs: dict = field(default_factory=dict)
+    lr: float = 0.0
+    step: int = 1
+    inv_scale: float = 1.0
+
+
+def _scalars(params: TensorList, lists, *, lr=0.0, step=1, grad_scale=None, found_inf=None,
+             counts_steps: bool = True) -> _Scalars | None:
+    """Resolve a call's scalars; None when found_inf, read on the host, says skip.
+
+    A device ``lr`` is read on the device together with a device ``step`` (the bias
+    corrections need both), or alone by algorithms that do not count steps."""
+    ext = _on_cuda_kernels(params, *lists)
+    if ext is None:
+        if found_inf is not None and _scalar(found_inf) != 0:
+            return None
+        return _Scalars(None, lr=_scalar(lr), step=int(_scalar(step)), inv_scale=_inv_scale(grad_scale))
+    device = params[0].device
+    out = _Scalars(ext)
+    if isinstance(grad_scale, Tensor) and grad_scale.device == device:
+        out.kwargs["grad_scale"] = _device_scalar(grad_scale, device)
+    else:
+        out.inv_scale = _inv_scale(grad_scale)
+    if found_inf is not None:
+        out.kwargs["found_inf"] = _device_scalar(found_inf, device)
+    device_step = isinstance(step, Tensor) and step.device == device
+    if device_step:
+        out.kwargs["step_tensor"] = _device_scalar(step, device)
+    if device_step or not counts_steps:
+        if isinstance(lr, Tensor) and lr.device == device:
+            out.kwargs["lr_tensor"] = _device_scalar(lr, device)
+        else:
+            out.lr = _scalar(lr)
+    if not device_step:
+        out.step = int(_scalar(step))
+        if counts_steps:
+            out.lr = _scalar(lr)
+    return out
+
+
+def _run(sc: _Scalars, name: str, params: TensorList, *args, cuda_kwargs: dict | None = None):
+    """Call `name` on the CUDA kernels (with the device scalars) or on the host backends."""
+    if sc.ext is not None:
+        return getattr(sc.ext, name)(list(params), *args, **(cuda_kwargs or {}), **sc.kwargs)
+    return _call(name, params, *args)
+
+
 def by_device(tensors: TensorList) -> list[list[Tensor]]:
     """The tensors split into one list per device, in order of first appearance."""
     lists: dict[torch.device, list[Tensor]] = {}
@@ -98,16 +183,41 @@ def grads_all_finite(grads: TensorList) -> bool:
     return all(bool(_call("all_finite", same)) for same in by_device(grads))
 
 
+def sum_of_squares(tensors: TensorList) -> float:
+    """The sum of the squares of every element of every tensor (on any devices), with
+    double accumulation (the multi-tensor L2-norm kernels on CPU and CUDA)."""
+    return sum(sum(_call("sum_squares", same)) for same in by_device(tensors))
+
+
 def global_grad_norm(grads: TensorList, grad_scale=None) -> float:
     """The L2 norm of all gradients together (on any devices), unscaled by grad_scale
     (double accumulation)."""
-    total = sum(sum(_call("sum_squares", same)) for same in by_device(grads))
-    return math.sqrt(total) * _inv_scale(grad_scale)
+    return math.sqrt(sum_of_squares(grads)) * _inv_scale(grad_scale)
+
+
+def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = None) -> None:
+    """Divide the gradients by grad_scale in place (one pass per device).  With
+    ``found_inf`` (a one-element float32 tensor), set it to 1 if any gradient holds inf
+    or NaN; on the CUDA kernels, when found_inf is on the gradients' device, this is
+    done in the same pass and without synchronising."""
+    inv = _inv_scale(grad_scale)
+    for same in by_device(grads):
+        ext = _on_cuda_kernels(same)
+        if ext is None:
+            if found_inf is not None and not grads_all_finite(same):
+                found_inf.fill_(1.0)
+            torch._foreach_mul_(list(same), inv)
+            continue
+        local = found_inf is not None and found_inf.device == same[0].device
+        flag = found_inf if local else torch.zeros(1, dtype=torch.float32, device=same[0].device)
+        ext.unscale_(list(same), inv, None, flag)
+        if found_inf is not None and not local:
+            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape)))
 
 
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
-                grad_scale=None, check_finite=False, param_copies=None) -> bool:
+                grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula."""
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                    max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None, param_copies=param_copies)
@@ -115,26 +225,29 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, s
         raise ValueError("amsgrad=True needs max_exp_avg_sqs")
     if not len(params):
         return False
-    lr = _scalar(lr)
-    if bias_correction and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs,
-                                             max_exp_avg_sqs if amsgrad else None, copies=param_copies):
+    maxes = max_exp_avg_sqs if amsgrad else None
+    sc = _scalars(params, (grads, exp_avgs, exp_avg_sqs, maxes, param_copies), lr=lr, step=step,
+                  grad_scale=grad_scale, found_inf=found_inf)
+    if sc is None:
+        return True
+    if sc.ext is None and bias_correction and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes,
+                                                                copies=param_copies):
         if check_finite and not grads_all_finite(grads):
             return True
-        torch_fused.adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=step, lr=lr, beta1=beta1,
-                          beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, adamw=adamw_mode,
-                          maximize=maximize, grad_scale=_grad_scale_value(grad_scale))
+        torch_fused.adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=sc.step, lr=sc.lr,
+                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                          adamw=adamw_mode, maximize=maximize, grad_scale=_grad_scale_value(grad_scale))
         return False
-    bc1 = 1 - beta1 ** step if bias_correction else 1.0
-    bc2 = 1 - beta2 ** step if bias_correction else 1.0
-    return _call("adam_", params, list(grads), list(exp_avgs), list(exp_avg_sqs),
-                 _list(max_exp_avg_sqs) if amsgrad else None, _list(param_copies), lr, beta1, beta2, eps,
-                 weight_decay, lr / bc1, bc2 ** 0.5, _inv_scale(grad_scale), amsgrad, adamw_mode, maximize,
-                 check_finite)
+    bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
+    bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
+    return _run(sc, "adam_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(maxes),
+                _list(param_copies), sc.lr, beta1, beta2, eps, weight_decay, sc.lr / bc1, bc2 ** 0.5, sc.inv_scale,
+                amsgrad, adamw_mode, maximize, check_finite, cuda_kwargs={"bias_correction": bias_correction})
 
 
 def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None, check_finite=False,
-               param_copies=None) -> bool:
+               found_inf=None, param_copies=None) -> bool:
     """SGD with momentum/Nesterov, torch.optim.SGD's formula (apex's wd_after_momentum option).
 
     On ``step == 1`` the momentum buffers are initialised from the gradient, as torch does.
@@ -145,74 +258,105 @@ def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, 
         raise ValueError("momentum != 0 needs momentum_buffers")
     if not len(params):
         return False
-    if not wd_after_momentum and torch_fused.takes(params, grads, momentum_buffers if momentum else None,
-                                                   copies=param_copies):
+    buffers = momentum_buffers if momentum else None
+    # SGD's step only says whether this is the first one: it is an int here
+    sc = _scalars(params, (grads, buffers, param_copies), lr=lr, grad_scale=grad_scale, found_inf=found_inf,
+                  counts_steps=False)
+    if sc is None:
+        return True
+    if sc.ext is None and not wd_after_momentum and torch_fused.takes(params, grads, buffers, copies=param_copies):
         if check_finite and not grads_all_finite(grads):
             return True
-        torch_fused.sgd_(params, grads, momentum_buffers, lr=_scalar(lr), momentum=momentum, dampening=dampening,
+        torch_fused.sgd_(params, grads, momentum_buffers, lr=sc.lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first_step=step == 1,
                          grad_scale=_grad_scale_value(grad_scale))
         return False
-    return _call("sgd_", params, list(grads), _list(momentum_buffers) if momentum else None, _list(param_copies),
-                 _scalar(lr), momentum, dampening, weight_decay, _inv_scale(grad_scale), nesterov, maximize,
-                 wd_after_momentum, step == 1, check_finite)
+    return _run(sc, "sgd_", params, list(grads), _list(buffers), _list(param_copies), sc.lr, momentum, dampening,
+                weight_decay, sc.inv_scale, nesterov, maximize, wd_after_momentum, step == 1, check_finite)
 
 
 def fused_adagrad_(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
-                   maximize=False, grad_scale=None, check_finite=False, param_copies=None) -> bool:
+                   maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Adagrad, torch.optim.Adagrad's formula."""
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
     if not len(params):
         return False
-    clr = _scalar(lr) / (1 + (step - 1) * lr_decay)
-    return _call("adagrad_", params, list(grads), list(state_sums), _list(param_copies), clr, weight_decay, eps,
-                 _inv_scale(grad_scale), maximize, check_finite)
+    sc = _scalars(params, (grads, state_sums, param_copies), lr=lr, step=step, grad_scale=grad_scale,
+                  found_inf=found_inf)
+    if sc is None:
+        return True
+    clr = sc.lr / (1 + (sc.step - 1) * lr_decay)
+    return _run(sc, "adagrad_", params, list(grads), list(state_sums), _list(param_copies), clr, weight_decay, eps,
+                sc.inv_scale, maximize, check_finite, cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay})
 
 
 def fused_lion_(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay=0.0, maximize=False, grad_scale=None,
-                check_finite=False, param_copies=None) -> bool:
+                check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Lion: p -= lr * sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2); decoupled decay."""
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, param_copies=param_copies)
     if not len(params):
         return False
-    return _call("lion_", params, list(grads), list(exp_avgs), _list(param_copies), _scalar(lr), beta1, beta2,
-                 weight_decay, _inv_scale(grad_scale), maximize, check_finite)
+    sc = _scalars(params, (grads, exp_avgs, param_copies), lr=lr, grad_scale=grad_scale, found_inf=found_inf,
+                  counts_steps=False)
+    if sc is None:
+        return True
+    return _run(sc, "lion_", params, list(grads), list(exp_avgs), _list(param_copies), sc.lr, beta1, beta2,
+                weight_decay, sc.inv_scale, maximize, check_finite)
 
 
 def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
                 bias_correction=True, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
-                maximize=False, grad_scale=None, check_finite=False, param_copies=None,
+                maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
                 global_grad_norm_value=None) -> bool:
     """LAMB with apex FusedLAMB's semantics (see :class:`lightning_fastopt.FusedLAMB`).
 
     ``global_grad_norm_value``: the unscaled norm over every gradient that clipping
-    should see (all groups, all ranks); computed from ``grads`` when None.
+    should see (all groups, all ranks); computed from ``grads`` when None (on the CUDA
+    kernels: on the device, without synchronising, unless ``check_finite`` asks for a
+    host answer first).
     """
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, param_copies=param_copies)
     if not len(params):
         return False
+    sc = _scalars(params, (grads, exp_avgs, exp_avg_sqs, param_copies), lr=lr, step=step, grad_scale=grad_scale,
+                  found_inf=found_inf)
+    if sc is None:
+        return True
     if check_finite and not grads_all_finite(grads):
         return True
+    bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
+    bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    trust = use_nvlamb or weight_decay != 0
+    if sc.ext is not None and global_grad_norm_value is None:
+        _, total = sc.ext.sum_squares_device(list(grads))  # clipping is resolved on the device
+        _run(sc, "lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), sc.lr,
+             beta1, beta2, beta3, eps, weight_decay, bc1, bc2, sc.inv_scale, adam_w_mode, trust, maximize,
+             cuda_kwargs={"bias_correction": bias_correction, "grad_sum_squares": total,
+                          "max_grad_norm": max_grad_norm, "inv_grad_scale": sc.inv_scale})
+        return False
     norm = global_grad_norm(grads, grad_scale) if global_grad_norm_value is None else _scalar(global_grad_norm_value)
     if not math.isfinite(norm):
         if check_finite:
             return True
         raise ValueError(f"the global gradient norm is {norm}; pass check_finite=True to skip such steps")
     clip = norm / max_grad_norm if max_grad_norm > 0 and norm > max_grad_norm else 1.0
-    bc1 = 1 - beta1 ** step if bias_correction else 1.0
-    bc2 = 1 - beta2 ** step if bias_correction else 1.0
-    _call("lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), _scalar(lr), beta1,
-          beta2, 1 - beta1 if grad_averaging else 1.0, eps, weight_decay, bc1, bc2, _inv_scale(grad_scale) / clip,
-          adam_w_mode, use_nvlamb or weight_decay != 0, maximize)
+    _run(sc, "lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), sc.lr, beta1,
+         beta2, beta3, eps, weight_decay, bc1, bc2, _inv_scale(grad_scale) / clip, adam_w_mode, trust, maximize,
+         cuda_kwargs={"bias_correction": bias_correction})
     return False
 
 
 def fused_lars_(params, grads, momentum_buffers, *, lr, momentum=0.0, eeta=1e-3, weight_decay=0.0, epsilon=0.0,
-                maximize=False, grad_scale=None, check_finite=False, param_copies=None) -> bool:
+                maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """LARS: per-tensor local lr = eeta*||p|| / (||g|| + wd*||p|| + epsilon) (1 if a norm is 0);
     buf = momentum*buf + (g + wd*p); p -= lr*local_lr*buf."""
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers, param_copies=param_copies)
     if not len(params):
         return False
-    return _call("lars_", params, list(grads), list(momentum_buffers), _list(param_copies), _scalar(lr), momentum,
-                 eeta, weight_decay, epsilon, _inv_scale(grad_scale), maximize, check_finite)
+    sc = _scalars(params, (grads, momentum_buffers, param_copies), lr=lr, grad_scale=grad_scale,
+                  found_inf=found_inf, counts_steps=False)
+    if sc is None:
+        return True
+    return _run(sc, "lars_", params, list(grads), list(momentum_buffers), _list(param_copies), sc.lr, momentum,
+                eeta, weight_decay, epsilon, sc.inv_scale, maximize, check_finite)

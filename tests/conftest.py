@@ -36,6 +36,40 @@ def compiled(monkeypatch):
     return module
 
 
+class _Spy:
+    """The CUDA extension, counting the calls of each function."""
+
+    def __init__(self, ext):
+        self._ext = ext
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        attr = getattr(self._ext, name)
+        if not callable(attr) or name == "UnsupportedTensor":
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.fixture
+def cuda_ext(monkeypatch):
+    """The compiled CUDA kernels (the test fails when they do not build), spied on:
+    ``cuda_ext.calls`` counts the calls of each kernel function."""
+    import lightning_fastopt.functional as functional
+
+    ext = ops.cuda_backend()
+    if ext is None:
+        pytest.fail(f"the CUDA extension did not build: {ops.cuda_extension_error()}")
+    spy = _Spy(ext)
+    monkeypatch.setattr(functional, "cuda_backend", lambda: spy)
+    monkeypatch.setattr(ops, "cuda_backend", lambda: spy)
+    return spy
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

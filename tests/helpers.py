@@ -13,16 +13,16 @@ def split_groups(params, overrides):
     return groups
 
 
-def twin_params(sizes, dtype=torch.float32):
-    base = [torch.randn(n) for n in sizes]
+def twin_params(sizes, dtype=torch.float32, device="cpu"):
+    base = [torch.randn(n, device=device) for n in sizes]
     a = [b.clone().to(dtype).requires_grad_() for b in base]
     b = [b.clone().to(dtype).requires_grad_() for b in base]
     return a, b
 
 
-def run_twins(make_a, make_b, sizes, overrides, steps=STEPS, grad_dtype=None, after_step=None):
+def run_twins(make_a, make_b, sizes, overrides, steps=STEPS, grad_dtype=None, after_step=None, device="cpu"):
     """Train two optimizers on identical params and identical random grads; return both param lists."""
-    a, b = twin_params(sizes)
+    a, b = twin_params(sizes, device=device)
     opt_a = make_a(split_groups(a, overrides))
     opt_b = make_b(split_groups(b, overrides))
     for step in range(steps):

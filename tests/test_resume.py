@@ -47,6 +47,20 @@ def fp16_run(tmp_path_factory):
     return out, _run(out, "--fp16")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
+def test_sigkill_and_resume_on_gpu_is_bit_exact(tmp_path, fraction):
+    """On the GPU: the device share runs the CUDA kernels, the host share the CPU kernels,
+    copies go through side streams; killing and resuming still changes nothing."""
+    args = ("--fp16", "--accelerator", "gpu", "--fraction", fraction)
+    ref = _run(tmp_path / "ref", *args)
+    _run(tmp_path / "killed", *args, "--kill-at-step", "20", expect_kill=True)
+    last = tmp_path / "killed" / "ckpt" / "last.ckpt"
+    resumed = _run(tmp_path / "killed", *args, "--resume", str(last))
+    _assert_same(resumed, ref)
+    assert resumed["loss_scale"] == ref["loss_scale"]
+
+
 def test_sigkill_and_resume_is_bit_exact(fp16_run, tmp_path):
     ref_dir, ref = fp16_run
     _run(tmp_path, "--fp16", "--kill-at-step", "20", expect_kill=True)

@@ -1,10 +1,13 @@
 """Building, loading and choosing the optimizer kernels.
 
 A *backend* is a module-like object with the low-level functions ``adam_``, ``sgd_``,
-``adagrad_``, ``lion_``, ``lamb_``, ``lars_``, ``all_finite`` and ``sum_squares``: either
-the compiled CPU extension or :mod:`lightning_fastopt.ops.torch_backend`.
-``LIGHTNING_FASTOPT_BACKEND`` chooses: ``auto`` (default: compiled when it builds),
-``torch`` (always the pure-PyTorch path) or ``compiled`` (fail if it does not build).
+``adagrad_``, ``lion_``, ``lamb_``, ``lars_``, ``all_finite`` and ``sum_squares``: the
+compiled CPU extension, the compiled CUDA extension (the same functions, plus keyword-only
+device scalars and ``check_finite_``, ``unscale_``, ``sum_squares_device``), or
+:mod:`lightning_fastopt.ops.torch_backend`.  ``LIGHTNING_FASTOPT_BACKEND`` chooses:
+``auto`` (default: compiled when it builds), ``torch`` (always the pure-PyTorch path, and
+torch's fused kernels on CUDA) or ``compiled`` (fail if the extension for the tensors'
+device does not build).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from types import ModuleType
 from lightning_fastopt.ops import torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError
 from lightning_fastopt.ops.cpu import cpu_extension_error, load_cpu_extension
+from lightning_fastopt.ops.cuda import cuda_extension_error, load_cuda_extension
 
 BACKEND_ENV = "LIGHTNING_FASTOPT_BACKEND"
 _CHOICES = ("auto", "torch", "compiled")
@@ -42,9 +46,27 @@ def cpu_backend() -> ModuleType:
     return ext
 
 
+def cuda_backend() -> ModuleType | None:
+    """The compiled CUDA kernels, or None when they are not to be used or did not build."""
+    choice = backend_choice()
+    if choice == "torch":
+        return None
+    ext = load_cuda_extension(warn=choice == "auto")
+    if ext is None and choice == "compiled":
+        raise ExtensionBuildError(
+            f"{BACKEND_ENV}=compiled but the CUDA extension is unavailable: {cuda_extension_error()}"
+        )
+    return ext
+
+
 def backend_for(device_type: str) -> ModuleType:
     """The backend for tensors on a device of this type ("cpu", "cuda", ...)."""
-    return cpu_backend() if device_type == "cpu" else torch_backend
+    if device_type == "cpu":
+        return cpu_backend()
+    if device_type == "cuda":
+        ext = cuda_backend()
+        return ext if ext is not None else torch_backend
+    return torch_backend
 
 
 def unsupported_tensor_error(backend: ModuleType) -> type[BaseException]:
@@ -56,5 +78,5 @@ class _NeverRaised(Exception):
     pass
 
 
-__all__ = ["BACKEND_ENV", "ExtensionBuildError", "backend_for", "cpu_backend", "torch_backend",
+__all__ = ["BACKEND_ENV", "ExtensionBuildError", "backend_for", "cpu_backend", "cuda_backend", "torch_backend",
            "unsupported_tensor_error"]

@@ -1,8 +1,11 @@
 """``python -m lightning_fastopt.ops build`` / ``info``.
 
 build  compile the kernels for this machine ahead of time (--all-isas: every instruction
-       set this CPU can run, e.g. to test the portable build too)
-info   which backend each optimizer uses, the ISA, the cache path, and any build error
+       set this CPU can run, e.g. to test the portable build too; --cuda: the CUDA kernels
+       too, for the visible GPUs or TORCH_CUDA_ARCH_LIST; --cuda-only: just those, e.g. to
+       compile-check them on a machine with nvcc and a CUDA torch but no GPU)
+info   which backend each optimizer uses, the ISA, the GPU architectures, the cache paths,
+       and any build error
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ def _build(args) -> int:
     from lightning_fastopt.ops.cpu import cpu_extension_spec
     from lightning_fastopt.ops.isa import available_isas, detect_isa
 
-    isas = available_isas() if args.all_isas else [detect_isa().name]
+    isas = [] if args.cuda_only else available_isas() if args.all_isas else [detect_isa().name]
     status = 0
+    if args.cuda or args.cuda_only:
+        status = _build_cuda()
     for isa in isas:
         spec = cpu_extension_spec(isa)
         start = time.perf_counter()
@@ -31,6 +36,47 @@ def _build(args) -> int:
             continue
         print(f"cpu[{isa}]: ready in {time.perf_counter() - start:.1f} s at {build_dir(spec)}")
     return status
+
+
+def _build_cuda() -> int:
+    from lightning_fastopt.ops.builder import ExtensionBuildError, build_dir, load_extension
+    from lightning_fastopt.ops.cuda import cuda_extension_spec
+
+    start = time.perf_counter()
+    try:
+        spec = cuda_extension_spec()
+        load_extension(spec)
+    except ExtensionBuildError as err:
+        print(f"cuda: build FAILED\n{err}", file=sys.stderr)
+        return 1
+    print(f"cuda[{spec.variant}]: ready in {time.perf_counter() - start:.1f} s at {build_dir(spec)}")
+    return 0
+
+
+def _cuda_info() -> str:
+    """How CUDA tensors are stepped, for `info` (builds the CUDA kernels if a GPU is visible)."""
+    import torch
+
+    from lightning_fastopt.ops import cuda_backend
+    from lightning_fastopt.ops.builder import ExtensionBuildError, build_dir, is_built
+    from lightning_fastopt.ops.cuda import cuda_extension_error, cuda_extension_spec, cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        print(f"CUDA extension: not applicable ({reason})")
+        return "pure-PyTorch (no CUDA in this torch)"
+    try:
+        spec = cuda_extension_spec()
+        print(f"CUDA extension: {build_dir(spec)} ({'built' if is_built(spec) else 'not built yet'})")
+    except ExtensionBuildError as err:
+        print(f"CUDA extension: cannot be built here: {err}")
+    if not torch.cuda.is_available():
+        return "compiled CUDA kernels once a GPU is visible"
+    ext = cuda_backend()  # builds if needed
+    if ext is None:
+        return f"torch fused / pure-PyTorch (CUDA kernels unavailable: {cuda_extension_error()})"
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return f"compiled CUDA kernels ({names})"
 
 
 def _info(args) -> int:
@@ -56,10 +102,11 @@ def _info(args) -> int:
     error = cpu_extension_error()
     from lightning_fastopt import optim
 
+    cuda_line = _cuda_info()
     for cls in optim.__all__:
         if cls == "FusedOptimizer":
             continue
-        print(f"  {cls:13s} CPU tensors: {name} ({backend.isa}); CUDA tensors: pure-PyTorch (torch ops)")
+        print(f"  {cls:13s} CPU tensors: {name} ({backend.isa}); CUDA tensors: {cuda_line}")
     if error:
         print(f"build error:\n{error}")
     return 0
@@ -71,6 +118,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the kernels ahead of time")
     b.add_argument("--all-isas", action="store_true", help="build every instruction set this CPU can run")
+    b.add_argument("--cuda", action="store_true", help="build the CUDA kernels too")
+    b.add_argument("--cuda-only", action="store_true", help="build only the CUDA kernels")
     sub.add_parser("info", help="show backends, ISA, cache path and build errors")
     args = parser.parse_args(argv)
     return _build(args) if args.command == "build" else _info(args)

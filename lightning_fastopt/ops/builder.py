@@ -73,6 +73,21 @@ def compiler_version(cxx: str) -> str:
         return ""
 
 
+def nvcc_version() -> str:
+    """The CUDA compiler's version line ("" when there is none)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if not nvcc:
+        return ""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    return lines[-1] if out.returncode == 0 and lines else ""
+
+
 def build_key(spec: ExtensionSpec) -> str:
     import torch
 
@@ -85,6 +100,7 @@ def build_key(spec: ExtensionSpec) -> str:
         spec.name, spec.variant, " ".join(spec.cflags), " ".join(spec.ldflags), " ".join(spec.cuda_cflags),
         str(spec.with_cuda), compiler_version(compiler()), torch.__version__, str(torch.version.cuda),
         sys.version.split()[0], str(sysconfig.get_config_var("SOABI")), platform.machine(),
+        nvcc_version() if spec.with_cuda else "",
     ]
     h.update("\0".join(parts).encode())
     return h.hexdigest()[:16]

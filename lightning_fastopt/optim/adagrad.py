@@ -48,4 +48,4 @@ class FusedAdagrad(FusedOptimizer):
         fused_adagrad_(b.params, b.grads, b.states["sum"], step=b.step, lr=group["lr"], lr_decay=group["lr_decay"],
                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                        grad_scale=grad_scale,
-                       param_copies=b.copies)
+                       param_copies=b.copies, found_inf=b.found_inf)

@@ -19,12 +19,16 @@ class FusedAdam(FusedOptimizer):
 
     Every torch.optim.Adam keyword is accepted: ``maximize`` works as in torch, a tensor
     ``lr`` is read each step, ``foreach``/``fused`` have no effect (this is always fused);
-    ``differentiable=True`` and ``capturable=True`` raise.
+    ``differentiable=True`` raises.  ``capturable=True`` (CUDA parameters only) keeps the
+    step counts on the GPU, where the CUDA kernels read them together with a tensor
+    ``lr`` on that device: a step never waits for the GPU and can be captured in a CUDA
+    graph, as with torch.optim.Adam(capturable=True).
 
     State per parameter (float32): ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``.
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
+    supports_capturable = True
 
     def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True, *,
@@ -35,7 +39,8 @@ class FusedAdam(FusedOptimizer):
             adamw_mode = bool(decoupled_weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=adamw_mode,
-                        maximize=maximize, foreach=foreach, fused=fused, capturable=False, differentiable=False)
+                        maximize=maximize, foreach=foreach, fused=fused, capturable=bool(capturable),
+                        differentiable=False)
         self._validate_group(defaults)
         super().__init__(params, defaults, foreach=foreach, fused=fused, capturable=capturable,
                          differentiable=differentiable)
@@ -81,7 +86,7 @@ class FusedAdam(FusedOptimizer):
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
                     adamw_mode=group["decoupled_weight_decay"], maximize=group["maximize"],
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                    param_copies=b.copies)
+                    param_copies=b.copies, found_inf=b.found_inf)
 
 
 class CPUAdam(FusedAdam):

@@ -58,8 +58,9 @@ class Bucket:
     states: dict[str, list[Tensor]]
     step_tensor: Tensor | None = None  # the shared step count (optimizers that count steps)
     first: bool = False  # no state before this step (optimizers that do not count steps)
-    step: int = 1  # the step number after this update
+    step: int | Tensor = 1  # the step number after this update (a device tensor when capturable)
     copies: list[Tensor] | None = None  # tensors that receive the updated params (model-dtype copies)
+    found_inf: Tensor | None = None  # a device flag: when set the kernels skip the update
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -72,6 +73,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     state_keys: tuple[str, ...] = ()
     counts_steps: bool = True
+    supports_capturable = False  # capturable=True: step counts on the device, no host synchronisation
     fuses_unscale = True  # step(grad_scale=...) unscales inside the kernels
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
@@ -82,12 +84,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         if differentiable:
             raise ValueError(f"{name} does not support differentiable=True (the kernels update in place "
                              "outside autograd); use the torch.optim optimizer for that")
-        if capturable:
-            raise ValueError(f"{name} does not support capturable=True yet (CUDA-graph capture needs the "
-                             "CUDA kernels); use torch.optim with capturable=True")
+        if capturable and not self.supports_capturable:
+            raise ValueError(f"{name} does not support capturable=True; FusedAdam does, and FusedSGD and "
+                             "FusedLion need no flag to be captured")
         # foreach / fused choose torch's implementation; ours is always fused, so they have no effect.
         del foreach, fused
+        self.capturable = bool(capturable)
         super().__init__(params, defaults)
+        if self.capturable:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.device.type != "cuda":
+                        raise ValueError(f"{name}(capturable=True) needs CUDA parameters (CUDA-graph capture), "
+                                         f"got one on {p.device}")
         self.skipped_steps = 0
         self.last_step_skipped = False
 
@@ -100,6 +109,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         new = type(self).__new__(type(self))
         FusedOptimizer.__init__(new, groups, dict(self.defaults))
         return new
+
+    def _new_step_tensor(self, value: float, device: torch.device) -> Tensor:
+        """A step count: on the parameters' device when capturable (read by the kernels
+        there), else a CPU scalar."""
+        return torch.tensor(float(value), dtype=torch.float32, device=device if self.capturable else "cpu")
 
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -129,6 +143,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group.setdefault(key, value)
         self.__dict__.setdefault("skipped_steps", 0)
         self.__dict__.setdefault("last_step_skipped", False)
+        self.__dict__.setdefault("capturable", False)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -206,12 +221,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if counts:
             if uniform and (shared is None or not fresh or float(shared) == 0.0):
                 if shared is None:  # every parameter is new
-                    shared = torch.zeros((), dtype=torch.float32)
+                    shared = self._new_step_tensor(0.0, device)
                 for st in fresh:
                     st["step"] = shared
                 return [Bucket(params, grads, lists, step_tensor=shared, copies=self._copies(params))]
             for st in fresh:
-                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["step"] = self._new_step_tensor(0.0, device)
             return self._split(group, params, grads, keys)
         if uniform and (not fresh or len(fresh) == len(params)):
             return [Bucket(params, grads, lists, first=bool(fresh), copies=self._copies(params))]
@@ -234,7 +249,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 b = buckets[key] = Bucket([], [], {k: [] for k in keys}, first=not self.counts_steps and key[1])
                 if self.counts_steps:
                     # a new tensor: the old one may be shared with parameters not stepped now
-                    b.step_tensor = torch.tensor(value, dtype=torch.float32)
+                    b.step_tensor = self._new_step_tensor(value, p.device)
             if self.counts_steps:
                 st["step"] = b.step_tensor  # parameters at the same count share one tensor
             b.params.append(p)
@@ -264,12 +279,17 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False, step_context: Any = _COMPUTE):
+             check_finite: bool = False, found_inf: Tensor | None = None, step_context: Any = _COMPUTE):
         """One optimizer step.
 
         grad_scale: divide the gradients by this (loss-scale unscaling, done in the kernel).
         check_finite: if any gradient is inf/NaN, change nothing (no parameter, no state,
         no step count), count the step in ``skipped_steps`` and set ``last_step_skipped``.
+        found_inf: a one-element float32 tensor (torch.amp's overflow flag); when it is
+        nonzero the step changes nothing, as with check_finite.  A capturable optimizer
+        hands it to the CUDA kernels and its step counts take it into account on the
+        device (no synchronisation, so ``skipped_steps`` does not count such steps);
+        otherwise it is read once here.
         step_context: what :meth:`step_context` computed over every gradient of the step,
         when a wrapper steps several optimizers as one (FusedLAMB's global norm).
         """
@@ -278,6 +298,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_step_skipped = False
+        if found_inf is not None and not self.capturable:
+            if float(found_inf.reshape(-1)[0]) != 0.0:
+                self.skipped_steps += 1
+                self.last_step_skipped = True
+                return loss
+            found_inf = None
         if check_finite:
             source = self.grad_source
             grads = [p.grad if source is None else source.get(p) for group in self.param_groups
@@ -293,10 +319,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group, buckets in plans:
             for bucket in buckets:
                 if bucket.step_tensor is not None:
-                    bucket.step_tensor.add_(1)
-                    bucket.step = int(bucket.step_tensor.item())
+                    step_t = bucket.step_tensor
+                    step_t.add_(1)
+                    if step_t.device.type == "cpu":
+                        bucket.step = int(step_t.item())
+                    else:  # capturable: the kernels read it on the device
+                        if found_inf is not None:
+                            step_t.sub_(found_inf.reshape(()).to(step_t.device, torch.float32))
+                        bucket.step = step_t
                 else:
                     bucket.step = 1 if bucket.first else 2
+                bucket.found_inf = found_inf
                 self._update(group, bucket, grad_scale, context)
         return loss
 

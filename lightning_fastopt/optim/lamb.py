@@ -58,4 +58,4 @@ class FusedLAMB(FusedOptimizer):
                     bias_correction=group["bias_correction"], adam_w_mode=group["adam_w_mode"],
                     grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
                     use_nvlamb=group["use_nvlamb"], maximize=group["maximize"], grad_scale=grad_scale,
-                    global_grad_norm_value=context, param_copies=b.copies)
+                    global_grad_norm_value=context, param_copies=b.copies, found_inf=b.found_inf)

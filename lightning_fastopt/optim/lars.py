@@ -38,4 +38,4 @@ class FusedLars(FusedOptimizer):
         fused_lars_(b.params, b.grads, b.states["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
                     eeta=group["eeta"], weight_decay=group["weight_decay"], epsilon=group["epsilon"],
                     maximize=group["maximize"], grad_scale=grad_scale,
-                    param_copies=b.copies)
+                    param_copies=b.copies, found_inf=b.found_inf)

@@ -57,4 +57,4 @@ class FusedSGD(FusedOptimizer):
                    momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
                    nesterov=group["nesterov"], maximize=group["maximize"],
                    wd_after_momentum=group["wd_after_momentum"], grad_scale=grad_scale,
-                   param_copies=b.copies)
+                   param_copies=b.copies, found_inf=b.found_inf)

@@ -2,7 +2,7 @@
 of every epoch, optionally killed with SIGKILL at a given step, optionally resumed.
 
     python tests/scripts/resume_run.py OUT --strategy fastopt_offload --fraction 0.5
-        [--fp16] [--kill-at-step 20] [--resume CKPT]
+        [--fp16] [--kill-at-step 20] [--resume CKPT] [--accelerator gpu]
 
 Writes OUT/final.pt (the model's weights, the loss scale and the step) when it finishes.
 """
@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--resume")
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--prefix", default="net")
+    ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     args = ap.parse_args()
     strategy = (FastOptStrategy(offload_fraction=args.fraction, bucket_size_mb=0.0005)
                 if args.strategy == "fastopt_offload" else "ddp")
@@ -75,10 +76,11 @@ def main():
     model = Model(args.width, args.prefix)
     if args.prefix != "net":
         model.strict_loading = False  # let the optimizer state meet the renamed model
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=4, strategy=strategy, plugins=plugins,
+    trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_epochs=4, strategy=strategy, plugins=plugins,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, data(), ckpt_path=args.resume)
-    torch.save({"weights": model.state_dict(), "loss_scale": getattr(trainer.precision_plugin, "loss_scale", 1.0),
+    weights = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch.save({"weights": weights, "loss_scale": getattr(trainer.precision_plugin, "loss_scale", 1.0),
                 "step": trainer.global_step}, args.out / "final.pt")
 
 
