@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fastopt.distributed import all_reduce_scalar
-from lightning_fastopt.functional import by_device, grads_all_finite
+from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 
 
@@ -128,7 +128,7 @@ class FastOptPrecision(Precision):
             optimizer.step(grad_scale=scale, **kwargs)
         else:
             if scale is not None:
-                torch._foreach_mul_(_grads(optimizer), 1.0 / scale)  # again: hooks may replace .grad
+                unscale_grads_(_grads(optimizer), scale)  # again: hooks may replace .grad
             optimizer.step(**kwargs)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
@@ -153,10 +153,8 @@ class FastOptPrecision(Precision):
             for g in grads:
                 g.clamp_(-bound, bound)
             return
-        squares = 0.0
-        for same in by_device(grads):  # an offload optimizer has gradients on two devices
-            norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in same])
-            squares += torch.linalg.vector_norm(torch.stack(norms)).item() ** 2
+        # the multi-tensor L2 kernels, on every device (an offload optimizer has gradients on two)
+        squares = sum_of_squares(grads)
         if getattr(optimizer, "shards_gradients", False):  # ZeRO: each rank holds its own shard
             squares = all_reduce_scalar(squares)
         total = math.sqrt(squares) / scale
