@@ -81,7 +81,6 @@ def copy_bandwidth(device: str, timer: Timer, nbytes: int) -> float:
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 
