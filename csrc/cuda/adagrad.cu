@@ -12,8 +12,7 @@ struct AdagradMath {
   float gs, neg_clr;
 
   __device__ void prepare(const DeviceScalars& d) {
-    const float inv = inverse_scale(d, a.inv_grad_scale);
-    gs = a.maximize ? -inv : inv;
+    gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     float clr = a.clr;
     if (d.step != nullptr) {  // clr = lr / (1 + (step - 1) * lr_decay) from a device step count
       const double base = static_cast<double>(d.lr != nullptr ? *d.lr : lr);

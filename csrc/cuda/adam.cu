@@ -14,8 +14,7 @@ struct AdamMath {
   float gs, decay, w1, w1c, w2, bc2s, neg_step;
 
   __device__ void prepare(const DeviceScalars& d) {
-    const float inv = inverse_scale(d, a.inv_grad_scale);
-    gs = a.maximize ? -inv : inv;
+    gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     float lr = a.lr, step_size = a.step_size;
     bc2s = a.bias_correction2_sqrt;
     if (d.step != nullptr) {  // the bias corrections of a device-resident step count
@@ -26,7 +25,7 @@ struct AdamMath {
       step_size = static_cast<float>(static_cast<double>(lr) / bc1);
       bc2s = static_cast<float>(sqrt(bc2));
     }
-    decay = static_cast<float>(1.0 - static_cast<double>(lr) * a.weight_decay);
+    decay = decoupled_decay(lr, a.weight_decay);
     w1 = 1.0f - a.beta1;
     w1c = 1.0f - w1;
     small1 = w1 < 0.5f;

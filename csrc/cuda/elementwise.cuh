@@ -56,6 +56,17 @@ __device__ __forceinline__ float inverse_scale(const DeviceScalars& d, float hos
   return d.grad_scale != nullptr ? 1.0f / *d.grad_scale : host_inv;
 }
 
+// What a gradient is multiplied by: the inverse loss scale, negated to maximize.
+__device__ __forceinline__ float gradient_factor(const DeviceScalars& d, float host_inv, bool maximize) {
+  const float inv = inverse_scale(d, host_inv);
+  return maximize ? -inv : inv;
+}
+
+// Decoupled weight decay's factor 1 - lr * wd, rounded once from double (as on the CPU).
+__device__ __forceinline__ float decoupled_decay(float lr, float weight_decay) {
+  return static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
+}
+
 // Where this block works: tensor t of the list, elements [start, start + n).
 struct ChunkPos {
   int t;
@@ -279,6 +290,20 @@ __device__ __forceinline__ T block_sum(T v) {
   const T out = result;
   __syncthreads();  // the shared slots may be reused by the next call
   return out;
+}
+
+// Adds a and b over the block and stores them as this chunk's pair of partial sums (the
+// functors of two-pass algorithms; every thread of the block must call it).
+template <int D>
+__device__ __forceinline__ void store_chunk_pair(const TensorList<D>& tl, const ChunkPos& pos, float* partials,
+                                                 float a, float b) {
+  a = block_sum(a);
+  b = block_sum(b);
+  if (threadIdx.x == 0) {
+    const int64_t at = 2 * (static_cast<int64_t>(tl.chunk_base[pos.t]) + pos.chunk);
+    partials[at] = a;
+    partials[at + 1] = b;
+  }
 }
 
 // The sums of the two per-chunk partial series of a tensor (pairs at partials[2 * chunk]),

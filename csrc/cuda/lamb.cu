@@ -77,13 +77,7 @@ struct LambMoments {
       ps = fmaf(pv, pv, ps);
       us = fmaf(u, u, us);
     });
-    ps = block_sum(ps);
-    us = block_sum(us);
-    if (threadIdx.x == 0) {
-      const int64_t at = 2 * (tl.chunk_base[pos.t] + pos.chunk);
-      partials[at] = ps;
-      partials[at + 1] = us;
-    }
+    store_chunk_pair(tl, pos, partials, ps, us);
   }
 };
 

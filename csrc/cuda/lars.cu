@@ -24,13 +24,7 @@ struct LarsNorms {
       gs = fmaf(gv, gv, gs);
       ps = fmaf(pv, pv, ps);
     });
-    gs = block_sum(gs);
-    ps = block_sum(ps);
-    if (threadIdx.x == 0) {
-      const int64_t at = 2 * (tl.chunk_base[pos.t] + pos.chunk);
-      partials[at] = gs;
-      partials[at + 1] = ps;
-    }
+    store_chunk_pair(tl, pos, partials, gs, ps);
   }
 };
 

@@ -11,10 +11,9 @@ struct LionMath {
   float gs, decay, neg_lr, w1, w1c, w2, w2c;
 
   __device__ void prepare(const DeviceScalars& d) {
-    const float inv = inverse_scale(d, a.inv_grad_scale);
-    gs = a.maximize ? -inv : inv;
+    gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     const float lr = d.lr != nullptr ? *d.lr : a.lr;
-    decay = static_cast<float>(1.0 - static_cast<double>(lr) * a.weight_decay);
+    decay = decoupled_decay(lr, a.weight_decay);
     neg_lr = -lr;
     w1 = 1.0f - a.beta1;
     w2 = 1.0f - a.beta2;

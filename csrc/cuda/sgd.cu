@@ -11,8 +11,7 @@ struct SgdMath {
   float gs, damp, neg_lr;
 
   __device__ void prepare(const DeviceScalars& d) {
-    const float inv = inverse_scale(d, a.inv_grad_scale);
-    gs = a.maximize ? -inv : inv;
+    gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     damp = 1.0f - a.dampening;
     neg_lr = -(d.lr != nullptr ? *d.lr : a.lr);
   }
