@@ -313,7 +313,9 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     ``global_grad_norm_value``: the unscaled norm over every gradient that clipping
     should see (all groups, all ranks); computed from ``grads`` when None (on the CUDA
     kernels: on the device, without synchronising, unless ``check_finite`` asks for a
-    host answer first).
+    host answer first).  The host path raises on a non-finite norm; the device path
+    cannot, so guard it with ``check_finite`` or ``found_inf`` when gradients may
+    overflow (FusedLAMB always passes a host norm and raises).
     """
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, param_copies=param_copies)
     if not len(params):

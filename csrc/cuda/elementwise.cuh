@@ -1,12 +1,6 @@
 // What every CUDA optimizer kernel shares: storage types, conversions, the element-wise
-// functor that walks one chunk, the dtype dispatch, and deterministic block sums.
-//
-// An algorithm is a small "math" struct with
-//   __device__ void prepare(const DeviceScalars&)    resolve device-resident scalars, once
-//   __device__ void operator()(float& p, float g, float* s) const    one element, in float
-// mirroring the vector body of the CPU kernel line by line, so both compute the same
-// IEEE operations (the build turns off FMA contraction: fmaf appears exactly where the CPU
-// code has fmadd).
+// functor that walks one chunk, the dtype dispatch, and deterministic block sums.  The
+// algorithms' per-element math lives in optimizer_math.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,6 +11,7 @@
 
 #include "cuda_api.h"
 #include "multi_tensor_apply.cuh"
+#include "optimizer_math.cuh"
 
 namespace fastopt {
 namespace cuda {
@@ -51,21 +46,6 @@ __device__ __forceinline__ bool skip_launch(const DeviceScalars& d) {
   return d.found_inf != nullptr && *d.found_inf != 0.0f;
 }
 
-// 1 / loss scale: from the device when given there, else the host value.
-__device__ __forceinline__ float inverse_scale(const DeviceScalars& d, float host_inv) {
-  return d.grad_scale != nullptr ? 1.0f / *d.grad_scale : host_inv;
-}
-
-// What a gradient is multiplied by: the inverse loss scale, negated to maximize.
-__device__ __forceinline__ float gradient_factor(const DeviceScalars& d, float host_inv, bool maximize) {
-  const float inv = inverse_scale(d, host_inv);
-  return maximize ? -inv : inv;
-}
-
-// Decoupled weight decay's factor 1 - lr * wd, rounded once from double (as on the CPU).
-__device__ __forceinline__ float decoupled_decay(float lr, float weight_decay) {
-  return static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
-}
 
 // Where this block works: tensor t of the list, elements [start, start + n).
 struct ChunkPos {

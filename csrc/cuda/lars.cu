@@ -33,29 +33,22 @@ struct LarsApply {
   static constexpr bool kCopy = !std::is_same<C, NoCopy>::value;
   static constexpr int kDepth = 3 + (kCopy ? 1 : 0);
   using CT = typename std::conditional<kCopy, C, float>::type;
-  LarsArgs a;
+  LarsMath math;
   DeviceScalars dev;
   const float* partials;
   __device__ void operator()(const TensorList<kDepth>& tl) const {
     if (skip_launch(dev)) return;
     const ChunkPos pos = chunk_pos(tl);
-    const float inv = inverse_scale(dev, a.inv_grad_scale);
-    const float lr = dev.lr != nullptr ? *dev.lr : a.lr;
     const double2 sums = tensor_totals(partials, tl.chunk_base[pos.t], chunks_of(tl.numel[pos.t]));
-    const double pn = sqrt(sums.y), gn = sqrt(sums.x) * inv;
-    const double local = (pn > 0.0 && gn > 0.0)
-        ? a.eeta * pn / (gn + static_cast<double>(a.weight_decay) * pn + a.epsilon) : 1.0;
-    const float neg = static_cast<float>(-static_cast<double>(lr) * local);
-    const float gs = a.maximize ? -inv : inv;
+    LarsMath m = math;
+    m.prepare(dev, sums.x, sums.y);
     P* p = static_cast<P*>(tl.addr[0][pos.t]) + pos.start;
     const G* g = static_cast<const G*>(tl.addr[1][pos.t]) + pos.start;
     float* buf = static_cast<float*>(tl.addr[2][pos.t]) + pos.start;
     CT* c = kCopy ? static_cast<CT*>(tl.addr[kDepth - 1][pos.t]) + pos.start : nullptr;
     for_each_index(pos.n, [&](int64_t i) {
       float pv = to_float(p[i]);
-      const float b = fmaf(buf[i], a.momentum, fmaf(a.weight_decay, pv, to_float(g[i]) * gs));
-      buf[i] = b;
-      pv = fmaf(neg, b, pv);
+      m(pv, to_float(g[i]), buf + i);
       p[i] = from_float<P>(pv);
       if (kCopy) c[i] = from_float<CT>(pv);
     });
@@ -79,7 +72,7 @@ void lars_step(const Slots& slots, const LarsArgs& a, const DeviceScalars& d, fl
     dispatch_dtypes(slots[group[0]], [&](auto p, auto g, auto c) {
       using F = LarsApply<typename decltype(p)::type, typename decltype(g)::type, typename decltype(c)::type>;
       launch_multi_tensor<F::kDepth>(launch_items<F::kDepth>(slots, group, bases, standard_pick<1, F::kCopy>),
-                                     F{a, d, partials}, stream, "lars");
+                                     F{lars_math(a), d, partials}, stream, "lars");
     });
   }
 }
