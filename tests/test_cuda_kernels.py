@@ -2,8 +2,8 @@
 
 What is checked, and how tight:
 - against torch.optim on the GPU (Adam/AdamW with amsgrad and maximize, SGD, Adagrad),
-  50 steps, three parameter groups, sizes 0, 1, 7, 1023 and 1,000,003, with the CPU
-  tests' tolerances (Adam rtol 1.3e-6 / atol 1e-5; SGD and Adagrad 1e-6);
+  50 steps, three parameter groups, sizes 0, 1, 7, 1023 (and 1,000,003 for 20 steps),
+  with the CPU tests' tolerances (Adam rtol 1.3e-6 / atol 1e-5; SGD and Adagrad 1e-6);
 - against the plain-PyTorch references for LAMB, LARS and Lion (tests/references.py);
 - against the compiled CPU kernels, one step at a time from the same state, for every
   algorithm and option and every dtype combination (float32 masters with float32, fp16
@@ -53,13 +53,26 @@ def test_adam_matches_torch_on_gpu(cuda_ext, adamw, amsgrad, maximize):
     a, b, oa, ob = run_twins(
         lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad, maximize=maximize),
         lambda g: torch_cls(g, lr=1e-2, weight_decay=0.01, amsgrad=amsgrad, maximize=maximize, foreach=False),
-        SIZES + (BIG,), overrides, device="cuda")
+        SIZES, overrides, device="cuda")
     assert_params_close(a, b, **ADAM_TOL)
     for x, y in zip(a, b):
         if x.numel():
             torch.testing.assert_close(oa.state[x]["exp_avg"], ob.state[y]["exp_avg"], **ADAM_TOL)
             torch.testing.assert_close(oa.state[x]["exp_avg_sq"], ob.state[y]["exp_avg_sq"], **ADAM_TOL)
     assert cuda_ext.calls.get("adam_", 0) >= 50
+
+
+@pytest.mark.parametrize("make,make_ref,tol", [
+    (lambda g: FusedAdam(g, lr=1e-3, weight_decay=0.01), lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01),
+     ADAM_TOL),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4),
+     lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-4), TIGHT),
+    (lambda g: FusedAdagrad(g, lr=1e-2), lambda g: torch.optim.Adagrad(g, lr=1e-2), TIGHT),
+], ids=["adamw", "sgd", "adagrad"])
+def test_big_tensor_matches_torch_on_gpu(cuda_ext, make, make_ref, tol):
+    """1,000,003 elements (many chunks, a tail) for 20 steps, as in the CPU tests."""
+    a, b, _, _ = run_twins(make, make_ref, (BIG, 5), [dict()], steps=20, device="cuda")
+    assert_params_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("momentum,dampening,nesterov,maximize,weight_decay", [
@@ -69,7 +82,7 @@ def test_sgd_matches_torch_on_gpu(cuda_ext, momentum, dampening, nesterov, maxim
     kw = dict(lr=1e-2, momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize,
               weight_decay=weight_decay)
     a, b, _, _ = run_twins(lambda g: FusedSGD(g, **kw), lambda g: torch.optim.SGD(g, **kw, foreach=False),
-                           SIZES + (BIG,), [dict(), dict(lr=0.05), dict(weight_decay=0.2)], device="cuda")
+                           SIZES, [dict(), dict(lr=0.05), dict(weight_decay=0.2)], device="cuda")
     assert_params_close(a, b, **TIGHT)
     assert cuda_ext.calls.get("sgd_", 0) >= 50
 
@@ -80,7 +93,7 @@ def test_adagrad_matches_torch_on_gpu(cuda_ext, lr_decay, weight_decay, init, ma
     kw = dict(lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=init,
               maximize=maximize, eps=1e-10)
     a, b, _, _ = run_twins(lambda g: FusedAdagrad(g, **kw), lambda g: torch.optim.Adagrad(g, **kw, foreach=False),
-                           SIZES + (BIG,), [dict(), dict(lr=0.05), dict(eps=1e-6)], device="cuda")
+                           SIZES, [dict(), dict(lr=0.05), dict(eps=1e-6)], device="cuda")
     assert_params_close(a, b, **TIGHT)
     assert cuda_ext.calls.get("adagrad_", 0) >= 50
 
@@ -95,7 +108,7 @@ def test_lamb_matches_reference_on_gpu(cuda_ext, adam_w_mode, grad_averaging, bi
               use_nvlamb=use_nvlamb, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
     params = [torch.randn(n, device="cuda", requires_grad=True) for n in SIZES + (BIG,)]
     mirror = [p.detach().clone() for p in params]
-    opt = FusedLAMB([params], lr=1e-2, **kw)
+    opt = FusedLAMB(params, lr=1e-2, **kw)
     ms = [torch.zeros_like(p) for p in mirror]
     vs = [torch.zeros_like(p) for p in mirror]
     for step in range(1, 31):
@@ -150,7 +163,7 @@ def test_lion_matches_reference_on_gpu(cuda_ext):
     interpolation is within 4 ulps of zero: those elements are allowed that)."""
     kw = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)
     params = [torch.randn(n, device="cuda", requires_grad=True) for n in SIZES + (BIG,)]
-    opt = FusedLion(params, **kw)
+    opt = FusedLion(params, lr=kw["lr"], betas=(kw["beta1"], kw["beta2"]), weight_decay=kw["weight_decay"])
     for _ in range(20):
         mirror = [p.detach().clone() for p in params]
         ms = [opt.state[p]["exp_avg"].clone() if opt.state[p] else torch.zeros_like(p) for p in params]
@@ -383,7 +396,7 @@ def test_reductions_match_torch(cuda_ext):
     torch.testing.assert_close(per, want, rtol=1e-5, atol=0)
     torch.testing.assert_close(total, want.sum(), rtol=1e-5, atol=0)
     assert F.grads_all_finite(tensors)
-    tensors[4][3] = math.inf
+    tensors[-2][3] = math.inf  # the fp16 tensor of 1,000,003 elements
     assert not F.grads_all_finite(tensors)
     flag = torch.zeros(1, device="cuda")
     cuda_ext.check_finite_(tensors, flag)
@@ -399,7 +412,7 @@ def test_unscale_sets_found_inf_and_divides(cuda_ext):
     assert float(flag) == 0.0
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    grads[2][0] = math.nan
+    grads[-1][0] = math.nan  # the bf16 tensor of 1,000,003 elements
     F.unscale_grads_(grads, 64.0, flag)
     assert float(flag) == 1.0
     assert cuda_ext.calls.get("unscale_", 0) == 2
