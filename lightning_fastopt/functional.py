@@ -33,7 +33,9 @@ which computes the same thing.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -96,20 +98,39 @@ def _list(x):
     return None if x is None else list(x)
 
 
-def _on_cuda_kernels(params: TensorList, *lists) -> ModuleType | None:
-    """The compiled CUDA kernels when they take this call (every tensor dense, contiguous
-    and on the device of params[0]), else None."""
-    if not len(params) or params[0].device.type != "cuda":
+_host_only = threading.local()  # set while a call is redone on the host backends
+
+
+class _NotForTheCudaKernels(Exception):
+    """The CUDA kernels refused a tensor (before touching anything): redo on the host."""
+
+
+def _on_cuda_kernels(params: TensorList) -> ModuleType | None:
+    """The compiled CUDA kernels for a call on CUDA tensors, else None.  The kernels' own
+    checks (every tensor dense, contiguous, on params[0]'s device) run in C++ before
+    anything is modified: checking thousands of tensors here would cost more than the
+    step; a refusal redoes the call on the host backends (:func:`_cuda_or_host`)."""
+    if not len(params) or params[0].device.type != "cuda" or getattr(_host_only, "on", False):
         return None
-    ext = cuda_backend()
-    if ext is None:
-        return None
-    device = params[0].device
-    for tensors in (params, *lists):
-        for t in tensors or ():
-            if t.device != device or t.layout is not torch.strided or not t.is_contiguous():
-                return None
-    return ext
+    return cuda_backend()
+
+
+def _cuda_or_host(fn):
+    """Run ``fn``; if the CUDA kernels refuse one of its tensors, run it again with the
+    CUDA kernels out of the picture (torch's fused kernels or the pure-PyTorch path)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _NotForTheCudaKernels:
+            _host_only.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _host_only.on = False
+
+    return wrapper
 
 
 def _device_scalar(t: Tensor, device: torch.device) -> Tensor:
@@ -129,13 +150,13 @@ class _Scalars:
     inv_scale: float = 1.0
 
 
-def _scalars(params: TensorList, lists, *, lr=0.0, step=1, grad_scale=None, found_inf=None,
+def _scalars(params: TensorList, *, lr=0.0, step=1, grad_scale=None, found_inf=None,
              counts_steps: bool = True) -> _Scalars | None:
     """Resolve a call's scalars; None when found_inf, read on the host, says skip.
 
     A device ``lr`` is read on the device together with a device ``step`` (the bias
     corrections need both), or alone by algorithms that do not count steps."""
-    ext = _on_cuda_kernels(params, *lists)
+    ext = _on_cuda_kernels(params)
     if ext is None:
         if found_inf is not None and _scalar(found_inf) != 0:
             return None
@@ -166,7 +187,10 @@ def _scalars(params: TensorList, lists, *, lr=0.0, step=1, grad_scale=None, foun
 def _run(sc: _Scalars, name: str, params: TensorList, *args, cuda_kwargs: dict | None = None):
     """Call `name` on the CUDA kernels (with the device scalars) or on the host backends."""
     if sc.ext is not None:
-        return getattr(sc.ext, name)(list(params), *args, **(cuda_kwargs or {}), **sc.kwargs)
+        try:
+            return getattr(sc.ext, name)(list(params), *args, **(cuda_kwargs or {}), **sc.kwargs)
+        except sc.ext.UnsupportedTensor as err:
+            raise _NotForTheCudaKernels(str(err)) from err
     return _call(name, params, *args)
 
 
@@ -203,18 +227,23 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
     inv = _inv_scale(grad_scale)
     for same in by_device(grads):
         ext = _on_cuda_kernels(same)
-        if ext is None:
-            if found_inf is not None and not grads_all_finite(same):
-                found_inf.fill_(1.0)
-            torch._foreach_mul_(list(same), inv)
-            continue
-        local = found_inf is not None and found_inf.device == same[0].device
-        flag = found_inf if local else torch.zeros(1, dtype=torch.float32, device=same[0].device)
-        ext.unscale_(list(same), inv, None, flag)
-        if found_inf is not None and not local:
-            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape)))
+        if ext is not None:
+            local = found_inf is not None and found_inf.device == same[0].device
+            flag = found_inf if local else torch.zeros(1, dtype=torch.float32, device=same[0].device)
+            try:
+                ext.unscale_(list(same), inv, None, flag)
+            except ext.UnsupportedTensor:
+                pass  # a non-contiguous gradient: nothing was touched, torch does it below
+            else:
+                if found_inf is not None and not local:
+                    found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device).reshape(found_inf.shape)))
+                continue
+        if found_inf is not None and not grads_all_finite(same):
+            found_inf.fill_(1.0)
+        torch._foreach_mul_(list(same), inv)
 
 
+@_cuda_or_host
 def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
                 grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
@@ -226,8 +255,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, s
     if not len(params):
         return False
     maxes = max_exp_avg_sqs if amsgrad else None
-    sc = _scalars(params, (grads, exp_avgs, exp_avg_sqs, maxes, param_copies), lr=lr, step=step,
-                  grad_scale=grad_scale, found_inf=found_inf)
+    sc = _scalars(params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
     if sc.ext is None and bias_correction and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes,
@@ -245,6 +273,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, s
                 amsgrad, adamw_mode, maximize, check_finite, cuda_kwargs={"bias_correction": bias_correction})
 
 
+@_cuda_or_host
 def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None, check_finite=False,
                found_inf=None, param_copies=None) -> bool:
@@ -260,8 +289,7 @@ def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, 
         return False
     buffers = momentum_buffers if momentum else None
     # SGD's step only says whether this is the first one: it is an int here
-    sc = _scalars(params, (grads, buffers, param_copies), lr=lr, grad_scale=grad_scale, found_inf=found_inf,
-                  counts_steps=False)
+    sc = _scalars(params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
     if sc.ext is None and not wd_after_momentum and torch_fused.takes(params, grads, buffers, copies=param_copies):
@@ -275,14 +303,14 @@ def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, 
                 weight_decay, sc.inv_scale, nesterov, maximize, wd_after_momentum, step == 1, check_finite)
 
 
+@_cuda_or_host
 def fused_adagrad_(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
                    maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Adagrad, torch.optim.Adagrad's formula."""
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, (grads, state_sums, param_copies), lr=lr, step=step, grad_scale=grad_scale,
-                  found_inf=found_inf)
+    sc = _scalars(params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
     clr = sc.lr / (1 + (sc.step - 1) * lr_decay)
@@ -290,20 +318,21 @@ def fused_adagrad_(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_
                 sc.inv_scale, maximize, check_finite, cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay})
 
 
+@_cuda_or_host
 def fused_lion_(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay=0.0, maximize=False, grad_scale=None,
                 check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Lion: p -= lr * sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2); decoupled decay."""
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, (grads, exp_avgs, param_copies), lr=lr, grad_scale=grad_scale, found_inf=found_inf,
-                  counts_steps=False)
+    sc = _scalars(params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
     return _run(sc, "lion_", params, list(grads), list(exp_avgs), _list(param_copies), sc.lr, beta1, beta2,
                 weight_decay, sc.inv_scale, maximize, check_finite)
 
 
+@_cuda_or_host
 def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
                 bias_correction=True, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
                 maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
@@ -320,8 +349,7 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, (grads, exp_avgs, exp_avg_sqs, param_copies), lr=lr, step=step, grad_scale=grad_scale,
-                  found_inf=found_inf)
+    sc = _scalars(params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
     if check_finite and not grads_all_finite(grads):
@@ -331,7 +359,10 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     beta3 = 1 - beta1 if grad_averaging else 1.0
     trust = use_nvlamb or weight_decay != 0
     if sc.ext is not None and global_grad_norm_value is None:
-        _, total = sc.ext.sum_squares_device(list(grads))  # clipping is resolved on the device
+        try:
+            _, total = sc.ext.sum_squares_device(list(grads))  # clipping is resolved on the device
+        except sc.ext.UnsupportedTensor as err:
+            raise _NotForTheCudaKernels(str(err)) from err
         _run(sc, "lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), sc.lr,
              beta1, beta2, beta3, eps, weight_decay, bc1, bc2, sc.inv_scale, adam_w_mode, trust, maximize,
              cuda_kwargs={"bias_correction": bias_correction, "grad_sum_squares": total,
@@ -349,6 +380,7 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     return False
 
 
+@_cuda_or_host
 def fused_lars_(params, grads, momentum_buffers, *, lr, momentum=0.0, eeta=1e-3, weight_decay=0.0, epsilon=0.0,
                 maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """LARS: per-tensor local lr = eeta*||p|| / (||g|| + wd*||p|| + epsilon) (1 if a norm is 0);
@@ -356,8 +388,7 @@ def fused_lars_(params, grads, momentum_buffers, *, lr, momentum=0.0, eeta=1e-3,
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, (grads, momentum_buffers, param_copies), lr=lr, grad_scale=grad_scale,
-                  found_inf=found_inf, counts_steps=False)
+    sc = _scalars(params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
     return _run(sc, "lars_", params, list(grads), list(momentum_buffers), _list(param_copies), sc.lr, momentum,

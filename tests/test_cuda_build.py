@@ -294,3 +294,30 @@ def test_the_cuda_extension_compiles_and_takes_the_documented_arguments(built_cu
                      False) is False
     assert ext.sum_squares([]) == []
     assert ext.all_finite([]) is True
+
+
+def test_a_call_the_cuda_kernels_refuse_is_redone_on_the_host(monkeypatch, compiled):
+    """The kernels check every tensor in C++ before touching any; a refusal (say, a
+    non-contiguous gradient) redoes the whole call on the host backends."""
+    class Refusing:
+        class UnsupportedTensor(ValueError):
+            pass
+
+        calls = 0
+
+        def adam_(self, *args, **kwargs):
+            Refusing.calls += 1
+            raise self.UnsupportedTensor("grads[1] is not a dense, contiguous CUDA tensor")
+
+    ext = Refusing()
+    monkeypatch.setattr(F, "_on_cuda_kernels", lambda params: None if getattr(F._host_only, "on", False) else ext)
+    params = [torch.randn(n) for n in (1, 7, 1023)]
+    grads = [torch.randn_like(p) for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    ref = [t.clone() for t in params + m + v]
+    assert _adam(params, grads, m, v, grad_scale=2.0) is False
+    assert Refusing.calls == 1 and not getattr(F._host_only, "on", False)
+    monkeypatch.undo()
+    _adam(ref[:3], grads, ref[3:6], ref[6:], grad_scale=2.0)
+    assert all(torch.equal(a, b) for a, b in zip(params + m + v, ref))

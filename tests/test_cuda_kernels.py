@@ -453,6 +453,22 @@ def test_optimizers_on_cuda_parameters_run_these_kernels(cuda_ext):
         assert not any("at::native" in k and "multi_tensor" in k for k in kernels), kernels
 
 
+def test_non_contiguous_tensors_are_stepped_on_the_host_path(cuda_ext):
+    """A transposed gradient: the kernels refuse it before touching anything and the call
+    is redone by the pure-PyTorch path, with the same result as torch."""
+    a = [torch.randn(64, 32, device="cuda", requires_grad=True), torch.randn(100, device="cuda", requires_grad=True)]
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt, ref_opt = FusedAdam(a, lr=1e-2, weight_decay=0.01), torch.optim.AdamW(b, lr=1e-2, weight_decay=0.01)
+    for _ in range(5):
+        g0 = torch.randn(32, 64, device="cuda").t()  # not contiguous
+        g1 = torch.randn(100, device="cuda")
+        a[0].grad, a[1].grad, b[0].grad, b[1].grad = g0, g1, g0.clone(), g1.clone()
+        opt.step()
+        ref_opt.step()
+    assert_params_close(a, b, **ADAM_TOL)
+    assert cuda_ext.calls.get("adam_", 0) == 5  # tried each time, refused each time
+
+
 def test_without_the_extension_cuda_takes_torchs_path(monkeypatch):
     """The fallback still computes the same thing (LIGHTNING_FASTOPT_BACKEND=torch)."""
     monkeypatch.setenv(ops.BACKEND_ENV, "torch")

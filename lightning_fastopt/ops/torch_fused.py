@@ -19,7 +19,8 @@ DEVICE_TYPES = ("cuda",)
 
 
 def takes(params, *lists, copies=None) -> bool:
-    """True when torch's fused kernels compute this call exactly as ours would."""
+    """True when torch's fused kernels compute this call exactly as ours would (dense,
+    contiguous float32 tensors on one device: anything else takes the pure-PyTorch path)."""
     if copies is not None or not len(params):
         return False
     device = params[0].device
@@ -29,7 +30,8 @@ def takes(params, *lists, copies=None) -> bool:
         if tensors is None:
             continue
         for t in tensors:
-            if t.dtype != torch.float32 or t.device != device or t.layout is not torch.strided:
+            if (t.dtype != torch.float32 or t.device != device or t.layout is not torch.strided
+                    or not t.is_contiguous()):
                 return False
     return True
 
