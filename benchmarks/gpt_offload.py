@@ -189,8 +189,8 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     name = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"\n{name}; torch {torch.__version__}; {rows[0]['params'] / 1e6:,.0f}M parameters, "
-          f"batch {args.batch} x {args.seq} tokens, bf16-mixed\n")
+    print(f"\n{name}; torch {torch.__version__}; {rows[0]['params'] / 1e6:,.1f}M parameters, "
+          f"batch {args.batch} x {args.seq} tokens, {'bf16-mixed' if gpu else '32-true'}\n")
     plain = next((r for r in rows if r["configuration"] == "plain"), None)
     print("| configuration | tokens/s | vs plain | step ms | peak GiB | saved vs plain GiB | D2H hidden | H2D hidden |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

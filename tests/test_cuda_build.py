@@ -37,8 +37,9 @@ def launch_plan(tmp_path_factory):
     subprocess.run([cxx, "-std=c++17", "-O1", f"-I{REPO / 'csrc'}", str(REPO / "tests/cpp/launch_plan_check.cpp"),
                     "-o", str(exe)], check=True)
 
-    def plan(depth, sizes):
-        out = subprocess.run([str(exe), str(depth), *map(str, sizes)], capture_output=True, text=True, check=True)
+    def plan(depth, size_class, sizes):
+        out = subprocess.run([str(exe), str(depth), size_class, *map(str, sizes)], capture_output=True, text=True,
+                             check=True)
         lines = out.stdout.splitlines()
         header = lines[0].split()
         limits = dict(chunk=int(header[1]), max_blocks=int(header[3]), max_tensors=int(header[5]))
@@ -54,15 +55,16 @@ def launch_plan(tmp_path_factory):
     return plan
 
 
+@pytest.mark.parametrize("size_class", ["4k", "32k"])  # the kernel argument's capacity
 @pytest.mark.parametrize("depth", [1, 4, 6])
 @pytest.mark.parametrize("sizes", [
     [0, 1, 7, 1023, 1_000_003],
-    [21_000_001],  # more chunks than one launch has blocks
+    [21_000_001, 200_000_001],  # more chunks than one launch has blocks (with either capacity)
     [int(n) for n in torch.randint(0, 200_000, (300,), generator=torch.Generator().manual_seed(0))],
-    [5] * 200 + [65536 * 320, 65536 * 320 + 1, 0, 65537],  # exactly full launches, tails, empties
+    [5] * 700 + [65536 * 320, 65536 * 320 + 1, 0, 65537, 65536 * 2560],  # full launches, tails, empties
 ])
-def test_every_chunk_of_every_tensor_is_launched_once(launch_plan, depth, sizes):
-    limits, launches = launch_plan(depth, sizes)
+def test_every_chunk_of_every_tensor_is_launched_once(launch_plan, depth, size_class, sizes):
+    limits, launches = launch_plan(depth, size_class, sizes)
     chunk = limits["chunk"]
     seen = []
     bases = [sum(math.ceil(n / chunk) for n in sizes[:i]) for i in range(len(sizes))]

@@ -12,8 +12,9 @@ What is checked, and how tight:
   is off in the CUDA build), so float32 results agree to rtol 1e-6 / atol 1e-7 (LAMB and
   LARS: 1e-5 / 1e-6, their norms are summed in another order); half-precision results
   to one unit in the last place of their type;
-- more tensors and more chunks than one launch holds (a tensor of 21M elements spans
-  more than 320 blocks, with 150 small tensors around it);
+- more tensors and more chunks than one launch holds, with 4 KB and 32 KB kernel
+  arguments (tensors of 21M and 170M elements span more than 320 and 2,560 blocks, with
+  700 small tensors around them);
 - found_inf set on the device leaves every parameter, state and copy untouched, and a
   step with device scalars performs no host synchronisation (torch's sync debug mode);
 - CUDA-graph capture and replay of FusedAdam(capturable=True), FusedSGD and FusedLion
@@ -271,11 +272,15 @@ def test_same_results_as_the_cpu_kernels(cuda_ext, compiled, name, combo):
     assert sum(cuda_ext.calls.values()) >= 5
 
 
-def test_more_tensors_and_chunks_than_one_launch(cuda_ext, compiled):
-    """A tensor of more than 320 chunks (the blocks of one launch) among 150 small ones, in
+@pytest.mark.parametrize("kernel_args", ["4k", "default"])
+def test_more_tensors_and_chunks_than_one_launch(cuda_ext, compiled, monkeypatch, kernel_args):
+    """Tensors of more chunks than one launch has blocks (320 with 4 KB kernel arguments,
+    2,560 with 32 KB, this GPU's default when its driver allows) among 700 small ones, in
     both orders: the launcher splits and carries tensors across launches correctly."""
-    sizes = [int(s) for s in torch.randint(1, 3000, (150,))]
-    for layout in ([21_000_001] + sizes, sizes + [21_000_001] + sizes[:7]):
+    if kernel_args == "4k":
+        monkeypatch.setenv("LIGHTNING_FASTOPT_CUDA_KERNEL_ARGS", "4k")
+    sizes = [int(s) for s in torch.randint(1, 3000, (700,))]
+    for layout in ([21_000_001] + sizes, sizes + [170_000_001] + sizes[:7]):
         params = [torch.randn(n, device="cuda") for n in layout]
         grads = [torch.randn(n, device="cuda") for n in layout]
         m = [torch.zeros(n, device="cuda") for n in layout]

@@ -53,8 +53,8 @@ struct ChunkPos {
   int64_t chunk, start, n;
 };
 
-template <int D>
-__device__ __forceinline__ ChunkPos chunk_pos(const TensorList<D>& tl) {
+template <typename List>
+__device__ __forceinline__ ChunkPos chunk_pos(const List& tl) {
   ChunkPos c;
   c.t = tl.block_tensor[blockIdx.x];
   c.chunk = tl.block_chunk[blockIdx.x];
@@ -87,7 +87,8 @@ struct ElementwiseFunctor {
   Math math;
   DeviceScalars dev;
 
-  __device__ __forceinline__ void operator()(const TensorList<kDepth>& tl) const {
+  template <typename List>
+  __device__ __forceinline__ void operator()(const List& tl) const {
     if (skip_launch(dev)) return;
     Math m = math;
     m.prepare(dev);
@@ -274,8 +275,8 @@ __device__ __forceinline__ T block_sum(T v) {
 
 // Adds a and b over the block and stores them as this chunk's pair of partial sums (the
 // functors of two-pass algorithms; every thread of the block must call it).
-template <int D>
-__device__ __forceinline__ void store_chunk_pair(const TensorList<D>& tl, const ChunkPos& pos, float* partials,
+template <typename List>
+__device__ __forceinline__ void store_chunk_pair(const List& tl, const ChunkPos& pos, float* partials,
                                                  float a, float b) {
   a = block_sum(a);
   b = block_sum(b);

@@ -19,7 +19,8 @@ struct LambMoments {
   LambMath math;
   DeviceScalars dev;
   float* partials;
-  __device__ void operator()(const TensorList<4>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     if (skip_launch(dev)) return;
     LambMath m = math;
     m.prepare(dev);
@@ -50,7 +51,8 @@ struct LambApply {
   LambMath math;
   DeviceScalars dev;
   const float* partials;
-  __device__ void operator()(const TensorList<kDepth>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     if (skip_launch(dev)) return;
     LambMath m = math;
     m.prepare(dev);

@@ -13,7 +13,8 @@ template <typename P, typename G>
 struct LarsNorms {
   DeviceScalars dev;
   float* partials;
-  __device__ void operator()(const TensorList<2>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     if (skip_launch(dev)) return;
     const ChunkPos pos = chunk_pos(tl);
     const P* p = static_cast<const P*>(tl.addr[0][pos.t]) + pos.start;
@@ -36,7 +37,8 @@ struct LarsApply {
   LarsMath math;
   DeviceScalars dev;
   const float* partials;
-  __device__ void operator()(const TensorList<kDepth>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     if (skip_launch(dev)) return;
     const ChunkPos pos = chunk_pos(tl);
     const double2 sums = tensor_totals(partials, tl.chunk_base[pos.t], chunks_of(tl.numel[pos.t]));

@@ -10,7 +10,8 @@ namespace {
 template <typename T>
 struct ChunkSquares {
   float* partials;
-  __device__ void operator()(const TensorList<1>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
     const T* x = static_cast<const T*>(tl.addr[0][pos.t]) + pos.start;
     float acc = 0.0f;
@@ -27,7 +28,8 @@ struct ChunkSquares {
 struct TensorSquares {
   const float* partials;
   double* per_slot;
-  __device__ void operator()(const TensorList<1>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
     if (pos.chunk != 0) return;
     const int64_t base = tl.chunk_base[pos.t], chunks = chunks_of(tl.numel[pos.t]);
@@ -49,7 +51,8 @@ __global__ void add_up(const double* per_slot, int64_t n, double* total) {
 template <typename T>
 struct FiniteCheck {
   float* found_inf;
-  __device__ void operator()(const TensorList<1>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
     const T* x = static_cast<const T*>(tl.addr[0][pos.t]) + pos.start;
     bool bad = false;
@@ -63,7 +66,8 @@ struct Unscale {
   float inv_grad_scale;
   const float* grad_scale;
   float* found_inf;
-  __device__ void operator()(const TensorList<1>& tl) const {
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
     T* x = static_cast<T*>(tl.addr[0][pos.t]) + pos.start;
     const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : inv_grad_scale;
