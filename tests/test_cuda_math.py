@@ -1,4 +1,5 @@
-"""The CUDA kernels' per-element math, run on the host, against the CPU kernels.
+"""The CUDA kernels' per-element math, and the element-wise kernels' launches and chunk
+walk, run on the host against the CPU kernels.
 
 csrc/cuda/optimizer_math.cuh holds each algorithm's math as host-and-device code; nvcc
 compiles tests/cpp/cuda_math_check.cu, which runs those very structs on the host (no GPU
@@ -7,8 +8,13 @@ algorithm must produce the same float32 bits: both evaluate the same IEEE operat
 a fused multiply-add exactly where the other has one.  LAMB and LARS add up their norms
 in another order (rtol 1e-6), and steps whose scalars are computed from device-resident
 values (step count, learning rate, loss scale) differ from the host's double-precision
-arithmetic by float rounding (rtol 1e-6).  Skipped where no CUDA toolkit (nvcc and its
-headers) is installed.
+arithmetic by float rounding (rtol 1e-6).
+
+tests/cpp/cuda_walk_check.cpp goes further for the element-wise kernels: compiled by the
+host compiler with CUDA's headers, it runs the real launch packing, launch items, dtype
+dispatch and ElementwiseFunctor (vector path, scalar path, tails, copies) block by block
+and thread by thread, and every buffer must come out with the CPU kernels' exact bits,
+padding between tensors untouched.  Skipped where no CUDA toolkit is installed.
 """
 
 import math
@@ -196,3 +202,100 @@ def test_lars_math_matches_the_cpu_kernels(compiled, host_math, tmp_path, maximi
     compiled.lars_([cp], [cg], [cs[0]], None, 0.1, 0.9, 1e-3, 1e-4, 1e-8, 0.5, maximize, False)
     _same(hp, cp, exact=False)
     _same(hs[0], cs[0])  # the momentum buffer does not depend on the norms
+
+
+# ---------------------------------------------------------------------------- the chunk walk
+_HALF = (torch.float16, torch.bfloat16)
+DTYPE_COMBOS = ([(torch.float32, g, c) for g in (torch.float32,) + _HALF for c in (None,) + _HALF]
+                + [(h, g, None) for h in _HALF for g in (h, torch.float32)])
+_CODE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", None: "none"}
+# (numel, elements of padding before it): every size class, and offsets that leave some
+# tensors unaligned for vector loads (the scalar path) and others aligned; 40 small
+# tensors push a 4 KB kernel argument past its tensor capacity
+LAYOUT = [(0, 0), (1, 0), (7, 1), (1023, 0), (4, 3), (65536 * 2 + 5, 2), (200_003, 0), (65536, 1), (3, 0)] + [
+    (n, n % 3) for n in range(5, 205, 5)]
+
+
+@pytest.fixture(scope="module")
+def host_walk(tmp_path_factory):
+    toolkit = _toolkit()
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if toolkit is None or cxx is None:
+        pytest.skip("no CUDA headers or no C++ compiler here")
+    exe = tmp_path_factory.mktemp("cuda_walk") / "cuda_walk_check"
+    subprocess.run([cxx, "-std=c++20", "-O2", "-w", f"-I{REPO / 'csrc'}", f"-I{toolkit / 'include'}",
+                    str(REPO / "tests/cpp/cuda_walk_check.cpp"), "-o", str(exe)], check=True)
+
+    def run(tmp, layout, buffers, codes, size, **scalars):
+        (tmp / "layout.txt").write_text("".join(f"{n} {off}\n" for n, off in layout))
+        for name, t in buffers.items():
+            _raw(t).tofile(tmp / f"{name}.bin")
+        args = [f"{k}={float(v)!r}" for k, v in scalars.items()]
+        out = subprocess.run([str(exe), str(tmp), *codes, size, *args], check=True, capture_output=True, text=True)
+        launches = int(out.stdout.split()[-1])
+        result = {}
+        for name, t in buffers.items():
+            if name == "g":
+                continue  # gradients are read, never written
+            raw = np.fromfile(tmp / f"{name}.out", dtype=_raw(t).dtype)
+            result[name] = torch.from_numpy(raw).view(t.dtype) if t.dtype != torch.float32 else torch.from_numpy(raw)
+        return result, launches
+
+    return run
+
+
+def _raw(t):
+    return t.view(torch.int16).numpy() if t.dtype in _HALF else t.numpy()
+
+
+def _views(flat, layout):
+    out, pos = [], 0
+    for n, off in layout:
+        pos += off
+        out.append(flat[pos:pos + n])
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("size", ["4k", "32k"])
+@pytest.mark.parametrize("combo", DTYPE_COMBOS, ids=lambda c: "-".join(_CODE[t] for t in c))
+def test_the_element_wise_kernels_update_every_element_once(compiled, host_walk, tmp_path, combo, size):
+    """The launches, blocks and threads of the CUDA Adam kernel, run on the host, leave
+    exactly the CPU kernels' bits in every tensor, and the padding between tensors untouched."""
+    p_dtype, g_dtype, c_dtype = combo
+    total = sum(n + off for n, off in LAYOUT)
+    flat = dict(p=torch.randn(total).to(p_dtype), g=(torch.randn(total) * 4).to(g_dtype),
+                s0=torch.randn(total) * 0.1, s1=torch.rand(total))
+    if c_dtype is not None:
+        flat["c"] = torch.zeros(total, dtype=c_dtype)
+    lr, b1, b2, eps, step, inv = 1e-2, 0.9, 0.999, 1e-8, 3, 0.25
+    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    scalars = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=0.1, step_size=lr / bc1,
+                   bias_correction2_sqrt=bc2 ** 0.5, inv_grad_scale=inv, adamw=1)
+    got, launches = host_walk(tmp_path, LAYOUT, flat, [_CODE[p_dtype], _CODE[g_dtype], _CODE[c_dtype]], size,
+                              **scalars)
+    want = {k: v.clone() for k, v in flat.items()}
+    views = {k: _views(v, LAYOUT) for k, v in want.items()}
+    compiled.adam_(views["p"], views["g"], views["s0"], views["s1"], None, views.get("c"), lr, b1, b2, eps, 0.1,
+                   lr / bc1, bc2 ** 0.5, inv, False, True, False, False)
+    for name in got:
+        assert torch.equal(got[name].view(torch.int16) if got[name].dtype in _HALF else got[name],
+                           want[name].view(torch.int16) if want[name].dtype in _HALF else want[name]), name
+    assert launches == (2 if size == "4k" else 1)  # 49 tensors: two 4 KB lists, one 32 KB list
+
+
+def test_a_tensor_longer_than_one_launch(compiled, host_walk, tmp_path):
+    """21M elements: more chunks than the 320 blocks of a 4 KB launch, carried over."""
+    layout = [(5, 0), (21_000_001, 1), (9, 0)]
+    total = sum(n + off for n, off in layout)
+    flat = dict(p=torch.randn(total), g=torch.randn(total), s0=torch.zeros(total), s1=torch.zeros(total))
+    scalars = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step_size=1e-2,
+                   bias_correction2_sqrt=0.0316, inv_grad_scale=1.0, adamw=1)
+    got, launches = host_walk(tmp_path, layout, flat, ["f32", "f32", "none"], "4k", **scalars)
+    want = {k: v.clone() for k, v in flat.items()}
+    views = {k: _views(v, layout) for k, v in want.items()}
+    compiled.adam_(views["p"], views["g"], views["s0"], views["s1"], None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1e-2,
+                   0.0316, 1.0, False, True, False, False)
+    assert launches == 2
+    for name in got:
+        assert torch.equal(got[name], want[name]), name

@@ -32,7 +32,10 @@
 namespace fastopt {
 namespace cuda {
 
-constexpr int64_t kChunkSize = 65536;  // elements per block; a multiple of kBlockSize * kILP
+constexpr int kBlockSize = 512;        // threads per block
+constexpr int kILP = 4;                // elements per thread per iteration (one vector load)
+constexpr int64_t kChunkSize = 65536;  // elements per block
+static_assert(kChunkSize % (kBlockSize * kILP) == 0, "a chunk is a whole number of block iterations");
 
 // Two list capacities.  The classic kernel argument holds at most 4 KB; CUDA 12.1 with a
 // driver of version 530 or newer on a Volta or newer GPU takes 32 KB, and a launch then

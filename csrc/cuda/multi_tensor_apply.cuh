@@ -15,10 +15,6 @@
 namespace fastopt {
 namespace cuda {
 
-constexpr int kBlockSize = 512;
-constexpr int kILP = 4;  // elements per thread per iteration (one vector load)
-static_assert(kChunkSize % (kBlockSize * kILP) == 0, "a chunk is a whole number of block iterations");
-
 inline void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)

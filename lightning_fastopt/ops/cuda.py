@@ -21,7 +21,8 @@ from lightning_fastopt.ops.builder import ExtensionBuildError, ExtensionSpec, lo
 from lightning_fastopt.ops.cpu import source_root
 
 CUDA_SOURCES = ("adam.cu", "adagrad.cu", "lamb.cu", "lars.cu", "lion.cu", "reduce.cu", "sgd.cu", "bindings.cpp")
-CUDA_HEADERS = ("cuda_api.h", "elementwise.cuh", "launch_plan.h", "multi_tensor_apply.cuh", "optimizer_math.cuh")
+CUDA_HEADERS = ("chunk_walk.cuh", "cuda_api.h", "elementwise.cuh", "launch_plan.h", "multi_tensor_apply.cuh",
+                "optimizer_math.cuh")
 SHARED_HEADERS = ("cpu/kernel_api.h", "common/tensor_slots.h")
 ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 # No FMA contraction: fmaf appears exactly where the CPU kernels use fmadd, so both compute
