@@ -187,11 +187,16 @@ def _scalars(params: TensorList, *, lr=0.0, step=1, grad_scale=None, found_inf=N
 def _run(sc: _Scalars, name: str, params: TensorList, *args, cuda_kwargs: dict | None = None):
     """Call `name` on the CUDA kernels (with the device scalars) or on the host backends."""
     if sc.ext is not None:
-        try:
-            return getattr(sc.ext, name)(list(params), *args, **(cuda_kwargs or {}), **sc.kwargs)
-        except sc.ext.UnsupportedTensor as err:
-            raise _NotForTheCudaKernels(str(err)) from err
+        return _on_cuda(sc.ext, name, list(params), *args, **(cuda_kwargs or {}), **sc.kwargs)
     return _call(name, params, *args)
+
+
+def _on_cuda(ext: ModuleType, name: str, *args, **kwargs):
+    """Call a CUDA-kernel function; a tensor it refuses becomes _NotForTheCudaKernels."""
+    try:
+        return getattr(ext, name)(*args, **kwargs)
+    except ext.UnsupportedTensor as err:
+        raise _NotForTheCudaKernels(str(err)) from err
 
 
 def by_device(tensors: TensorList) -> list[list[Tensor]]:
@@ -359,10 +364,7 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     beta3 = 1 - beta1 if grad_averaging else 1.0
     trust = use_nvlamb or weight_decay != 0
     if sc.ext is not None and global_grad_norm_value is None:
-        try:
-            _, total = sc.ext.sum_squares_device(list(grads))  # clipping is resolved on the device
-        except sc.ext.UnsupportedTensor as err:
-            raise _NotForTheCudaKernels(str(err)) from err
+        _, total = _on_cuda(sc.ext, "sum_squares_device", list(grads))  # clipping is resolved on the device
         _run(sc, "lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), sc.lr,
              beta1, beta2, beta3, eps, weight_decay, bc1, bc2, sc.inv_scale, adam_w_mode, trust, maximize,
              cuda_kwargs={"bias_correction": bias_correction, "grad_sum_squares": total,

@@ -90,6 +90,17 @@ at::Tensor partials_for(const Slots& slots, const at::Tensor& like) {
   return at::empty({std::max<int64_t>(1, 2 * cuda::total_chunks(slots))}, like.options().dtype(at::kFloat));
 }
 
+// Per-slot sums of squares of the slots' tensors (float64, on their device), enqueued on
+// the current stream; `total` (device, may be null) receives their sum.
+at::Tensor per_tensor_squares(const Slots& slots, const at::Tensor& like, double* total) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  at::Tensor per = at::empty({static_cast<int64_t>(slots.size())}, like.options().dtype(at::kDouble));
+  at::Tensor partials = partials_for(slots, like);
+  cuda::sum_squares(slots, 1, partials.data_ptr<float>(), per.data_ptr<double>(), total,
+                    c10::cuda::getCurrentCUDAStream().stream());
+  return per;
+}
+
 }  // namespace
 }  // namespace fastopt
 
@@ -131,12 +142,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sum_squares_device", [](const TensorList& tensors) {
     Slots slots = cuda_slots(tensors, nullptr, {}, std::nullopt);
     if (slots.empty()) throw py::value_error("sum_squares_device needs at least one tensor");
-    const c10::cuda::CUDAGuard guard(tensors[0].device());
-    at::Tensor per = at::empty({static_cast<int64_t>(slots.size())}, tensors[0].options().dtype(at::kDouble));
     at::Tensor total = at::empty({}, tensors[0].options().dtype(at::kDouble));
-    at::Tensor partials = partials_for(slots, tensors[0]);
-    cuda::sum_squares(slots, 1, partials.data_ptr<float>(), per.data_ptr<double>(), total.data_ptr<double>(),
-                      c10::cuda::getCurrentCUDAStream().stream());
+    at::Tensor per = per_tensor_squares(slots, tensors[0], total.data_ptr<double>());
     return py::make_tuple(per, total);
   }, "(per-tensor sums of squares, their total) as float64 device tensors, without synchronising");
 
@@ -144,12 +151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     Slots slots = cuda_slots(tensors, nullptr, {}, std::nullopt);
     std::vector<double> out;
     if (slots.empty()) return out;
-    const c10::cuda::CUDAGuard guard(tensors[0].device());
-    at::Tensor per = at::empty({static_cast<int64_t>(slots.size())}, tensors[0].options().dtype(at::kDouble));
-    at::Tensor partials = partials_for(slots, tensors[0]);
-    cuda::sum_squares(slots, 1, partials.data_ptr<float>(), per.data_ptr<double>(), nullptr,
-                      c10::cuda::getCurrentCUDAStream().stream());
-    at::Tensor host = per.cpu();
+    at::Tensor host = per_tensor_squares(slots, tensors[0], nullptr).cpu();
     out.assign(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
     return out;
   }, "Per-tensor sum of squares, accumulated in double");

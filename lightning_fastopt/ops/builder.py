@@ -73,6 +73,7 @@ def compiler_version(cxx: str) -> str:
         return ""
 
 
+@lru_cache(maxsize=None)
 def nvcc_version() -> str:
     """The CUDA compiler's version line ("" when there is none)."""
     from torch.utils.cpp_extension import CUDA_HOME
