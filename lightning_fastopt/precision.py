@@ -24,14 +24,16 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fastopt.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
 from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step
 
 
 SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
@@ -41,9 +43,8 @@ _PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true"]
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The gradients the optimizer's next step reads (an offload optimizer keeps some in
     host memory: it says where)."""
-    gradients = getattr(optimizer, "gradients", None)
-    if gradients is not None:
-        return gradients()
+    if isinstance(optimizer, OptimizerWrapper):
+        return optimizer.gradients()
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
@@ -90,12 +91,14 @@ class FastOptPrecision(Precision):
         return self._overflow
 
     # ------------------------------------------------------------------ autocast
+    @override
     def connect(self, model, optimizers, lr_schedulers):
         if self.device is None:
             param = next(iter(model.parameters()), None)
             self.device = param.device.type if param is not None else "cpu"
         return super().connect(model, optimizers, lr_schedulers)
 
+    @override
     def forward_context(self) -> contextlib.AbstractContextManager:
         if self.precision == "32-true":
             return contextlib.nullcontext()
@@ -104,11 +107,13 @@ class FastOptPrecision(Precision):
         return torch.autocast(device, dtype=dtype, cache_enabled=False)
 
     # ------------------------------------------------------------------ scaling and stepping
+    @override
     def pre_backward(self, tensor: Tensor, module) -> Tensor:
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
         return super().pre_backward(tensor, module)
 
+    @override
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
@@ -124,7 +129,7 @@ class FastOptPrecision(Precision):
             rank_zero_info(f"lightning_fastopt: gradient overflow, step skipped; loss scale now {self.scaler.scale:g}")
             return closure_result
         scale = self.scaler.scale if self.scaler is not None else None
-        if getattr(optimizer, "fuses_unscale", False):
+        if unscales_in_step(optimizer):
             optimizer.step(grad_scale=scale, **kwargs)
         else:
             if scale is not None:
@@ -134,11 +139,13 @@ class FastOptPrecision(Precision):
             self.scaler.update(overflow=False)
         return closure_result
 
+    @override
     def _clip_gradients(self, model, optimizer, clip_val=None, gradient_clip_algorithm=None) -> None:
         if self._overflow:
             return  # the step is skipped anyway; inf/NaN gradients have no meaningful norm
         super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
 
+    @override
     def clip_gradients(self, optimizer, clip_val: float | int = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Clip the (possibly still scaled) gradients as if they were unscaled."""
@@ -155,7 +162,7 @@ class FastOptPrecision(Precision):
             return
         # the multi-tensor L2 kernels, on every device (an offload optimizer has gradients on two)
         squares = sum_of_squares(grads)
-        if getattr(optimizer, "shards_gradients", False):  # ZeRO: each rank holds its own shard
+        if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
             squares = all_reduce_scalar(squares)
         total = math.sqrt(squares) / scale
         coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
@@ -164,12 +171,30 @@ class FastOptPrecision(Precision):
                 torch._foreach_mul_(same, coef)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         return f"FastOptPrecision({self.precision!r}, loss_scale={self.loss_scale:g})"
+
+
+def to_fastopt_precision(plugin: Precision, **scale_knobs: Any) -> FastOptPrecision:
+    """The FastOptPrecision for the plugin Lightning built from the ``precision`` flag
+    (``scale_knobs``: the loss-scaling arguments of :class:`FastOptPrecision`); a
+    TypeError naming the supported precisions for anything else."""
+    if isinstance(plugin, FastOptPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision):
+        device = getattr(plugin, "device", None)
+        return FastOptPrecision(plugin.precision, device=device, **scale_knobs)
+    if type(plugin) is Precision:
+        return FastOptPrecision("32-true")
+    raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "
+                    f"(or plugins=[FastOptPrecision(...)]), got {type(plugin).__name__}"
+                    f"({getattr(plugin, 'precision', '?')!r})")

@@ -1,8 +1,9 @@
 """FastOptStrategy: Lightning's DDP strategy with lightning_fastopt's fused optimizers,
 CPU offload of the optimizer, and its precision plugin.
 
-``import lightning_fastopt`` registers the names ``fastopt`` (fused kernels, no offload)
-and ``fastopt_offload`` (every master weight and all optimizer state in CPU memory);
+``import lightning_fastopt`` registers the names of :data:`STRATEGY_NAMES` (``fastopt``:
+fused kernels, no offload; ``fastopt_offload``: every master weight and all optimizer
+state in CPU memory; ``fastopt_zero1``/``fastopt_zero2``/``fastopt_zero2_offload``: ZeRO);
 ``Trainer(strategy="fastopt_offload", precision="16-mixed")`` then needs no other change
 to a Lightning project.  What the strategy adds to ``DDPStrategy`` (so devices,
 launchers, cluster environments and torchrun work as in Lightning):
@@ -11,95 +12,57 @@ launchers, cluster environments and torchrun work as in Lightning):
   with the strategy's loss-scale knobs (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``;
   anything else is a TypeError naming those);
 - the optimizer from ``configure_optimizers`` (or the CLI) is mapped to the fused
-  equivalent: ``torch.optim.Adam/AdamW/SGD/Adagrad`` become ``FusedAdam``/``FusedSGD``/
-  ``FusedAdagrad`` with the same hyperparameters, sharing the very same ``param_groups``
-  dicts, so LR schedulers bound to the user's optimizer keep working; our own optimizers
-  are used as they are; any other optimizer is a clear error;
-- that optimizer runs inside an :class:`~lightning_fastopt.offload.OffloadOptimizer`,
-  which keeps ``offload_fraction`` of the master weights and optimizer state in (pinned)
-  CPU memory and overlaps the copies with compute;
+  equivalent (:func:`~lightning_fastopt.optim.from_torch.to_fused_optimizer`), sharing
+  the very same ``param_groups`` dicts, so LR schedulers keep working;
+- that optimizer runs inside an :class:`~lightning_fastopt.offload.OffloadOptimizer`
+  (``offload_fraction`` of the master weights and optimizer state in pinned CPU memory,
+  copies overlapping compute), or a :class:`~lightning_fastopt.zero.ZeroOptimizer` with
+  ``zero_stage``; the rest of the strategy speaks to both through the contract of
+  :class:`~lightning_fastopt.optim.wrapper.OptimizerWrapper`;
 - optimizer state is checkpointed keyed by parameter name (torch-compatible, the same
-  for every offload fraction), checkpoints are written atomically, and with one process
-  the module is not wrapped in DistributedDataParallel (nothing to reduce).
+  for every offload fraction; ZeRO writes a directory of shards,
+  :func:`~lightning_fastopt.checkpoint.sharded.save_sharded`), checkpoints are written
+  atomically, and with one process the module is not wrapped in DistributedDataParallel
+  (nothing to reduce).
+
+The work is done in those modules; the hooks here call them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
-from lightning_fastopt.checkpoint import finish_sharded, is_sharded, load_sharded, staging_path, write_main, write_shard
+from lightning_fastopt.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
+from lightning_fastopt.cpu_threads import default_cpu_threads
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.optim import FusedAdagrad, FusedAdam, FusedOptimizer, FusedSGD
-from lightning_fastopt.optim.base import check_range
+from lightning_fastopt.optim.base import FusedOptimizer, check_range
+from lightning_fastopt.optim.from_torch import to_fused_optimizer
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
 from lightning_fastopt.zero import ZeroOptimizer
-from lightning_fastopt.precision import SUPPORTED_PRECISIONS, FastOptPrecision
 
+__all__ = ["STRATEGY_NAMES", "FastOptStrategy", "default_cpu_threads", "to_fused_optimizer"]
 
-# torch optimizer class -> the fused class that runs it
-_MAPPED = {
-    torch.optim.Adam: FusedAdam,
-    torch.optim.AdamW: FusedAdam,
-    torch.optim.SGD: FusedSGD,
-    torch.optim.Adagrad: FusedAdagrad,
-}
-_SUPPORTED_NAMES = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD", "torch.optim.Adagrad",
-                    "lightning_fastopt.FusedAdam/CPUAdam/FusedLAMB/FusedSGD/FusedLars/FusedLion/FusedAdagrad")
-
-
-def to_fused_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The fused equivalent of a torch optimizer, sharing its param_groups (and state)."""
-    if isinstance(optimizer, FusedOptimizer):
-        return optimizer
-    fused_cls = _MAPPED.get(type(optimizer))
-    if fused_cls is None:
-        raise ValueError(f"the fastopt strategies cannot run {type(optimizer).__module__}.{type(optimizer).__name__}; "
-                         f"supported optimizers: {', '.join(_SUPPORTED_NAMES)}")
-    for group in optimizer.param_groups:
-        for flag in ("differentiable", "capturable"):
-            if group.get(flag):
-                raise ValueError(f"{type(optimizer).__name__}({flag}=True) cannot be mapped to {fused_cls.__name__}")
-    placeholder = torch.nn.Parameter(torch.zeros(1))
-    fused = fused_cls([placeholder], **_fused_kwargs(optimizer))
-    # the same dict objects: a scheduler writing group["lr"] into the user's optimizer
-    # reaches ours; our own keys get their defaults
-    fused.param_groups = optimizer.param_groups
-    for group in fused.param_groups:
-        for key, value in fused.defaults.items():
-            group.setdefault(key, value)
-        fused._validate_group(group)
-    # the state moves over as it is (not through load_state_dict, which would replace the
-    # shared param_groups with copies); ours keeps float32 state
-    fused.state.clear()
-    for p, st in optimizer.state.items():
-        fused.state[p] = {k: v if k == "step" or not torch.is_tensor(v) else v.float().contiguous()
-                          for k, v in st.items()}
-    return fused
-
-
-def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    d = optimizer.defaults
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or d.get("decoupled_weight_decay", False)
-        return dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                    amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False))
-    if isinstance(optimizer, torch.optim.SGD):
-        return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
-                    nesterov=d["nesterov"], maximize=d.get("maximize", False))
-    return dict(lr=d["lr"], lr_decay=d["lr_decay"], weight_decay=d["weight_decay"],
-                initial_accumulator_value=d["initial_accumulator_value"], eps=d["eps"],
-                maximize=d.get("maximize", False))
+# The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
+STRATEGY_NAMES = (
+    ("fastopt", "DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0, 0),
+    ("fastopt_offload", "fastopt with every master weight and all optimizer state in CPU memory", 1.0, 0),
+    ("fastopt_zero1", "fastopt with masters and optimizer state sharded across ranks (ZeRO stage 1)", 0.0, 1),
+    ("fastopt_zero2", "fastopt_zero1 with gradients sharded too (ZeRO stage 2)", 0.0, 2),
+    ("fastopt_zero2_offload", "fastopt_zero2 with every rank's shard in CPU memory", 1.0, 2),
+)
 
 
 class FastOptStrategy(DDPStrategy):
@@ -173,28 +136,19 @@ class FastOptStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ precision
     @property
+    @override
     def precision_plugin(self) -> FastOptPrecision:
         if self._precision_plugin is None:
             self._precision_plugin = FastOptPrecision("32-true")
         return self._precision_plugin
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else self._to_fastopt_precision(plugin)
-
-    def _to_fastopt_precision(self, plugin: Precision) -> FastOptPrecision:
-        if isinstance(plugin, FastOptPrecision):
-            return plugin
-        if isinstance(plugin, MixedPrecision):
-            device = getattr(plugin, "device", None)
-            return FastOptPrecision(plugin.precision, device=device, **self._scale_knobs)
-        if type(plugin) is Precision:
-            return FastOptPrecision("32-true")
-        raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "
-                        f"(or plugins=[FastOptPrecision(...)]), got {type(plugin).__name__}"
-                        f"({getattr(plugin, 'precision', '?')!r})")
+        self._precision_plugin = None if plugin is None else to_fastopt_precision(plugin, **self._scale_knobs)
 
     # ------------------------------------------------------------------ environment
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         threads = self.cpu_threads or default_cpu_threads(self.num_processes)
@@ -202,6 +156,7 @@ class FastOptStrategy(DDPStrategy):
         torch.set_num_threads(threads)
         rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
 
+    @override
     def configure_ddp(self) -> None:
         if self.world_size > 1 and self.zero_stage < 2:
             super().configure_ddp()
@@ -210,6 +165,7 @@ class FastOptStrategy(DDPStrategy):
         # one process: nothing to all-reduce, and the backward hooks see final gradients
 
     # ------------------------------------------------------------------ optimizers
+    @override
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
         names = {p: n for n, p in self.lightning_module.named_parameters()}
@@ -219,79 +175,69 @@ class FastOptStrategy(DDPStrategy):
             if fused is not opt:
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
-            common = dict(offload_fraction=self.offload_fraction, bucket_size_mb=self.bucket_size_mb,
-                          overlap=self.overlap, pin_memory=self.pin_memory,
-                          copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
-                          wall_clock_breakdown=self.wall_clock_breakdown)
-            if self.zero_stage:
-                offload = ZeroOptimizer(fused, names, stage=self.zero_stage, **common)
-            else:
-                offload = OffloadOptimizer(fused, names, **common)
-            rank_zero_info(f"lightning_fastopt: {offload!r}")
-            self._user_optimizers[id(offload)] = opt
-            wrapped.append(offload)
+            wrapper = wrap_fused_optimizer(
+                fused, names, zero_stage=self.zero_stage, offload_fraction=self.offload_fraction,
+                bucket_size_mb=self.bucket_size_mb, overlap=self.overlap, pin_memory=self.pin_memory,
+                copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
+                wall_clock_breakdown=self.wall_clock_breakdown)
+            rank_zero_info(f"lightning_fastopt: {wrapper!r}")
+            self._user_optimizers[id(wrapper)] = opt
+            wrapped.append(wrapper)
         self.optimizers = wrapped
 
     @contextlib.contextmanager
+    @override
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning enters this for the micro-batches of an accumulation window that do
         not step: gradients are not final, so nothing is copied to the host or (ZeRO stage
         2) sent to its owner yet."""
-        offload = [o for o in self.optimizers if isinstance(o, (OffloadOptimizer, ZeroOptimizer))]
-        for o in offload:
+        wrappers = _wrappers(self.optimizers)
+        for o in wrappers:
             o.accumulating = True
         try:
             with super().block_backward_sync():
                 yield
         finally:
-            for o in offload:
+            for o in wrappers:
                 o.accumulating = False
 
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         raw = getattr(optimizer, "_optimizer", optimizer)
         user = self._user_optimizers.get(id(raw))
         if user is not None:
             user._opt_called = True  # LR schedulers bound to the user's optimizer check this
-        offload = _offload_part(raw)
-        if self.wall_clock_breakdown and offload is not None:
-            self._log_step_times(offload)
+        if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
+            self._log_step_times(raw.last_step_times)
         return out
 
-    def _log_step_times(self, optimizer: OffloadOptimizer) -> None:
+    def _log_step_times(self, step_times: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer
         metrics = {"fastopt/loss_scale": float(self.precision_plugin.loss_scale)}
         if not self.precision_plugin.last_step_skipped:
-            metrics.update({f"fastopt/{k}_ms": v for k, v in optimizer.last_step_times.items()})
+            metrics.update({f"fastopt/{k}_ms": v for k, v in step_times.items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """ZeRO: every rank writes its optimizer shard into a directory (see
-        :mod:`lightning_fastopt.checkpoint`); otherwise one file, written atomically."""
-        zero = [o for o in self.optimizers if isinstance(o, ZeroOptimizer)]
-        if not zero:
+        :mod:`lightning_fastopt.checkpoint.sharded`); otherwise one file, written atomically."""
+        partitions = [p for p in (o.partition() for o in _wrappers(self.optimizers)) if p is not None]
+        if not partitions:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = self.broadcast(os.path.abspath(os.fspath(filepath)))
-        staging = self.broadcast(staging_path(path))
-        if self.is_global_zero:
-            os.makedirs(staging)
-        self.barrier("fastopt_checkpoint_staging")
-        write_shard(staging, self.global_rank, checkpoint.get("optimizer_states", []))
-        if self.is_global_zero:
-            write_main(staging, checkpoint)
-        self.barrier("fastopt_checkpoint_shards")
-        if self.is_global_zero:
-            finish_sharded(staging, path, world_size=self.world_size, zero_stage=self.zero_stage,
-                           partitions=[o.partition() for o in zero])
+        save_sharded(checkpoint, filepath, self, zero_stage=self.zero_stage, partitions=partitions)
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Sharded (ZeRO) directories are merged, to be re-sharded for this world size."""
         if is_sharded(checkpoint_path):
             return load_sharded(checkpoint_path, weights_only)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Each optimizer loads its saved state where its parameters live (the base class
         would move offloaded state to the accelerator)."""
@@ -303,10 +249,10 @@ class FastOptStrategy(DDPStrategy):
             opt.load_state_dict(state)
 
     # ------------------------------------------------------------------ teardown
+    @override
     def teardown(self) -> None:
-        for opt in self.optimizers:
-            if isinstance(opt, (OffloadOptimizer, ZeroOptimizer)):
-                opt.close()
+        for opt in _wrappers(self.optimizers):
+            opt.close()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -314,32 +260,22 @@ class FastOptStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ registry
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
-        names = {
-            "fastopt": ("DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0),
-            "fastopt_offload": ("fastopt with every master weight and all optimizer state in CPU memory", 1.0),
-            "fastopt_zero1": ("fastopt with masters and optimizer state sharded across ranks (ZeRO stage 1)", 0.0),
-            "fastopt_zero2": ("fastopt_zero1 with gradients sharded too (ZeRO stage 2)", 0.0),
-            "fastopt_zero2_offload": ("fastopt_zero2 with every rank's shard in CPU memory", 1.0),
-        }
-        for name, (description, fraction) in names.items():
+        for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
             if name not in strategy_registry:
-                stage = 1 if "zero1" in name else 2 if "zero2" in name else 0
-                strategy_registry.register(name, cls, description=description, offload_fraction=fraction,
-                                           zero_stage=stage)
+                strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
+                                           zero_stage=zero_stage)
 
 
-def _offload_part(optimizer) -> OffloadOptimizer | None:
-    """The offload optimizer inside one of ours (a ZeRO optimizer holds one for its shard)."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return optimizer.local
-    return optimizer if isinstance(optimizer, OffloadOptimizer) else None
+def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], *, zero_stage: int,
+                         **offload_args: Any) -> OptimizerWrapper:
+    """The optimizer the strategy steps: ZeRO at ``zero_stage`` 1 or 2, else offload
+    (``offload_args``: the shared arguments of both)."""
+    if zero_stage:
+        return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
+    return OffloadOptimizer(fused, names, **offload_args)
 
 
-def default_cpu_threads(processes_per_node: int) -> int:
-    """The cores this process may run on, shared among the processes of this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, processes_per_node))
+def _wrappers(optimizers) -> list[OptimizerWrapper]:
+    return [o for o in optimizers if isinstance(o, OptimizerWrapper)]

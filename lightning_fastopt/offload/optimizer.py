@@ -27,30 +27,34 @@ version counter before every step; :meth:`refresh_master_weights` forces it.
 
 The optimizer wraps a :class:`~lightning_fastopt.optim.base.FusedOptimizer` and shares
 its ``param_groups`` dicts (and so the user's, when that one was mapped from a
-torch.optim optimizer): LR schedulers bound to either keep working.  Its state dict is
-keyed by parameter name (:mod:`lightning_fastopt.checkpoint`), identical for every
+torch.optim optimizer): LR schedulers bound to either keep working.  What the precision
+plugin and the strategy may use of it is the contract of
+:class:`~lightning_fastopt.optim.wrapper.OptimizerWrapper`.  Its state dict is
+keyed by parameter name (:mod:`lightning_fastopt.checkpoint.named_state`), identical for every
 offload fraction and loadable by torch.optim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_fastopt.checkpoint import named_state_dict, read_named_state
+from lightning_fastopt.checkpoint.named_state import named_state_dict, read_named_state
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve
 from lightning_fastopt.offload.timing import StepTimer
-from lightning_fastopt.optim.base import _COMPUTE, FusedOptimizer, check_range, hyperparameters, needs_step_context
+from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
+                                          needs_step_context)
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
 
-class OffloadOptimizer(torch.optim.Optimizer):
+class OffloadOptimizer(OptimizerWrapper):
     """Args:
         optimizer: the fused optimizer whose parameters and hyperparameters to run.  Its
             state moves into this optimizer; it is not stepped itself afterwards.
@@ -70,24 +74,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             copy as on an accelerator (the accelerator code path, without one; for tests).
     """
 
-    fuses_unscale = True  # step(grad_scale=...) unscales inside the kernels
-
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
                  pin_memory: bool = True, copy_grads_in_hooks: bool = True,
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
-        if not isinstance(optimizer, FusedOptimizer):
-            raise TypeError("OffloadOptimizer runs lightning_fastopt's fused optimizers, "
-                            f"got {type(optimizer).__name__}")
+        self._constructed = False
+        super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
-        self._constructed = False
-        self.optimizer = optimizer
-        # the same group dicts: torch's add_param_group keeps the dict objects it is given
-        super().__init__(optimizer.param_groups, optimizer.defaults)
         self.offload_fraction = float(offload_fraction)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
         params = [p for g in self.param_groups for p in g["params"]]
         devices = {p.device for p in params}
@@ -197,6 +192,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Milliseconds per phase of the last step (``wall_clock_breakdown=True``)."""
         return dict(self._timer.last)
 
+    def owns(self, param: Tensor) -> bool:
+        return param in self._slot_of
+
     def state_of(self, param: Tensor) -> dict[str, Any]:
         """The optimizer state of a model parameter (empty before its first step).  The
         state lives in inner optimizers, not in ``self.state``: Lightning moves whatever
@@ -270,16 +268,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return n
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False, step_context: Any = _COMPUTE):
-        """One step of every parameter; the arguments mean what they mean for
-        :meth:`FusedOptimizer.step <lightning_fastopt.optim.base.FusedOptimizer.step>`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.last_step_skipped = False
+    def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         timer = self._timer
         timer.start_step()
         refreshed = self.refresh_master_weights(only_changed=True)
@@ -288,22 +277,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
                            "weights were changed outside the optimizer")
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
-        needs_all = check_finite or (step_context is _COMPUTE and needs_step_context(self.optimizer))
+        needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
         if needs_all:
             with timer.phase("grad_d2h"):
                 grads = self.gradients()
             if check_finite and not grads_all_finite(grads):
-                self.skipped_steps += 1
-                self.last_step_skipped = True
                 self._new_gradients()
                 timer.end_step()
-                return loss
-            context = self.optimizer.step_context(grads, grad_scale) if step_context is _COMPUTE else step_context
+                return True
+            context = self.optimizer.step_context(grads, grad_scale) if step_context is COMPUTE else step_context
         else:
-            context = None if step_context is _COMPUTE else step_context
+            context = None if step_context is COMPUTE else step_context
         for inner in self._inners():
-            for mine, theirs in zip(inner.param_groups, self.param_groups):
-                mine.update(hyperparameters(theirs))
+            copy_hyperparameters(inner, self.param_groups)
         self.copies.mark_compute_done(self._compute_done)
         with timer.phase("gpu_step"):
             self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
@@ -325,7 +311,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 s.remember_weights()
         self._new_gradients()
         timer.end_step()
-        return loss
+        return False
 
     def _inners(self) -> list[FusedOptimizer]:
         return [self._device_inner] + [b.inner for b in self._buckets]

@@ -23,6 +23,18 @@ from lightning_fastopt.ops.cuda import cuda_extension_error, load_cuda_extension
 BACKEND_ENV = "LIGHTNING_FASTOPT_BACKEND"
 _CHOICES = ("auto", "torch", "compiled")
 
+# The optimizer kernels every backend provides, with the optimizers of
+# lightning_fastopt.optim that run on each (named for `python -m lightning_fastopt.ops info`;
+# ops stays below optim and does not import it).
+KERNELS = {
+    "adam_": ("FusedAdam", "CPUAdam"),
+    "adagrad_": ("FusedAdagrad",),
+    "lamb_": ("FusedLAMB",),
+    "lars_": ("FusedLars",),
+    "lion_": ("FusedLion",),
+    "sgd_": ("FusedSGD",),
+}
+
 
 def backend_choice() -> str:
     choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
@@ -78,5 +90,5 @@ class _NeverRaised(Exception):
     pass
 
 
-__all__ = ["BACKEND_ENV", "ExtensionBuildError", "backend_for", "cpu_backend", "cuda_backend", "torch_backend",
+__all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "backend_for", "cpu_backend", "cuda_backend", "torch_backend",
            "unsupported_tensor_error"]

@@ -4,7 +4,7 @@ build  compile the kernels for this machine ahead of time (--all-isas: every ins
        set this CPU can run, e.g. to test the portable build too; --cuda: the CUDA kernels
        too, for the visible GPUs or TORCH_CUDA_ARCH_LIST; --cuda-only: just those, e.g. to
        compile-check them on a machine with nvcc and a CUDA torch but no GPU)
-info   which backend each optimizer uses, the ISA, the GPU architectures, the cache paths,
+info   which backend each kernel (and the optimizers that use it) runs on, the ISA, the GPU architectures, the cache paths,
        and any build error
 """
 
@@ -82,7 +82,7 @@ def _cuda_info() -> str:
 def _info(args) -> int:
     import torch
 
-    from lightning_fastopt.ops import BACKEND_ENV, backend_choice, cpu_backend
+    from lightning_fastopt.ops import BACKEND_ENV, KERNELS, backend_choice, cpu_backend
     from lightning_fastopt.ops.builder import build_dir, cache_root, is_built, missing_tools
     from lightning_fastopt.ops.cpu import cpu_extension_error, cpu_extension_spec
     from lightning_fastopt.ops.isa import detect_isa
@@ -100,13 +100,9 @@ def _info(args) -> int:
     backend = cpu_backend()  # builds if needed
     name = "compiled" if backend.isa != "torch" else "pure-PyTorch"
     error = cpu_extension_error()
-    from lightning_fastopt import optim
-
     cuda_line = _cuda_info()
-    for cls in optim.__all__:
-        if cls == "FusedOptimizer":
-            continue
-        print(f"  {cls:13s} CPU tensors: {name} ({backend.isa}); CUDA tensors: {cuda_line}")
+    for kernel, users in KERNELS.items():
+        print(f"  {kernel:9s} ({', '.join(users)}) CPU tensors: {name} ({backend.isa}); CUDA tensors: {cuda_line}")
     if error:
         print(f"build error:\n{error}")
     return 0

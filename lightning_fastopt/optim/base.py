@@ -21,7 +21,7 @@ from torch import Tensor
 from lightning_fastopt.functional import grads_all_finite
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_COMPUTE = object()  # step(): compute the step context here
+COMPUTE = object()  # step(step_context=COMPUTE): the optimizer computes its step context itself
 _GROUP_ONLY_KEYS = ("params", "param_names")
 
 
@@ -74,7 +74,6 @@ class FusedOptimizer(torch.optim.Optimizer):
     state_keys: tuple[str, ...] = ()
     counts_steps: bool = True
     supports_capturable = False  # capturable=True: step counts on the device, no host synchronisation
-    fuses_unscale = True  # step(grad_scale=...) unscales inside the kernels
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
 
@@ -279,7 +278,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False, found_inf: Tensor | None = None, step_context: Any = _COMPUTE):
+             check_finite: bool = False, found_inf: Tensor | None = None, step_context: Any = COMPUTE):
         """One optimizer step.
 
         grad_scale: divide the gradients by this (loss-scale unscaling, done in the kernel).
@@ -293,29 +292,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         step_context: what :meth:`step_context` computed over every gradient of the step,
         when a wrapper steps several optimizers as one (FusedLAMB's global norm).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.last_step_skipped = False
+        return run_step(self, closure, lambda: self._take_step(grad_scale, check_finite, found_inf, step_context))
+
+    def _take_step(self, grad_scale, check_finite: bool, found_inf: Tensor | None, step_context: Any) -> bool:
+        """The step of :meth:`step`; returns True when it was skipped."""
         if found_inf is not None and not self.capturable:
             if float(found_inf.reshape(-1)[0]) != 0.0:
-                self.skipped_steps += 1
-                self.last_step_skipped = True
-                return loss
+                return True
             found_inf = None
         if check_finite:
             source = self.grad_source
             grads = [p.grad if source is None else source.get(p) for group in self.param_groups
                      for p in group["params"]]
             if not grads_all_finite([g for g in grads if g is not None]):
-                self.skipped_steps += 1
-                self.last_step_skipped = True
-                return loss
+                return True
         plans = [(group, self._buckets(group)) for group in self.param_groups]
         all_buckets = [b for _, buckets in plans for b in buckets]
         context = self.step_context([g for b in all_buckets for g in b.grads], grad_scale) \
-            if step_context is _COMPUTE else step_context
+            if step_context is COMPUTE else step_context
         for group, buckets in plans:
             for bucket in buckets:
                 if bucket.step_tensor is not None:
@@ -331,7 +325,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     bucket.step = 1 if bucket.first else 2
                 bucket.found_inf = found_inf
                 self._update(group, bucket, grad_scale, context)
-        return loss
+        return False
 
     def step_context(self, grads: list[Tensor], grad_scale) -> Any:
         """Computed once per step from every gradient, before any update; None for
@@ -344,9 +338,32 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
 
+def run_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+             take_step: Callable[[], bool]) -> Any:
+    """What every ``step()`` of lightning_fastopt does around the step itself: run the
+    closure (with gradients enabled), then ``take_step()``, counting it in the
+    optimizer's ``skipped_steps`` and ``last_step_skipped`` when it returns True."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    optimizer.last_step_skipped = False
+    if take_step():
+        optimizer.skipped_steps += 1
+        optimizer.last_step_skipped = True
+    return loss
+
+
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's settings, without its parameters."""
     return {k: v for k, v in group.items() if k not in _GROUP_ONLY_KEYS}
+
+
+def copy_hyperparameters(into: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Give each group of ``into`` the settings of the matching group of ``groups`` (an
+    inner optimizer follows the user's groups, where LR schedulers write)."""
+    for mine, theirs in zip(into.param_groups, groups):
+        mine.update(hyperparameters(theirs))
 
 
 def needs_step_context(optimizer: FusedOptimizer) -> bool:

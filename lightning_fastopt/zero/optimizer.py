@@ -22,7 +22,7 @@ schedulers work); the state dict of a rank holds its shard, keyed by parameter n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,16 +30,17 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_fastopt.checkpoint import read_named_state
+from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.distributed import all_reduce_scalar, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters, needs_step_context
+from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, copy_hyperparameters, needs_step_context
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero.grad_reducer import GradReducer
 from lightning_fastopt.zero.partition import assign_owners, owner_buckets
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(OptimizerWrapper):
     """Args:
         optimizer: the fused optimizer with every parameter (the user's groups).
         param_names: a name for each parameter (state dicts are keyed by them).
@@ -51,20 +52,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         :class:`~lightning_fastopt.offload.OffloadOptimizer`.
     """
 
-    fuses_unscale = True
     shards_gradients = True  # gradients() holds this rank's shard: norms and overflow flags are reduced over ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  stage: int = 1, process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
                  overlap: bool = True, pin_memory: bool = True, copy_grads_in_hooks: bool = False,
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
-        if not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(f"ZeroOptimizer runs lightning_fastopt's fused optimizers, got {type(optimizer).__name__}")
+        super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
         self.stage = stage
-        self.optimizer = optimizer
-        super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
         self.group = process_group
         self.world_size = world_size(process_group)
         self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
@@ -88,8 +85,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         if stage == 2 and self.world_size > 1 else None)  # one rank: nothing to reduce
         self._reduced = False  # stage 2: this step's gradients have reached their owners
         self._broadcast_buckets = owner_buckets(self._params, self.owners, bucket_bytes)
-        self.skipped_steps = 0
-        self.last_step_skipped = False
 
     @property
     def accumulating(self) -> bool:
@@ -107,13 +102,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def owned_numel(self) -> int:
         return sum(p.numel() for p, o in zip(self._params, self.owners) if o == self.rank)
 
+    def owns(self, param: Tensor) -> bool:
+        return self.local.owns(param)
+
     def state_of(self, param: Tensor) -> dict[str, Any]:
         """The optimizer state of a parameter this rank owns (empty for the others)."""
-        return self.local.state_of(param) if param in self.local._slot_of else {}
+        return self.local.state_of(param) if self.local.owns(param) else {}
 
     def partition(self) -> dict[str, int]:
         """The owning rank of each parameter, by name."""
         return {self.param_names[p]: o for p, o in zip(self._params, self.owners)}
+
+    @property
+    def last_step_times(self) -> dict[str, float]:
+        return self.local.last_step_times
 
     # ------------------------------------------------------------------ gradients and step
     def gradients(self) -> list[Tensor]:
@@ -131,33 +133,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.reset()
         self._reduced = False
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for mine, theirs in zip(self.local.optimizer.param_groups, self.param_groups):
-            mine.update(hyperparameters(theirs))
+    def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
+        copy_hyperparameters(self.local.optimizer, self.param_groups)
         grads = self.gradients()  # at stage 2 this waits for the reductions
         self._reduced = False  # the next backward starts a new step
         if check_finite:
             finite = grads_all_finite(grads)
             if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere
-                self.skipped_steps += 1
-                self.last_step_skipped = True
                 self.local.zero_grad()
-                return loss
-        context = None
-        if needs_step_context(self.optimizer):  # a global norm: the root of the summed squares of the shards'
+                return True
+        context = None if step_context is COMPUTE else step_context
+        if step_context is COMPUTE and needs_step_context(self.optimizer):
+            # a global norm: the root of the summed squares of the shards'
             local_norm = self.optimizer.step_context(grads, grad_scale)
             context = math.sqrt(all_reduce_scalar(local_norm ** 2, group=self.group))
         self.local.step(grad_scale=grad_scale, step_context=context)
-        self.last_step_skipped = False
         self._broadcast_params()
-        return loss
-
+        return False
 
     def _broadcast_params(self) -> None:
         if self.world_size == 1:

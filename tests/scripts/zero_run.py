@@ -41,10 +41,10 @@ class Model(L.LightningModule):
 
 def _die_in_save(n):
     """Rank 1 writes half of its n-th optimizer shard, then gets SIGKILL."""
-    import lightning_fastopt.strategy as strategy_module
+    import lightning_fastopt.checkpoint.sharded as sharded
     from lightning_fastopt.checkpoint import shard_file
 
-    real, saves = strategy_module.write_shard, []
+    real, saves = sharded.write_shard, []
 
     def write_shard(staging, rank, states):
         saves.append(rank)
@@ -55,7 +55,7 @@ def _die_in_save(n):
             os.kill(os.getpid(), signal.SIGKILL)
         return real(staging, rank, states)
 
-    strategy_module.write_shard = write_shard
+    sharded.write_shard = write_shard
 
 
 def main():

@@ -1,0 +1,24 @@
+"""Checkpoints: portable optimizer state, sharded directories, files written atomically.
+
+- :mod:`~lightning_fastopt.checkpoint.named_state`: the optimizer state as a plain
+  torch-compatible dictionary keyed by parameter name (offload and ZeRO optimizers).
+- :mod:`~lightning_fastopt.checkpoint.sharded`: the directory of per-rank shards that
+  ZeRO writes, merging it at load, consolidating it into one file (and its command line,
+  ``python -m lightning_fastopt.checkpoint consolidate PATH OUT``).
+- :mod:`~lightning_fastopt.checkpoint.atomic`: the fsynced, atomic file writes both use.
+
+The Lightning plugin that writes single files atomically is
+:class:`lightning_fastopt.checkpoint_io.AtomicCheckpointIO`.
+"""
+
+from lightning_fastopt.checkpoint.atomic import save_atomically, save_synced
+from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
+from lightning_fastopt.checkpoint.sharded import (FORMAT_VERSION, MAIN_FILE, MANIFEST, consolidate, finish_sharded,
+                                                  is_sharded, load_sharded, merge_shards, save_sharded, shard_file,
+                                                  staging_path, write_main, write_shard)
+
+__all__ = [
+    "FORMAT_VERSION", "MAIN_FILE", "MANIFEST", "CheckpointMismatchError", "consolidate", "finish_sharded",
+    "is_sharded", "load_sharded", "merge_shards", "named_state_dict", "read_named_state", "save_atomically",
+    "save_sharded", "save_synced", "shard_file", "staging_path", "write_main", "write_shard",
+]

@@ -1,0 +1,149 @@
+"""Sharded checkpoints (ZeRO): every rank writes its own optimizer shard.  A directory::
+
+    checkpoint.pt                 everything but the optimizer states (rank 0)
+    optimizer_shard_00000.pt      rank 0's list of optimizer shards (one per optimizer)
+    optimizer_shard_00001.pt      ...
+    manifest.json                 format version, world size, ZeRO stage, the shard files,
+                                  and which rank owned each parameter
+
+written into a temporary directory and moved into place when every file is complete, so
+a re-save never mixes shards of an older run and a crash leaves the previous checkpoint
+(:func:`save_sharded`, the whole sequence with its barriers).  :func:`load_sharded`
+merges the shards into one name-keyed state per optimizer
+(:mod:`lightning_fastopt.checkpoint.named_state`), to be re-sharded at any world size;
+:func:`consolidate` (``python -m lightning_fastopt.checkpoint consolidate PATH OUT``)
+writes that as one ordinary Lightning checkpoint file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from lightning_fastopt.checkpoint.atomic import save_atomically, save_synced, write_synced
+from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
+from lightning_fastopt.optim.base import hyperparameters
+
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MAIN_FILE = "checkpoint.pt"
+
+
+def shard_file(rank: int) -> str:
+    return f"optimizer_shard_{rank:05d}.pt"
+
+
+def is_sharded(path) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def staging_path(path) -> str:
+    """A fresh directory name beside ``path`` to write a sharded checkpoint into."""
+    path = os.path.abspath(os.fspath(path))
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+class Ranks(Protocol):
+    """What :func:`save_sharded` needs of the processes saving together (a Lightning
+    strategy has all of it)."""
+
+    global_rank: int
+    world_size: int
+    is_global_zero: bool
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def barrier(self, name: str | None = None) -> None: ...
+
+
+def save_sharded(checkpoint: dict[str, Any], path, ranks: Ranks, *, zero_stage: int,
+                 partitions: list[dict[str, int]]) -> None:
+    """Every rank's part of saving a sharded checkpoint (call it on every rank at once):
+    rank 0 names a staging directory beside ``path``, each rank writes its own optimizer
+    shards (``checkpoint["optimizer_states"]``), rank 0 the rest of the checkpoint, and
+    once all are written rank 0 finishes the directory and moves it to ``path``.
+    ``partitions``: the owning rank of each parameter, by name, per optimizer."""
+    path = ranks.broadcast(os.path.abspath(os.fspath(path)))
+    staging = ranks.broadcast(staging_path(path))
+    if ranks.is_global_zero:
+        os.makedirs(staging)
+    ranks.barrier("fastopt_checkpoint_staging")
+    write_shard(staging, ranks.global_rank, checkpoint.get("optimizer_states", []))
+    if ranks.is_global_zero:
+        write_main(staging, checkpoint)
+    ranks.barrier("fastopt_checkpoint_shards")
+    if ranks.is_global_zero:
+        finish_sharded(staging, path, world_size=ranks.world_size, zero_stage=zero_stage, partitions=partitions)
+
+
+def write_shard(staging: str, rank: int, optimizer_states: list[dict[str, Any]]) -> None:
+    save_synced(optimizer_states, os.path.join(staging, shard_file(rank)))
+
+
+def write_main(staging: str, checkpoint: dict[str, Any]) -> None:
+    save_synced({k: v for k, v in checkpoint.items() if k != "optimizer_states"}, os.path.join(staging, MAIN_FILE))
+
+
+def finish_sharded(staging: str, path, *, world_size: int, zero_stage: int,
+                   partitions: list[dict[str, int]]) -> None:
+    """Write the manifest (last: a directory without one is not a checkpoint) and move the
+    staging directory to ``path``, replacing what was there."""
+    manifest = dict(format_version=FORMAT_VERSION, world_size=world_size, zero_stage=zero_stage,
+                    shards=[shard_file(r) for r in range(world_size)], main=MAIN_FILE, partitions=partitions)
+    missing = [f for f in manifest["shards"] + [MAIN_FILE] if not os.path.isfile(os.path.join(staging, f))]
+    if missing:
+        raise RuntimeError(f"sharded checkpoint incomplete, missing {missing} in {staging}")
+    write_synced(os.path.join(staging, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    path = os.path.abspath(os.fspath(path))
+    old = None
+    if os.path.lexists(path):
+        old = f"{path}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(path, old)
+    os.replace(staging, path)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+
+
+def merge_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One name-keyed optimizer state from the shards of every rank (in rank order: ranks
+    own consecutive parameters, so the names come out in model order)."""
+    groups = []
+    for gi, group in enumerate(shards[0]["param_groups"]):
+        names = [n for shard in shards for n in shard["param_groups"][gi]["params"]]
+        groups.append({**hyperparameters(group), "params": names, "param_names": list(names)})
+    state: dict[str, Any] = {}
+    for shard in shards:
+        state.update(shard["state"])
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded(path, weights_only: bool | None = True) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint dictionary, with each optimizer's
+    shards merged into a whole name-keyed state."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointMismatchError(f"{path}: sharded checkpoint format {manifest.get('format_version')!r}, "
+                                      f"this version of lightning_fastopt reads {FORMAT_VERSION}")
+    load = dict(map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    checkpoint = torch.load(os.path.join(path, manifest["main"]), **load)
+    per_rank = [torch.load(os.path.join(path, name), **load) for name in manifest["shards"]]  # only those listed
+    n_opt = len(per_rank[0])
+    checkpoint["optimizer_states"] = [merge_shards([shards[i] for shards in per_rank]) for i in range(n_opt)]
+    return checkpoint
+
+
+def consolidate(path, out=None) -> dict[str, Any]:
+    """The sharded checkpoint at ``path`` as one ordinary Lightning checkpoint (a plain
+    torch optimizer state inside), written to ``out`` (atomically) when given."""
+    checkpoint = load_sharded(path)
+    if out is not None:
+        save_atomically(checkpoint, out)
+    return checkpoint

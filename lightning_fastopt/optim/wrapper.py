@@ -1,0 +1,92 @@
+"""OptimizerWrapper: the contract between the optimizers that run a fused optimizer's
+parameters their own way (:class:`~lightning_fastopt.offload.OffloadOptimizer`,
+:class:`~lightning_fastopt.zero.ZeroOptimizer`) and the code that drives them (the
+precision plugin and the strategy, which speak to this type only).
+
+A wrapper takes over a :class:`~lightning_fastopt.optim.base.FusedOptimizer`: its
+parameters, hyperparameters and state.  It shares that optimizer's ``param_groups`` dicts
+(torch's ``add_param_group`` keeps the dict objects it is given), so LR schedulers bound
+to either, or to the user's torch optimizer the fused one was mapped from, keep working;
+the wrapped optimizer is not stepped itself afterwards.
+
+What a driver may use:
+
+- :meth:`gradients`: every gradient the next step reads, where it reads it (host memory
+  for offloaded parameters, once landed); overflow checks and clipping read and scale
+  them in place.  With :attr:`shards_gradients` they are this rank's shard only, so
+  norms and overflow flags must be combined over the ranks.
+- :meth:`step` with ``grad_scale`` (unscaled inside the kernels), ``check_finite`` and
+  ``step_context``, as :meth:`FusedOptimizer.step
+  <lightning_fastopt.optim.base.FusedOptimizer.step>`; ``skipped_steps`` and
+  ``last_step_skipped`` count the steps skipped for overflow.
+- :attr:`accumulating`: set while gradients accumulate over micro-batches that do not
+  step (nothing is copied or communicated yet).
+- :meth:`state_of`, :meth:`owns`, :meth:`partition`, :attr:`last_step_times`, and
+  :meth:`close` at teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, run_step
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    shards_gradients = False  # gradients() holds this rank's shard only
+    accumulating = False  # set by the driver while gradients accumulate without a step
+
+    def __init__(self, optimizer: FusedOptimizer) -> None:
+        if not isinstance(optimizer, FusedOptimizer):
+            raise TypeError(f"{type(self).__name__} runs lightning_fastopt's fused optimizers, "
+                            f"got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
+             check_finite: bool = False, step_context: Any = COMPUTE):
+        """One step of every parameter; the arguments mean what they mean for
+        :meth:`FusedOptimizer.step <lightning_fastopt.optim.base.FusedOptimizer.step>`."""
+        return run_step(self, closure, lambda: self._take_step(grad_scale, check_finite, step_context))
+
+    def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
+        """The step itself; returns True when it was skipped (an inf/NaN gradient)."""
+        raise NotImplementedError
+
+    def gradients(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def owns(self, param: Tensor) -> bool:
+        """Whether this optimizer keeps (and updates) the state of ``param``."""
+        raise NotImplementedError
+
+    def state_of(self, param: Tensor) -> dict[str, Any]:
+        """The optimizer state of ``param`` (empty when it has none here)."""
+        raise NotImplementedError
+
+    def partition(self) -> dict[str, int] | None:
+        """The rank that owns each parameter's state, by name, when :meth:`state_dict`
+        holds this rank's shard only; None when it holds the whole state."""
+        return None
+
+    @property
+    def last_step_times(self) -> dict[str, float]:
+        """Milliseconds per phase of the last step (with ``wall_clock_breakdown``)."""
+        return {}
+
+    def close(self) -> None:
+        """Undo what construction attached to the model (backward hooks) and wait for
+        work in flight."""
+
+
+def unscales_in_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``step(grad_scale=...)`` unscales the gradients inside the kernels (ours
+    do; any other optimizer needs its gradients unscaled before it steps)."""
+    return isinstance(optimizer, (FusedOptimizer, OptimizerWrapper))

@@ -1,0 +1,90 @@
+"""The package's import graph, read from the source: no two modules import each other
+(directly or around a cycle), and ``lightning_fastopt.ops`` (building and choosing the
+kernels) imports nothing of the package above it.  Function-level imports count too."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lightning_fastopt"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules that ``path`` imports (a name imported from a package counts
+    as its module when it is one, else as the package)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files)
+    graph = {}
+    for name, path in files.items():
+        deps = _imports(path, modules) - {name}
+        # a package's modules may be imported through the package (its __init__ re-exports)
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        state[n] = 2
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+
+
+def test_ops_is_the_ground_floor():
+    graph = _graph()
+    for name, deps in graph.items():
+        if name == "lightning_fastopt.ops" or name.startswith("lightning_fastopt.ops."):
+            above = {d for d in deps if not d.startswith("lightning_fastopt.ops")}
+            assert not above, f"{name} imports {sorted(above)}"
+
+
+def test_the_graph_is_read_right():
+    """The reader sees the imports that exist (a test that finds nothing proves nothing)."""
+    graph = _graph()
+    assert "lightning_fastopt.optim.wrapper" in graph["lightning_fastopt.offload.optimizer"]
+    assert "lightning_fastopt.checkpoint.sharded" in graph["lightning_fastopt.strategy"]
+    assert "lightning_fastopt.ops" in graph["lightning_fastopt.functional"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
