@@ -34,8 +34,8 @@ which computes the same thing.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -43,7 +43,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from lightning_fastopt.ops import backend_for, cuda_backend, torch_backend, torch_fused, unsupported_tensor_error
+from lightning_fastopt import ops
+from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
 
 TensorList = Sequence[Tensor]
 
@@ -84,53 +85,46 @@ def _device_type(params: TensorList) -> str:
     return params[0].device.type if len(params) else "cpu"
 
 
-def _call(name: str, params: TensorList, *args):
-    """Run backend function `name` for the device of params, falling back to the torch
-    backend for tensors the compiled kernels do not take (checked before any write)."""
-    backend = backend_for(_device_type(params))
+def _route(tensors: TensorList) -> Route:
+    """The backends for a call on these tensors (all on the device of the first)."""
+    return ops.route(_device_type(tensors))
+
+
+def _call(route: Route, name: str, **kwargs):
+    """Run backend function ``name`` by keyword on the route's kernels; a tensor they
+    refuse (checked before any write) sends the call to the route's fallback."""
     try:
-        return getattr(backend, name)(list(params), *args)
-    except unsupported_tensor_error(backend):
-        return getattr(torch_backend, name)(list(params), *args)
+        return getattr(route.kernels, name)(**kwargs)
+    except unsupported_tensor_error(route.kernels):
+        return getattr(route.fallback, name)(**kwargs)
 
 
 def _list(x):
     return None if x is None else list(x)
 
 
-_host_only = threading.local()  # set while a call is redone on the host backends
-
-
 class _NotForTheCudaKernels(Exception):
     """The CUDA kernels refused a tensor (before touching anything): redo on the host."""
 
 
-def _on_cuda_kernels(params: TensorList) -> ModuleType | None:
-    """The compiled CUDA kernels for a call on CUDA tensors, else None.  The kernels' own
-    checks (every tensor dense, contiguous, on params[0]'s device) run in C++ before
-    anything is modified: checking thousands of tensors here would cost more than the
-    step; a refusal redoes the call on the host backends (:func:`_cuda_or_host`)."""
-    if not len(params) or params[0].device.type != "cuda" or getattr(_host_only, "on", False):
-        return None
-    return cuda_backend()
+def _routed(body):
+    """The public function of ``body(route, params, ...)``: the route is chosen once, from
+    the tensors' device.  On CUDA tensors the compiled kernels check every tensor (dense,
+    contiguous, on params[0]'s device) in C++ before anything is modified, since checking
+    thousands of tensors here would cost more than the step; when they refuse one, the
+    call runs on :meth:`Route.host` (torch's fused kernels or the pure-PyTorch path)."""
 
-
-def _cuda_or_host(fn):
-    """Run ``fn``; if the CUDA kernels refuse one of its tensors, run it again with the
-    CUDA kernels out of the picture (torch's fused kernels or the pure-PyTorch path)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    @functools.wraps(body)
+    def call(params, *args, **kwargs):
+        route = _route(params)
         try:
-            return fn(*args, **kwargs)
+            return body(route, params, *args, **kwargs)
         except _NotForTheCudaKernels:
-            _host_only.on = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _host_only.on = False
+            return body(route.host(), params, *args, **kwargs)
 
-    return wrapper
+    signature = inspect.signature(body)
+    call.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return call
 
 
 def _device_scalar(t: Tensor, device: torch.device) -> Tensor:
@@ -150,13 +144,13 @@ class _Scalars:
     inv_scale: float = 1.0
 
 
-def _scalars(params: TensorList, *, lr=0.0, step=1, grad_scale=None, found_inf=None,
+def _scalars(route: Route, params: TensorList, *, lr=0.0, step=1, grad_scale=None, found_inf=None,
              counts_steps: bool = True) -> _Scalars | None:
     """Resolve a call's scalars; None when found_inf, read on the host, says skip.
 
     A device ``lr`` is read on the device together with a device ``step`` (the bias
     corrections need both), or alone by algorithms that do not count steps."""
-    ext = _on_cuda_kernels(params)
+    ext = route.kernels if route.cuda else None
     if ext is None:
         if found_inf is not None and _scalar(found_inf) != 0:
             return None
@@ -184,17 +178,19 @@ def _scalars(params: TensorList, *, lr=0.0, step=1, grad_scale=None, found_inf=N
     return out
 
 
-def _run(sc: _Scalars, name: str, params: TensorList, *args, cuda_kwargs: dict | None = None):
-    """Call `name` on the CUDA kernels (with the device scalars) or on the host backends."""
+def _run(sc: _Scalars, route: Route, name: str, cuda_kwargs: dict | None = None, **kwargs):
+    """Call kernel function ``name`` by keyword: on the CUDA kernels (with the device
+    scalars and ``cuda_kwargs``) when the scalars were resolved for them, else on the
+    route's host backends."""
     if sc.ext is not None:
-        return _on_cuda(sc.ext, name, list(params), *args, **(cuda_kwargs or {}), **sc.kwargs)
-    return _call(name, params, *args)
+        return _on_cuda(sc.ext, name, **kwargs, **(cuda_kwargs or {}), **sc.kwargs)
+    return _call(route, name, **kwargs)
 
 
-def _on_cuda(ext: ModuleType, name: str, *args, **kwargs):
+def _on_cuda(ext: ModuleType, name: str, **kwargs):
     """Call a CUDA-kernel function; a tensor it refuses becomes _NotForTheCudaKernels."""
     try:
-        return getattr(ext, name)(*args, **kwargs)
+        return getattr(ext, name)(**kwargs)
     except ext.UnsupportedTensor as err:
         raise _NotForTheCudaKernels(str(err)) from err
 
@@ -209,13 +205,13 @@ def by_device(tensors: TensorList) -> list[list[Tensor]]:
 
 def grads_all_finite(grads: TensorList) -> bool:
     """True when no gradient holds inf or NaN (the tensors may be on several devices)."""
-    return all(bool(_call("all_finite", same)) for same in by_device(grads))
+    return all(bool(_call(_route(same), "all_finite", tensors=list(same))) for same in by_device(grads))
 
 
 def sum_of_squares(tensors: TensorList) -> float:
     """The sum of the squares of every element of every tensor (on any devices), with
     double accumulation (the multi-tensor L2-norm kernels on CPU and CUDA)."""
-    return sum(sum(_call("sum_squares", same)) for same in by_device(tensors))
+    return sum(sum(_call(_route(same), "sum_squares", tensors=list(same))) for same in by_device(tensors))
 
 
 def global_grad_norm(grads: TensorList, grad_scale=None) -> float:
@@ -231,12 +227,13 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
     done in the same pass and without synchronising."""
     inv = _inv_scale(grad_scale)
     for same in by_device(grads):
-        ext = _on_cuda_kernels(same)
-        if ext is not None:
+        route = _route(same)
+        if route.cuda:
+            ext = route.kernels
             local = found_inf is not None and found_inf.device == same[0].device
             flag = found_inf if local else torch.zeros(1, dtype=torch.float32, device=same[0].device)
             try:
-                ext.unscale_(list(same), inv, None, flag)
+                ext.unscale_(grads=list(same), inv_grad_scale=inv, found_inf=flag)
             except ext.UnsupportedTensor:
                 pass  # a non-contiguous gradient: nothing was touched, torch does it below
             else:
@@ -248,8 +245,8 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
         torch._foreach_mul_(list(same), inv)
 
 
-@_cuda_or_host
-def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
+@_routed
+def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
                 grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula."""
@@ -260,7 +257,7 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, s
     if not len(params):
         return False
     maxes = max_exp_avg_sqs if amsgrad else None
-    sc = _scalars(params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
+    sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
     if sc.ext is None and bias_correction and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes,
@@ -273,15 +270,18 @@ def fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, s
         return False
     bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
     bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
-    return _run(sc, "adam_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(maxes),
-                _list(param_copies), sc.lr, beta1, beta2, eps, weight_decay, sc.lr / bc1, bc2 ** 0.5, sc.inv_scale,
-                amsgrad, adamw_mode, maximize, check_finite, cuda_kwargs={"bias_correction": bias_correction})
+    return _run(sc, route, "adam_", cuda_kwargs={"bias_correction": bias_correction},
+                params=list(params), grads=list(grads), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs),
+                max_exp_avg_sqs=_list(maxes), copies=_list(param_copies), lr=sc.lr, beta1=beta1, beta2=beta2,
+                eps=eps, weight_decay=weight_decay, step_size=sc.lr / bc1, bias_correction2_sqrt=bc2 ** 0.5,
+                inv_grad_scale=sc.inv_scale, amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
+                check_finite=check_finite)
 
 
-@_cuda_or_host
-def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-               nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None, check_finite=False,
-               found_inf=None, param_copies=None) -> bool:
+@_routed
+def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, dampening=0.0,
+               weight_decay=0.0, nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None,
+               check_finite=False, found_inf=None, param_copies=None) -> bool:
     """SGD with momentum/Nesterov, torch.optim.SGD's formula (apex's wd_after_momentum option).
 
     On ``step == 1`` the momentum buffers are initialised from the gradient, as torch does.
@@ -294,7 +294,7 @@ def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, 
         return False
     buffers = momentum_buffers if momentum else None
     # SGD's step only says whether this is the first one: it is an int here
-    sc = _scalars(params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
+    sc = _scalars(route, params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
     if sc.ext is None and not wd_after_momentum and torch_fused.takes(params, grads, buffers, copies=param_copies):
@@ -304,41 +304,46 @@ def fused_sgd_(params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, 
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first_step=step == 1,
                          grad_scale=_grad_scale_value(grad_scale))
         return False
-    return _run(sc, "sgd_", params, list(grads), _list(buffers), _list(param_copies), sc.lr, momentum, dampening,
-                weight_decay, sc.inv_scale, nesterov, maximize, wd_after_momentum, step == 1, check_finite)
+    return _run(sc, route, "sgd_", params=list(params), grads=list(grads), momentum_buffers=_list(buffers),
+                copies=_list(param_copies), lr=sc.lr, momentum=momentum, dampening=dampening,
+                weight_decay=weight_decay, inv_grad_scale=sc.inv_scale, nesterov=nesterov, maximize=maximize,
+                wd_after_momentum=wd_after_momentum, first_step=step == 1, check_finite=check_finite)
 
 
-@_cuda_or_host
-def fused_adagrad_(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
+@_routed
+def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
                    maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Adagrad, torch.optim.Adagrad's formula."""
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
+    sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
     clr = sc.lr / (1 + (sc.step - 1) * lr_decay)
-    return _run(sc, "adagrad_", params, list(grads), list(state_sums), _list(param_copies), clr, weight_decay, eps,
-                sc.inv_scale, maximize, check_finite, cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay})
+    return _run(sc, route, "adagrad_", cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay},
+                params=list(params), grads=list(grads), state_sums=list(state_sums), copies=_list(param_copies),
+                clr=clr, weight_decay=weight_decay, eps=eps, inv_grad_scale=sc.inv_scale, maximize=maximize,
+                check_finite=check_finite)
 
 
-@_cuda_or_host
-def fused_lion_(params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay=0.0, maximize=False, grad_scale=None,
-                check_finite=False, found_inf=None, param_copies=None) -> bool:
+@_routed
+def fused_lion_(route, params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay=0.0, maximize=False,
+                grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
     """Lion: p -= lr * sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2); decoupled decay."""
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
+    sc = _scalars(route, params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
-    return _run(sc, "lion_", params, list(grads), list(exp_avgs), _list(param_copies), sc.lr, beta1, beta2,
-                weight_decay, sc.inv_scale, maximize, check_finite)
+    return _run(sc, route, "lion_", params=list(params), grads=list(grads), exp_avgs=list(exp_avgs),
+                copies=_list(param_copies), lr=sc.lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                inv_grad_scale=sc.inv_scale, maximize=maximize, check_finite=check_finite)
 
 
-@_cuda_or_host
-def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
+@_routed
+def fused_lamb_(route, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
                 bias_correction=True, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
                 maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
                 global_grad_norm_value=None) -> bool:
@@ -354,19 +359,21 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
+    sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
     if check_finite and not grads_all_finite(grads):
         return True
     bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
     bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
-    beta3 = 1 - beta1 if grad_averaging else 1.0
-    trust = use_nvlamb or weight_decay != 0
+    tensors = dict(params=list(params), grads=list(grads), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs),
+                   copies=_list(param_copies))
+    scalars = dict(lr=sc.lr, beta1=beta1, beta2=beta2, beta3=1 - beta1 if grad_averaging else 1.0, eps=eps,
+                   weight_decay=weight_decay, bias_correction1=bc1, bias_correction2=bc2, adam_w_mode=adam_w_mode,
+                   use_trust_ratio=use_nvlamb or weight_decay != 0, maximize=maximize)
     if sc.ext is not None and global_grad_norm_value is None:
-        _, total = _on_cuda(sc.ext, "sum_squares_device", list(grads))  # clipping is resolved on the device
-        _run(sc, "lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), sc.lr,
-             beta1, beta2, beta3, eps, weight_decay, bc1, bc2, sc.inv_scale, adam_w_mode, trust, maximize,
+        _, total = _on_cuda(sc.ext, "sum_squares_device", tensors=list(grads))  # clipping resolved on the device
+        _run(sc, route, "lamb_", **tensors, **scalars, grad_factor=sc.inv_scale,
              cuda_kwargs={"bias_correction": bias_correction, "grad_sum_squares": total,
                           "max_grad_norm": max_grad_norm, "inv_grad_scale": sc.inv_scale})
         return False
@@ -376,22 +383,23 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2,
             return True
         raise ValueError(f"the global gradient norm is {norm}; pass check_finite=True to skip such steps")
     clip = norm / max_grad_norm if max_grad_norm > 0 and norm > max_grad_norm else 1.0
-    _run(sc, "lamb_", params, list(grads), list(exp_avgs), list(exp_avg_sqs), _list(param_copies), sc.lr, beta1,
-         beta2, beta3, eps, weight_decay, bc1, bc2, _inv_scale(grad_scale) / clip, adam_w_mode, trust, maximize,
+    _run(sc, route, "lamb_", **tensors, **scalars, grad_factor=_inv_scale(grad_scale) / clip,
          cuda_kwargs={"bias_correction": bias_correction})
     return False
 
 
-@_cuda_or_host
-def fused_lars_(params, grads, momentum_buffers, *, lr, momentum=0.0, eeta=1e-3, weight_decay=0.0, epsilon=0.0,
-                maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
+@_routed
+def fused_lars_(route, params, grads, momentum_buffers, *, lr, momentum=0.0, eeta=1e-3, weight_decay=0.0,
+                epsilon=0.0, maximize=False, grad_scale=None, check_finite=False, found_inf=None,
+                param_copies=None) -> bool:
     """LARS: per-tensor local lr = eeta*||p|| / (||g|| + wd*||p|| + epsilon) (1 if a norm is 0);
     buf = momentum*buf + (g + wd*p); p -= lr*local_lr*buf."""
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers, param_copies=param_copies)
     if not len(params):
         return False
-    sc = _scalars(params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
+    sc = _scalars(route, params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
-    return _run(sc, "lars_", params, list(grads), list(momentum_buffers), _list(param_copies), sc.lr, momentum,
-                eeta, weight_decay, epsilon, sc.inv_scale, maximize, check_finite)
+    return _run(sc, route, "lars_", params=list(params), grads=list(grads), momentum_buffers=list(momentum_buffers),
+                copies=_list(param_copies), lr=sc.lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay,
+                epsilon=epsilon, inv_grad_scale=sc.inv_scale, maximize=maximize, check_finite=check_finite)

@@ -59,14 +59,11 @@ class _Spy:
 def cuda_ext(monkeypatch):
     """The compiled CUDA kernels (the test fails when they do not build), spied on:
     ``cuda_ext.calls`` counts the calls of each kernel function."""
-    import lightning_fastopt.functional as functional
-
     ext = ops.cuda_backend()
     if ext is None:
         pytest.fail(f"the CUDA extension did not build: {ops.cuda_extension_error()}")
     spy = _Spy(ext)
-    monkeypatch.setattr(functional, "cuda_backend", lambda: spy)
-    monkeypatch.setattr(ops, "cuda_backend", lambda: spy)
+    monkeypatch.setattr(ops, "cuda_backend", lambda: spy)  # ops.route() finds the kernels through it
     return spy
 
 

@@ -56,6 +56,12 @@ def test_cache_key_covers_isa_sources_and_flags(tmp_path, ext_dir):
     assert build_key(ExtensionSpec(**{**spec.__dict__, "cflags": ("-O1",)})) != build_key(spec)
 
 
+def test_every_header_the_cpu_build_includes_is_in_its_cache_key():
+    names = {Path(p).name for p in cpu_extension_spec().headers}
+    on_disk = {p.name for d in ("common", "cpu") for p in (REPO / "csrc" / d).iterdir() if p.suffix == ".h"}
+    assert on_disk <= names, on_disk - names
+
+
 def test_isa_detection_and_override(monkeypatch):
     best = detect_isa().name
     assert best in ("generic", "avx2", "avx512")

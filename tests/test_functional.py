@@ -239,3 +239,20 @@ def test_list_length_mismatch_is_a_clear_error(backend):
     params, m, v = _adam_state(SIZES)
     with pytest.raises(ValueError, match="exp_avgs has 3 tensors but params has 4"):
         _adam(params, [torch.randn(n) for n in SIZES], m[:3], v)
+
+
+def test_every_backend_takes_the_same_argument_names(compiled):
+    """functional calls the backends by keyword: the compiled CPU kernels and the
+    pure-PyTorch backend name every argument alike, in the same order (the CUDA module
+    shares the CPU module's signatures, csrc/common/optimizer_bindings.h; what follows
+    ``*`` there are the CUDA module's device scalars)."""
+    import inspect
+    import re
+
+    import lightning_fastopt.ops as ops
+
+    for name in list(ops.KERNELS) + ["all_finite", "sum_squares"]:
+        doc = getattr(compiled, name).__doc__.splitlines()[0]
+        listed = re.match(rf"{name}\((.*)\) ->", doc).group(1).split(", *,")[0]
+        compiled_names = [a.split(":")[0].strip() for a in listed.split(", ")]
+        assert list(inspect.signature(getattr(torch_backend, name)).parameters) == compiled_names, name

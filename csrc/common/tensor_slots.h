@@ -11,7 +11,7 @@
 
 #include <torch/csrc/utils/pybind.h>
 
-#include "../cpu/kernel_api.h"
+#include "kernel_types.h"
 
 namespace fastopt {
 

@@ -14,7 +14,6 @@
 namespace fastopt {
 
 namespace {
-constexpr int64_t kBlock = 4096;
 
 struct LambMath {
   VecF gf, wd, b1, b3, b2, w2, inv_bc1, inv_bc2, eps;
@@ -36,17 +35,15 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
   const LambMath mth(a);
   const int64_t n = static_cast<int64_t>(slots.size());
 
-  // Pass 1: moments, and the norms of the parameter and of the update (per thread rows,
-  // reduced in a fixed order).
-  const int threads = std::max(1, at::get_num_threads());
-  std::vector<double> partial(static_cast<size_t>(threads) * 2 * n, 0.0);
-  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+  // Pass 1: moments, and the squared norms of the parameter and of the update per slot.
+  std::vector<double> sums(2 * n);
+  parallel_sums_per_slot<2>(slots, sums.data(), [&](int64_t t, int64_t b, int64_t e) {
     const TensorSlot& s = slots[t];
     double ps = 0.0, us = 0.0;
     dispatch_dtypes(s, [&](auto p, auto g, auto) {
-      for (int64_t blk = b; blk < e; blk += kBlock) {
+      for (int64_t blk = b; blk < e; blk += kSumBlock) {
         VecF pacc = VecF::zero(), uacc = VecF::zero();
-        for_each_vec<2, false, decltype(p), decltype(g), None>(s, blk, std::min(e, blk + kBlock),
+        for_each_vec<2, false, decltype(p), decltype(g), None>(s, blk, std::min(e, blk + kSumBlock),
             [&](VecF& pv, VecF gv, std::array<VecF, 2>& st) {
               gv = gv * mth.gf;
               if (mth.l2) gv = VecF::fmadd(mth.wd, pv, gv);
@@ -60,18 +57,11 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
         us += uacc.sum();
       }
     });
-    double* row = partial.data() + static_cast<size_t>(at::get_thread_num()) * 2 * n;
-    row[2 * t] += ps;
-    row[2 * t + 1] += us;
+    return std::array<double, 2>{ps, us};
   });
   std::vector<float> scale(n);
   for (int64_t t = 0; t < n; ++t) {
-    double ps = 0.0, us = 0.0;
-    for (int r = 0; r < threads; ++r) {
-      ps += partial[static_cast<size_t>(r) * 2 * n + 2 * t];
-      us += partial[static_cast<size_t>(r) * 2 * n + 2 * t + 1];
-    }
-    const double pn = std::sqrt(ps), un = std::sqrt(us);
+    const double pn = std::sqrt(sums[2 * t]), un = std::sqrt(sums[2 * t + 1]);
     const double ratio = (a.use_trust_ratio && pn != 0.0 && un != 0.0) ? pn / un : 1.0;
     scale[t] = static_cast<float>(-static_cast<double>(a.lr) * ratio);
   }

@@ -7,8 +7,6 @@
 namespace fastopt {
 
 namespace {
-constexpr int64_t kBlock = 4096;  // float accumulation per block, double across blocks
-
 // The array a reduction reads: the gradient (which == 0) or the parameter.
 inline std::pair<const void*, DType> reduced_array(const TensorSlot& s, int which) {
   return which == 0 ? std::make_pair(s.grad, s.grad_dtype)
@@ -21,9 +19,9 @@ double piece_sum_squares(const TensorSlot& s, int which, int64_t b, int64_t e) {
   double total = 0.0;
   dispatch_storage(dtype, [&](auto tag) {
     const auto* x = static_cast<const storage_t<decltype(tag)>*>(ptr);
-    for (int64_t blk = b; blk < e; blk += kBlock) {
+    for (int64_t blk = b; blk < e; blk += kSumBlock) {
       VecF acc = VecF::zero();
-      for_each_vec_read(x, blk, std::min(e, blk + kBlock), [&](VecF v) { acc = VecF::fmadd(v, v, acc); });
+      for_each_vec_read(x, blk, std::min(e, blk + kSumBlock), [&](VecF v) { acc = VecF::fmadd(v, v, acc); });
       total += acc.sum();
     }
   });
@@ -59,8 +57,8 @@ bool grads_all_finite(const Slots& slots) {
 }
 
 void sum_squares(const Slots& slots, int which, double* out) {
-  parallel_sum_per_slot(slots, out, [&](int64_t t, int64_t b, int64_t e) {
-    return piece_sum_squares(slots[t], which, b, e);
+  parallel_sums_per_slot<1>(slots, out, [&](int64_t t, int64_t b, int64_t e) {
+    return std::array<double, 1>{piece_sum_squares(slots[t], which, b, e)};
   });
 }
 

@@ -21,6 +21,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "../common/dtype_combinations.h"
 #include "kernel_api.h"
 #include "vec.h"
 
@@ -45,50 +46,44 @@ void parallel_over(const Slots& slots, const Fn& fn) {
   });
 }
 
-// Per-slot sums reduced over threads in a fixed order (deterministic for a given
-// thread count).  fn(slot_index, begin, end) returns this piece's contribution.
-template <typename Fn>
-void parallel_sum_per_slot(const Slots& slots, double* out, const Fn& fn) {
+// Per-slot sums of K quantities, reduced over threads in a fixed order (deterministic for
+// a given thread count).  fn(slot_index, begin, end) returns this piece's K contributions;
+// the totals land in out[K * slot_index + k].
+template <int K, typename Fn>
+void parallel_sums_per_slot(const Slots& slots, double* out, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(slots.size());
   const int threads = std::max(1, at::get_num_threads());
-  std::vector<double> partial(static_cast<size_t>(threads) * n, 0.0);
+  std::vector<double> partial(static_cast<size_t>(threads) * K * n, 0.0);
   parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
-    partial[static_cast<size_t>(at::get_thread_num()) * n + t] += fn(t, b, e);
+    const std::array<double, K> piece = fn(t, b, e);
+    double* row = partial.data() + static_cast<size_t>(at::get_thread_num()) * K * n + K * t;
+    for (int k = 0; k < K; ++k) row[k] += piece[k];
   });
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t i = 0; i < K * n; ++i) {
     double s = 0.0;
-    for (int r = 0; r < threads; ++r) s += partial[static_cast<size_t>(r) * n + t];
-    out[t] = s;
+    for (int r = 0; r < threads; ++r) s += partial[static_cast<size_t>(r) * K * n + i];
+    out[i] = s;
   }
 }
+
+// Sums are accumulated in float vectors over blocks of this many elements, then in double.
+constexpr int64_t kSumBlock = 4096;
 
 template <typename Tag>
 using storage_t = typename Tag::type;
 
-// Calls fn(P{}, G{}, C{}) with the storage tags of the slot.  Supported combinations:
-// float32 master params with float32/fp16/bf16 grads and an optional fp16/bf16 copy;
-// fp16 or bf16 params (no master) with grads of the same dtype or float32.
+// The CPU's storage tags (vec.h) for the dtype table of ../common/dtype_combinations.h.
+struct CpuStorage {
+  using F32 = fastopt::F32;
+  using F16 = fastopt::F16;
+  using BF16 = fastopt::BF16;
+  using None = fastopt::None;
+};
+
+// Calls fn(P{}, G{}, C{}) with the storage tags of the slot (one of the 13 combinations).
 template <typename Fn>
 void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
-  auto with_copy = [&](auto p, auto g) {
-    switch (s.copy_dtype) {
-      case DType::kFloat16: return fn(p, g, F16{});
-      case DType::kBFloat16: return fn(p, g, BF16{});
-      default: return fn(p, g, None{});
-    }
-  };
-  switch (s.param_dtype) {
-    case DType::kFloat32:
-      switch (s.grad_dtype) {
-        case DType::kFloat16: return with_copy(F32{}, F16{});
-        case DType::kBFloat16: return with_copy(F32{}, BF16{});
-        default: return with_copy(F32{}, F32{});
-      }
-    case DType::kFloat16:
-      return s.grad_dtype == DType::kFloat32 ? fn(F16{}, F32{}, None{}) : fn(F16{}, F16{}, None{});
-    default:
-      return s.grad_dtype == DType::kFloat32 ? fn(BF16{}, F32{}, None{}) : fn(BF16{}, BF16{}, None{});
-  }
+  dispatch_dtype_combination<CpuStorage>(s, fn);
 }
 
 // body(VecF& param, VecF grad, std::array<VecF, NS>& state) updates param and state in

@@ -12,14 +12,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/dtype_combinations.h"
 #include "cuda_api.h"
 #include "launch_plan.h"
 #include "optimizer_math.cuh"
+#include "tensor_roles.h"
 
 namespace fastopt {
 namespace cuda {
-
-struct NoCopy {};
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -80,13 +80,27 @@ __device__ __forceinline__ void for_each_index(int64_t n, const Fn& fn) {
   }
 }
 
+// Where the tensor of role R of tensor t's chunk starts, as a T*.
+template <typename Layout, Role R, typename T, typename List>
+__device__ __forceinline__ T* role_pointer(const List& tl, int t, int64_t start) {
+  static_assert(Layout::has(R), "this layout carries no tensor of that role");
+  return static_cast<T*>(tl.addr[Layout::at(R)][t]) + start;
+}
+
+// The half-precision copy's chunk (null when the layout has none).
+template <typename Layout, typename CT, typename List>
+__device__ __forceinline__ CT* copy_pointer(const List& tl, int t, int64_t start) {
+  if constexpr (Layout::has(Role::kCopy)) return role_pointer<Layout, Role::kCopy, CT>(tl, t, start);
+  return nullptr;
+}
+
 // One chunk of an element-wise update: param P (float32 master or a half-precision param),
 // gradient G, NS float32 states, and an optional half-precision copy C of the result.
 template <typename P, typename G, typename C, int NS, typename Math>
 struct ElementwiseFunctor {
-  static constexpr bool kCopy = !std::is_same<C, NoCopy>::value;
-  static constexpr int kDepth = 2 + NS + (kCopy ? 1 : 0);
-  using CT = typename std::conditional<kCopy, C, float>::type;
+  using Layout = typename ElementwiseLayout<NS, C>::type;
+  static constexpr bool kCopy = CopyOf<C>::kEnabled;
+  using CT = typename CopyOf<C>::type;
   Math math;
   DeviceScalars dev;
 
@@ -98,12 +112,12 @@ struct ElementwiseFunctor {
     const ChunkPos pos = chunk_pos(tl);
     const int t = pos.t;
     const int64_t start = pos.start, n = pos.n;
-    P* p = static_cast<P*>(tl.addr[0][t]) + start;
-    const G* g = static_cast<const G*>(tl.addr[1][t]) + start;
+    P* p = role_pointer<Layout, Role::kParam, P>(tl, t, start);
+    const G* g = role_pointer<Layout, Role::kGrad, const G>(tl, t, start);
     float* s[NS > 0 ? NS : 1];
 #pragma unroll
-    for (int k = 0; k < NS; ++k) s[k] = static_cast<float*>(tl.addr[2 + k][t]) + start;
-    CT* c = kCopy ? static_cast<CT*>(tl.addr[kDepth - 1][t]) + start : nullptr;
+    for (int k = 0; k < NS; ++k) s[k] = static_cast<float*>(tl.addr[Layout::state(k)][t]) + start;
+    CT* c = copy_pointer<Layout, CT>(tl, t, start);
 
     bool aligned = pack_aligned(p) && pack_aligned(g) && (!kCopy || pack_aligned(c));
 #pragma unroll
@@ -157,35 +171,13 @@ struct Tag {
   using type = T;
 };
 
-// Calls fn(Tag<P>, Tag<G>, Tag<C>) for a slot's dtypes; the combinations are the CPU
-// kernels' (tensor_walk.h): float32 masters with float32/fp16/bf16 gradients and an
-// optional fp16/bf16 copy, or fp16/bf16 params with gradients of their dtype or float32.
-template <typename Fn>
-void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
-  auto with_copy = [&](auto p, auto g) {
-    switch (s.copy_dtype) {
-      case DType::kFloat16: return fn(p, g, Tag<__half>{});
-      case DType::kBFloat16: return fn(p, g, Tag<__nv_bfloat16>{});
-      default: return fn(p, g, Tag<NoCopy>{});
-    }
-  };
-  auto grad = [&](auto p, auto own) {
-    switch (s.grad_dtype) {
-      case DType::kFloat16: return with_copy(p, Tag<__half>{});
-      case DType::kBFloat16: return with_copy(p, Tag<__nv_bfloat16>{});
-      case DType::kFloat32: return with_copy(p, Tag<float>{});
-      default: return with_copy(p, own);
-    }
-  };
-  switch (s.param_dtype) {
-    case DType::kFloat16: return s.grad_dtype == DType::kFloat32 ? fn(Tag<__half>{}, Tag<float>{}, Tag<NoCopy>{})
-                                                                 : fn(Tag<__half>{}, Tag<__half>{}, Tag<NoCopy>{});
-    case DType::kBFloat16:
-      return s.grad_dtype == DType::kFloat32 ? fn(Tag<__nv_bfloat16>{}, Tag<float>{}, Tag<NoCopy>{})
-                                             : fn(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{}, Tag<NoCopy>{});
-    default: return grad(Tag<float>{}, Tag<float>{});
-  }
-}
+// CUDA's element types for the dtype table of ../common/dtype_combinations.h.
+struct DeviceStorage {
+  using F32 = Tag<float>;
+  using F16 = Tag<__half>;
+  using BF16 = Tag<__nv_bfloat16>;
+  using None = Tag<NoCopy>;
+};
 
 // The key that puts slots of one dtype combination into one launch.
 inline int dtype_key(const TensorSlot& s) {
@@ -213,15 +205,15 @@ inline std::vector<int32_t> chunk_bases(const Slots& slots) {
   return base;
 }
 
-// The launch items of some slots.  Tensor k of a slot is chosen by pick(slot, k).
-template <int D, typename Pick>
-std::vector<LaunchItem<D>> launch_items(const Slots& slots, const std::vector<int32_t>& which,
-                                        const std::vector<int32_t>& bases, const Pick& pick) {
-  std::vector<LaunchItem<D>> items;
+// The launch items of some slots (`which`, positions in `slots`), packed by Layout.
+template <typename Layout>
+std::vector<LaunchItem<Layout::kDepth>> layout_items(const Slots& slots, const std::vector<int32_t>& which,
+                                                     const std::vector<int32_t>& bases) {
+  std::vector<LaunchItem<Layout::kDepth>> items;
   items.reserve(which.size());
   for (int32_t i : which) {
-    LaunchItem<D> item;
-    for (int k = 0; k < D; ++k) item.addr[k] = pick(slots[i], k);
+    LaunchItem<Layout::kDepth> item;
+    for (int k = 0; k < Layout::kDepth; ++k) item.addr[k] = Layout::address(slots[i], k);
     item.numel = slots[i].numel;
     item.index = i;
     item.chunk_base = bases[i];
@@ -230,13 +222,14 @@ std::vector<LaunchItem<D>> launch_items(const Slots& slots, const std::vector<in
   return items;
 }
 
-// The usual layout: param, grad, NS states, copy.
-template <int NS, bool kCopy>
-void* standard_pick(const TensorSlot& s, int k) {
-  if (k == 0) return s.param;
-  if (k == 1) return const_cast<void*>(s.grad);
-  if (k < 2 + NS) return s.state[k - 2];
-  return kCopy ? s.copy : nullptr;
+// Calls fn(which, Tag<P>{}, Tag<G>{}, Tag<C>{}) for each group of slots that share a dtype
+// combination (`which`: their positions, in the caller's order): every pass of every
+// algorithm launches per group, since a functor is compiled for one combination.
+template <typename Fn>
+void for_each_dtype_group(const Slots& slots, const Fn& fn) {
+  for (const std::vector<int32_t>& which : group_by_dtypes(slots)) {
+    dispatch_dtype_combination<DeviceStorage>(slots[which[0]], [&](auto p, auto g, auto c) { fn(which, p, g, c); });
+  }
 }
 
 // Runs an element-wise algorithm over every slot: one series of launches per dtype
@@ -244,13 +237,11 @@ void* standard_pick(const TensorSlot& s, int k) {
 template <int NS, typename Math, typename Launch>
 void elementwise_launches(const Slots& slots, const Math& math, const DeviceScalars& d, const Launch& launch) {
   const std::vector<int32_t> bases = chunk_bases(slots);
-  for (const std::vector<int32_t>& group : group_by_dtypes(slots)) {
-    dispatch_dtypes(slots[group[0]], [&](auto p, auto g, auto c) {
-      using F = ElementwiseFunctor<typename decltype(p)::type, typename decltype(g)::type,
-                                   typename decltype(c)::type, NS, Math>;
-      launch(launch_items<F::kDepth>(slots, group, bases, standard_pick<NS, F::kCopy>), F{math, d});
-    });
-  }
+  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
+    using F = ElementwiseFunctor<typename decltype(p)::type, typename decltype(g)::type,
+                                 typename decltype(c)::type, NS, Math>;
+    launch(layout_items<typename F::Layout>(slots, which, bases), F{math, d});
+  });
 }
 
 }  // namespace cuda

@@ -1,8 +1,7 @@
 // The interface between the Python bindings (bindings.cpp) and the CUDA kernels.
 //
-// Like the CPU side (../cpu/kernel_api.h, whose TensorSlot and argument structs are reused
-// here), the kernel files see raw device pointers only, never torch's headers: each .cu
-// file compiles in seconds.  Every function enqueues its kernels on `stream` and returns
+// Like the CPU side, the kernel files see raw device pointers only (the TensorSlot and the
+// argument structs of ../common), never torch's headers: each .cu file compiles in seconds.  Every function enqueues its kernels on `stream` and returns
 // without waiting for them.
 #pragma once
 
@@ -10,7 +9,8 @@
 
 #include <cstdint>
 
-#include "../cpu/kernel_api.h"
+#include "../common/kernel_args.h"
+#include "../common/kernel_types.h"
 
 namespace fastopt {
 namespace cuda {

@@ -14,8 +14,14 @@ namespace fastopt {
 namespace cuda {
 namespace {
 
+// Pass 1 reads the gradient and updates the moments; pass 2 reads the moments.
+using MomentsLayout = Layout<Role::kParam, Role::kGrad, Role::kState0, Role::kState1>;
+template <typename C>
+using ApplyLayout = WithCopy<C, Role::kParam, Role::kState0, Role::kState1>;
+
 template <typename P, typename G>
 struct LambMoments {
+  using Layout = MomentsLayout;
   LambMath math;
   DeviceScalars dev;
   float* partials;
@@ -25,10 +31,10 @@ struct LambMoments {
     LambMath m = math;
     m.prepare(dev);
     const ChunkPos pos = chunk_pos(tl);
-    const P* p = static_cast<const P*>(tl.addr[0][pos.t]) + pos.start;
-    const G* g = static_cast<const G*>(tl.addr[1][pos.t]) + pos.start;
-    float* mo = static_cast<float*>(tl.addr[2][pos.t]) + pos.start;
-    float* ve = static_cast<float*>(tl.addr[3][pos.t]) + pos.start;
+    const P* p = role_pointer<Layout, Role::kParam, const P>(tl, pos.t, pos.start);
+    const G* g = role_pointer<Layout, Role::kGrad, const G>(tl, pos.t, pos.start);
+    float* mo = role_pointer<Layout, Role::kState0, float>(tl, pos.t, pos.start);
+    float* ve = role_pointer<Layout, Role::kState1, float>(tl, pos.t, pos.start);
     float ps = 0.0f, us = 0.0f;
     for_each_index(pos.n, [&](int64_t i) {
       const float pv = to_float(p[i]);
@@ -45,9 +51,9 @@ struct LambMoments {
 
 template <typename P, typename C>
 struct LambApply {
-  static constexpr bool kCopy = !std::is_same<C, NoCopy>::value;
-  static constexpr int kDepth = 3 + (kCopy ? 1 : 0);
-  using CT = typename std::conditional<kCopy, C, float>::type;
+  using Layout = ApplyLayout<C>;
+  using CT = typename CopyOf<C>::type;
+  static constexpr bool kCopy = CopyOf<C>::kEnabled;
   LambMath math;
   DeviceScalars dev;
   const float* partials;
@@ -59,10 +65,10 @@ struct LambApply {
     const ChunkPos pos = chunk_pos(tl);
     const double2 sums = tensor_totals(partials, tl.chunk_base[pos.t], chunks_of(tl.numel[pos.t]));
     const float neg = lamb_tensor_step(m.lr, m.a.use_trust_ratio, sums.x, sums.y);
-    P* p = static_cast<P*>(tl.addr[0][pos.t]) + pos.start;
-    const float* mo = static_cast<const float*>(tl.addr[1][pos.t]) + pos.start;
-    const float* ve = static_cast<const float*>(tl.addr[2][pos.t]) + pos.start;
-    CT* c = kCopy ? static_cast<CT*>(tl.addr[kDepth - 1][pos.t]) + pos.start : nullptr;
+    P* p = role_pointer<Layout, Role::kParam, P>(tl, pos.t, pos.start);
+    const float* mo = role_pointer<Layout, Role::kState0, const float>(tl, pos.t, pos.start);
+    const float* ve = role_pointer<Layout, Role::kState1, const float>(tl, pos.t, pos.start);
+    CT* c = copy_pointer<Layout, CT>(tl, pos.t, pos.start);
     for_each_index(pos.n, [&](int64_t i) {
       float pv = to_float(p[i]);
       pv = fmaf(neg, m.update(pv, mo[i], ve[i]), pv);
@@ -72,38 +78,22 @@ struct LambApply {
   }
 };
 
-void* moments_pick(const TensorSlot& s, int k) {
-  return k == 0 ? s.param : k == 1 ? const_cast<void*>(s.grad) : s.state[k - 2];
-}
-
-template <bool kCopy>
-void* apply_pick(const TensorSlot& s, int k) {
-  return k == 0 ? s.param : k < 3 ? s.state[k - 1] : (kCopy ? s.copy : nullptr);
-}
-
 }  // namespace
 
 void lamb_step(const Slots& slots, const LambArgs& a, const LambClip& clip, bool bias_correction,
                const DeviceScalars& d, float* partials, cudaStream_t stream) {
   const LambMath m = lamb_math(a, clip, bias_correction);
   const std::vector<int32_t> bases = chunk_bases(slots);
-  const std::vector<std::vector<int32_t>> groups = group_by_dtypes(slots);
   // every tensor's moments and norms first: pass 2 of any group reads only its own tensors'
   // partials, but keeping the passes apart keeps the launches independent of grouping
-  for (const std::vector<int32_t>& group : groups) {
-    dispatch_dtypes(slots[group[0]], [&](auto p, auto g, auto) {
-      using F = LambMoments<typename decltype(p)::type, typename decltype(g)::type>;
-      launch_multi_tensor<4>(launch_items<4>(slots, group, bases, moments_pick), F{m, d, partials}, stream,
-                             "lamb");
-    });
-  }
-  for (const std::vector<int32_t>& group : groups) {
-    dispatch_dtypes(slots[group[0]], [&](auto p, auto, auto c) {
-      using F = LambApply<typename decltype(p)::type, typename decltype(c)::type>;
-      launch_multi_tensor<F::kDepth>(launch_items<F::kDepth>(slots, group, bases, apply_pick<F::kCopy>),
-                                     F{m, d, partials}, stream, "lamb");
-    });
-  }
+  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
+    using F = LambMoments<typename decltype(p)::type, typename decltype(g)::type>;
+    launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{m, d, partials}, stream, "lamb");
+  });
+  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto, auto c) {
+    using F = LambApply<typename decltype(p)::type, typename decltype(c)::type>;
+    launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{m, d, partials}, stream, "lamb");
+  });
 }
 
 }  // namespace cuda

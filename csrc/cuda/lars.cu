@@ -9,16 +9,22 @@ namespace fastopt {
 namespace cuda {
 namespace {
 
+// Pass 1 reads the gradient and the parameter; pass 2 updates the momentum buffer too.
+using NormsLayout = Layout<Role::kParam, Role::kGrad>;
+template <typename C>
+using ApplyLayout = WithCopy<C, Role::kParam, Role::kGrad, Role::kState0>;
+
 template <typename P, typename G>
 struct LarsNorms {
+  using Layout = NormsLayout;
   DeviceScalars dev;
   float* partials;
   template <typename List>
   __device__ void operator()(const List& tl) const {
     if (skip_launch(dev)) return;
     const ChunkPos pos = chunk_pos(tl);
-    const P* p = static_cast<const P*>(tl.addr[0][pos.t]) + pos.start;
-    const G* g = static_cast<const G*>(tl.addr[1][pos.t]) + pos.start;
+    const P* p = role_pointer<Layout, Role::kParam, const P>(tl, pos.t, pos.start);
+    const G* g = role_pointer<Layout, Role::kGrad, const G>(tl, pos.t, pos.start);
     float gs = 0.0f, ps = 0.0f;
     for_each_index(pos.n, [&](int64_t i) {
       const float gv = to_float(g[i]), pv = to_float(p[i]);
@@ -31,9 +37,9 @@ struct LarsNorms {
 
 template <typename P, typename G, typename C>
 struct LarsApply {
-  static constexpr bool kCopy = !std::is_same<C, NoCopy>::value;
-  static constexpr int kDepth = 3 + (kCopy ? 1 : 0);
-  using CT = typename std::conditional<kCopy, C, float>::type;
+  using Layout = ApplyLayout<C>;
+  using CT = typename CopyOf<C>::type;
+  static constexpr bool kCopy = CopyOf<C>::kEnabled;
   LarsMath math;
   DeviceScalars dev;
   const float* partials;
@@ -44,10 +50,10 @@ struct LarsApply {
     const double2 sums = tensor_totals(partials, tl.chunk_base[pos.t], chunks_of(tl.numel[pos.t]));
     LarsMath m = math;
     m.prepare(dev, sums.x, sums.y);
-    P* p = static_cast<P*>(tl.addr[0][pos.t]) + pos.start;
-    const G* g = static_cast<const G*>(tl.addr[1][pos.t]) + pos.start;
-    float* buf = static_cast<float*>(tl.addr[2][pos.t]) + pos.start;
-    CT* c = kCopy ? static_cast<CT*>(tl.addr[kDepth - 1][pos.t]) + pos.start : nullptr;
+    P* p = role_pointer<Layout, Role::kParam, P>(tl, pos.t, pos.start);
+    const G* g = role_pointer<Layout, Role::kGrad, const G>(tl, pos.t, pos.start);
+    float* buf = role_pointer<Layout, Role::kState0, float>(tl, pos.t, pos.start);
+    CT* c = copy_pointer<Layout, CT>(tl, pos.t, pos.start);
     for_each_index(pos.n, [&](int64_t i) {
       float pv = to_float(p[i]);
       m(pv, to_float(g[i]), buf + i);
@@ -62,21 +68,15 @@ struct LarsApply {
 void lars_step(const Slots& slots, const LarsArgs& a, const DeviceScalars& d, float* partials,
                cudaStream_t stream) {
   const std::vector<int32_t> bases = chunk_bases(slots);
-  const std::vector<std::vector<int32_t>> groups = group_by_dtypes(slots);
-  for (const std::vector<int32_t>& group : groups) {
-    dispatch_dtypes(slots[group[0]], [&](auto p, auto g, auto) {
-      using F = LarsNorms<typename decltype(p)::type, typename decltype(g)::type>;
-      launch_multi_tensor<2>(launch_items<2>(slots, group, bases, standard_pick<0, false>), F{d, partials}, stream,
-                             "lars");
-    });
-  }
-  for (const std::vector<int32_t>& group : groups) {
-    dispatch_dtypes(slots[group[0]], [&](auto p, auto g, auto c) {
-      using F = LarsApply<typename decltype(p)::type, typename decltype(g)::type, typename decltype(c)::type>;
-      launch_multi_tensor<F::kDepth>(launch_items<F::kDepth>(slots, group, bases, standard_pick<1, F::kCopy>),
-                                     F{lars_math(a), d, partials}, stream, "lars");
-    });
-  }
+  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
+    using F = LarsNorms<typename decltype(p)::type, typename decltype(g)::type>;
+    launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{d, partials}, stream, "lars");
+  });
+  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
+    using F = LarsApply<typename decltype(p)::type, typename decltype(g)::type, typename decltype(c)::type>;
+    launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{lars_math(a), d, partials}, stream,
+                        "lars");
+  });
 }
 
 }  // namespace cuda

@@ -23,11 +23,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __CUDACC__
-#define FASTOPT_HOST_DEVICE __host__ __device__
-#else
-#define FASTOPT_HOST_DEVICE
-#endif
+#include "../common/kernel_types.h"  // FASTOPT_HOST_DEVICE
 
 namespace fastopt {
 namespace cuda {

@@ -12,7 +12,6 @@
 #include <cmath>
 
 #include "cuda_api.h"
-#include "launch_plan.h"  // FASTOPT_HOST_DEVICE
 
 namespace fastopt {
 namespace cuda {

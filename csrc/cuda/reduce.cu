@@ -6,6 +6,12 @@ namespace fastopt {
 namespace cuda {
 namespace {
 
+// A reduction reads one tensor of each slot: the gradient (which == 0) or the parameter.
+using GradLayout = Layout<Role::kGrad>;
+using ParamLayout = Layout<Role::kParam>;
+constexpr int kReduced = 0;  // its position in the launch (both layouts put it first)
+static_assert(GradLayout::at(Role::kGrad) == kReduced && ParamLayout::at(Role::kParam) == kReduced, "");
+
 // Pass 1 of sum_squares: partials[chunk_base + chunk] = sum of x^2 over the chunk.
 template <typename T>
 struct ChunkSquares {
@@ -13,7 +19,7 @@ struct ChunkSquares {
   template <typename List>
   __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
-    const T* x = static_cast<const T*>(tl.addr[0][pos.t]) + pos.start;
+    const T* x = static_cast<const T*>(tl.addr[kReduced][pos.t]) + pos.start;
     float acc = 0.0f;
     for_each_index(pos.n, [&](int64_t i) {
       const float v = to_float(x[i]);
@@ -54,7 +60,7 @@ struct FiniteCheck {
   template <typename List>
   __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
-    const T* x = static_cast<const T*>(tl.addr[0][pos.t]) + pos.start;
+    const T* x = static_cast<const T*>(tl.addr[kReduced][pos.t]) + pos.start;
     bool bad = false;
     for_each_index(pos.n, [&](int64_t i) { bad |= !isfinite(to_float(x[i])); });
     if (bad) *found_inf = 1.0f;  // every writer writes the same value
@@ -69,7 +75,7 @@ struct Unscale {
   template <typename List>
   __device__ void operator()(const List& tl) const {
     const ChunkPos pos = chunk_pos(tl);
-    T* x = static_cast<T*>(tl.addr[0][pos.t]) + pos.start;
+    T* x = static_cast<T*>(tl.addr[kReduced][pos.t]) + pos.start;
     const float inv = grad_scale != nullptr ? 1.0f / *grad_scale : inv_grad_scale;
     bool bad = false;
     for_each_index(pos.n, [&](int64_t i) {
@@ -91,9 +97,8 @@ void over_tensors(const Slots& slots, int which, cudaStream_t stream, const char
     for (size_t i = 0; i < slots.size(); ++i)
       if ((which == 0 ? slots[i].grad_dtype : slots[i].param_dtype) == dt) idx.push_back(static_cast<int32_t>(i));
     if (idx.empty()) continue;
-    auto items = launch_items<1>(slots, idx, bases, [&](const TensorSlot& s, int) {
-      return which == 0 ? const_cast<void*>(s.grad) : s.param;
-    });
+    auto items = which == 0 ? layout_items<GradLayout>(slots, idx, bases)
+                            : layout_items<ParamLayout>(slots, idx, bases);
     auto run = [&](auto tag) {
       launch_multi_tensor<1>(items, Functor<typename decltype(tag)::type>{args...}, stream, what);
     };

@@ -1,10 +1,12 @@
 """Building, loading and choosing the optimizer kernels.
 
 A *backend* is a module-like object with the low-level functions ``adam_``, ``sgd_``,
-``adagrad_``, ``lion_``, ``lamb_``, ``lars_``, ``all_finite`` and ``sum_squares``: the
-compiled CPU extension, the compiled CUDA extension (the same functions, plus keyword-only
-device scalars and ``check_finite_``, ``unscale_``, ``sum_squares_device``), or
-:mod:`lightning_fastopt.ops.torch_backend`.  ``LIGHTNING_FASTOPT_BACKEND`` chooses:
+``adagrad_``, ``lion_``, ``lamb_``, ``lars_``, ``all_finite`` and ``sum_squares``, with
+the same argument names everywhere (callers pass them by keyword): the compiled CPU
+extension, the compiled CUDA extension (plus keyword-only device scalars and
+``check_finite_``, ``unscale_``, ``sum_squares_device``), or
+:mod:`lightning_fastopt.ops.torch_backend`.  :func:`route` chooses them for a device
+type, with the fallback for tensors the compiled kernels refuse.  ``LIGHTNING_FASTOPT_BACKEND`` chooses:
 ``auto`` (default: compiled when it builds), ``torch`` (always the pure-PyTorch path, and
 torch's fused kernels on CUDA) or ``compiled`` (fail if the extension for the tensors'
 device does not build).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import NamedTuple
 
 from lightning_fastopt.ops import torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError
@@ -71,14 +74,38 @@ def cuda_backend() -> ModuleType | None:
     return ext
 
 
-def backend_for(device_type: str) -> ModuleType:
-    """The backend for tensors on a device of this type ("cpu", "cuda", ...)."""
+class Route(NamedTuple):
+    """Where a call on tensors of one device runs, chosen before calling (:func:`route`).
+
+    ``kernels`` is called first; ``fallback`` takes the call when ``kernels`` refuses one
+    of its tensors (the compiled kernels raise their ``UnsupportedTensor`` before writing
+    anything, e.g. for a non-contiguous tensor).  ``cuda``: ``kernels`` are the compiled
+    CUDA kernels, which read device-resident scalars on the device; the host backends
+    need every scalar as a number."""
+
+    kernels: ModuleType
+    fallback: ModuleType
+    cuda: bool = False
+
+    def host(self) -> Route:
+        """The route without the CUDA kernels: what runs a call they refused."""
+        return Route(self.fallback, torch_backend) if self.cuda else self
+
+
+def route(device_type: str) -> Route:
+    """The backends for tensors on a device of this type ("cpu", "cuda", ...)."""
     if device_type == "cpu":
-        return cpu_backend()
+        return Route(cpu_backend(), torch_backend)
     if device_type == "cuda":
         ext = cuda_backend()
-        return ext if ext is not None else torch_backend
-    return torch_backend
+        if ext is not None:
+            return Route(ext, torch_backend, cuda=True)
+    return Route(torch_backend, torch_backend)
+
+
+def backend_for(device_type: str) -> ModuleType:
+    """The backend called first for tensors on a device of this type."""
+    return route(device_type).kernels
 
 
 def unsupported_tensor_error(backend: ModuleType) -> type[BaseException]:
@@ -90,5 +117,5 @@ class _NeverRaised(Exception):
     pass
 
 
-__all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "backend_for", "cpu_backend", "cuda_backend", "torch_backend",
-           "unsupported_tensor_error"]
+__all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "Route", "backend_for", "cpu_backend", "cuda_backend",
+           "route", "torch_backend", "unsupported_tensor_error"]

@@ -4,8 +4,8 @@ build  compile the kernels for this machine ahead of time (--all-isas: every ins
        set this CPU can run, e.g. to test the portable build too; --cuda: the CUDA kernels
        too, for the visible GPUs or TORCH_CUDA_ARCH_LIST; --cuda-only: just those, e.g. to
        compile-check them on a machine with nvcc and a CUDA torch but no GPU)
-info   which backend each kernel (and the optimizers that use it) runs on, the ISA, the GPU architectures, the cache paths,
-       and any build error
+info   which backend each kernel (and the optimizers that use it) runs on, the ISA, the
+       GPU architectures, the cache paths, and any build error
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from lightning_fastopt.ops.isa import detect_isa
 
 CPU_SOURCES = ("adam.cpp", "adagrad.cpp", "lamb.cpp", "lars.cpp", "lion.cpp", "reduce.cpp", "sgd.cpp", "bindings.cpp")
 CPU_HEADERS = ("kernel_api.h", "tensor_walk.h", "vec.h")
+# csrc/common: the vocabulary the CPU and CUDA kernels and bindings share
+COMMON_HEADERS = ("dtype_combinations.h", "kernel_args.h", "kernel_types.h", "optimizer_bindings.h", "tensor_slots.h")
 _BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-c++20-extensions")
 
 
@@ -35,7 +37,8 @@ def cpu_extension_spec(isa: str | None = None) -> ExtensionSpec:
         name=f"lightning_fastopt_cpu_{chosen.name}",
         variant=chosen.name,
         sources=tuple(str(cpu_dir / s) for s in CPU_SOURCES),
-        headers=tuple(str(cpu_dir / h) for h in CPU_HEADERS) + (str(source_root() / "common" / "tensor_slots.h"),),
+        headers=(tuple(str(cpu_dir / h) for h in CPU_HEADERS)
+                 + tuple(str(source_root() / "common" / h) for h in COMMON_HEADERS)),
         cflags=_BASE_CFLAGS + chosen.cflags,
         ldflags=("-fopenmp",),
         with_cuda=False,

@@ -18,12 +18,11 @@ import warnings
 from types import ModuleType
 
 from lightning_fastopt.ops.builder import ExtensionBuildError, ExtensionSpec, load_extension
-from lightning_fastopt.ops.cpu import source_root
+from lightning_fastopt.ops.cpu import COMMON_HEADERS, source_root
 
 CUDA_SOURCES = ("adam.cu", "adagrad.cu", "lamb.cu", "lars.cu", "lion.cu", "reduce.cu", "sgd.cu", "bindings.cpp")
 CUDA_HEADERS = ("chunk_walk.cuh", "cuda_api.h", "elementwise.cuh", "launch_plan.h", "multi_tensor_apply.cuh",
-                "optimizer_math.cuh")
-SHARED_HEADERS = ("cpu/kernel_api.h", "common/tensor_slots.h")
+                "optimizer_math.cuh", "tensor_roles.h")
 ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 # No FMA contraction: fmaf appears exactly where the CPU kernels use fmadd, so both compute
 # the same IEEE operations.  Division and square roots stay IEEE-rounded (no fast math).
@@ -81,7 +80,8 @@ def cuda_extension_spec(archs: tuple[str, ...] | None = None) -> ExtensionSpec:
         name=f"lightning_fastopt_cuda_sm{tag}",
         variant=f"cu{torch.version.cuda.replace('.', '')}-sm{tag}",
         sources=tuple(str(root / "cuda" / s) for s in CUDA_SOURCES),
-        headers=tuple(str(root / "cuda" / h) for h in CUDA_HEADERS) + tuple(str(root / h) for h in SHARED_HEADERS),
+        headers=(tuple(str(root / "cuda" / h) for h in CUDA_HEADERS)
+                 + tuple(str(root / "common" / h) for h in COMMON_HEADERS)),
         cflags=_CXX_CFLAGS,
         cuda_cflags=_CUDA_CFLAGS + tuple(f for a in archs for f in _gencode(a)),
         with_cuda=True,

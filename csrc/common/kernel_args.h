@@ -1,0 +1,51 @@
+// The scalar arguments of each algorithm, shared by the CPU kernels (../cpu/kernel_api.h),
+// the CUDA kernels (../cuda/cuda_api.h) and both bindings (optimizer_calls.h builds them).
+// All scalars are already resolved by the caller (lightning_fastopt.functional): bias
+// corrections, the unscaling factor, LAMB's clipping divisor.
+#pragma once
+
+namespace fastopt {
+
+struct AdamArgs {
+  float lr, beta1, beta2, eps, weight_decay;
+  float step_size;              // lr / bias_correction1
+  float bias_correction2_sqrt;  // sqrt(bias_correction2)
+  float inv_grad_scale;         // 1 / loss scale (1 when unscaled)
+  bool amsgrad, adamw, maximize;
+};
+// state: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only)
+
+struct SgdArgs {
+  float lr, momentum, dampening, weight_decay, inv_grad_scale;
+  bool nesterov, maximize, wd_after_momentum;
+  bool first_step;  // the momentum buffer is initialised from the gradient (torch semantics)
+};
+// state: momentum_buffer (momentum != 0 only)
+
+struct AdagradArgs {
+  float clr, weight_decay, eps, inv_grad_scale;  // clr = lr / (1 + (step - 1) * lr_decay)
+  bool maximize;
+};
+// state: sum
+
+struct LionArgs {
+  float lr, beta1, beta2, weight_decay, inv_grad_scale;
+  bool maximize;
+};
+// state: exp_avg
+
+struct LambArgs {
+  float lr, beta1, beta2, beta3, eps, weight_decay;
+  float bias_correction1, bias_correction2;
+  float grad_factor;  // 1 / (loss scale * clipping divisor)
+  bool adam_w_mode, use_trust_ratio, maximize;
+};
+// state: exp_avg, exp_avg_sq
+
+struct LarsArgs {
+  float lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale;
+  bool maximize;
+};
+// state: momentum_buffer
+
+}  // namespace fastopt

@@ -1,0 +1,37 @@
+// The vocabulary every kernel and binding shares, CPU and CUDA alike: the element types,
+// the tensor slot (one parameter and everything updated with it, as raw pointers), and
+// the macro that makes a function host-and-device code under nvcc.
+//
+// Free of torch's and CUDA's headers: kernel files include it and compile in seconds,
+// and the host checks in tests/cpp compile it with a plain C++ compiler.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#ifdef __CUDACC__
+#define FASTOPT_HOST_DEVICE __host__ __device__
+#else
+#define FASTOPT_HOST_DEVICE
+#endif
+
+namespace fastopt {
+
+enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kNone = 3 };
+
+// One parameter tensor and everything updated with it.  All tensors of a slot have
+// `numel` elements and are contiguous.  Optimizer state is always float32; `state[k]`
+// is null when that state is not used by the call (e.g. no amsgrad maximum).
+struct TensorSlot {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* copy = nullptr;  // optional fp16/bf16 copy of the updated parameter
+  float* state[3] = {nullptr, nullptr, nullptr};
+  int64_t numel = 0;
+  DType param_dtype = DType::kFloat32;
+  DType grad_dtype = DType::kFloat32;
+  DType copy_dtype = DType::kNone;
+};
+using Slots = std::vector<TensorSlot>;
+
+}  // namespace fastopt

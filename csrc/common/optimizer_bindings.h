@@ -1,0 +1,152 @@
+// The Python functions of the optimizer kernels, written once for both extension modules:
+// their names, their named arguments (the same as lightning_fastopt/ops/torch_backend.py,
+// so lightning_fastopt.functional calls any backend by keyword), the checks of the tensor
+// lists and the argument structs (../common/kernel_args.h) built from them.
+//
+// A module defines them with `def_optimizer_functions<Device>(m)`.  `Device` is the
+// module's policy:
+//
+//   Slots Device::slots(params, grads*, {state lists*}, copies)    checked tensor lists
+//   bool  Device::run(params, slots, check_finite, scalars, step)  runs step(on) with the
+//         GIL released; with check_finite, nothing is touched (and true is returned) when a
+//         gradient holds inf/NaN.  `on` has one method per algorithm (adam, sgd, adagrad,
+//         lion, lamb, lars) that runs its kernels; `scalars` are the keyword-only device
+//         scalars (CUDA tensors read on the device; the CPU module refuses them).
+//
+// Positional order: the tensor lists, then the algorithm's scalars in the order of its
+// struct, then check_finite (the order the modules have always had); everything after
+// is keyword-only.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "kernel_args.h"
+#include "tensor_slots.h"
+
+namespace fastopt {
+
+using OptTensor = std::optional<at::Tensor>;
+
+// Device-resident scalars (one-element float32 tensors on the parameters' device): the
+// loss scale, torch.amp's overflow flag, the learning rate and the step number after this
+// update.  Unset: the host values of the argument struct are used.
+struct ScalarTensors {
+  OptTensor grad_scale, found_inf, lr_tensor, step_tensor;
+  bool any() const { return grad_scale || found_inf || lr_tensor || step_tensor; }
+};
+
+// LAMB's clipping computed on the device: the sum of squares of every gradient (float64,
+// one element, on the device) with max_grad_norm and the inverse loss scale.
+struct LambDeviceClip {
+  OptTensor grad_sum_squares;
+  float max_grad_norm, inv_grad_scale;
+};
+
+template <typename Device>
+void def_optimizer_functions(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("adam_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                    const TensorList& exp_avg_sqs, const OptTensorList& max_exp_avg_sqs,
+                    const OptTensorList& copies, float lr, float beta1, float beta2, float eps,
+                    float weight_decay, float step_size, float bias_correction2_sqrt, float inv_grad_scale,
+                    bool amsgrad, bool adamw, bool maximize, bool check_finite, bool bias_correction,
+                    const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
+                    const OptTensor& step_tensor) {
+    if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
+    const Slots slots = Device::slots(
+        params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
+    const AdamArgs a{lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale,
+                     amsgrad, adamw, maximize};
+    return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, step_tensor},
+                       [&](const auto& on) { on.adam(slots, a, bias_correction); });
+  }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+     py::arg("copies"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+     py::arg("step_size"), py::arg("bias_correction2_sqrt"), py::arg("inv_grad_scale"), py::arg("amsgrad"),
+     py::arg("adamw"), py::arg("maximize"), py::arg("check_finite"), py::kw_only(),
+     py::arg("bias_correction") = true, py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
+     py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
+
+  m.def("sgd_", [](const TensorList& params, const TensorList& grads, const OptTensorList& momentum_buffers,
+                   const OptTensorList& copies, float lr, float momentum, float dampening, float weight_decay,
+                   float inv_grad_scale, bool nesterov, bool maximize, bool wd_after_momentum, bool first_step,
+                   bool check_finite, const OptTensor& grad_scale, const OptTensor& found_inf,
+                   const OptTensor& lr_tensor) {
+    if (momentum != 0.0f && !momentum_buffers) throw py::value_error("momentum needs momentum_buffers");
+    const Slots slots =
+        Device::slots(params, &grads, {momentum != 0.0f ? opt_list(momentum_buffers) : &kNoTensors}, copies);
+    const SgdArgs a{lr, momentum, dampening, weight_decay, inv_grad_scale, nesterov, maximize, wd_after_momentum,
+                    first_step};
+    return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
+                       [&](const auto& on) { on.sgd(slots, a); });
+  }, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("copies"), py::arg("lr"),
+     py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("inv_grad_scale"),
+     py::arg("nesterov"), py::arg("maximize"), py::arg("wd_after_momentum"), py::arg("first_step"),
+     py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
+     py::arg("lr_tensor") = py::none());
+
+  m.def("adagrad_", [](const TensorList& params, const TensorList& grads, const TensorList& state_sums,
+                       const OptTensorList& copies, float clr, float weight_decay, float eps, float inv_grad_scale,
+                       bool maximize, bool check_finite, float lr, float lr_decay, const OptTensor& grad_scale,
+                       const OptTensor& found_inf, const OptTensor& lr_tensor, const OptTensor& step_tensor) {
+    const Slots slots = Device::slots(params, &grads, {&state_sums}, copies);
+    const AdagradArgs a{clr, weight_decay, eps, inv_grad_scale, maximize};
+    return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, step_tensor},
+                       [&](const auto& on) { on.adagrad(slots, a, lr, lr_decay); });
+  }, py::arg("params"), py::arg("grads"), py::arg("state_sums"), py::arg("copies"), py::arg("clr"),
+     py::arg("weight_decay"), py::arg("eps"), py::arg("inv_grad_scale"), py::arg("maximize"),
+     py::arg("check_finite"), py::kw_only(), py::arg("lr") = 0.0f, py::arg("lr_decay") = 0.0f,
+     py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(),
+     py::arg("step_tensor") = py::none());
+
+  m.def("lion_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                    const OptTensorList& copies, float lr, float beta1, float beta2, float weight_decay,
+                    float inv_grad_scale, bool maximize, bool check_finite, const OptTensor& grad_scale,
+                    const OptTensor& found_inf, const OptTensor& lr_tensor) {
+    const Slots slots = Device::slots(params, &grads, {&exp_avgs}, copies);
+    const LionArgs a{lr, beta1, beta2, weight_decay, inv_grad_scale, maximize};
+    return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
+                       [&](const auto& on) { on.lion(slots, a); });
+  }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("copies"), py::arg("lr"), py::arg("beta1"),
+     py::arg("beta2"), py::arg("weight_decay"), py::arg("inv_grad_scale"), py::arg("maximize"),
+     py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
+     py::arg("lr_tensor") = py::none());
+
+  m.def("lamb_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                    const TensorList& exp_avg_sqs, const OptTensorList& copies, float lr, float beta1,
+                    float beta2, float beta3, float eps, float weight_decay, float bias_correction1,
+                    float bias_correction2, float grad_factor, bool adam_w_mode, bool use_trust_ratio,
+                    bool maximize, bool bias_correction, const OptTensor& grad_sum_squares, float max_grad_norm,
+                    float inv_grad_scale, const OptTensor& grad_scale, const OptTensor& found_inf,
+                    const OptTensor& lr_tensor, const OptTensor& step_tensor) {
+    const Slots slots = Device::slots(params, &grads, {&exp_avgs, &exp_avg_sqs}, copies);
+    const LambArgs a{lr, beta1, beta2, beta3, eps, weight_decay, bias_correction1, bias_correction2, grad_factor,
+                     adam_w_mode, use_trust_ratio, maximize};
+    const LambDeviceClip clip{grad_sum_squares, max_grad_norm, inv_grad_scale};
+    Device::run(params, slots, false, {grad_scale, found_inf, lr_tensor, step_tensor},
+                [&](const auto& on) { on.lamb(slots, a, clip, bias_correction); });
+  }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("copies"),
+     py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("beta3"), py::arg("eps"), py::arg("weight_decay"),
+     py::arg("bias_correction1"), py::arg("bias_correction2"), py::arg("grad_factor"), py::arg("adam_w_mode"),
+     py::arg("use_trust_ratio"), py::arg("maximize"), py::kw_only(), py::arg("bias_correction") = true,
+     py::arg("grad_sum_squares") = py::none(), py::arg("max_grad_norm") = 0.0f, py::arg("inv_grad_scale") = 1.0f,
+     py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(),
+     py::arg("step_tensor") = py::none());
+
+  m.def("lars_", [](const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
+                    const OptTensorList& copies, float lr, float momentum, float eeta, float weight_decay,
+                    float epsilon, float inv_grad_scale, bool maximize, bool check_finite,
+                    const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor) {
+    const Slots slots = Device::slots(params, &grads, {&momentum_buffers}, copies);
+    const LarsArgs a{lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale, maximize};
+    return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
+                       [&](const auto& on) { on.lars(slots, a); });
+  }, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("copies"), py::arg("lr"),
+     py::arg("momentum"), py::arg("eeta"), py::arg("weight_decay"), py::arg("epsilon"), py::arg("inv_grad_scale"),
+     py::arg("maximize"), py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(),
+     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
+}
+
+}  // namespace fastopt
