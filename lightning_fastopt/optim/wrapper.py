@@ -68,7 +68,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         raise NotImplementedError
 
     def state_of(self, param: Tensor) -> dict[str, Any]:
-        """The optimizer state of ``param`` (empty when it has none here)."""
+        """The optimizer state of one of the optimizer's parameters (empty before its first
+        step, and where another rank owns it)."""
         raise NotImplementedError
 
     def partition(self) -> dict[str, int] | None:
