@@ -223,11 +223,12 @@ std::vector<LaunchItem<Layout::kDepth>> layout_items(const Slots& slots, const s
 }
 
 // Calls fn(which, Tag<P>{}, Tag<G>{}, Tag<C>{}) for each group of slots that share a dtype
-// combination (`which`: their positions, in the caller's order): every pass of every
-// algorithm launches per group, since a functor is compiled for one combination.
+// combination (`groups`: group_by_dtypes(slots), computed once per call by the caller;
+// `which`: a group's positions, in the caller's order): every pass of every algorithm
+// launches per group, since a functor is compiled for one combination.
 template <typename Fn>
-void for_each_dtype_group(const Slots& slots, const Fn& fn) {
-  for (const std::vector<int32_t>& which : group_by_dtypes(slots)) {
+void for_each_dtype_group(const Slots& slots, const std::vector<std::vector<int32_t>>& groups, const Fn& fn) {
+  for (const std::vector<int32_t>& which : groups) {
     dispatch_dtype_combination<DeviceStorage>(slots[which[0]], [&](auto p, auto g, auto c) { fn(which, p, g, c); });
   }
 }
@@ -237,7 +238,8 @@ void for_each_dtype_group(const Slots& slots, const Fn& fn) {
 template <int NS, typename Math, typename Launch>
 void elementwise_launches(const Slots& slots, const Math& math, const DeviceScalars& d, const Launch& launch) {
   const std::vector<int32_t> bases = chunk_bases(slots);
-  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
+  const std::vector<std::vector<int32_t>> groups = group_by_dtypes(slots);
+  for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
     using F = ElementwiseFunctor<typename decltype(p)::type, typename decltype(g)::type,
                                  typename decltype(c)::type, NS, Math>;
     launch(layout_items<typename F::Layout>(slots, which, bases), F{math, d});

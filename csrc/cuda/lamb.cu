@@ -84,13 +84,14 @@ void lamb_step(const Slots& slots, const LambArgs& a, const LambClip& clip, bool
                const DeviceScalars& d, float* partials, cudaStream_t stream) {
   const LambMath m = lamb_math(a, clip, bias_correction);
   const std::vector<int32_t> bases = chunk_bases(slots);
+  const std::vector<std::vector<int32_t>> groups = group_by_dtypes(slots);
   // every tensor's moments and norms first: pass 2 of any group reads only its own tensors'
   // partials, but keeping the passes apart keeps the launches independent of grouping
-  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
+  for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
     using F = LambMoments<typename decltype(p)::type, typename decltype(g)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{m, d, partials}, stream, "lamb");
   });
-  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto, auto c) {
+  for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto, auto c) {
     using F = LambApply<typename decltype(p)::type, typename decltype(c)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{m, d, partials}, stream, "lamb");
   });

@@ -68,11 +68,12 @@ struct LarsApply {
 void lars_step(const Slots& slots, const LarsArgs& a, const DeviceScalars& d, float* partials,
                cudaStream_t stream) {
   const std::vector<int32_t> bases = chunk_bases(slots);
-  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
+  const std::vector<std::vector<int32_t>> groups = group_by_dtypes(slots);
+  for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
     using F = LarsNorms<typename decltype(p)::type, typename decltype(g)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{d, partials}, stream, "lars");
   });
-  for_each_dtype_group(slots, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
+  for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
     using F = LarsApply<typename decltype(p)::type, typename decltype(g)::type, typename decltype(c)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{lars_math(a), d, partials}, stream,
                         "lars");
