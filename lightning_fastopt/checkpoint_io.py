@@ -5,11 +5,13 @@ mid-write (out of memory, SIGKILL, node failure) can leave a truncated file unde
 name that ``ckpt_path="last"`` then picks.  This writer saves local paths with
 :func:`lightning_fastopt.checkpoint.atomic.save_atomically` (a temporary file, flushed,
 renamed over the target).  Remote paths (``s3://`` ...) go through Lightning's writer
-unchanged.
+unchanged.  A sharded checkpoint directory of the same name (a ZeRO run resumed without
+ZeRO) is replaced whole; any other directory in the way is an error.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -18,6 +20,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_fastopt.checkpoint.atomic import save_atomically
+from lightning_fastopt.checkpoint.sharded import is_sharded
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -27,4 +30,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        if os.path.isdir(path) and not is_sharded(path):  # a sharded checkpoint of a ZeRO run is replaced
+            raise IsADirectoryError(f"cannot save the checkpoint {os.fspath(path)!r}: a directory that is not a "
+                                    "lightning_fastopt sharded checkpoint is in the way")
         save_atomically(checkpoint, path)

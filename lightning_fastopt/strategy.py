@@ -22,8 +22,13 @@ launchers, cluster environments and torchrun work as in Lightning):
 - optimizer state is checkpointed keyed by parameter name (torch-compatible, the same
   for every offload fraction; ZeRO writes a directory of shards,
   :func:`~lightning_fastopt.checkpoint.sharded.save_sharded`), checkpoints are written
-  atomically, and with one process the module is not wrapped in DistributedDataParallel
-  (nothing to reduce).
+  atomically;
+- gradients stay in ``p.grad`` until the step, as in torch, when user code can read them
+  (:func:`~lightning_fastopt.grad_readers.gradient_readers`); otherwise the offloaded
+  ones are copied to the host during backward and freed on the device (one log line
+  says which and why);
+- with one process it behaves like ``Trainer()``: no process group, no
+  DistributedDataParallel wrapper, the user's sampler kept, the RNG not reseeded.
 
 The work is done in those modules; the hooks here call them.
 """
@@ -45,6 +50,7 @@ from typing_extensions import override
 from lightning_fastopt.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import default_cpu_threads
+from lightning_fastopt.grad_readers import gradient_readers
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.base import FusedOptimizer, check_range
@@ -94,6 +100,10 @@ class FastOptStrategy(DDPStrategy):
             rank's shard is offloaded by ``offload_fraction``) or 2 (stage 2: gradients too,
             reduced to their owner during backward, without a DDP wrapper; buffers such
             as BatchNorm statistics are synchronized once at the start, not every step).
+            When user code reads gradients (see ``gradient_readers``) stage 2 reduces them
+            as stage 1 does, so that every rank sees the averaged ``p.grad``.
+        copy_on_cpu: on a CPU run, keep separate host masters and copy gradients and
+            weights as on an accelerator (the accelerator code path without one; for tests).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -103,11 +113,11 @@ class FastOptStrategy(DDPStrategy):
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, zero_stage: int = 0,
-                 **kwargs: Any) -> None:
+                 copy_on_cpu: bool = False, **kwargs: Any) -> None:
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
-                           ("wall_clock_breakdown", wall_clock_breakdown)):
+                           ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
@@ -123,6 +133,9 @@ class FastOptStrategy(DDPStrategy):
         self.bucket_size_mb = float(bucket_size_mb)
         self.cpu_threads = cpu_threads
         self.wall_clock_breakdown = wall_clock_breakdown
+        self.copy_on_cpu = copy_on_cpu
+        self._grad_readers: list[str] | None = None  # decided at set-up
+        self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
         # set before super().__init__, which calls the precision_plugin setter
         self._scale_knobs = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
                                  loss_scale_window=loss_scale_window, hysteresis=hysteresis,
@@ -148,6 +161,10 @@ class FastOptStrategy(DDPStrategy):
         self._precision_plugin = None if plugin is None else to_fastopt_precision(plugin, **self._scale_knobs)
 
     # ------------------------------------------------------------------ environment
+    @property
+    def _one_process(self) -> bool:
+        return self.num_nodes * self.num_processes == 1
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -155,10 +172,35 @@ class FastOptStrategy(DDPStrategy):
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)
         rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
+        if self._one_process:  # keep the user's sampler, as Trainer() does (a DDPStrategy would replace it)
+            connector = self.lightning_module.trainer._accelerator_connector
+            self._sampler_flag_before = (connector, connector.use_distributed_sampler)
+            connector.use_distributed_sampler = False
+
+    @override
+    def setup_distributed(self) -> None:
+        """Several processes: DDP's process group.  One: none, and the RNG is not reseeded
+        (as under ``Trainer()``); barrier, broadcast and reduce are then no-ops."""
+        if not self._one_process:
+            return super().setup_distributed()
+        self.set_world_ranks()
+
+    @property
+    def _effective_stage(self) -> int:
+        """The ZeRO stage that runs: stage 2 frees other ranks' gradients during backward,
+        so it reduces them as stage 1 does when user code reads them."""
+        return 1 if self.zero_stage == 2 and self._readers() else self.zero_stage
+
+    def _readers(self) -> list[str]:
+        if self._grad_readers is None:
+            module = self.lightning_module
+            self._grad_readers = gradient_readers(module, module.trainer.callbacks)
+        return self._grad_readers
 
     @override
     def configure_ddp(self) -> None:
-        if self.world_size > 1 and self.zero_stage < 2:
+        self._grad_readers = None  # decided again for every fit
+        if self.world_size > 1 and self._effective_stage < 2:
             super().configure_ddp()
         elif self.world_size > 1:  # ZeRO stage 2 reduces the gradients itself: start from rank 0's weights
             _sync_module_states(self.model)
@@ -169,6 +211,7 @@ class FastOptStrategy(DDPStrategy):
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
         names = {p: n for n, p in self.lightning_module.named_parameters()}
+        device_grads = self._device_grads()
         wrapped = []
         for opt in self.optimizers:
             fused = to_fused_optimizer(opt)
@@ -176,14 +219,26 @@ class FastOptStrategy(DDPStrategy):
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
             wrapper = wrap_fused_optimizer(
-                fused, names, zero_stage=self.zero_stage, offload_fraction=self.offload_fraction,
+                fused, names, zero_stage=self._effective_stage, offload_fraction=self.offload_fraction,
                 bucket_size_mb=self.bucket_size_mb, overlap=self.overlap, pin_memory=self.pin_memory,
-                copy_grads_in_hooks=not isinstance(self.model, DistributedDataParallel),
-                wall_clock_breakdown=self.wall_clock_breakdown)
+                device_grads=device_grads, wall_clock_breakdown=self.wall_clock_breakdown,
+                copy_on_cpu=self.copy_on_cpu)
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
         self.optimizers = wrapped
+
+    def _device_grads(self) -> str:
+        """The offload optimizers' ``device_grads``, said in one log line with the reason."""
+        readers = self._readers()
+        if readers:
+            note = " (ZeRO stage 2 reduces them as stage 1 does)" if self.zero_stage == 2 else ""
+            rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step{note}, as in "
+                           f"torch: {', '.join(readers)} can read them")
+            return "keep"
+        rank_zero_info("lightning_fastopt: gradients of offloaded parameters are copied to the host and freed on "
+                       "the device during backward (no hook or callback reads p.grad)")
+        return "copy_at_step" if isinstance(self.model, DistributedDataParallel) else "copy_in_backward"
 
     @contextlib.contextmanager
     @override
@@ -253,6 +308,10 @@ class FastOptStrategy(DDPStrategy):
     def teardown(self) -> None:
         for opt in _wrappers(self.optimizers):
             opt.close()
+        if self._sampler_flag_before is not None:
+            connector, flag = self._sampler_flag_before
+            connector.use_distributed_sampler = flag
+            self._sampler_flag_before = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None

@@ -16,9 +16,11 @@ from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, Offl
 
 pytestmark = pytest.mark.cuda
 
-# The reference is torch's AdamW, whose operation order differs from our kernels' (fused
-# multiply-adds): a few float32 ulps apart per step.
-TOL = dict(rtol=1e-5, atol=1e-6)
+# Training references run the same kernels unwrapped: a difference of a few ulps per step
+# between our kernels and torch's AdamW (tested step by step with identical gradients in
+# test_cuda_kernels) grows over 25 steps of this 6-layer model to 3e-6, the same at every
+# offload fraction (seen on the H100 and reproduced on the CPU), which would hide what
+# these tests look for: any difference the offload machinery makes.
 
 
 def _model(width=1024, layers=6, dtype=torch.float32):
@@ -44,8 +46,9 @@ def _train(model, opt, steps=25, accumulate=1):
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_offloaded_training_matches_the_reference(fraction, overlap):
+    """Bit for bit: the CPU kernels (offloaded share) and the CUDA kernels compute the same."""
     ref_model = _model()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.01)
+    ref = FusedAdam(ref_model.parameters(), lr=1e-3, weight_decay=0.01)
     _train(ref_model, ref, accumulate=2)
     model = _model()
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01),
@@ -56,7 +59,7 @@ def test_offloaded_training_matches_the_reference(fraction, overlap):
         assert all(t.is_pinned() for t in b.buffers)
     _train(model, opt, accumulate=2)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(a, b), f"{name}: {(a - b).abs().max().item()} away"
     opt.close()
 
 
@@ -131,15 +134,18 @@ def _loader():
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_trainer_on_gpu_matches_plain_lightning(fraction):
     """bf16-mixed on the GPU, clipping, accumulation, a scheduler: fastopt_offload at each
-    fraction ends where plain Lightning with torch AdamW ends."""
+    fraction ends where Trainer() stepping the same FusedAdam ends, bit for bit.  Under
+    bf16 autocast one ulp of a float32 weight can flip its bfloat16 rounding, so the
+    reference runs our kernels, and clips by value (by norm the sums of squares run in
+    another order than torch's; that is compared in float32 on the CPU, test_strategy)."""
     kw = dict(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed",
-              accumulate_grad_batches=2, gradient_clip_val=0.5)
-    ours, ref = _GPUModel(), _GPUModel()
+              accumulate_grad_batches=2, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    ours, ref = _GPUModel(FusedAdam), _GPUModel(FusedAdam)
     L.Trainer(strategy=FastOptStrategy(offload_fraction=fraction, bucket_size_mb=1), **kw).fit(ours, _loader())
-    L.Trainer(strategy="ddp", **kw).fit(ref, _loader())
-    for a, b in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    L.Trainer(**kw).fit(ref, _loader())
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{name}: {(a - b).abs().max().item()} away"
 
 
 def test_fp16_loss_scaling_on_gpu_with_offload():

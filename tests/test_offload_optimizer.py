@@ -221,9 +221,12 @@ def test_bad_arguments():
         OffloadOptimizer(FusedAdam(p), bucket_size_mb=0)
     with pytest.raises(TypeError, match="runs lightning_fastopt's fused optimizers, got AdamW"):
         OffloadOptimizer(torch.optim.AdamW(p))
+    with pytest.raises(ValueError, match=r"device_grads must be one of \('copy_in_backward', 'copy_at_step', "
+                                         r"'keep'\), got 'free'"):
+        OffloadOptimizer(FusedAdam(p), device_grads="free")
     opt = OffloadOptimizer(FusedAdam(p))
-    with pytest.raises(NotImplementedError, match="cannot take new parameter groups"):
-        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group({"params": p})
     p[0].grad = torch.zeros(3).to_sparse()
     with pytest.raises(ValueError, match="sparse gradients"):
         opt.step()

@@ -7,12 +7,16 @@ whole later).  :func:`save_atomically` writes into a temporary file beside the t
 flushes it, renames it over the target in one step (``os.replace``) and flushes the
 directory entry: a process killed mid-write (out of memory, SIGKILL, node failure)
 leaves the previous file, never a truncated one under the final name.
+:func:`replace_path` is that rename, also over a directory (a sharded checkpoint saved
+under the same name by a ZeRO run) and for a directory (the sharded writer).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -41,12 +45,24 @@ def save_atomically(obj: Any, path) -> None:
     os.close(fd)
     try:
         save_synced(obj, tmp)
-        os.replace(tmp, path)
+        replace_path(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     fsync_directory(directory)
+
+
+def replace_path(src: str, dst: str) -> None:
+    """Move ``src`` (a file or a directory) to ``dst``, replacing whatever is there: one
+    rename, after moving a directory in the way aside (deleted afterwards)."""
+    old = None
+    if os.path.isdir(dst) or (os.path.lexists(dst) and os.path.isdir(src)):
+        old = f"{dst}.old-{uuid.uuid4().hex[:12]}"
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
 
 
 def fsync_directory(directory: str) -> None:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import save_atomically, save_synced, write_synced
+from lightning_fastopt.checkpoint.atomic import replace_path, save_atomically, save_synced, write_synced
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.optim.base import hyperparameters
 
@@ -101,14 +100,7 @@ def finish_sharded(staging: str, path, *, world_size: int, zero_stage: int,
     if missing:
         raise RuntimeError(f"sharded checkpoint incomplete, missing {missing} in {staging}")
     write_synced(os.path.join(staging, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    path = os.path.abspath(os.fspath(path))
-    old = None
-    if os.path.lexists(path):
-        old = f"{path}.old-{uuid.uuid4().hex[:12]}"
-        os.replace(path, old)
-    os.replace(staging, path)
-    if old is not None:
-        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+    replace_path(staging, os.path.abspath(os.fspath(path)))
 
 
 def merge_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -45,6 +45,13 @@ class CopyStreams:
             host.copy_(grad, non_blocking=True)
         grad.record_stream(self.d2h)  # its memory is not reused before the copy has run
 
+    def add_grad_to_host(self, grad: Tensor, host: Tensor) -> None:
+        """Add ``grad`` to the gradient already copied into ``host`` (a second backward
+        before the step); blocks until both are on the host."""
+        if self.d2h is not None:
+            self.d2h.synchronize()  # the first copy has landed
+        host.add_(grad.to(host.device))
+
     def mark_grads_sent(self, event) -> None:
         """Record ``event`` after the gradient copies issued so far."""
         if event is not None:

@@ -7,7 +7,8 @@ the rest are updated where they live by the same optimizer class.  On an acceler
 
 1. during backward, a post-accumulate-grad hook on each offloaded parameter copies its
    gradient into a pinned host buffer on a side stream and frees the device gradient;
-   the last copy of a bucket (about ``bucket_size_mb`` of parameters) records an event;
+   the last copy of a bucket (about ``bucket_size_mb`` of parameters) records an event
+   (``device_grads="copy_in_backward"``; see below for the other modes);
 2. ``step()`` launches the device share's update on the compute stream (asynchronous),
    then for each bucket in the order its gradients were produced: waits for that
    bucket's copies, runs the CPU kernel (reading fp16/bf16/fp32 gradients, unscaling,
@@ -20,10 +21,27 @@ the rest are updated where they live by the same optimizer class.  On an acceler
 On a CPU-only run the same code runs with nothing to copy: an offloaded float32
 parameter is its own master.
 
+Where the gradients of offloaded parameters live (``device_grads``):
+
+- ``"copy_in_backward"`` (the memory saving): copied from backward hooks and freed on the
+  device at once.  ``p.grad`` is None afterwards, so nothing outside the optimizer may
+  read or edit it; a second backward before the step adds its gradient to the host
+  copy, as torch would add it to ``p.grad``.
+- ``"copy_at_step"``: copied when the step starts (after DDP has reduced them), then freed.
+- ``"keep"``: ``p.grad`` stays on the device as in torch, for user code to read and edit
+  (Lightning's ``grad_norm``, hooks, manual optimization); copied when the step starts.
+
+Every parameter given to the optimizer is handled as torch does: one that does not
+require gradients, or has no gradient at a step, is not stepped; a frozen one that
+becomes trainable (``requires_grad_(True)``) is stepped from then on, and
+:meth:`add_param_group` works at any time.
+
 One source of truth: the model's parameters.  A master copy is refreshed from its
 parameter whenever the parameter was written by anything but this optimizer
-(``load_state_dict``, a checkpoint restore, a callback), detected from the tensor's
-version counter before every step; :meth:`refresh_master_weights` forces it.
+(``load_state_dict``, a checkpoint restore, a callback, a write through ``.data``),
+detected before every step from the tensor's version counter and a fingerprint of its
+bits (:mod:`~lightning_fastopt.offload.weight_watch`); :meth:`refresh_master_weights`
+forces it.
 
 The optimizer wraps a :class:`~lightning_fastopt.optim.base.FusedOptimizer` and shares
 its ``param_groups`` dicts (and so the user's, when that one was mapped from a
@@ -42,16 +60,21 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import named_state_dict, read_named_state
 from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, written_by_others
 from lightning_fastopt.offload.timing import StepTimer
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
-                                          needs_step_context)
+                                          hyperparameters, needs_step_context)
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
+
+# Where the gradients of offloaded parameters go, and when (OffloadOptimizer's device_grads).
+DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "keep")
 
 
 class OffloadOptimizer(OptimizerWrapper):
@@ -65,9 +88,11 @@ class OffloadOptimizer(OptimizerWrapper):
             about this many MiB of float32 parameters.
         overlap: copy on side streams, overlapping compute (CUDA); False copies in line.
         pin_memory: allocate the host buffers in page-locked memory (CUDA).
-        copy_grads_in_hooks: copy gradients to the host from backward hooks.  Turn off
-            when something reduces the gradients after the hooks fire (DDP across
-            processes): they are then copied when the step starts.
+        device_grads: where gradients of offloaded parameters go and when, one of
+            :data:`DEVICE_GRADS` (see the module's documentation): ``"copy_in_backward"``
+            (default), ``"copy_at_step"`` (when something reduces the gradients after the
+            hooks fire: DDP across processes), or ``"keep"`` (``p.grad`` stays readable
+            and editable, as in torch).
         wall_clock_breakdown: time each phase of every step into :attr:`last_step_times`
             (synchronizes the device; for diagnosis).
         copy_on_cpu: on a CPU run, keep separate host masters and gradient buffers and
@@ -76,13 +101,15 @@ class OffloadOptimizer(OptimizerWrapper):
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
-                 pin_memory: bool = True, copy_grads_in_hooks: bool = True,
+                 pin_memory: bool = True, device_grads: str = "copy_in_backward",
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
-        self._constructed = False
         super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
+        if device_grads not in DEVICE_GRADS:
+            raise ValueError(f"device_grads must be one of {DEVICE_GRADS}, got {device_grads!r}")
         self.offload_fraction = float(offload_fraction)
+        self.device_grads = device_grads
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
         params = [p for g in self.param_groups for p in g["params"]]
         devices = {p.device for p in params}
@@ -92,32 +119,53 @@ class OffloadOptimizer(OptimizerWrapper):
         self.copies = CopyStreams(self.device, overlap, copy_on_cpu)
         self._timer = StepTimer(wall_clock_breakdown, self.copies.synchronize)
         self._pin = pin_memory and self.copies.is_cuda
-        self._slots = self._make_slots(param_names or {}, params, offload_fraction)
-        self._slot_of = {s.param: s for s in self._slots}
-        self._device_slots = [s for s in self._slots if not s.offloaded]
-        self._device_inner = optimizer.sibling(self._per_group(self._device_slots))
-        offloaded = [s for s in reversed(self._slots) if s.offloaded]  # the order backward produces them
-        self._buckets = [
-            self._make_bucket(chunk)
-            for chunk in split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded],
-                                            int(bucket_size_mb * 2**20))
-        ]
-        self._take_state(optimizer)
+        self._bucket_bytes = int(bucket_size_mb * 2**20)
+        self._param_names = param_names if param_names is not None else {}  # read again for groups added later
+        self._slots: list[ParamSlot] = []
+        self._slot_of: dict[Tensor, ParamSlot] = {}
+        self._buckets: list[HostBucket] = []
+        self._device_slots: list[ParamSlot] = []
+        self._device_inner = optimizer.sibling([[] for _ in self.param_groups])
+        self._hooks = GradReadyHooks([], self._on_grad_ready)
         self._compute_done = self.copies.new_event()
-        self._hooks = []
-        if self.copies.needed and copy_grads_in_hooks:
-            for s in offloaded:
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._new_gradients()
-        self._constructed = True
+        self._said_refreshed = False
+        self._add_slots(params)
+        self._take_state(optimizer)
+        self._ready = True
 
     # ------------------------------------------------------------------ construction
-    def _make_slots(self, names: Mapping[Tensor, str], params: list[Tensor], fraction: float) -> list[ParamSlot]:
+    def _add_slots(self, params: list[Tensor]) -> None:
+        """Take over parameters (at construction, or those of a group added later):
+        ``offload_fraction`` of them go to new host buckets, the rest to the device share."""
+        new = self._make_slots(params, choose_offloaded(params, self.offload_fraction))
+        self._slots += new
+        self._slot_of.update((s.param, s) for s in new)
+        for s in new:
+            if not s.offloaded:
+                self._device_slots.append(s)
+                self._device_inner.param_groups[s.group]["params"].append(s.master)
+        offloaded = [s for s in reversed(new) if s.offloaded]  # the order backward produces them
+        buckets = [self._make_bucket(chunk) for chunk in
+                   split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded], self._bucket_bytes)]
+        if self.copies.needed and self.device_grads == "copy_in_backward":
+            self._hooks.add(s.param for s in offloaded)
+        for b in buckets:
+            self._reset_bucket(b)
+        self._buckets += buckets
+
+    @override
+    def _adopt_group(self, group: dict[str, Any]) -> None:
+        for inner in self._inners():  # every inner optimizer keeps one group per user group
+            inner.param_groups.append(dict(hyperparameters(group), params=[]))
+        self._add_slots(list(group["params"]))
+
+    def _make_slots(self, params: list[Tensor], chosen: list[bool]) -> list[ParamSlot]:
         group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        chosen = choose_offloaded(params, fraction)
         slots = []
-        for i, (p, off) in enumerate(zip(params, chosen)):
-            name = names.get(p, f"param{i}")
+        for i, (p, off) in enumerate(zip(params, chosen), start=len(self._slots)):
+            if p in self._slot_of or any(p is s.param for s in slots):
+                continue  # listed twice in a group: torch warns and steps it once per step here
+            name = self._param_names.get(p, f"param{i}")
             if off and self.copies.needed:
                 master = torch.empty(0)  # a pinned view, carved per bucket
             elif p.dtype == torch.float32:
@@ -125,7 +173,7 @@ class OffloadOptimizer(OptimizerWrapper):
             else:
                 master = p.detach().float()
             slots.append(ParamSlot(name, p, i, group_of[p], off, master))
-        seen: set[str] = set()
+        seen = {s.name for s in self._slots}
         for s in slots:
             if s.name in seen:
                 raise ValueError(f"two parameters are both named {s.name!r}")
@@ -155,7 +203,7 @@ class OffloadOptimizer(OptimizerWrapper):
         return bucket
 
     def _per_group(self, slots: list[ParamSlot]) -> list[list[Tensor]]:
-        lists: list[list[Tensor]] = [[] for _ in self.param_groups]
+        lists: list[list[Tensor]] = [[] for _ in self.optimizer.param_groups]
         for s in sorted(slots, key=lambda s: s.index):
             lists[s.group].append(s.master)
         return lists
@@ -175,12 +223,6 @@ class OffloadOptimizer(OptimizerWrapper):
             if st:
                 self._set_state(s, st)
         optimizer.state.clear()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_constructed", False):
-            raise NotImplementedError("OffloadOptimizer cannot take new parameter groups after construction; "
-                                      "give every group to the optimizer before the strategy sets it up")
-        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ what users read
     @property
@@ -207,7 +249,10 @@ class OffloadOptimizer(OptimizerWrapper):
         if self.accumulating:
             return  # Lightning is accumulating: the gradient is not final yet
         slot = self._slot_of[param]
+        first = not slot.grad_sent
         self._send_grad(slot)
+        if not (first and slot.grad_sent):
+            return  # a second backward's gradient was added to the host copy, in line
         bucket = slot.bucket
         bucket.unsent -= 1
         if bucket.unsent <= 0 and not bucket.recorded:
@@ -216,13 +261,17 @@ class OffloadOptimizer(OptimizerWrapper):
 
     def _send_grad(self, slot: ParamSlot) -> None:
         g = slot.param.grad
-        if slot.grad_sent or g is None:
+        if g is None or (slot.grad_sent and self.device_grads == "keep"):
             return
         if g.layout is not torch.strided:
             raise ValueError(f"OffloadOptimizer does not support sparse gradients ({slot.name})")
-        self.copies.grad_to_host(g, slot.host_grad)
-        slot.grad_sent = True
-        slot.param.grad = None  # the device no longer needs it
+        if slot.grad_sent:  # another backward before the step: torch would add to p.grad
+            self.copies.add_grad_to_host(g, slot.host_grad)
+        else:
+            self.copies.grad_to_host(g, slot.host_grad)
+            slot.grad_sent = True
+        if self.device_grads != "keep":
+            slot.param.grad = None  # the device no longer needs it
 
     def _send_pending_grads(self) -> None:
         if not self.copies.needed:
@@ -241,16 +290,25 @@ class OffloadOptimizer(OptimizerWrapper):
 
     def gradients(self) -> list[Tensor]:
         """Every gradient the next step will use, where the step will read it (offloaded
-        ones in host memory, once landed): for overflow checks and gradient clipping,
-        which may scale them in place."""
+        ones in host memory, once landed; with ``device_grads="keep"`` every one in
+        ``p.grad``, copied when the step starts): for overflow checks and gradient
+        clipping, which may scale them in place."""
+        if self.device_grads == "keep":
+            return [s.param.grad for s in self._slots if s.param.grad is not None]
         self._send_pending_grads()
         for b in self._buckets:
             self.copies.wait_on_host(b.grads_ready)
         return [g for g in map(self._grad_of, self._slots) if g is not None]
 
     def _new_gradients(self) -> None:
+        self._hooks.refresh()  # parameters unfrozen since the last step get their hook
         for b in self._buckets:
-            b.reset()
+            self._reset_bucket(b)
+
+    def _reset_bucket(self, bucket: HostBucket) -> None:
+        """Forget the bucket's gradients; the hooks will send those of its hooked parameters
+        (a frozen one has none: its bucket's gradients are awaited when the step starts)."""
+        bucket.reset(expected=sum(self._hooks.hooked(s.param) for s in bucket.slots))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -259,22 +317,21 @@ class OffloadOptimizer(OptimizerWrapper):
     # ------------------------------------------------------------------ masters
     def refresh_master_weights(self, only_changed: bool = False) -> int:
         """Copy the model's parameters into the separate float32 masters; returns how many."""
-        n = 0
-        for s in self._slots:
-            if s.separate_master and (not only_changed or s.weights_changed()):
-                s.master.copy_(s.param.detach())
-                s.remember_weights()
-                n += 1
-        return n
+        slots = written_by_others(self._slots) if only_changed else [s for s in self._slots if s.separate_master]
+        for s in slots:
+            s.master.copy_(s.param.detach())
+            s.remember_weights()
+        return len(slots)
 
     # ------------------------------------------------------------------ step
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         timer = self._timer
         timer.start_step()
         refreshed = self.refresh_master_weights(only_changed=True)
-        if refreshed:
+        if refreshed and not self._said_refreshed:
+            self._said_refreshed = True
             rank_zero_info(f"lightning_fastopt: {refreshed} master weight(s) refreshed from the model, whose "
-                           "weights were changed outside the optimizer")
+                           "weights were changed outside the optimizer (said once; it is checked before every step)")
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
         needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
@@ -369,9 +426,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def close(self) -> None:
         """Remove the backward hooks and wait for copies in flight (the host buffers go
         with the optimizer)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._hooks.remove()
         self.copies.synchronize()
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_fastopt.offload.weight_watch import changed_since, fingerprint
 from lightning_fastopt.optim.base import FusedOptimizer
 
 _ALIGN = 64  # bytes: every host view starts on a cache line
@@ -36,6 +37,7 @@ class ParamSlot:
     bucket: HostBucket | None = None  # the host bucket of an offloaded parameter
     grad_sent: bool = False
     seen: tuple[int, int] = (0, 0)  # the parameter's (data_ptr, version) after our last write
+    fingerprint: Tensor | None = None  # of the parameter after our last write (separate masters only)
 
     @property
     def separate_master(self) -> bool:
@@ -43,11 +45,23 @@ class ParamSlot:
 
     def remember_weights(self) -> None:
         self.seen = (self.param.data_ptr(), self.param._version)
+        self.fingerprint = fingerprint(self.param) if self.separate_master else None
 
-    def weights_changed(self) -> bool:
-        """True when the parameter was written by someone other than this optimizer
-        (``load_state_dict``, a callback, ...) since we last wrote it."""
+    def rebound_or_bumped(self) -> bool:
+        """True when the parameter's storage was replaced or its version counter moved
+        since we last wrote it (a write through ``.data`` does neither: see
+        :mod:`~lightning_fastopt.offload.weight_watch`)."""
         return self.seen != (self.param.data_ptr(), self.param._version)
+
+
+def written_by_others(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
+    """The slots with a separate master whose parameter something other than the
+    optimizer wrote since its last write (``load_state_dict``, a callback, ``.data``)."""
+    watched = [s for s in slots if s.separate_master]
+    moved = [s for s in watched if s.rebound_or_bumped()]
+    quiet = [s for s in watched if not s.rebound_or_bumped()]
+    flags = changed_since([s.param for s in quiet], [s.fingerprint for s in quiet])
+    return moved + [s for s, changed in zip(quiet, flags) if changed]
 
 
 @dataclass(eq=False)
@@ -59,11 +73,12 @@ class HostBucket:
     buffers: list[Tensor] = field(default_factory=list)  # the flat host memory the views live in
     grads_ready = None  # event: the gradient copies of this bucket have landed
     params_sent = None  # event: the parameter copies of this bucket have been issued
-    unsent: int = 0  # gradients still to copy this step
+    unsent: int = 0  # gradients the hooks have still to copy this step
     recorded: bool = False  # grads_ready recorded this step
 
-    def reset(self) -> None:
-        self.unsent = len(self.slots)
+    def reset(self, expected: int) -> None:
+        """A new step: ``expected`` gradients will arrive from backward hooks."""
+        self.unsent = expected
         self.recorded = False
         for slot in self.slots:
             slot.grad_sent = False

@@ -23,6 +23,9 @@ What a driver may use:
   step (nothing is copied or communicated yet).
 - :meth:`state_of`, :meth:`owns`, :meth:`partition`, :attr:`last_step_times`, and
   :meth:`close` at teardown.
+- :meth:`add_param_group` at any time (``BackboneFinetuning``): the group joins the
+  wrapped optimizer's list (the user's, when it was mapped from a torch optimizer, so LR
+  schedulers bound to that one see it) and the wrapper takes its parameters over.
 """
 
 from __future__ import annotations
@@ -48,6 +51,23 @@ class OptimizerWrapper(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
         self.skipped_steps = 0
         self.last_step_skipped = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``.  Once the subclass is built (``_ready``), the group
+        goes to the wrapped optimizer first (which validates it, fills in the defaults and,
+        like torch, refuses a parameter that is already in a group) and the very same dict
+        joins this optimizer's groups; :meth:`_adopt_group` then takes its parameters over."""
+        if not self.__dict__.get("_ready", False):
+            super().add_param_group(param_group)  # construction: torch's __init__ adds the groups
+            return
+        self.optimizer.add_param_group(param_group)
+        group = self.optimizer.param_groups[-1]
+        self.param_groups.append(group)
+        self._adopt_group(group)
+
+    def _adopt_group(self, group: dict[str, Any]) -> None:
+        """Start stepping the parameters of a group added after construction."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,

@@ -15,7 +15,9 @@ for it: a parameter no rank computed a gradient for keeps ``grad = None`` on its
 While Lightning accumulates gradients (``accumulating``) the hooks do nothing: gradients
 add up locally and are communicated once per optimizer step.  :meth:`finish` sends what
 is left (in order), waits for every reduction and leaves the owner's averaged gradients
-in ``p.grad``.
+in ``p.grad``; it does nothing more until the next backward or :meth:`reset` (the flag
+lives here, not in the optimizer, whose attributes Lightning's ``LightningOptimizer``
+copies).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fastopt.distributed import global_rank
+from lightning_fastopt.grad_hooks import GradReadyHooks
 from lightning_fastopt.zero.partition import owner_buckets
 
 
@@ -48,17 +51,29 @@ class GradReducer:
                  process_group=None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, process_group
         self.accumulating = False
-        # backward's order: the last parameters' gradients come first
-        self.buckets = [_CommBucket(owner, chunk)
-                        for owner, chunk in owner_buckets(params[::-1], owners[::-1], bucket_bytes)]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.finished = False  # this backward's gradients have reached their owners
+        self.bucket_bytes = bucket_bytes
+        self.buckets: list[_CommBucket] = []
+        self._bucket_of: dict[int, _CommBucket] = {}
         self._next = 0  # the first bucket not sent yet
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = GradReadyHooks([], self._on_grad_ready)  # frozen ones get theirs once trainable
+        self.add_params(params, owners)
+
+    def add_params(self, params: list[Tensor], owners: list[int]) -> None:
+        """Reduce these parameters' gradients too (at construction, and for a parameter group
+        added later: its buckets come last, in the same order on every rank)."""
+        # backward's order: the last parameters' gradients come first
+        new = [_CommBucket(owner, chunk) for owner, chunk in owner_buckets(params[::-1], owners[::-1],
+                                                                           self.bucket_bytes)]
+        self.buckets += new
+        self._bucket_of.update((id(p), b) for b in new for p in b.params)
+        self._hooks.add(params)
 
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, param: Tensor) -> None:
         if self.accumulating:
             return
+        self.finished = False  # a new backward
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
         self._send_ready()
@@ -84,6 +99,8 @@ class GradReducer:
     def finish(self) -> None:
         """Send the buckets backward did not complete (parameters without a gradient count
         as zeros), wait for every reduction, and write the owner's averaged gradients."""
+        if self.finished:
+            return
         for b in self.buckets[self._next:]:
             b.ready = {id(p) for p in b.params}
         self._send_ready()
@@ -101,6 +118,7 @@ class GradReducer:
                     offset += k
             b.flat, b.work = None, None
         self.reset()
+        self.finished = True
 
     def reset(self) -> None:
         """Forget the marks of this step (zero_grad, and after each step)."""
@@ -108,8 +126,8 @@ class GradReducer:
             b.ready = set()
             b.flat, b.work = None, None
         self._next = 0
+        self.finished = False
+        self._hooks.refresh()
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._hooks.remove()

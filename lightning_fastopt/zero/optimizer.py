@@ -29,12 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.distributed import all_reduce_scalar, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, copy_hyperparameters, needs_step_context
+from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
+                                          needs_step_context)
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero.grad_reducer import GradReducer
 from lightning_fastopt.zero.partition import assign_owners, owner_buckets
@@ -47,20 +49,26 @@ class ZeroOptimizer(OptimizerWrapper):
         stage: 1 (gradients all-reduced by DDP beforehand) or 2 (gradients reduced to their
             owner here, from backward hooks; the module must not be wrapped in DDP).
         process_group: the data-parallel group (default: the whole world).
-        offload_fraction, bucket_size_mb, overlap, pin_memory, copy_grads_in_hooks,
+        offload_fraction, bucket_size_mb, overlap, pin_memory, device_grads,
         wall_clock_breakdown, copy_on_cpu: for this rank's
-        :class:`~lightning_fastopt.offload.OffloadOptimizer`.
+        :class:`~lightning_fastopt.offload.OffloadOptimizer`.  At stage 2 the owned
+        gradients are copied when the step starts (they arrive then), and
+        ``device_grads="keep"`` is refused: the other ranks' gradients are freed during
+        backward (stage 1 keeps every gradient, as DDP does).
     """
 
     shards_gradients = True  # gradients() holds this rank's shard: norms and overflow flags are reduced over ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  stage: int = 1, process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
-                 overlap: bool = True, pin_memory: bool = True, copy_grads_in_hooks: bool = False,
+                 overlap: bool = True, pin_memory: bool = True, device_grads: str = "copy_at_step",
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
         super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if stage == 2 and device_grads == "keep":
+            raise ValueError("device_grads='keep' needs stage=1: stage 2 frees the gradients other ranks own "
+                             "during backward")
         self.stage = stage
         self.group = process_group
         self.world_size = world_size(process_group)
@@ -78,13 +86,30 @@ class ZeroOptimizer(OptimizerWrapper):
         optimizer.state.clear()
         self.local = OffloadOptimizer(shard, self.param_names, offload_fraction=offload_fraction,
                                       bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
-                                      copy_grads_in_hooks=copy_grads_in_hooks and stage == 1,
+                                      device_grads="copy_at_step" if stage == 2 else device_grads,
                                       wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu)
-        bucket_bytes = int(bucket_size_mb * 2**20)
-        self.reducer = (GradReducer(self._params, self.owners, self.rank, self.world_size, bucket_bytes, process_group)
+        self._bucket_bytes = int(bucket_size_mb * 2**20)
+        self.reducer = (GradReducer(self._params, self.owners, self.rank, self.world_size, self._bucket_bytes,
+                                    process_group)
                         if stage == 2 and self.world_size > 1 else None)  # one rank: nothing to reduce
-        self._reduced = False  # stage 2: this step's gradients have reached their owners
-        self._broadcast_buckets = owner_buckets(self._params, self.owners, bucket_bytes)
+        self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
+        self._ready = True
+
+    @override
+    def _adopt_group(self, group: dict[str, Any]) -> None:
+        """The new parameters get owners by the same rule (the same on every rank); this
+        rank's share joins its offload optimizer as a new group."""
+        new = list(group["params"])
+        for i, p in enumerate(new, start=len(self._params)):
+            self.param_names.setdefault(p, f"param{i}")  # the offload optimizer reads this mapping
+        owners = assign_owners([p.numel() for p in new], self.world_size)
+        self._params += new
+        self.owners += owners
+        self.local.add_param_group(dict(hyperparameters(group),
+                                        params=[p for p, o in zip(new, owners) if o == self.rank]))
+        if self.reducer is not None:
+            self.reducer.add_params(new, owners)
+        self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
 
     @property
     def accumulating(self) -> bool:
@@ -121,9 +146,8 @@ class ZeroOptimizer(OptimizerWrapper):
     def gradients(self) -> list[Tensor]:
         """The gradients this rank's step reads: those of the parameters it owns.  Overflow
         checks and norms over them are combined across ranks (``shards_gradients``)."""
-        if self.reducer is not None and not self._reduced:
-            self.reducer.finish()
-            self._reduced = True
+        if self.reducer is not None:
+            self.reducer.finish()  # once per backward
         return self.local.gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -131,12 +155,10 @@ class ZeroOptimizer(OptimizerWrapper):
         self.local.zero_grad(set_to_none)
         if self.reducer is not None:
             self.reducer.reset()
-        self._reduced = False
 
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         copy_hyperparameters(self.local.optimizer, self.param_groups)
         grads = self.gradients()  # at stage 2 this waits for the reductions
-        self._reduced = False  # the next backward starts a new step
         if check_finite:
             finite = grads_all_finite(grads)
             if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fastopt import FastOptStrategy  # noqa: E402
@@ -78,11 +78,14 @@ def main():
                                 timeout=timedelta(seconds=20))
                 if args.strategy == "zero1" else "ddp")
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=4, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[ModelCheckpoint(dirpath=args.out / "ckpt", every_n_epochs=1, save_top_k=-1,
                                                    save_last=True)])
     model = Model()
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8 // args.devices), ckpt_path=args.resume)
+    # the same global batches at every world size (one process keeps the user's sampler, as Trainer() does)
+    data = TensorDataset(x, y)
+    sampler = DistributedSampler(data, num_replicas=trainer.world_size, rank=trainer.global_rank, seed=0)
+    trainer.fit(model, DataLoader(data, batch_size=8 // args.devices, sampler=sampler), ckpt_path=args.resume)
     if args.save_to:
         trainer.save_checkpoint(args.save_to)
     if trainer.is_global_zero:
