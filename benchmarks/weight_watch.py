@@ -60,8 +60,8 @@ def main() -> None:
     copy_gbs = 2 * nbytes / copy_ms / 1e6  # read + write
     floor_ms = 2 * nbytes / (copy_gbs * 1e6)  # two reads of the weights per step
     name = torch.cuda.get_device_name(device) if gpu else "CPU"
-    print(f"| device | weights | tensors | remember ms | check ms | per step ms | copy GB/s | floor ms |")
-    print(f"|---|---|---|---|---|---|---|---|")
+    print("| device | weights | tensors | remember ms | check ms | per step ms | copy GB/s | floor ms |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {name} | {args.numel:.3g} {args.dtype} ({nbytes / 2**30:.2f} GiB) | {args.tensors} | {remember_ms:.2f} "
           f"| {check_ms:.2f} | {remember_ms + check_ms:.2f} | {copy_gbs:.0f} | {floor_ms:.2f} |")
 

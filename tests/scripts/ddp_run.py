@@ -32,9 +32,16 @@ class Model(L.LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
-    def on_before_optimizer_step(self, optimizer):
-        # the bytes of gradient this rank holds when it steps (ZeRO 2: its own shard only)
-        self.grad_numel = sum(p.grad.numel() for p in self.parameters() if p.grad is not None)
+    def configure_optimizers(self):
+        opt = (lightning_fastopt.FusedLAMB(self.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
+               if self.lamb else torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+                                                   "interval": "step"}}
+
+
+class InjectingModel(Model):
+    """Writes an inf into a gradient.  Overriding on_after_backward keeps gradients in
+    p.grad (ZeRO stage 2 then reduces as stage 1 does), as any hook that reads them."""
 
     def on_after_backward(self):
         # rank 1 only: DDP has already averaged the grads, so every rank sees the inf
@@ -43,11 +50,21 @@ class Model(L.LightningModule):
         if self.inject and self.global_step == 2 and self.global_rank == 1 and grad is not None:
             grad[0, 0] = math.inf
 
-    def configure_optimizers(self):
-        opt = (lightning_fastopt.FusedLAMB(self.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
-               if self.lamb else torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
-                                                   "interval": "step"}}
+
+def _count_gradients_at_step(model, seen):
+    """Record the gradient elements this rank holds when its ZeRO step reads them (stage 2:
+    its own shard only), from inside the optimizer: a hook in the model would be a reader
+    of gradients and change what is measured."""
+    from lightning_fastopt.zero import ZeroOptimizer
+
+    real = ZeroOptimizer.gradients
+
+    def gradients(self):
+        grads = real(self)
+        seen["grad_numel"] = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+        return grads
+
+    ZeroOptimizer.gradients = gradients
 
 
 def main():
@@ -65,7 +82,9 @@ def main():
     trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins)
-    model = Model(inject, lamb="--lamb" in sys.argv)
+    model = (InjectingModel if inject else Model)(inject, lamb="--lamb" in sys.argv)
+    seen = {}
+    _count_gradients_at_step(model, seen)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if inject:
@@ -73,7 +92,7 @@ def main():
     opt = trainer.optimizers[0]
     if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state
         state["owned_numel"] = torch.tensor(opt.owned_numel)
-        state["grad_numel"] = torch.tensor(model.grad_numel)
+        state["grad_numel"] = torch.tensor(seen["grad_numel"])
         state["state_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for p in model.parameters()
                                                 for k, t in opt.state_of(p).items() if k != "step"))
     torch.save(state, f"{out}.rank{trainer.global_rank}")
