@@ -18,9 +18,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 # hooks that run after backward and before the optimizer step (or between steps, with the
 # gradients still in place), where user code reads or edits p.grad
-MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step",
-                "on_before_zero_grad")
 CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+MODULE_HOOKS = CALLBACK_HOOKS + ("configure_gradient_clipping", "optimizer_step")
 
 
 def gradient_readers(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:

@@ -33,25 +33,17 @@ from typing_extensions import override
 from lightning_fastopt.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
 from lightning_fastopt.loss_scaler import DynamicLossScaler
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
 
 
 SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 _PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true"]
 
 
-def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer itself, not Lightning's ``LightningOptimizer`` around it (manual
-    optimization's ``self.clip_gradients(opt, ...)`` hands that one over): it holds a
-    copy of the optimizer's attributes, so state an optimizer keeps while reading its
-    gradients would be set on the copy."""
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The gradients the optimizer's next step reads (an offload optimizer keeps some in
     host memory: it says where)."""
-    optimizer = _unwrapped(optimizer)
+    optimizer = unwrapped(optimizer)  # manual optimization's clip_gradients passes LightningOptimizer
     if isinstance(optimizer, OptimizerWrapper):
         return optimizer.gradients()
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -171,7 +163,8 @@ class FastOptPrecision(Precision):
             return
         # the multi-tensor L2 kernels, on every device (an offload optimizer has gradients on two)
         squares = sum_of_squares(grads)
-        if isinstance(_unwrapped(optimizer), OptimizerWrapper) and _unwrapped(optimizer).shards_gradients:  # ZeRO: each rank's own shard
+        optimizer = unwrapped(optimizer)
+        if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
             squares = all_reduce_scalar(squares)
         total = math.sqrt(squares) / scale
         coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule

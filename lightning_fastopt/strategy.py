@@ -55,7 +55,7 @@ from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.base import FusedOptimizer, check_range
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
 from lightning_fastopt.zero import ZeroOptimizer
 
@@ -259,7 +259,7 @@ class FastOptStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        raw = getattr(optimizer, "_optimizer", optimizer)
+        raw = unwrapped(optimizer)
         user = self._user_optimizers.get(id(raw))
         if user is not None:
             user._opt_called = True  # LR schedulers bound to the user's optimizer check this

@@ -245,3 +245,18 @@ def test_check_finite_skips_everything(backend):
     assert opt.last_step_skipped and opt.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(params, before))
     assert all(torch.equal(v, opt.state_of(p)[k]) for p in params for k, v in state[id(p)].items())
+
+
+@pytest.mark.parametrize("copy_on_cpu", [False, True], ids=["cpu-run", "accelerator-path"])
+def test_a_parameter_listed_twice_in_a_group_is_accepted(copy_on_cpu):
+    """torch warns about the duplicate (and steps it twice per step); here it gets one slot
+    and one update per step, the same as listing it once, instead of a name clash."""
+    params, twins = _params((5, 3)), _params((5, 3))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = OffloadOptimizer(FusedSGD([params[0], params[0], params[1]], lr=0.1, momentum=0.9), _names(params),
+                               offload_fraction=0.5, copy_on_cpu=copy_on_cpu)
+    ref = FusedSGD(twins, lr=0.1, momentum=0.9)
+    _train(opt, params, 4)
+    _train(ref, twins, 4)
+    for a, b in zip(params, twins):
+        assert torch.equal(a, b)

@@ -162,9 +162,11 @@ class OffloadOptimizer(OptimizerWrapper):
     def _make_slots(self, params: list[Tensor], chosen: list[bool]) -> list[ParamSlot]:
         group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         slots = []
+        taken = set(self._slot_of)
         for i, (p, off) in enumerate(zip(params, chosen), start=len(self._slots)):
-            if p in self._slot_of or any(p is s.param for s in slots):
-                continue  # listed twice in a group: torch warns and steps it once per step here
+            if p in taken:
+                continue  # listed twice in a group: torch warns (and steps it twice); one slot here
+            taken.add(p)
             name = self._param_names.get(p, f"param{i}")
             if off and self.copies.needed:
                 master = torch.empty(0)  # a pinned view, carved per bucket
@@ -349,13 +351,14 @@ class OffloadOptimizer(OptimizerWrapper):
             copy_hyperparameters(inner, self.param_groups)
         self.copies.mark_compute_done(self._compute_done)
         with timer.phase("gpu_step"):
-            self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
+            written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
         last_sent = None
         for b in self._buckets:
             with timer.phase("grad_d2h"):
                 self.copies.wait_on_host(b.grads_ready)
             with timer.phase("cpu_step"):
                 updated = self._step_inner(b.inner, b.slots, grad_scale, context)
+            written += updated
             if self.copies.needed and updated:
                 with timer.phase("param_h2d"):
                     self.copies.params_to_device(
@@ -363,7 +366,7 @@ class OffloadOptimizer(OptimizerWrapper):
                         self._compute_done, b.params_sent)
                 last_sent = b.params_sent
         self.copies.compute_waits_for(last_sent)  # the next forward sees the new weights
-        for s in self._slots:
+        for s in written:  # the others' fingerprints still hold: nothing wrote them since the check
             if s.separate_master:
                 s.remember_weights()
         self._new_gradients()

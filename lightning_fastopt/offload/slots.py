@@ -57,9 +57,10 @@ class ParamSlot:
 def written_by_others(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
     """The slots with a separate master whose parameter something other than the
     optimizer wrote since its last write (``load_state_dict``, a callback, ``.data``)."""
-    watched = [s for s in slots if s.separate_master]
-    moved = [s for s in watched if s.rebound_or_bumped()]
-    quiet = [s for s in watched if not s.rebound_or_bumped()]
+    moved, quiet = [], []
+    for s in slots:
+        if s.separate_master:
+            (moved if s.rebound_or_bumped() else quiet).append(s)
     flags = changed_since([s.param for s in quiet], [s.fingerprint for s in quiet])
     return moved + [s for s, changed in zip(quiet, flags) if changed]
 
