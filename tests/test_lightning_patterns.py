@@ -167,9 +167,12 @@ def test_a_callback_edits_gradients_after_backward(strategy):
     _compare(Net, strategy, callbacks=lambda: [CallbackClipsGradients()])
 
 
-def test_the_log_line_says_where_gradients_live(caplog):
+def test_the_log_line_says_where_gradients_live(caplog, monkeypatch):
     import logging
 
+    # Lightning stops its logger propagating to the root (where caplog listens) when the root had no
+    # handler at import time, which depends on what imported lightning first.
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     with caplog.at_level(logging.INFO):
         _fit(FastOptStrategy(copy_on_cpu=True), GradientHooks(), epochs=1)
     assert "gradients stay in p.grad until the optimizer step, as in torch: GradientHooks.on_before_optimizer_step " \
