@@ -259,8 +259,8 @@ def test_gan(strategy, toggle):
 
 # ---------------------------------------------------------------------------- weights
 class Tied(Net):
-    def __init__(self):
-        super().__init__()
+    def __init__(self, make_opt=_sgd):
+        super().__init__(make_opt)
         self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
         self.backbone[4].weight = self.backbone[2].weight  # tied
 
@@ -268,6 +268,22 @@ class Tied(Net):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_tied_weights(strategy):
     _compare(Tied, strategy)
+
+
+class TiedListedTwice(Tied):
+    """The optimizer gets each layer's weight and bias, so the tied weight twice: torch
+    warns, and updates it once per listing."""
+
+    def opt_params(self):
+        return [t for m in self.modules() if isinstance(m, nn.Linear) for t in (m.weight, m.bias)]
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("make_opt,exact", [(lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), True),
+                                             (_adamw, False)], ids=["sgd", "adamw"])
+def test_a_tied_weight_listed_twice(strategy, make_opt, exact):
+    _compare(lambda: TiedListedTwice(make_opt), strategy, exact)
 
 
 class ClampWeights(Callback):

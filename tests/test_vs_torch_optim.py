@@ -148,3 +148,67 @@ def test_gradients_missing_on_some_steps(backend, make, make_ref, tol):
     for p, r in zip(ps, rs):
         if "step" in ref.state[r]:
             assert float(opt.state[p]["step"]) == float(ref.state[r]["step"])
+
+
+def _wrap_offload(fraction, copy_on_cpu):
+    from lightning_fastopt import OffloadOptimizer
+
+    return lambda opt, names: OffloadOptimizer(opt, names, offload_fraction=fraction, copy_on_cpu=copy_on_cpu)
+
+
+def _wrap_zero(opt, names):
+    from lightning_fastopt.zero import ZeroOptimizer
+
+    return ZeroOptimizer(opt, names, stage=1, offload_fraction=0.5, copy_on_cpu=True)
+
+
+LISTED_TWICE = [
+    ("adamw-amsgrad", lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, amsgrad=True),
+     lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01, amsgrad=True, foreach=False), ADAM_TOL),
+    ("adam", lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=False),
+     lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.01, foreach=False), ADAM_TOL),
+    ("sgd-nesterov", lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
+     lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=False), TIGHT),
+    ("sgd-dampening", lambda g: FusedSGD(g, lr=1e-2, momentum=0.5, dampening=0.3),
+     lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.5, dampening=0.3, foreach=False), TIGHT),
+    ("sgd-plain", lambda g: FusedSGD(g, lr=1e-2), lambda g: torch.optim.SGD(g, lr=1e-2, foreach=False), TIGHT),
+    ("adagrad", lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=0.01),
+     lambda g: torch.optim.Adagrad(g, lr=1e-2, lr_decay=0.01, foreach=False), TIGHT),
+]
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+@pytest.mark.parametrize("wrap", [None, _wrap_offload(0.5, False), _wrap_offload(0.5, True),
+                                  _wrap_offload(1.0, True), _wrap_zero],
+                         ids=["fused", "offload-cpu-run", "offload-accelerator-path", "offload-all", "zero1"])
+@pytest.mark.parametrize("name,make,make_ref,tol", LISTED_TWICE, ids=[c[0] for c in LISTED_TWICE])
+def test_a_parameter_listed_twice_is_updated_once_per_listing_as_by_torch(backend, wrap, name, make, make_ref, tol):
+    """torch warns about a parameter listed twice in a group, and its per-parameter loop
+    (the CPU default, asked for explicitly here) updates it once per listing; SGD restarts
+    the momentum buffer from the gradient at each listing of the first step.  Sizes 7, 1023,
+    1, 5; one parameter listed twice and one three times, some steps without a gradient."""
+    ps = [torch.randn(n, requires_grad=True) for n in (7, 1023, 1, 5)]
+    rs = [p.detach().clone().requires_grad_() for p in ps]
+
+    def groups(t):
+        return [dict(params=[t[0], t[1], t[0], t[2]]), dict(params=[t[3], t[3], t[3]], lr=0.03)]
+
+    opt, ref = make(groups(ps)), make_ref(groups(rs))
+    if wrap is not None:
+        opt = wrap(opt, {p: f"p{i}" for i, p in enumerate(ps)})
+    for step in range(12):
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            if (step + i) % 5 == 0:
+                p.grad = r.grad = None
+                continue
+            g = torch.randn_like(p)
+            p.grad, r.grad = g, g.clone()
+        opt.step()
+        ref.step()
+    assert_params_close(ps, rs, **tol)
+    state_of = opt.state_of if wrap is not None else opt.state.__getitem__
+    for p, r in zip(ps, rs):
+        if "step" in ref.state[r]:
+            assert float(state_of(p)["step"]) == float(ref.state[r]["step"])
+        if "momentum_buffer" in ref.state[r]:
+            torch.testing.assert_close(state_of(p)["momentum_buffer"], ref.state[r]["momentum_buffer"], **tol)

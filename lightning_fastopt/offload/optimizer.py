@@ -33,8 +33,9 @@ Where the gradients of offloaded parameters live (``device_grads``):
 
 Every parameter given to the optimizer is handled as torch does: one that does not
 require gradients, or has no gradient at a step, is not stepped; a frozen one that
-becomes trainable (``requires_grad_(True)``) is stepped from then on, and
-:meth:`add_param_group` works at any time.
+becomes trainable (``requires_grad_(True)``) is stepped from then on,
+:meth:`add_param_group` works at any time, and one listed twice in a group is updated
+twice per step (see ``FusedOptimizer._repeat_buckets``).
 
 One source of truth: the model's parameters.  A master copy is refreshed from its
 parameter whenever the parameter was written by anything but this optimizer
@@ -54,6 +55,7 @@ offload fraction and loadable by torch.optim.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -137,13 +139,18 @@ class OffloadOptimizer(OptimizerWrapper):
     def _add_slots(self, params: list[Tensor]) -> None:
         """Take over parameters (at construction, or those of a group added later):
         ``offload_fraction`` of them go to new host buckets, the rest to the device share."""
-        new = self._make_slots(params, choose_offloaded(params, self.offload_fraction))
+        unique = list(dict.fromkeys(params))  # torch warns about a parameter listed twice in a group
+        new = self._make_slots(unique, choose_offloaded(unique, self.offload_fraction))
+        if len(unique) < len(params):
+            listed = Counter(params)
+            for s in new:
+                s.listed = listed[s.param]
         self._slots += new
         self._slot_of.update((s.param, s) for s in new)
         for s in new:
             if not s.offloaded:
                 self._device_slots.append(s)
-                self._device_inner.param_groups[s.group]["params"].append(s.master)
+                self._device_inner.param_groups[s.group]["params"] += [s.master] * s.listed
         offloaded = [s for s in reversed(new) if s.offloaded]  # the order backward produces them
         buckets = [self._make_bucket(chunk) for chunk in
                    split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded], self._bucket_bytes)]
@@ -162,11 +169,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def _make_slots(self, params: list[Tensor], chosen: list[bool]) -> list[ParamSlot]:
         group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         slots = []
-        taken = set(self._slot_of)
         for i, (p, off) in enumerate(zip(params, chosen), start=len(self._slots)):
-            if p in taken:
-                continue  # listed twice in a group: torch warns (and steps it twice); one slot here
-            taken.add(p)
             name = self._param_names.get(p, f"param{i}")
             if off and self.copies.needed:
                 master = torch.empty(0)  # a pinned view, carved per bucket
@@ -207,7 +210,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def _per_group(self, slots: list[ParamSlot]) -> list[list[Tensor]]:
         lists: list[list[Tensor]] = [[] for _ in self.optimizer.param_groups]
         for s in sorted(slots, key=lambda s: s.index):
-            lists[s.group].append(s.master)
+            lists[s.group] += [s.master] * s.listed
         return lists
 
     def _inner_of(self, slot: ParamSlot) -> FusedOptimizer:

@@ -38,6 +38,7 @@ class ParamSlot:
     grad_sent: bool = False
     seen: tuple[int, int] = (0, 0)  # the parameter's (data_ptr, version) after our last write
     fingerprint: Tensor | None = None  # of the parameter after our last write (separate masters only)
+    listed: int = 1  # times the group lists it (torch updates a duplicate once per listing)
 
     @property
     def separate_master(self) -> bool:

@@ -10,7 +10,9 @@ and implements ``_update`` for one bucket by calling a function of
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +108,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"expected {len(self.param_groups)} parameter lists, got {len(params_per_group)}")
         groups = [dict(hyperparameters(g), params=list(ps)) for g, ps in zip(self.param_groups, params_per_group)]
         new = type(self).__new__(type(self))
-        FusedOptimizer.__init__(new, groups, dict(self.defaults))
+        with duplicates_warned_already():
+            FusedOptimizer.__init__(new, groups, dict(self.defaults))
         return new
 
     def _new_step_tensor(self, value: float, device: torch.device) -> Tensor:
@@ -188,7 +191,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         shared = None
         device = None
         uniform = True
-        for p in group["params"]:
+        for p in _once_each(group["params"]):
             g = p.grad if source is None else source.get(p)
             if g is None:
                 if counts and uniform and state_of.get(p):
@@ -312,20 +315,50 @@ class FusedOptimizer(torch.optim.Optimizer):
             if step_context is COMPUTE else step_context
         for group, buckets in plans:
             for bucket in buckets:
-                if bucket.step_tensor is not None:
-                    step_t = bucket.step_tensor
-                    step_t.add_(1)
-                    if step_t.device.type == "cpu":
-                        bucket.step = int(step_t.item())
-                    else:  # capturable: the kernels read it on the device
-                        if found_inf is not None:
-                            step_t.sub_(found_inf.reshape(()).to(step_t.device, torch.float32))
-                        bucket.step = step_t
-                else:
-                    bucket.step = 1 if bucket.first else 2
-                bucket.found_inf = found_inf
-                self._update(group, bucket, grad_scale, context)
+                self._run_bucket(group, bucket, grad_scale, context, found_inf)
+        for group, buckets in plans:
+            for bucket in self._repeat_buckets(group, buckets):
+                self._run_bucket(group, bucket, grad_scale, context, found_inf)
         return False
+
+    def _run_bucket(self, group, bucket: Bucket, grad_scale, context, found_inf: Tensor | None) -> None:
+        """Advance the bucket's step count and update its parameters."""
+        if bucket.step_tensor is not None:
+            step_t = bucket.step_tensor
+            step_t.add_(1)
+            if step_t.device.type == "cpu":
+                bucket.step = int(step_t.item())
+            else:  # capturable: the kernels read it on the device
+                if found_inf is not None:
+                    step_t.sub_(found_inf.reshape(()).to(step_t.device, torch.float32))
+                bucket.step = step_t
+        else:
+            bucket.step = 1 if bucket.first else 2
+        bucket.found_inf = found_inf
+        self._update(group, bucket, grad_scale, context)
+
+    def _repeat_buckets(self, group: dict[str, Any], done: list[Bucket]):
+        """The further updates of parameters listed more than once in a group, after the
+        step's first pass.  torch warns about such a list, and its per-parameter loop (the
+        default on the CPU) updates the parameter once per listing with the same gradient,
+        one update after the other.  So here: a parameter listed n times gets n - 1 more
+        updates, each advancing its own step count (it no longer shares one with the rest
+        of its group).  For optimizers that count no steps the repeats start as the first
+        update did (torch's SGD initialises the momentum buffer from the gradient at every
+        listing of the first step).  torch's foreach implementation (its default for CUDA
+        tensors) does something else again; this follows the loop."""
+        params = group["params"]
+        if len(set(params)) == len(params):
+            return
+        times: dict[Tensor, int] = {}
+        for p in params:
+            times[p] = times.get(p, 0) + 1
+        stepped = {p: (g, b.first) for b in done for p, g in zip(b.params, b.grads)}
+        keys = self._bucket_state_keys(group)
+        for round_ in range(1, max(times.values())):
+            again = [p for p, n in times.items() if n > round_ and p in stepped]
+            first = {id(self.state[p]) for p in again if stepped[p][1]}
+            yield from self._split(group, again, [stepped[p][0] for p in again], keys, first)
 
     def step_context(self, grads: list[Tensor], grad_scale) -> Any:
         """Computed once per step from every gradient, before any update; None for
@@ -336,6 +369,20 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_scale, context: Any) -> None:
         raise NotImplementedError
+
+
+@contextlib.contextmanager
+def duplicates_warned_already():
+    """Silence torch's warning about a parameter listed twice in a group while building an
+    optimizer over the groups of another, whose construction warned the user already."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
+        yield
+
+
+def _once_each(params: list[Tensor]) -> list[Tensor]:
+    """The parameters of a group in order, each once (torch accepts duplicates, with a warning)."""
+    return params if len(set(params)) == len(params) else list(dict.fromkeys(params))
 
 
 def run_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,

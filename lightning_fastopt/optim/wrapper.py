@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, run_step
+from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, duplicates_warned_already, run_step
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -48,7 +48,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} runs lightning_fastopt's fused optimizers, "
                             f"got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
+        with duplicates_warned_already():
+            super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
         self.skipped_steps = 0
         self.last_step_skipped = False
 

@@ -73,7 +73,9 @@ class ZeroOptimizer(OptimizerWrapper):
         self.group = process_group
         self.world_size = world_size(process_group)
         self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
-        self._params = [p for g in self.param_groups for p in g["params"]]
+        # each parameter once (torch warns about one listed twice in a group; the owner's
+        # offload optimizer steps it once per listing)
+        self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         self.param_names = dict(param_names or {})
         for i, p in enumerate(self._params):
             self.param_names.setdefault(p, f"param{i}")
@@ -99,14 +101,15 @@ class ZeroOptimizer(OptimizerWrapper):
     def _adopt_group(self, group: dict[str, Any]) -> None:
         """The new parameters get owners by the same rule (the same on every rank); this
         rank's share joins its offload optimizer as a new group."""
-        new = list(group["params"])
+        new = list(dict.fromkeys(group["params"]))
         for i, p in enumerate(new, start=len(self._params)):
             self.param_names.setdefault(p, f"param{i}")  # the offload optimizer reads this mapping
         owners = assign_owners([p.numel() for p in new], self.world_size)
         self._params += new
         self.owners += owners
+        owner_of = dict(zip(new, owners))
         self.local.add_param_group(dict(hyperparameters(group),
-                                        params=[p for p, o in zip(new, owners) if o == self.rank]))
+                                        params=[p for p in group["params"] if owner_of[p] == self.rank]))
         if self.reducer is not None:
             self.reducer.add_params(new, owners)
         self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
