@@ -6,6 +6,7 @@ pure-PyTorch path computes the same results.
 """
 
 from lightning_fastopt import functional
+from lightning_fastopt.checkpoint import load_guard
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.memory import MemoryEstimate, estimate_memory
 from lightning_fastopt.offload import OffloadOptimizer
@@ -33,6 +34,7 @@ def _register_strategies() -> None:
 
 
 _register_strategies()
+load_guard.install()  # a sharded checkpoint given to Lightning's own loaders: a clear error
 
 __all__ = [
     "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FastOptStrategy", "FusedAdagrad", "FusedAdam",

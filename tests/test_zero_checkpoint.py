@@ -95,6 +95,29 @@ def test_consolidated_checkpoint_resumes_under_plain_lightning(two_rank_run, tmp
     _assert_close(resumed, ref)
 
 
+def test_lightnings_own_loaders_name_the_way_out_of_a_sharded_directory(two_rank_run, tmp_path):
+    """load_from_checkpoint, and resuming under Trainer(), on a sharded directory: an error
+    naming the main file and the consolidate command, instead of a bare IsADirectoryError."""
+    import lightning as L
+
+    from lightning_fastopt.checkpoint.load_guard import ShardedCheckpointError
+    from tests.scripts.zero_run import Model
+
+    out, ref = two_rank_run
+    path = out / "ckpt" / "last.ckpt"
+    with pytest.raises(ShardedCheckpointError, match=f"for the model's weights alone, load {path}/checkpoint.pt; "
+                       f"for one ordinary checkpoint file: python -m lightning_fastopt.checkpoint consolidate {path}"):
+        Model.load_from_checkpoint(path)
+    trainer = L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ShardedCheckpointError, match="To resume training from it, use a fastopt strategy"):
+        trainer.fit(Model(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 8),
+                                                                                        torch.randn(8, 1))),
+                    ckpt_path=path)
+    model = Model.load_from_checkpoint(path / "checkpoint.pt")  # the way the message names
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref["weights"][k]), k
+
+
 def test_unfinished_save_leaves_the_previous_checkpoint(two_rank_run, tmp_path):
     out, _ = two_rank_run
     path = tmp_path / "last.ckpt"
