@@ -196,7 +196,8 @@ class ManualAccumulation(Net):
     def training_step(self, batch, _):
         opt = self.optimizers()
         x, y = batch
-        for half in (slice(0, 4), slice(4, 8)):
+        n = len(x) // 2
+        for half in (slice(0, n), slice(n, None)):
             self.manual_backward(self.loss((x[half], y[half])) / 2)
         self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
         opt.step()
@@ -226,7 +227,7 @@ class Gan(L.LightningModule):
     def training_step(self, batch, _):
         x, _ = batch
         g_opt, d_opt = self.optimizers()
-        z = torch.randn(x.shape[0], 4, generator=torch.Generator().manual_seed(int(x.sum().abs() * 1000)))
+        z = torch.tanh(2 * x[:, :4] + 1)  # per sample: the same noise however the batch is split over ranks
         bce = nn.functional.binary_cross_entropy_with_logits
         if self.toggle:
             self.toggle_optimizer(g_opt)
