@@ -104,6 +104,10 @@ class FastOptStrategy(DDPStrategy):
             as stage 1 does, so that every rank sees the averaged ``p.grad``.
         copy_on_cpu: on a CPU run, keep separate host masters and copy gradients and
             weights as on an accelerator (the accelerator code path without one; for tests).
+        keep_gradients: keep gradients in ``p.grad`` until the next ``zero_grad``, as torch
+            does, even when no overridden hook is seen to read them: for code the detection
+            cannot see (``p.grad`` read after the step, in ``on_train_batch_end``, or from
+            outside Lightning's hooks).  Costs the device memory the early copy saves.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -113,11 +117,12 @@ class FastOptStrategy(DDPStrategy):
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, zero_stage: int = 0,
-                 copy_on_cpu: bool = False, **kwargs: Any) -> None:
+                 copy_on_cpu: bool = False, keep_gradients: bool = False, **kwargs: Any) -> None:
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
-                           ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu)):
+                           ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
+                           ("keep_gradients", keep_gradients)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
@@ -134,6 +139,7 @@ class FastOptStrategy(DDPStrategy):
         self.cpu_threads = cpu_threads
         self.wall_clock_breakdown = wall_clock_breakdown
         self.copy_on_cpu = copy_on_cpu
+        self.keep_gradients = keep_gradients
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
         # set before super().__init__, which calls the precision_plugin setter
@@ -195,6 +201,8 @@ class FastOptStrategy(DDPStrategy):
         if self._grad_readers is None:
             module = self.lightning_module
             self._grad_readers = gradient_readers(module, module.trainer.callbacks)
+            if self.keep_gradients:
+                self._grad_readers.insert(0, "code anywhere (keep_gradients=True)")
         return self._grad_readers
 
     @override
@@ -237,7 +245,8 @@ class FastOptStrategy(DDPStrategy):
                            f"torch: {', '.join(readers)} can read them")
             return "keep"
         rank_zero_info("lightning_fastopt: gradients of offloaded parameters are copied to the host and freed on "
-                       "the device during backward (no hook or callback reads p.grad)")
+                       "the device during backward (no hook or callback reads p.grad; "
+                       "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
         return "copy_at_step" if isinstance(self.model, DistributedDataParallel) else "copy_in_backward"
 
     @contextlib.contextmanager

@@ -180,9 +180,38 @@ def test_the_log_line_says_where_gradients_live(caplog, monkeypatch):
     caplog.clear()
     with caplog.at_level(logging.INFO):
         trainer = _fit(FastOptStrategy(copy_on_cpu=True), Net(), epochs=1)
-    assert "copied to the host and freed on the device during backward (no hook or callback reads p.grad)" \
-        in caplog.text
+    assert "copied to the host and freed on the device during backward (no hook or callback reads p.grad; " \
+           "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)" in caplog.text
     assert trainer.optimizers[0].device_grads == "copy_in_backward"
+
+
+class ReadsGradientsAfterTheStep(Net):
+    """Reads p.grad in on_train_batch_end, after the step: no hook the detection sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, *args):
+        self.seen.append([None if p.grad is None else p.grad.clone() for p in self.parameters()])
+
+
+@pytest.mark.parametrize("fraction,copy_on_cpu", [(1.0, False), (1.0, True), (0.5, True)],
+                         ids=["offload-cpu-path", "offload-accelerator-path", "half-offloaded-accelerator-path"])
+def test_keep_gradients_keeps_them_for_code_the_detection_cannot_see(fraction, copy_on_cpu):
+    ours, ref = ReadsGradientsAfterTheStep(), ReadsGradientsAfterTheStep()
+    trainer = _fit(FastOptStrategy(offload_fraction=fraction, copy_on_cpu=copy_on_cpu, keep_gradients=True), ours)
+    _fit(None, ref)
+    assert trainer.optimizers[0].device_grads == "keep"
+    _assert_same(ours, ref, exact=True)
+    assert len(ours.seen) == len(ref.seen) == 24
+    for a, b in zip(ours.seen, ref.seen):
+        assert all(x is not None and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_keep_gradients_must_be_a_bool():
+    with pytest.raises(TypeError, match="keep_gradients must be True or False, got 'yes'"):
+        FastOptStrategy(keep_gradients="yes")
 
 
 # ---------------------------------------------------------------------------- manual optimization
