@@ -100,10 +100,14 @@ def test_adam_math_is_the_cpu_kernels(compiled, host_math, tmp_path, adamw, amsg
         _same(a, b)
 
 
-def test_adam_device_scalars_give_the_host_result(compiled, host_math, tmp_path):
-    """Step, lr and loss scale read from "device" memory: the bias corrections computed there."""
+@pytest.mark.parametrize("step", [1, 7])
+def test_adam_device_scalars_give_the_host_result(compiled, host_math, tmp_path, step):
+    """Step, lr and loss scale read from "device" memory: the bias corrections computed there
+    (from the betas as given: at step 1 float32's 0.999 moves 1 - beta2 by 1.3e-5).  The
+    weights start at zero, so what is compared is the update itself."""
     p, g, states = _data(2, positive=(1,))
-    lr, b1, b2, eps, step, scale = 1e-2, 0.9, 0.999, 1e-8, 7, 4.0
+    p.zero_()
+    lr, b1, b2, eps, scale = 1e-2, 0.9, 0.999, 1e-8, 4.0
     hp, hs = host_math("adam", tmp_path, p, g, states, lr=0.0, beta1=b1, beta2=b2, eps=eps, weight_decay=0.1,
                        step_size=0.0, bias_correction2_sqrt=1.0, inv_grad_scale=1.0, adamw=1, bias_correction=1,
                        dev_step=step, dev_lr=lr, dev_grad_scale=scale)

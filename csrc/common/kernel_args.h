@@ -12,6 +12,7 @@ struct AdamArgs {
   float bias_correction2_sqrt;  // sqrt(bias_correction2)
   float inv_grad_scale;         // 1 / loss scale (1 when unscaled)
   bool amsgrad, adamw, maximize;
+  double beta1_exact, beta2_exact;  // the betas as given: bias corrections computed on the device (capturable)
 };
 // state: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only)
 
@@ -39,6 +40,7 @@ struct LambArgs {
   float bias_correction1, bias_correction2;
   float grad_factor;  // 1 / (loss scale * clipping divisor)
   bool adam_w_mode, use_trust_ratio, maximize;
+  double beta1_exact, beta2_exact;  // the betas as given: bias corrections computed on the device
 };
 // state: exp_avg, exp_avg_sq
 

@@ -50,7 +50,7 @@ void def_optimizer_functions(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("adam_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const TensorList& exp_avg_sqs, const OptTensorList& max_exp_avg_sqs,
-                    const OptTensorList& copies, float lr, float beta1, float beta2, float eps,
+                    const OptTensorList& copies, float lr, double beta1, double beta2, float eps,
                     float weight_decay, float step_size, float bias_correction2_sqrt, float inv_grad_scale,
                     bool amsgrad, bool adamw, bool maximize, bool check_finite, bool bias_correction,
                     const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
@@ -58,8 +58,8 @@ void def_optimizer_functions(pybind11::module_& m) {
     if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
     const Slots slots = Device::slots(
         params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
-    const AdamArgs a{lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale,
-                     amsgrad, adamw, maximize};
+    const AdamArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), eps, weight_decay, step_size,
+                     bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, beta1, beta2};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, step_tensor},
                        [&](const auto& on) { on.adam(slots, a, bias_correction); });
   }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
@@ -115,15 +115,16 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("lr_tensor") = py::none());
 
   m.def("lamb_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                    const TensorList& exp_avg_sqs, const OptTensorList& copies, float lr, float beta1,
-                    float beta2, float beta3, float eps, float weight_decay, float bias_correction1,
+                    const TensorList& exp_avg_sqs, const OptTensorList& copies, float lr, double beta1,
+                    double beta2, float beta3, float eps, float weight_decay, float bias_correction1,
                     float bias_correction2, float grad_factor, bool adam_w_mode, bool use_trust_ratio,
                     bool maximize, bool bias_correction, const OptTensor& grad_sum_squares, float max_grad_norm,
                     float inv_grad_scale, const OptTensor& grad_scale, const OptTensor& found_inf,
                     const OptTensor& lr_tensor, const OptTensor& step_tensor) {
     const Slots slots = Device::slots(params, &grads, {&exp_avgs, &exp_avg_sqs}, copies);
-    const LambArgs a{lr, beta1, beta2, beta3, eps, weight_decay, bias_correction1, bias_correction2, grad_factor,
-                     adam_w_mode, use_trust_ratio, maximize};
+    const LambArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), beta3, eps, weight_decay,
+                     bias_correction1, bias_correction2, grad_factor, adam_w_mode, use_trust_ratio, maximize,
+                     beta1, beta2};
     const LambDeviceClip clip{grad_sum_squares, max_grad_norm, inv_grad_scale};
     Device::run(params, slots, false, {grad_scale, found_inf, lr_tensor, step_tensor},
                 [&](const auto& on) { on.lamb(slots, a, clip, bias_correction); });

@@ -45,8 +45,8 @@ struct AdamMath {
     if (d.step != nullptr) {  // the bias corrections of a device-resident step count
       lr = d.lr != nullptr ? *d.lr : a.lr;
       const double step = static_cast<double>(*d.step);
-      const double bc1 = bias_correction ? 1.0 - pow(static_cast<double>(a.beta1), step) : 1.0;
-      const double bc2 = bias_correction ? 1.0 - pow(static_cast<double>(a.beta2), step) : 1.0;
+      const double bc1 = bias_correction ? 1.0 - pow(a.beta1_exact, step) : 1.0;
+      const double bc2 = bias_correction ? 1.0 - pow(a.beta2_exact, step) : 1.0;
       step_size = static_cast<float>(static_cast<double>(lr) / bc1);
       bc2s = static_cast<float>(sqrt(bc2));
     }
@@ -163,8 +163,8 @@ struct LambMath {
     lr = a.lr;
     if (d.step != nullptr) {
       const double step = static_cast<double>(*d.step);
-      bc1 = bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(a.beta1), step)) : 1.0f;
-      bc2 = bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(a.beta2), step)) : 1.0f;
+      bc1 = bias_correction ? static_cast<float>(1.0 - pow(a.beta1_exact, step)) : 1.0f;
+      bc2 = bias_correction ? static_cast<float>(1.0 - pow(a.beta2_exact, step)) : 1.0f;
       if (d.lr != nullptr) lr = *d.lr;
     }
     inv_bc1 = 1.0f / bc1;

@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
   if (algo == "adam") {
     AdamArgs a{lr, static_cast<float>(arg("beta1")), static_cast<float>(arg("beta2")), static_cast<float>(arg("eps")),
                wd, static_cast<float>(arg("step_size")), static_cast<float>(arg("bias_correction2_sqrt")), inv,
-               flag("amsgrad"), flag("adamw"), flag("maximize")};
+               flag("amsgrad"), flag("adamw"), flag("maximize"), arg("beta1"), arg("beta2")};
     elementwise(adam_math(a, flag("bias_correction")), d, p, g, s);
   } else if (algo == "sgd") {
     SgdArgs a{lr, static_cast<float>(arg("momentum")), static_cast<float>(arg("dampening")), wd, inv,
@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
     LambArgs a{lr, static_cast<float>(arg("beta1")), static_cast<float>(arg("beta2")), static_cast<float>(arg("beta3")),
                static_cast<float>(arg("eps")), wd, static_cast<float>(arg("bias_correction1")),
                static_cast<float>(arg("bias_correction2")), static_cast<float>(arg("grad_factor")),
-               flag("adam_w_mode"), flag("use_trust_ratio"), flag("maximize")};
+               flag("adam_w_mode"), flag("use_trust_ratio"), flag("maximize"), arg("beta1"), arg("beta2")};
     LambClip clip;
     double grad_sum_squares = 0.0;
     if (g_args.count("max_grad_norm")) {  // the clipping divisor from a "device" sum of squares
