@@ -36,6 +36,7 @@ The work is done in those modules; the hooks here call them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,7 @@ from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.base import FusedOptimizer, check_range
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
 from lightning_fastopt.zero import ZeroOptimizer
 
@@ -118,6 +120,7 @@ class FastOptStrategy(DDPStrategy):
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, zero_stage: int = 0,
                  copy_on_cpu: bool = False, keep_gradients: bool = False, **kwargs: Any) -> None:
+        _check_ddp_kwargs(kwargs)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
@@ -222,6 +225,7 @@ class FastOptStrategy(DDPStrategy):
         device_grads = self._device_grads()
         wrapped = []
         for opt in self.optimizers:
+            check_parameters(opt, self.lightning_module)
             fused = to_fused_optimizer(opt)
             if fused is not opt:
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
@@ -334,6 +338,26 @@ class FastOptStrategy(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
                                            zero_stage=zero_stage)
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    """``**kwargs`` go to DDPStrategy and from there to DistributedDataParallel, which is not
+    built with one process: a misspelt argument would be silently ignored there.  Refuse
+    anything neither accepts, suggesting the nearest name."""
+    import difflib
+
+    def names(fn) -> set[str]:
+        return {n for n, p in inspect.signature(fn).parameters.items()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}
+
+    forwarded = names(DDPStrategy.__init__) | names(DistributedDataParallel.__init__)
+    unknown = sorted(set(kwargs) - forwarded)
+    if unknown:
+        known = names(FastOptStrategy.__init__) | forwarded
+        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1))
+                             else "") for k in unknown]
+        raise TypeError(f"FastOptStrategy got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
+                        "own arguments, DDPStrategy's and DistributedDataParallel's")
 
 
 def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], *, zero_stage: int,

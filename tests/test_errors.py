@@ -22,6 +22,9 @@ def _p():
     (lambda: FusedAdam(_p(), betas=(1.0, 0.999)), r"betas\[0\] must be in \[0.0, 1.0\), got 1.0"),
     (lambda: FusedAdam(_p(), betas=(0.9, -0.1)), r"betas\[1\] must be in \[0.0, 1.0\)"),
     (lambda: FusedAdam(_p(), betas=(0.9,)), r"betas must be a pair"),
+    (lambda: FusedAdam(_p(), betas=0.9), r"betas must be a pair \(beta1, beta2\), got 0.9"),
+    (lambda: FusedLion(_p(), betas=None), r"betas must be a pair \(beta1, beta2\), got None"),
+    (lambda: FusedLAMB(_p(), betas="0.9,0.999"), r"betas must be a pair"),
     (lambda: FusedAdam(_p(), eps=-1.0), r"eps must be in \[0.0, inf\)"),
     (lambda: FusedAdam(_p(), weight_decay=-0.1), r"weight_decay must be in \[0.0, inf\)"),
     (lambda: FusedAdam(_p(), differentiable=True), r"differentiable=True"),
@@ -45,6 +48,17 @@ def test_bad_hyperparameters_raise_value_error(make, match):
         make()
 
 
+@pytest.mark.parametrize("make,match", [
+    (lambda: FusedAdam(_p(), lr="1e-3"), r"lr must be a number in \[0.0, inf\), got '1e-3'"),
+    (lambda: FusedSGD(_p(), lr=None), r"lr must be a number in \[0.0, inf\), got None"),
+    (lambda: FusedAdam(_p(), betas=(0.9, "0.999")), r"betas\[1\] must be a number in \[0.0, 1.0\), got '0.999'"),
+    (lambda: FusedAdam(_p(), weight_decay=True), r"weight_decay must be a number"),
+])
+def test_a_hyperparameter_that_is_not_a_number_raises_type_error_naming_it(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
 def test_bad_hyperparameter_in_added_group():
     opt = FusedAdam(_p())
     with pytest.raises(ValueError, match=r"lr must be in"):
@@ -63,8 +77,11 @@ def test_sparse_gradients_raise(backend, cls):
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = cls(emb.parameters(), lr=0.1)
     emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(ValueError, match="sparse gradients"):
+    with pytest.raises(ValueError, match=r"does not support sparse gradients: parameter 0 of group 0 \(shape \(10, 4\)\)"):
         opt.step()
+    named = cls(emb.named_parameters(), lr=0.1)  # torch's named groups: the name is said
+    with pytest.raises(ValueError, match=r"sparse gradients: 'weight' \(shape \(10, 4\)\) got one"):
+        named.step()
 
 
 @pytest.mark.parametrize("ours,theirs", [(FusedAdam, torch.optim.Adam), (FusedAdam, torch.optim.AdamW),

@@ -1,6 +1,7 @@
 """Trainer(strategy="fastopt"): the same training as plain Lightning with torch.optim,
 optimizer mapping, LR schedulers, clipping, accumulation, param groups, and clear errors."""
 
+import re
 import warnings
 
 import lightning as L
@@ -140,6 +141,23 @@ def test_strategy_arguments_are_validated():
     for bad in (3, -1, True, "1"):
         with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
             FastOptStrategy(zero_stage=bad)
+    for bad in ("half", None, [0.5]):
+        with pytest.raises(TypeError, match=r"offload_fraction must be a number in \[0.0, 1.0\], got " + re.escape(repr(bad))):
+            FastOptStrategy(offload_fraction=bad)
+    with pytest.raises(TypeError, match="bucket_size_mb must be a number"):
+        FastOptStrategy(bucket_size_mb="64MB")
+
+
+def test_a_misspelt_argument_is_refused_with_the_nearest_name():
+    """**kwargs go to DDPStrategy and DistributedDataParallel, which one process never builds:
+    an unknown name would be silently dropped there."""
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'offload_fractoin' \(did you mean "
+                                        r"'offload_fraction'\?\)"):
+        FastOptStrategy(offload_fractoin=0.5)
+    with pytest.raises(TypeError, match=r"'nonsense'.*it accepts its own arguments, DDPStrategy's and "):
+        FastOptStrategy(nonsense=1)
+    strategy = FastOptStrategy(find_unused_parameters=True, static_graph=False, timeout=None)  # DDP's and DDPStrategy's
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "static_graph": False}
 
 
 def test_registered_names_and_their_fractions():
@@ -196,3 +214,35 @@ def test_default_cpu_threads_share_the_cores():
     cores = len(os.sched_getaffinity(0))
     assert default_cpu_threads(1) == cores
     assert default_cpu_threads(cores * 4) == 1
+
+
+class _WithOddParameter(L.LightningModule):
+    def __init__(self, odd: str):
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+        self.emb = nn.Embedding(10, 8, sparse=odd == "sparse")
+        self.phase = nn.Parameter(torch.randn(4, dtype={"complex": torch.complex64, "float64": torch.float64}.get(
+            odd, torch.float32)))
+        self.steps = 0
+
+    def training_step(self, batch, _):
+        self.steps += 1
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x + self.emb(torch.zeros(len(x), dtype=torch.long))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("odd,error,match", [
+    ("complex", TypeError, r"parameter 'phase' is complex \(torch.complex64\): the fastopt strategies step float32"),
+    ("float64", TypeError, r"parameter 'phase' is float64 \(torch.float64\)"),
+    ("sparse", ValueError, r"parameter 'emb.weight' gets sparse gradients \(Embedding\(sparse=True\)\)"),
+])
+def test_parameters_the_kernels_cannot_step_are_refused_at_set_up(odd, error, match):
+    model = _WithOddParameter(odd)
+    trainer = L.Trainer(strategy="fastopt", accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(error, match=match):
+        trainer.fit(model, _data())
+    assert model.steps == 0  # before any training step

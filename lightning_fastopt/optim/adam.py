@@ -37,7 +37,7 @@ class FusedAdam(FusedOptimizer):
                  decoupled_weight_decay: bool | None = None) -> None:
         if decoupled_weight_decay is not None:
             adamw_mode = bool(decoupled_weight_decay)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=check_betas(betas), eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=adamw_mode,
                         maximize=maximize, foreach=foreach, fused=fused, capturable=bool(capturable),
                         differentiable=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,27 +23,34 @@ from torch import Tensor
 
 from lightning_fastopt.functional import grads_all_finite
 
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COMPUTE = object()  # step(step_context=COMPUTE): the optimizer computes its step context itself
 _GROUP_ONLY_KEYS = ("params", "param_names")
 
 
 def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
                 high_open: bool = False) -> None:
-    """Raise a ValueError naming the argument and its allowed range."""
-    v = float(value.item() if isinstance(value, Tensor) else value)
+    """Raise a ValueError naming the argument and its allowed range (a TypeError when it is
+    not a number at all)."""
+    lo = "(" if low_open else "["
+    hi = ")" if high_open or high == math.inf else "]"
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number in {lo}{low}, {high}{hi}, got {value!r}")
+    v = float(value)
     ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
     if not ok or math.isnan(v):
-        lo = "(" if low_open else "["
-        hi = ")" if high_open or high == math.inf else "]"
         raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value}")
 
 
-def check_betas(betas) -> None:
+def check_betas(betas) -> tuple:
+    """Check ``betas`` (a pair of numbers in [0, 1)); returns it as a tuple."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
         check_range(f"betas[{i}]", b, 0.0, 1.0, high_open=True)
+    return tuple(betas)
 
 
 def check_lr(lr) -> None:
@@ -126,7 +134,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(f"{type(self).__name__} does not support complex parameters")
-            if p.dtype not in _SUPPORTED_DTYPES:
+            if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{type(self).__name__} supports float32, float16 and bfloat16 parameters, "
                                 f"got {p.dtype}")
 
@@ -198,7 +206,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     uniform = False  # it may share the step tensor that the others advance
                 continue
             if g.layout is not torch.strided:
-                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients: "
+                                 f"{_describe(self.param_groups, p)} got one")
             st = state_of[p]
             if not st:
                 self._init_state(group, p, st)
@@ -378,6 +387,18 @@ def duplicates_warned_already():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
         yield
+
+
+def _describe(groups: list[dict[str, Any]], p: Tensor) -> str:
+    """A parameter in words for an error: its name when the groups carry torch's
+    ``param_names``, else its position, and its shape."""
+    for gi, group in enumerate(groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                names = group.get("param_names")
+                where = repr(names[i]) if names else f"parameter {i} of group {gi}"
+                return f"{where} (shape {tuple(p.shape)})"
+    return f"a parameter of shape {tuple(p.shape)}"
 
 
 def _once_each(params: list[Tensor]) -> list[Tensor]:

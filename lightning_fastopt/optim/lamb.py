@@ -31,7 +31,7 @@ class FusedLAMB(FusedOptimizer):
     def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, adam_w_mode: bool = True, grad_averaging: bool = True,
                  max_grad_norm: float = 1.0, use_nvlamb: bool = False, *, maximize: bool = False) -> None:
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=check_betas(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb, maximize=maximize)
         self._validate_group(defaults)

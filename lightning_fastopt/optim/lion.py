@@ -18,7 +18,7 @@ class FusedLion(FusedOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
                  maximize: bool = False) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        defaults = dict(lr=lr, betas=check_betas(betas), weight_decay=weight_decay, maximize=maximize)
         self._validate_group(defaults)
         super().__init__(params, defaults)
 
