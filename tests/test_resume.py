@@ -5,7 +5,9 @@ offload fraction (bit for bit: the update is element-wise); plain torch AdamW ch
 resume under fastopt_offload and the other way round; a checkpoint of another model is a
 clear error; checkpoints load with weights_only=True and are written atomically."""
 
+import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +136,38 @@ def test_atomic_write_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert torch.load(path, weights_only=True)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_checkpoint_files_honour_the_umask(tmp_path, umask, mode):
+    """As Lightning's own writer (open()): 0666 less the umask (mkstemp's 0600 was not)."""
+    old = os.umask(umask)
+    try:
+        AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "last.ckpt").st_mode) == mode
+
+
+def test_leftovers_of_a_killed_save_are_removed_by_the_next_one(tmp_path):
+    """Temporary files and staging directories of saves whose process is gone (on this
+    machine) go; those of a live process, or of another machine, stay."""
+    from lightning_fastopt.checkpoint.atomic import _host, temp_path
+
+    path = tmp_path / "last.ckpt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale_file = tmp_path / f".last.ckpt.{_host()}.{dead.pid}.0123abcd.tmp"
+    stale_file.write_bytes(b"x" * 1000)
+    stale_dir = tmp_path / f".last.ckpt.{_host()}.{dead.pid}.4567abcd.tmp"
+    stale_dir.mkdir()
+    (stale_dir / "optimizer_shard_00000.pt").write_bytes(b"x")
+    live = Path(temp_path(path))  # this process's: a save in flight
+    live.write_bytes(b"y")
+    elsewhere = tmp_path / f".last.ckpt.otherhost.{dead.pid}.89abcdef.tmp"
+    elsewhere.write_bytes(b"z")
+    unrelated = tmp_path / f".other.ckpt.{_host()}.{dead.pid}.0123abcd.tmp"
+    unrelated.write_bytes(b"w")
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["last.ckpt", live.name, elsewhere.name, unrelated.name])

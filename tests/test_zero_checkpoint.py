@@ -64,7 +64,7 @@ def test_resume_two_ranks_on_one(two_rank_run, tmp_path):
     _assert_close(resumed, ref)
     # the one-rank save replaced the two-rank checkpoint whole: no stale shard of rank 1 left
     assert sorted(os.listdir(over)) == ["checkpoint.pt", "manifest.json", "optimizer_shard_00000.pt"]
-    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp") or ".old-" in p]
     assert ck.load_sharded(over)["global_step"] == 32
 
 

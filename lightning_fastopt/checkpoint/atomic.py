@@ -9,13 +9,20 @@ directory entry: a process killed mid-write (out of memory, SIGKILL, node failur
 leaves the previous file, never a truncated one under the final name.
 :func:`replace_path` is that rename, also over a directory (a sharded checkpoint saved
 under the same name by a ZeRO run) and for a directory (the sharded writer).
+
+Temporary files and staging directories are named by :func:`temp_path`
+(``.NAME.HOST.PID.RANDOM.tmp`` beside ``NAME``), so that a save killed mid-write leaves
+something the next save to the same name recognises and removes
+(:func:`remove_stale_temps`: only those of this machine whose process is gone).  Files
+are created with mode 0666 less the umask, as ``open`` and Lightning's writer do.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import tempfile
+import socket
 import uuid
 from collections.abc import Callable
 from typing import IO, Any
@@ -36,13 +43,60 @@ def save_synced(obj: Any, path) -> None:
     write_synced(path, lambda f: torch.save(obj, f))
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0]) or "host"
+
+
+def temp_path(path) -> str:
+    """A new name beside ``path`` for what will become ``path`` (a file or a directory)."""
+    path = os.path.abspath(os.fspath(path))
+    return os.path.join(os.path.dirname(path),
+                        f".{os.path.basename(path)}.{_host()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it exists (another user's): not ours to judge
+    return False
+
+
+def remove_stale_temps(path) -> list[str]:
+    """Remove the temporary files and directories that saves to ``path`` killed mid-write
+    left on this machine (their process no longer exists); returns their paths."""
+    path = os.path.abspath(os.fspath(path))
+    directory, base = os.path.split(path)
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if not (entry.startswith(f".{base}.") and entry.endswith(".tmp")):
+            continue
+        parts = entry[len(base) + 2:-len(".tmp")].split(".")
+        if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit() or not _process_gone(int(parts[1])):
+            continue
+        stale = os.path.join(directory, entry)
+        try:
+            shutil.rmtree(stale) if os.path.isdir(stale) else os.unlink(stale)
+        except FileNotFoundError:
+            continue  # another process cleaned it first
+        removed.append(stale)
+    return removed
+
+
 def save_atomically(obj: Any, path) -> None:
     """``torch.save`` into ``path`` so that it is replaced whole or not at all."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    remove_stale_temps(path)
+    tmp = temp_path(path)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies, as for open()
     try:
         save_synced(obj, tmp)
         replace_path(tmp, path)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import replace_path, save_atomically, save_synced, write_synced
+from lightning_fastopt.checkpoint.atomic import (remove_stale_temps, replace_path, save_atomically, save_synced,
+                                                 temp_path, write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.optim.base import hyperparameters
 
@@ -45,8 +45,7 @@ def is_sharded(path) -> bool:
 
 def staging_path(path) -> str:
     """A fresh directory name beside ``path`` to write a sharded checkpoint into."""
-    path = os.path.abspath(os.fspath(path))
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}")
+    return temp_path(path)
 
 
 class Ranks(Protocol):
@@ -72,6 +71,7 @@ def save_sharded(checkpoint: dict[str, Any], path, ranks: Ranks, *, zero_stage: 
     path = ranks.broadcast(os.path.abspath(os.fspath(path)))
     staging = ranks.broadcast(staging_path(path))
     if ranks.is_global_zero:
+        remove_stale_temps(path)
         os.makedirs(staging)
     ranks.barrier("fastopt_checkpoint_staging")
     write_shard(staging, ranks.global_rank, checkpoint.get("optimizer_states", []))
