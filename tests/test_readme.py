@@ -56,3 +56,26 @@ def test_benchmark_scripts_run():
                          timeout=600, env=subprocess_env(REPO))
     assert out.returncode == 0, out.stderr
     assert "| 2 | 1 |" in out.stdout and "ideal sharded state" in out.stdout
+
+
+def test_the_readme_lists_every_default_that_differs_from_torch():
+    """The table of defaults that differ from the replaced torch optimizer is complete and
+    right (computed from the signatures)."""
+    import inspect
+
+    import torch
+
+    from lightning_fastopt import FusedAdagrad, FusedAdam, FusedSGD
+
+    text = (REPO / "README.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \| `torch\.optim\.(\w+)` \| `(\w+)`", text, re.M))
+    found = set()
+    for ours, theirs in ((FusedAdam, torch.optim.AdamW), (FusedAdam, torch.optim.Adam), (FusedSGD, torch.optim.SGD),
+                         (FusedAdagrad, torch.optim.Adagrad)):
+        mine, torch_params = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+        for name, p in torch_params.items():
+            if name in mine and name != "params" and mine[name].default != p.default:
+                # FusedAdam's decoupled_weight_decay defers to adamw_mode (True): the row names adamw_mode
+                found.add((ours.__name__, theirs.__name__, "adamw_mode" if name == "decoupled_weight_decay" else name))
+    assert found == rows
+    assert inspect.signature(FusedAdam).parameters["adamw_mode"].default is True

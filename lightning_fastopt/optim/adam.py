@@ -11,6 +11,10 @@ from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, ch
 class FusedAdam(FusedOptimizer):
     """Adam and AdamW in one fused pass per step, with torch.optim.Adam's formula.
 
+    Defaults differ from torch's (apex's and DeepSpeed's signature): ``weight_decay=0``
+    where torch.optim.AdamW has 0.01, and decoupled decay (``adamw_mode=True``) where
+    torch.optim.Adam adds it to the gradient.  Pass both when replacing a torch class.
+
     ``adamw_mode=True`` (default) applies decoupled weight decay (AdamW), False adds
     ``weight_decay * p`` to the gradient (Adam).  It is stored in ``param_groups`` under
     torch's key ``decoupled_weight_decay`` so that state dicts load into torch.optim.Adam /
