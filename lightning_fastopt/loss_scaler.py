@@ -12,12 +12,19 @@ The rule, applied once per optimizer step with whether that step overflowed:
 
 This is DeepSpeed's ``DynamicLossScaler`` (non-consecutive hysteresis) except that
 growth comes after exactly ``loss_scale_window`` clean steps (DeepSpeed waits one more
-after an overflow), and at the minimum scale it keeps skipping instead of raising.
+after an overflow).
+
+An overflow when the scale cannot go lower (at ``min_loss_scale``, hysteresis spent)
+means the loss or the gradients are inf/NaN whatever the scale, and every later step
+would be skipped too.  ``at_min_loss_scale`` says what then happens: ``"raise"`` (the
+default, as DeepSpeed) raises :class:`LossScaleAtMinimumError`; ``"warn"`` warns (at the
+1st, 2nd, 4th, 8th ... such overflow in a row) and keeps skipping; ``"skip"`` skips quietly.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 
@@ -27,11 +34,18 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
+AT_MIN_LOSS_SCALE = ("raise", "warn", "skip")
+
+
+class LossScaleAtMinimumError(FloatingPointError):
+    """fp16 steps keep overflowing at the smallest loss scale allowed."""
+
+
 class DynamicLossScaler:
     """The loss scale and its update rule (see the module docstring)."""
 
     def __init__(self, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0) -> None:
+                 hysteresis: int = 2, min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise") -> None:
         if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale) and loss_scale >= 0):
             raise ValueError(f"loss_scale must be 0 (dynamic) or a positive finite number, got {loss_scale!r}")
         _check_int("initial_scale_power", initial_scale_power, 0)
@@ -41,6 +55,10 @@ class DynamicLossScaler:
         _check_int("hysteresis", hysteresis, 1)
         if not (isinstance(min_loss_scale, (int, float)) and math.isfinite(min_loss_scale) and min_loss_scale > 0):
             raise ValueError(f"min_loss_scale must be a positive finite number, got {min_loss_scale!r}")
+        if at_min_loss_scale not in AT_MIN_LOSS_SCALE:
+            raise ValueError(f"at_min_loss_scale must be one of {AT_MIN_LOSS_SCALE}, got {at_min_loss_scale!r}")
+        self.at_min_loss_scale = at_min_loss_scale
+        self.overflows_at_min = 0  # consecutive overflows with the scale at its minimum
         self.dynamic = loss_scale == 0
         initial = float(2 ** initial_scale_power) if self.dynamic else float(loss_scale)
         if self.dynamic and initial < min_loss_scale:
@@ -62,9 +80,12 @@ class DynamicLossScaler:
                 return
             if self.hysteresis_left > 1:
                 self.hysteresis_left -= 1
-            else:
+            elif self.scale > self.min_loss_scale:
                 self.scale = max(self.scale / 2.0, self.min_loss_scale)
+            else:
+                self._overflowed_at_min()
             return
+        self.overflows_at_min = 0
         if not self.dynamic:
             return
         self.clean_steps += 1
@@ -72,6 +93,19 @@ class DynamicLossScaler:
             self.scale *= 2.0
             self.clean_steps = 0
             self.hysteresis_left = self.hysteresis
+
+    def _overflowed_at_min(self) -> None:
+        self.overflows_at_min += 1
+        n = self.overflows_at_min
+        message = (f"fp16 loss scaling: the step overflowed (inf/NaN gradients) with the loss scale already at "
+                   f"min_loss_scale={self.min_loss_scale:g}, {n} time(s) in a row ({self.skipped_steps} steps "
+                   "skipped in all): the loss or the gradients are not finite whatever the scale, so every "
+                   "later step would be skipped too.")
+        if self.at_min_loss_scale == "raise":
+            raise LossScaleAtMinimumError(message + " Check the loss for NaN; at_min_loss_scale='warn' or 'skip' "
+                                          "(FastOptStrategy / FastOptPrecision) keeps skipping instead.")
+        if self.at_min_loss_scale == "warn" and n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th ...
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers only (loads with ``torch.load(weights_only=True)``)."""

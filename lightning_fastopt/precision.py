@@ -60,6 +60,8 @@ class FastOptPrecision(Precision):
         loss_scale_window: clean steps before the scale doubles.
         hysteresis: overflows tolerated before the scale halves.
         min_loss_scale: the scale never goes below this.
+        at_min_loss_scale: when a step overflows with the scale at its minimum: ``"raise"``
+            (default), ``"warn"`` or ``"skip"`` (see :mod:`~lightning_fastopt.loss_scaler`).
         device: autocast device type; by default the device of the model's parameters.
 
     After construction ``loss_scale`` is the current scale (1.0 unless fp16) and
@@ -68,12 +70,12 @@ class FastOptPrecision(Precision):
 
     def __init__(self, precision: _PrecisionFlag = "16-mixed", loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
-                 min_loss_scale: float = 1.0, device: str | None = None) -> None:
+                 min_loss_scale: float = 1.0, device: str | None = None, at_min_loss_scale: str = "raise") -> None:
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(f"FastOptPrecision supports precision in {SUPPORTED_PRECISIONS}, got {precision!r}")
         self.precision = precision
         self.scaler = (DynamicLossScaler(loss_scale, initial_scale_power, loss_scale_window, hysteresis,
-                                         min_loss_scale) if precision == "16-mixed" else None)
+                                         min_loss_scale, at_min_loss_scale) if precision == "16-mixed" else None)
         self.device = device
         self._overflow = False
 

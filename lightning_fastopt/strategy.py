@@ -94,6 +94,9 @@ class FastOptStrategy(DDPStrategy):
         loss_scale_window: clean steps before the scale doubles.
         hysteresis: overflows tolerated before the scale halves.
         min_loss_scale: the scale never goes below this.
+        at_min_loss_scale: when an fp16 step overflows with the scale at its minimum (the
+            loss is not finite whatever the scale): ``"raise"`` (default, as DeepSpeed),
+            ``"warn"`` or ``"skip"``.
         wall_clock_breakdown: log the time of each phase of every optimizer step (grad
             D2H, GPU step, CPU step, param H2D, in ms) and the loss scale to the Trainer's
             loggers.  Timing synchronizes the device, so use it to diagnose, not to train.
@@ -118,7 +121,8 @@ class FastOptStrategy(DDPStrategy):
     def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
-                 min_loss_scale: float = 1.0, wall_clock_breakdown: bool = False, zero_stage: int = 0,
+                 min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
+                 zero_stage: int = 0,
                  copy_on_cpu: bool = False, keep_gradients: bool = False, **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
@@ -148,7 +152,7 @@ class FastOptStrategy(DDPStrategy):
         # set before super().__init__, which calls the precision_plugin setter
         self._scale_knobs = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
                                  loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-                                 min_loss_scale=min_loss_scale)
+                                 min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale)
         DynamicLossScaler(**self._scale_knobs)  # bad knobs fail here, with the argument's name
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}
         self._threads_before: int | None = None

@@ -3,12 +3,13 @@ with a fused optimizer (injected inf/NaN gradients change nothing)."""
 
 import io
 import math
+import warnings
 
 import pytest
 import torch
 
 from lightning_fastopt import FusedAdam
-from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
 
 
 def test_starts_at_two_to_the_initial_power():
@@ -17,7 +18,8 @@ def test_starts_at_two_to_the_initial_power():
 
 
 def test_hysteresis_then_halving_then_floor():
-    s = DynamicLossScaler(initial_scale_power=4, hysteresis=3, min_loss_scale=2.0, loss_scale_window=100)
+    s = DynamicLossScaler(initial_scale_power=4, hysteresis=3, min_loss_scale=2.0, loss_scale_window=100,
+                          at_min_loss_scale="skip")
     seen = []
     for _ in range(6):
         s.update(overflow=True)
@@ -120,3 +122,39 @@ def test_overflowing_steps_change_nothing_and_training_recovers(backend):
             assert scaler.scale == scale_before / 2
     assert scaler.skipped_steps == opt.skipped_steps == 4
     assert losses[-1] < 0.2 * losses[0]
+
+
+def test_overflowing_at_the_minimum_scale_raises_by_default_naming_the_counts():
+    s = DynamicLossScaler(initial_scale_power=1, hysteresis=1, min_loss_scale=1.0)
+    s.update(True)  # 2 -> 1
+    assert s.scale == 1.0
+    with pytest.raises(LossScaleAtMinimumError, match=r"already at min_loss_scale=1, 1 time\(s\) in a row \(2 steps "
+                                                      r"skipped in all\).*at_min_loss_scale='warn' or 'skip'"):
+        s.update(True)
+
+
+def test_warn_at_the_minimum_is_loud_but_not_a_flood_and_a_clean_step_resets_the_count():
+    s = DynamicLossScaler(initial_scale_power=0, hysteresis=1, min_loss_scale=1.0, at_min_loss_scale="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(9):
+            s.update(True)
+    said = [str(w.message) for w in caught]
+    assert [m.split(", ")[1].split(" ")[0] for m in said] == ["1", "2", "4", "8"]  # the 1st, 2nd, 4th, 8th
+    s.update(False)
+    assert s.overflows_at_min == 0 and s.skipped_steps == 9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s.update(True)
+    assert len(caught) == 1 and "1 time(s) in a row" in str(caught[0].message)
+
+
+def test_skip_at_the_minimum_is_quiet_and_a_bad_choice_is_refused():
+    s = DynamicLossScaler(initial_scale_power=0, min_loss_scale=1.0, at_min_loss_scale="skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            s.update(True)
+    assert s.skipped_steps == 5
+    with pytest.raises(ValueError, match=r"at_min_loss_scale must be one of \('raise', 'warn', 'skip'\), got 'stop'"):
+        DynamicLossScaler(at_min_loss_scale="stop")

@@ -178,3 +178,21 @@ def test_bf16_mixed_trains(backend):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FastOptPrecision(**kwargs)
+
+
+class NanLoss(Regressor):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * math.nan
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fastopt_offload"])
+def test_fp16_training_whose_every_step_overflows_stops_with_a_clear_error(strategy):
+    """A NaN loss overflows at every scale: once the scale is at its minimum the run stops
+    (at_min_loss_scale="raise", the default) instead of skipping every step in silence."""
+    from lightning_fastopt.loss_scaler import LossScaleAtMinimumError
+
+    model = NanLoss()
+    trainer = _trainer(FastOptPrecision("16-mixed", initial_scale_power=2, hysteresis=1), strategy=strategy)
+    with pytest.raises(LossScaleAtMinimumError, match=r"min_loss_scale=1, 1 time\(s\) in a row \(3 steps skipped"):
+        trainer.fit(model, _data())
+    assert trainer.global_step == 2  # scales 4 and 2 skipped, then 1 overflowed again

@@ -146,6 +146,8 @@ def test_strategy_arguments_are_validated():
             FastOptStrategy(offload_fraction=bad)
     with pytest.raises(TypeError, match="bucket_size_mb must be a number"):
         FastOptStrategy(bucket_size_mb="64MB")
+    with pytest.raises(ValueError, match="at_min_loss_scale must be one of"):
+        FastOptStrategy(at_min_loss_scale="ignore")
 
 
 def test_a_misspelt_argument_is_refused_with_the_nearest_name():
