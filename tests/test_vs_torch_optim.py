@@ -123,6 +123,20 @@ def test_params_without_grad_are_untouched(backend):
     assert float(opt.state[p1]["step"]) == 6 and float(opt.state[p2]["step"]) == 5
 
 
+def _step_with_gaps(opt, ref, ps, rs, every, steps=12):
+    """Step both optimizers on the same random gradients; parameter i has none at the
+    steps where (step + i) % every == 0."""
+    for step in range(steps):
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            if (step + i) % every == 0:
+                p.grad = r.grad = None
+                continue
+            g = torch.randn_like(p)
+            p.grad, r.grad = g, g.clone()
+        opt.step()
+        ref.step()
+
+
 @pytest.mark.parametrize("make,make_ref,tol", [
     (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01), lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
      ADAM_TOL),
@@ -135,15 +149,7 @@ def test_gradients_missing_on_some_steps(backend, make, make_ref, tol):
     ps = [torch.randn(n, requires_grad=True) for n in (7, 1023, 1)]
     rs = [p.detach().clone().requires_grad_() for p in ps]
     opt, ref = make(ps), make_ref(rs)
-    for step in range(12):
-        for i, (p, r) in enumerate(zip(ps, rs)):
-            if (step + i) % 4 == 0:
-                p.grad = r.grad = None
-                continue
-            g = torch.randn_like(p)
-            p.grad, r.grad = g, g.clone()
-        opt.step()
-        ref.step()
+    _step_with_gaps(opt, ref, ps, rs, every=4)
     assert_params_close(ps, rs, **tol)
     for p, r in zip(ps, rs):
         if "step" in ref.state[r]:
@@ -196,15 +202,7 @@ def test_a_parameter_listed_twice_is_updated_once_per_listing_as_by_torch(backen
     opt, ref = make(groups(ps)), make_ref(groups(rs))
     if wrap is not None:
         opt = wrap(opt, {p: f"p{i}" for i, p in enumerate(ps)})
-    for step in range(12):
-        for i, (p, r) in enumerate(zip(ps, rs)):
-            if (step + i) % 5 == 0:
-                p.grad = r.grad = None
-                continue
-            g = torch.randn_like(p)
-            p.grad, r.grad = g, g.clone()
-        opt.step()
-        ref.step()
+    _step_with_gaps(opt, ref, ps, rs, every=5)
     assert_params_close(ps, rs, **tol)
     state_of = opt.state_of if wrap is not None else opt.state.__getitem__
     for p, r in zip(ps, rs):
