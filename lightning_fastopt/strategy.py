@@ -36,6 +36,7 @@ The work is done in those modules; the hooks here call them.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -348,8 +349,6 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
     """``**kwargs`` go to DDPStrategy and from there to DistributedDataParallel, which is not
     built with one process: a misspelt argument would be silently ignored there.  Refuse
     anything neither accepts, suggesting the nearest name."""
-    import difflib
-
     def names(fn) -> set[str]:
         return {n for n, p in inspect.signature(fn).parameters.items()
                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}
