@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_fastopt.optim.base import SUPPORTED_DTYPES
+from lightning_fastopt.optim.base import check_dtype
 
 
 def check_parameters(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
@@ -19,11 +19,7 @@ def check_parameters(optimizer: torch.optim.Optimizer, module: nn.Module) -> Non
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names.get(p, "a parameter not in the module")
-            if p.dtype not in SUPPORTED_DTYPES:
-                what = "complex" if p.is_complex() else str(p.dtype).replace("torch.", "")
-                raise TypeError(f"parameter {name!r} is {what} ({p.dtype}): the fastopt strategies step float32, "
-                                "float16 and bfloat16 parameters (a complex one can be kept as a real pair, "
-                                "torch.view_as_real)")
+            check_dtype(p, f"parameter {name!r}", "the fastopt strategies step")
             if p in sparse:
                 raise ValueError(f"parameter {name!r} gets sparse gradients ({sparse[p]}(sparse=True)): the fused "
                                  "optimizers need dense ones; build it with sparse=False")

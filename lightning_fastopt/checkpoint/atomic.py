@@ -74,11 +74,12 @@ def remove_stale_temps(path) -> list[str]:
     except OSError:
         return []
     removed = []
+    host = _host()
     for entry in entries:
         if not (entry.startswith(f".{base}.") and entry.endswith(".tmp")):
             continue
         parts = entry[len(base) + 2:-len(".tmp")].split(".")
-        if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit() or not _process_gone(int(parts[1])):
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit() or not _process_gone(int(parts[1])):
             continue
         stale = os.path.join(directory, entry)
         try:

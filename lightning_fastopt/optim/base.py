@@ -53,6 +53,15 @@ def check_betas(betas) -> tuple:
     return tuple(betas)
 
 
+def check_dtype(p: Tensor, which: str, who_steps: str) -> None:
+    """Raise a TypeError when parameter ``p`` (``which``, in words) has a dtype the kernels
+    do not step (complex, float64, integer); ``who_steps``: "FusedAdam steps", ..."""
+    if p.dtype not in SUPPORTED_DTYPES:
+        what = "complex" if p.is_complex() else str(p.dtype).replace("torch.", "")
+        raise TypeError(f"{which} is {what} ({p.dtype}): {who_steps} float32, float16 and bfloat16 "
+                        "parameters (a complex one can be kept as a real pair, torch.view_as_real)")
+
+
 def check_lr(lr) -> None:
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}")
@@ -132,11 +141,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         self._validate_group(group)
         for p in group["params"]:
-            if p.is_complex():
-                raise TypeError(f"{type(self).__name__} does not support complex parameters")
-            if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"{type(self).__name__} supports float32, float16 and bfloat16 parameters, "
-                                f"got {p.dtype}")
+            check_dtype(p, "a parameter", f"{type(self).__name__} steps")
 
     def _normalize_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """Translate our argument aliases into the stored keys (override)."""
