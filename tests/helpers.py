@@ -1,4 +1,13 @@
+import os
+
 import torch
+
+# The Trainer-level comparisons run on the CPU (CI, through the accelerator code path where a
+# test asks for copy_on_cpu=True); FASTOPT_TEST_ACCELERATOR=gpu runs the same comparisons on a
+# GPU against Trainer(accelerator="gpu") (benchmarks/gpu_session.sh tests).
+ACCELERATOR = os.environ.get("FASTOPT_TEST_ACCELERATOR", "cpu")
+if ACCELERATOR not in ("cpu", "gpu"):
+    raise ValueError(f"FASTOPT_TEST_ACCELERATOR must be 'cpu' or 'gpu', got {ACCELERATOR!r}")
 
 SIZES = (0, 1, 7, 1023)  # odd sizes: empty, scalar-like, sub-vector, tail after full vectors
 BIG = 1_000_003  # spans many threads' shares and kernel blocks, with a tail

@@ -289,6 +289,7 @@ def test_the_cuda_extension_compiles_and_takes_the_documented_arguments(built_cu
         lambda: ext.all_finite(cpu),
         lambda: ext.sum_squares(cpu),
         lambda: ext.sum_squares_device(cpu),
+        lambda: ext.fingerprint(cpu),
         lambda: ext.check_finite_(cpu, torch.zeros(1)),
         lambda: ext.unscale_(cpu, 1.0, None, torch.zeros(1)),
     ]

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastopt import FastOptStrategy, FusedAdam
 from lightning_fastopt.precision import FastOptPrecision
+from tests.helpers import ACCELERATOR
 
 
 def _data(n=64, seed=0):
@@ -67,7 +68,7 @@ class Regressor(L.LightningModule):
 
 
 def _trainer(plugin=None, **kw):
-    args = dict(accelerator="cpu", devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
+    args = dict(accelerator=ACCELERATOR, devices=1, max_epochs=3, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False)
     args.update(kw)
     if plugin is not None:

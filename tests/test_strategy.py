@@ -12,6 +12,7 @@ from torch import nn
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedAdagrad, FusedSGD
 from lightning_fastopt.offload import OffloadOptimizer
+from tests.helpers import ACCELERATOR
 from tests.test_precision import _data
 
 ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
@@ -39,7 +40,7 @@ class Model(L.LightningModule):
 
 
 def _fit(strategy, model, **kw):
-    args = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+    args = dict(accelerator=ACCELERATOR, devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, strategy=strategy)
     args.update(kw)
     trainer = L.Trainer(**args)

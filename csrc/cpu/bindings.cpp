@@ -9,6 +9,7 @@
 #include <string>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <omp.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -99,6 +100,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     return out;
   }, py::arg("tensors"), "Per-tensor sum of squares, accumulated in double");
+
+  m.def("fingerprint", [](const TensorList& tensors) {
+    Slots slots = CpuDevice::slots(tensors, nullptr, {}, std::nullopt);
+    at::Tensor out = at::empty({static_cast<int64_t>(slots.size())}, at::kLong);
+    {
+      py::gil_scoped_release nogil;
+      sync_threads();
+      fingerprint(slots, out.data_ptr<int64_t>());
+    }
+    return out;
+  }, py::arg("tensors"), "Per-tensor int64 fingerprints of the bits (torch_backend.fingerprint)");
 
   def_optimizer_functions<CpuDevice>(m);
 }

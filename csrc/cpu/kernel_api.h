@@ -19,6 +19,10 @@ bool grads_all_finite(const Slots& slots);
 // Sum of squares per slot, of the gradient (which=0) or the parameter (which=1),
 // accumulated in double.  `out` has slots.size() entries.
 void sum_squares(const Slots& slots, int which, double* out);
+// Per-slot fingerprints of the parameters' bits: the sum, wrapping at 2^64, of
+// SplitMix64(bits ^ (index << 32)) over each tensor's elements, as
+// lightning_fastopt.ops.torch_backend.fingerprint defines it.  `out`: slots.size() entries.
+void fingerprint(const Slots& slots, int64_t* out);
 
 // ---------------------------------------------------------------- algorithms
 // The argument structs, and the state each algorithm updates, are in ../common/kernel_args.h.

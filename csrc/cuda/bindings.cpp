@@ -193,5 +193,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, py::arg("tensors"), "Per-tensor sum of squares, accumulated in double");
 
+  m.def("fingerprint", [](const TensorList& tensors) {
+    Slots slots = CudaDevice::slots(tensors, nullptr, {}, std::nullopt);
+    if (slots.empty()) throw py::value_error("fingerprint needs at least one tensor");
+    const c10::cuda::CUDAGuard guard(tensors[0].device());
+    at::Tensor out = at::empty({static_cast<int64_t>(slots.size())}, tensors[0].options().dtype(at::kLong));
+    cuda::fingerprint(slots, out.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream().stream());
+    return out;
+  }, py::arg("tensors"), "Per-tensor int64 fingerprints of the bits (torch_backend.fingerprint), without synchronising");
+
   def_optimizer_functions<CudaDevice>(m);
 }

@@ -69,5 +69,10 @@ void check_finite(const Slots& slots, float* found_inf, cudaStream_t stream);
 void unscale(const Slots& slots, float inv_grad_scale, const float* grad_scale, float* found_inf,
              cudaStream_t stream);
 
+// Per-slot fingerprints of the parameters' bits (`per_slot`: device, slots.size() int64):
+// the sum, wrapping at 2^64, of SplitMix64(bits ^ (index << 32)) over each tensor's
+// elements, as lightning_fastopt.ops.torch_backend.fingerprint defines it.
+void fingerprint(const Slots& slots, int64_t* per_slot, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace fastopt

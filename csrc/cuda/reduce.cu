@@ -1,5 +1,6 @@
 // Multi-tensor reductions: per-tensor sums of squares (L2 norms for clipping, LAMB's
-// global norm, LARS), the inf/NaN check, and unscaling with the overflow check.
+// global norm, LARS), the inf/NaN check, unscaling with the overflow check, and the
+// fingerprints that notice writes to the weights (lightning_fastopt.offload.weight_watch).
 #include "elementwise.cuh"
 
 namespace fastopt {
@@ -87,6 +88,37 @@ struct Unscale {
   }
 };
 
+// The bit pattern of an element, zero-extended.
+__device__ __forceinline__ uint64_t bits_of(float x) { return __float_as_uint(x); }
+__device__ __forceinline__ uint64_t bits_of(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ uint64_t bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+
+// SplitMix64's finalizer: a bijection of 64-bit words that spreads every input bit.
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// per_slot[slot] += the sum (mod 2^64) over the chunk of mix64(bits ^ (index << 32)), the
+// index counted from the tensor's first element: the definition is torch_backend.fingerprint.
+// Integer sums are exact, so the order in which blocks add up does not matter.
+template <typename T>
+struct Fingerprint {
+  unsigned long long* per_slot;
+  template <typename List>
+  __device__ void operator()(const List& tl) const {
+    const ChunkPos pos = chunk_pos(tl);
+    const T* x = static_cast<const T*>(tl.addr[kReduced][pos.t]) + pos.start;
+    unsigned long long acc = 0;
+    for_each_index(pos.n, [&](int64_t i) {
+      acc += mix64(bits_of(x[i]) ^ (static_cast<uint64_t>(pos.start + i) << 32));
+    });
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) atomicAdd(per_slot + tl.index[pos.t], acc);
+  }
+};
+
 // Runs Functor<T>(args...) over one tensor of every slot (the gradient when which == 0,
 // else the parameter), one series of launches per dtype.
 template <template <typename> class Functor, typename... Args>
@@ -145,6 +177,13 @@ void check_finite(const Slots& slots, float* found_inf, cudaStream_t stream) {
 void unscale(const Slots& slots, float inv_grad_scale, const float* grad_scale, float* found_inf,
              cudaStream_t stream) {
   over_tensors<Unscale>(slots, 0, stream, "unscale", inv_grad_scale, grad_scale, found_inf);
+}
+
+void fingerprint(const Slots& slots, int64_t* per_slot, cudaStream_t stream) {
+  if (slots.empty()) return;
+  cudaMemsetAsync(per_slot, 0, sizeof(int64_t) * slots.size(), stream);  // empty tensors get no block
+  check_launch("fingerprint");
+  over_tensors<Fingerprint>(slots, 1, stream, "fingerprint", reinterpret_cast<unsigned long long*>(per_slot));
 }
 
 }  // namespace cuda

@@ -69,7 +69,7 @@ from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, written_by_others
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, remember_weights, written_by_others
 from lightning_fastopt.offload.timing import StepTimer
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
                                           hyperparameters, needs_step_context)
@@ -183,7 +183,7 @@ class OffloadOptimizer(OptimizerWrapper):
             if s.name in seen:
                 raise ValueError(f"two parameters are both named {s.name!r}")
             seen.add(s.name)
-            s.remember_weights()
+        remember_weights(slots)
         return slots
 
     def _make_bucket(self, slots: list[ParamSlot]) -> HostBucket:
@@ -325,7 +325,7 @@ class OffloadOptimizer(OptimizerWrapper):
         slots = written_by_others(self._slots) if only_changed else [s for s in self._slots if s.separate_master]
         for s in slots:
             s.master.copy_(s.param.detach())
-            s.remember_weights()
+        remember_weights(slots)
         return len(slots)
 
     # ------------------------------------------------------------------ step
@@ -369,9 +369,8 @@ class OffloadOptimizer(OptimizerWrapper):
                         self._compute_done, b.params_sent)
                 last_sent = b.params_sent
         self.copies.compute_waits_for(last_sent)  # the next forward sees the new weights
-        for s in written:  # the others' fingerprints still hold: nothing wrote them since the check
-            if s.separate_master:
-                s.remember_weights()
+        # the others' fingerprints still hold: nothing wrote them since the check
+        remember_weights([s for s in written if s.separate_master])
         self._new_gradients()
         timer.end_step()
         return False

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_fastopt.offload.weight_watch import changed_since, fingerprint
+from lightning_fastopt.offload.weight_watch import changed_since, fingerprints
 from lightning_fastopt.optim.base import FusedOptimizer
 
 _ALIGN = 64  # bytes: every host view starts on a cache line
@@ -44,15 +44,23 @@ class ParamSlot:
     def separate_master(self) -> bool:
         return self.master is not self.param
 
-    def remember_weights(self) -> None:
-        self.seen = (self.param.data_ptr(), self.param._version)
-        self.fingerprint = fingerprint(self.param) if self.separate_master else None
-
     def rebound_or_bumped(self) -> bool:
         """True when the parameter's storage was replaced or its version counter moved
         since we last wrote it (a write through ``.data`` does neither: see
         :mod:`~lightning_fastopt.offload.weight_watch`)."""
         return self.seen != (self.param.data_ptr(), self.param._version)
+
+
+def remember_weights(slots: Sequence[ParamSlot]) -> None:
+    """Note each parameter as we left it: its storage, version and (for a separate
+    master) fingerprint, all fingerprints in one pass per device."""
+    watched = [s for s in slots if s.separate_master]
+    for s, f in zip(watched, fingerprints([s.param for s in watched])):
+        s.fingerprint = f
+    for s in slots:
+        s.seen = (s.param.data_ptr(), s.param._version)
+        if not s.separate_master:
+            s.fingerprint = None
 
 
 def written_by_others(slots: Sequence[ParamSlot]) -> list[ParamSlot]:

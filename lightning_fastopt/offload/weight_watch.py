@@ -6,12 +6,14 @@ the master and copied back; if a callback, ``load_state_dict`` or an in-place wr
 next step, or that step would overwrite the write.  The tensor's version counter and
 storage address catch most writes, but not those through ``.data`` (WGAN weight
 clipping, EMA resets), which bump a counter of their own.  So each such parameter also
-has a fingerprint, computed on its device after every write of ours and compared before
-each step: exact integer sums of its bit patterns over the rows and over the columns of
-a ``(n // 1021, 1021)`` view, and the tail as it is.  Any change of one element changes a
-sum; a write escapes only if its changes cancel exactly in every row and every column it
-touches.  Cost: two reductions over the weights after the step and two before the next
-(``benchmarks/weight_watch.py`` measures it), and one device synchronization per step.
+has a fingerprint of its bits, computed on its device after every write of ours and
+compared before each step (:func:`lightning_fastopt.ops.torch_backend.fingerprint`
+defines it: one changed element always changes it).  The compiled kernels fingerprint
+every parameter of a device in one multi-tensor pass (one launch on a GPU), a single
+read of the weights; ``benchmarks/weight_watch.py`` measures it against the device's
+copy bandwidth.  Cost:
+one read of the weights after the step, one before the next, and one device
+synchronization per step.
 """
 
 from __future__ import annotations
@@ -21,33 +23,53 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-_COLUMNS = 1021  # a prime: rows and columns of the view rarely line up with a weight's own layout
-_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-         torch.float64: torch.int64}
+from lightning_fastopt import ops
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def fingerprint(t: Tensor) -> Tensor:
-    """int64 row sums, column sums and tail of the bit patterns of ``t`` (on its device)."""
-    bits = t.detach().reshape(-1).view(_BITS[t.dtype])
-    whole = bits.numel() - bits.numel() % _COLUMNS
-    rows = bits[:whole].view(-1, _COLUMNS)
-    if rows.device.type == "cpu":  # the CPU's reductions that widen as they read are slow (3-6x, measured)
-        rows = rows.to(torch.int64)
-    return torch.cat([rows.sum(0, dtype=torch.int64), rows.sum(1, dtype=torch.int64),
-                      bits[whole:].to(torch.int64)])
+def _by_device(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of the tensors, one list per device, in order of first appearance."""
+    lists: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        lists.setdefault(t.device, []).append(i)
+    return list(lists.values())
 
 
-def changed_since(tensors: Sequence[Tensor], fingerprints: Sequence[Tensor]) -> list[bool]:
+def _on_device(tensors: list[Tensor]) -> Tensor:
+    """Fingerprints of tensors on one device, as an int64 tensor on that device: the
+    compiled kernels take the contiguous float32/float16/bfloat16 ones, torch the rest."""
+    kernels = ops.route(tensors[0].device.type).kernels
+    if kernels is ops.torch_backend:
+        return ops.torch_backend.fingerprint(tensors)
+    fast = [t.dtype in _KERNEL_DTYPES and t.is_contiguous() for t in tensors]
+    if all(fast):
+        return kernels.fingerprint(tensors)
+    out = torch.empty(len(tensors), dtype=torch.int64, device=tensors[0].device)
+    for wanted, fn in ((True, kernels.fingerprint), (False, ops.torch_backend.fingerprint)):
+        indices = [i for i, f in enumerate(fast) if f is wanted]
+        if indices:
+            out[indices] = fn([tensors[i] for i in indices])
+    return out
+
+
+def fingerprints(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The fingerprint of each tensor (a 0-dim int64 tensor on its device), without
+    synchronizing: one multi-tensor launch per device on the CUDA kernels."""
+    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for indices in _by_device(tensors):
+        for i, value in zip(indices, _on_device([tensors[i].detach() for i in indices])):
+            out[i] = value
+    return out
+
+
+def changed_since(tensors: Sequence[Tensor], earlier: Sequence[Tensor]) -> list[bool]:
     """Whether each tensor's fingerprint differs from the one given: one synchronization
     per device for all of them."""
-    if not tensors:
-        return []
-    flags = [(fingerprint(t) != f).any() for t, f in zip(tensors, fingerprints)]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, f in enumerate(flags):
-        by_device.setdefault(f.device, []).append(i)
-    out = [False] * len(flags)
-    for indices in by_device.values():
-        for i, value in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
+    now = fingerprints(tensors)
+    out = [False] * len(tensors)
+    for indices in _by_device(tensors):
+        differs = torch.stack([now[i] for i in indices]) != torch.stack([earlier[i] for i in indices])
+        for i, value in zip(indices, differs.tolist()):
             out[i] = value
     return out

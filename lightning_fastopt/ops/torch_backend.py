@@ -46,6 +46,38 @@ def sum_squares(tensors) -> list[float]:
     return sums.tolist()
 
 
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+         torch.float64: torch.int64}
+_MIX = (0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64)  # SplitMix64's multipliers, as int64
+
+
+def _shift_right(z, k: int):
+    """Logical right shift of int64 (torch's >> keeps the sign)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def fingerprint(tensors) -> torch.Tensor:
+    """Per-tensor int64 fingerprints of the elements' bits, on the tensors' device: the
+    sum, wrapping at 2**64, of SplitMix64(bits ^ (index << 32)) over each tensor's
+    elements in row-major order (bits zero-extended; index counted modulo 2**32).
+    SplitMix64 is a bijection, so changing one element always changes the sum; several
+    changes go unseen only when their mixed differences cancel, a 2**-64 coincidence for
+    writes that are not built to do it.  The CUDA kernels compute the same values."""
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        bits = flat.view(_BITS[flat.dtype]).to(torch.int64)
+        if flat.element_size() < 8:
+            bits &= (1 << (8 * flat.element_size())) - 1
+        z = bits ^ (torch.arange(flat.numel(), dtype=torch.int64, device=flat.device) << 32)
+        z = (z ^ _shift_right(z, 30)) * _MIX[0]
+        z = (z ^ _shift_right(z, 27)) * _MIX[1]
+        sums.append((z ^ _shift_right(z, 31)).sum())
+    if not sums:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.stack(sums)
+
+
 def _lerp_(dst, src, weight: float) -> None:
     torch._foreach_lerp_(dst, src, weight)
 
