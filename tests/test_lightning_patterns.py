@@ -346,10 +346,39 @@ class Ema(Callback):
                 p.data.copy_(a)
 
 
+class ClampBeforeStep(Callback):
+    """Weight clipping between backward and the step: the step starts from the clipped
+    weights (the offload optimizer then checks the weights when the step starts, not
+    while the gradients leave during backward)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for p in pl_module.parameters():
+            p.data.clamp_(-0.2, 0.2)
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("callback", [ClampWeights, Ema])
+@pytest.mark.parametrize("callback", [ClampWeights, Ema, ClampBeforeStep])
 def test_weight_writes_outside_the_optimizer_are_kept(strategy, callback):
     _compare(Net, strategy, callbacks=lambda: [callback()])
+
+
+class ManualClampBetweenBackwardAndStep(Net):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, _):
+        opt = self.optimizers()
+        self.manual_backward(self.loss(batch))
+        for p in self.parameters():
+            p.data.clamp_(-0.2, 0.2)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_weight_writes_between_manual_backward_and_step_are_kept(strategy):
+    _compare(ManualClampBetweenBackwardAndStep, strategy)
 
 
 # ---------------------------------------------------------------------------- one device

@@ -9,7 +9,7 @@ block.  On a CPU run there is nothing to copy: :attr:`needed` is False.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -51,6 +51,17 @@ class CopyStreams:
         if self.d2h is not None:
             self.d2h.synchronize()  # the first copy has landed
         host.add_(grad.to(host.device))
+
+    def result_to_host(self, compute: Callable[[], Tensor], host: Tensor) -> None:
+        """Evaluate ``compute`` (a small device tensor) on the gradient stream, after
+        everything the compute stream has queued so far, and copy it into ``host``: it
+        lands with the gradients (the next :meth:`mark_grads_sent` covers it)."""
+        if self.d2h is None:
+            host.copy_(compute())
+            return
+        self.d2h.wait_stream(self._current())
+        with torch.cuda.stream(self.d2h):
+            host.copy_(compute(), non_blocking=True)
 
     def mark_grads_sent(self, event) -> None:
         """Record ``event`` after the gradient copies issued so far."""

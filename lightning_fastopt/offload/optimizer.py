@@ -40,9 +40,12 @@ updated once per listing, as by torch (see ``FusedOptimizer._repeat_buckets``).
 One source of truth: the model's parameters.  A master copy is refreshed from its
 parameter whenever the parameter was written by anything but this optimizer
 (``load_state_dict``, a checkpoint restore, a callback, a write through ``.data``),
-detected before every step from the tensor's version counter and a fingerprint of its
-bits (:mod:`~lightning_fastopt.offload.weight_watch`); :meth:`refresh_master_weights`
-forces it.
+detected from the tensor's version counter and a fingerprint of its bits
+(:mod:`~lightning_fastopt.offload.weight_watch`): for an offloaded parameter on the
+gradient stream as its bucket's gradients leave (the answer lands with them, so the
+step never waits for the rest of backward; in the ``"copy_in_backward"`` mode no user
+code runs between backward and the step), for the others when the step starts.
+:meth:`refresh_master_weights` forces it.
 
 The optimizer wraps a :class:`~lightning_fastopt.optim.base.FusedOptimizer` and shares
 its ``param_groups`` dicts (and so the user's, when that one was mapped from a
@@ -69,8 +72,11 @@ from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, remember_weights, written_by_others
+from lightning_fastopt.offload.slots import (
+    HostBucket, ParamSlot, carve, remember_weights, written_by_others, written_in_bucket,
+)
 from lightning_fastopt.offload.timing import StepTimer
+from lightning_fastopt.offload.weight_watch import changed_flags
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
                                           hyperparameters, needs_step_context)
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
@@ -201,6 +207,8 @@ class OffloadOptimizer(OptimizerWrapper):
             for s, c in zip(half, copies):
                 s.host_copy = c
         bucket = HostBucket(slots, self.optimizer.sibling(self._per_group(slots)), buffers)
+        if self.copies.needed:
+            bucket.written_flags = torch.zeros(len(slots), dtype=torch.bool, pin_memory=self._pin)
         bucket.grads_ready = self.copies.new_event()
         bucket.params_sent = self.copies.new_event()
         for s in slots:
@@ -261,8 +269,7 @@ class OffloadOptimizer(OptimizerWrapper):
         bucket = slot.bucket
         bucket.unsent -= 1
         if bucket.unsent <= 0 and not bucket.recorded:
-            self.copies.mark_grads_sent(bucket.grads_ready)
-            bucket.recorded = True
+            self._grads_sent(bucket)
 
     def _send_grad(self, slot: ParamSlot) -> None:
         g = slot.param.grad
@@ -285,8 +292,18 @@ class OffloadOptimizer(OptimizerWrapper):
             if not b.recorded:
                 for s in b.slots:
                     self._send_grad(s)
-                self.copies.mark_grads_sent(b.grads_ready)
-                b.recorded = True
+                self._grads_sent(b)
+
+    def _grads_sent(self, bucket: HostBucket) -> None:
+        """All of the bucket's gradients are on their way to the host.  Its parameters are
+        checked for writes from outside the optimizer on the same stream, so the answer
+        lands with the gradients and the step need not wait for the rest of backward
+        (user code cannot write them in between: gradients leave during backward only
+        when no user code runs between backward and the step, see ``device_grads``)."""
+        params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
+        self.copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
+        self.copies.mark_grads_sent(bucket.grads_ready)
+        bucket.recorded = True
 
     def _grad_of(self, slot: ParamSlot) -> Tensor | None:
         if slot.host_grad is not None:
@@ -323,20 +340,27 @@ class OffloadOptimizer(OptimizerWrapper):
     def refresh_master_weights(self, only_changed: bool = False) -> int:
         """Copy the model's parameters into the separate float32 masters; returns how many."""
         slots = written_by_others(self._slots) if only_changed else [s for s in self._slots if s.separate_master]
+        return self._refresh(slots)
+
+    def _refresh(self, slots: list[ParamSlot]) -> int:
         for s in slots:
             s.master.copy_(s.param.detach())
         remember_weights(slots)
         return len(slots)
 
+    def _refresh_written(self, slots: list[ParamSlot]) -> None:
+        """Refresh the masters of parameters written by others (found before a step)."""
+        if self._refresh(slots) and not self._said_refreshed:
+            self._said_refreshed = True
+            rank_zero_info(f"lightning_fastopt: {len(slots)} master weight(s) refreshed from the model, whose "
+                           "weights were changed outside the optimizer (said once; it is checked before every step)")
+
     # ------------------------------------------------------------------ step
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         timer = self._timer
         timer.start_step()
-        refreshed = self.refresh_master_weights(only_changed=True)
-        if refreshed and not self._said_refreshed:
-            self._said_refreshed = True
-            rank_zero_info(f"lightning_fastopt: {refreshed} master weight(s) refreshed from the model, whose "
-                           "weights were changed outside the optimizer (said once; it is checked before every step)")
+        # the offloaded parameters' check travels with their gradients (_grads_sent)
+        self._refresh_written(written_by_others(self._device_slots if self.copies.needed else self._slots))
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
         needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
@@ -359,6 +383,8 @@ class OffloadOptimizer(OptimizerWrapper):
         for b in self._buckets:
             with timer.phase("grad_d2h"):
                 self.copies.wait_on_host(b.grads_ready)
+            if self.copies.needed:
+                self._refresh_written(written_in_bucket(b))
             with timer.phase("cpu_step"):
                 updated = self._step_inner(b.inner, b.slots, grad_scale, context)
             written += updated

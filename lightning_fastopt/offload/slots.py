@@ -63,6 +63,14 @@ def remember_weights(slots: Sequence[ParamSlot]) -> None:
             s.fingerprint = None
 
 
+def written_in_bucket(bucket: HostBucket) -> list[ParamSlot]:
+    """The bucket's slots written by others: the fingerprint check that travelled with
+    its gradients (``bucket.written_flags``, read once they have landed), or a moved
+    storage or version counter."""
+    flags = bucket.written_flags.tolist()
+    return [s for s, flag in zip(bucket.slots, flags) if flag or s.rebound_or_bumped()]
+
+
 def written_by_others(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
     """The slots with a separate master whose parameter something other than the
     optimizer wrote since its last write (``load_state_dict``, a callback, ``.data``)."""
@@ -82,6 +90,7 @@ class HostBucket:
     inner: FusedOptimizer
     buffers: list[Tensor] = field(default_factory=list)  # the flat host memory the views live in
     grads_ready = None  # event: the gradient copies of this bucket have landed
+    written_flags: Tensor | None = None  # host: which slots' parameters others wrote (lands with the gradients)
     params_sent = None  # event: the parameter copies of this bucket have been issued
     unsent: int = 0  # gradients the hooks have still to copy this step
     recorded: bool = False  # grads_ready recorded this step

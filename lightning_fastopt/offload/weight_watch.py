@@ -7,13 +7,13 @@ next step, or that step would overwrite the write.  The tensor's version counter
 storage address catch most writes, but not those through ``.data`` (WGAN weight
 clipping, EMA resets), which bump a counter of their own.  So each such parameter also
 has a fingerprint of its bits, computed on its device after every write of ours and
-compared before each step (:func:`lightning_fastopt.ops.torch_backend.fingerprint`
+compared before the next step (:func:`lightning_fastopt.ops.torch_backend.fingerprint`
 defines it: one changed element always changes it).  The compiled kernels fingerprint
 every parameter of a device in one multi-tensor pass (one launch on a GPU), a single
-read of the weights; ``benchmarks/weight_watch.py`` measures it against the device's
-copy bandwidth.  Cost:
-one read of the weights after the step, one before the next, and one device
-synchronization per step.
+read of the weights.  Cost per step: one read of the watched weights after the step and
+one before the next (``benchmarks/weight_watch.py`` measures both against the device's
+copy bandwidth); the offload optimizer compares on its gradient stream, so the answer
+travels with the gradients and costs no synchronization of its own.
 """
 
 from __future__ import annotations
@@ -63,13 +63,18 @@ def fingerprints(tensors: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
+def changed_flags(tensors: Sequence[Tensor], earlier: Sequence[Tensor]) -> Tensor:
+    """Whether each tensor's fingerprint differs from the one given, as a bool tensor on
+    their device (all on one), without synchronizing."""
+    return torch.stack(fingerprints(tensors)) != torch.stack(list(earlier))
+
+
 def changed_since(tensors: Sequence[Tensor], earlier: Sequence[Tensor]) -> list[bool]:
     """Whether each tensor's fingerprint differs from the one given: one synchronization
     per device for all of them."""
-    now = fingerprints(tensors)
     out = [False] * len(tensors)
     for indices in _by_device(tensors):
-        differs = torch.stack([now[i] for i in indices]) != torch.stack([earlier[i] for i in indices])
+        differs = changed_flags([tensors[i] for i in indices], [earlier[i] for i in indices])
         for i, value in zip(indices, differs.tolist()):
             out[i] = value
     return out
