@@ -2,6 +2,7 @@
 tools, real compiler errors, the forced fallback, and no CUDA library in the CPU op."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -105,30 +106,118 @@ def test_lock_times_out_with_a_clear_error_then_recovers_after_sigkill(tmp_path)
         pass
 
 
-def test_stale_torch_baton_is_removed_and_build_succeeds(tmp_path, ext_dir):
+def test_a_killed_builds_staging_directory_is_removed_and_never_reused(tmp_path, ext_dir):
+    """A build killed mid-way leaves its staging directory (and maybe compilers still
+    writing there, and torch's baton file, on which torch would wait forever): the next
+    build compiles in a fresh directory, removes the old one, and publishes only the
+    library and its record."""
     spec = tiny_spec(tmp_path)
     d = Path(build_dir(spec))
-    d.mkdir(parents=True)
-    (d / "lock").write_text("")  # what a killed torch build leaves behind; torch would wait forever
+    killed = Path(f"{d}.staging-999999-dead")
+    killed.mkdir(parents=True)
+    (killed / "lock").write_text("")
+    (killed / f"{spec.name}.so").write_bytes(b"half written")
     module = load_extension(spec, timeout=300)
     assert module.answer() == 42
-    assert not (d / "lock").exists()
+    assert module.__file__ == str(d / f"{spec.name}.so")
+    assert not killed.exists()
+    assert not list(d.parent.glob(f"{d.name}.staging-*"))
+    assert sorted(p.name for p in d.iterdir()) == ["BUILD_OK", f"{spec.name}.so"]
     assert builder.is_built(spec)
 
 
-def test_concurrent_processes_build_once(tmp_path, ext_dir):
-    spec = tiny_spec(tmp_path, name="fastopt_tiny_concurrent")
-    code = textwrap.dedent(f"""
-        from lightning_fastopt.ops.builder import ExtensionSpec, load_extension
-        spec = ExtensionSpec(name={spec.name!r}, variant="t", sources=({spec.sources[0]!r},))
-        assert load_extension(spec, timeout=300).answer() == 42
-    """)
+def _run(code, ext_dir):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env) for _ in range(3)]
-    assert [p.wait(timeout=600) for p in procs] == [0, 0, 0]
-    log = (Path(build_dir(spec)) / ".ninja_log").read_text().splitlines()
-    compiles = [line for line in log if not line.startswith("#") and line.split("\t")[3].endswith(".o")]
-    assert len(compiles) == 1, log
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _load_code(spec):
+    return f"""
+        from lightning_fastopt.ops.builder import ExtensionSpec, load_extension
+        spec = ExtensionSpec(name={spec.name!r}, variant={spec.variant!r}, sources=({spec.sources[0]!r},),
+                             title="the tiny kernels", core_seconds=20.0)
+        assert load_extension(spec, timeout=300).answer() == 42
+    """
+
+
+def test_concurrent_processes_build_once_and_say_so_before_and_after(tmp_path, ext_dir):
+    spec = tiny_spec(tmp_path, name="fastopt_tiny_concurrent")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext_dir)}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(_load_code(spec))], cwd=REPO, env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    said = "".join(errs)
+    assert said.count("building the tiny kernels for this machine (not in the cache yet, about ") == 1, said
+    assert re.search(r"lightning_fastopt: built the tiny kernels in \d+ s: " + re.escape(build_dir(spec)), said)
+    assert said.count("lightning_fastopt:") == 2, said
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """A kernel cache holding one finished build of the tiny extension (each test copies it)."""
+    root = tmp_path_factory.mktemp("tiny_cache")
+    spec = tiny_spec(root, name="fastopt_tiny_cached")
+    built = _run(_load_code(spec), root / "extensions")
+    assert built.returncode == 0, built.stderr
+    return spec, root / "extensions"
+
+
+def _copy_of(tiny_cache, ext_dir):
+    spec, template = tiny_cache
+    shutil.copytree(template, ext_dir)
+    return spec
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "same size, other bytes", "record unreadable"])
+def test_a_damaged_cached_build_is_rebuilt_once_with_one_line(tiny_cache, ext_dir, damage):
+    """A truncated library used to crash every later process with a bus error, and an
+    empty one to give the slow path forever; now it is rebuilt, and said why."""
+    spec = _copy_of(tiny_cache, ext_dir)
+    library = Path(build_dir(spec)) / f"{spec.name}.so"
+    data = library.read_bytes()
+    if damage == "truncated":
+        library.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        library.write_bytes(b"")
+    elif damage == "same size, other bytes":
+        library.write_bytes(data[:4096] + bytes(len(data) - 4096))
+    else:
+        (library.parent / "BUILD_OK").write_text("{not json")
+    again = _run(_load_code(spec), ext_dir)
+    assert again.returncode == 0, again.stderr
+    reason = {"truncated": "bytes where the build wrote", "empty": "is 0 bytes where the build wrote",
+              "same size, other bytes": "differs from what the build wrote", "record unreadable": "is unreadable"}
+    lines = [line for line in again.stderr.splitlines() if line.startswith("lightning_fastopt:")]
+    assert len(lines) == 3 and "rebuilding the tiny kernels: the cached build is damaged" in lines[0], lines
+    assert reason[damage] in lines[0]
+    assert builder.is_built(spec)
+    quiet = _run(_load_code(spec), ext_dir)
+    assert quiet.returncode == 0 and "lightning_fastopt:" not in quiet.stderr, quiet.stderr
+
+
+def test_ops_clean_removes_every_build_but_one_being_built(tmp_path, tiny_cache, ext_dir):
+    spec = _copy_of(tiny_cache, ext_dir)
+    d = Path(build_dir(spec))
+    assert builder.is_built(spec)
+    orphan = Path(f"{d}.staging-999999-dead")
+    orphan.mkdir()
+    (orphan / "x.o").write_bytes(b"0" * 1000)
+    busy = d.parent / "fastopt_other-t-0123456789abcdef"
+    busy.mkdir()
+    holder = _hold_lock(Path(f"{busy}.lock"), tmp_path / "ready")
+    try:
+        out = _run("from lightning_fastopt.ops.__main__ import main; raise SystemExit(main(['clean']))", ext_dir)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert out.returncode == 0, out.stderr
+    assert not d.exists() and not orphan.exists() and busy.exists()
+    assert f"removed {d}" in out.stdout and f"removed {orphan}" in out.stdout
+    assert f"kept {busy} (a build holds its lock)" in out.stdout
+    assert re.search(r"freed \d+\.\d MB in 2 build\(s\)", out.stdout), out.stdout
+    assert "Traceback" not in out.stderr
 
 
 def test_compiler_error_is_quoted(tmp_path, ext_dir):

@@ -6,6 +6,8 @@ build  compile the kernels for this machine ahead of time (--all-isas: every ins
        compile-check them on a machine with nvcc and a CUDA torch but no GPU)
 info   which backend each kernel (and the optimizers that use it) runs on, the ISA, the
        GPU architectures, the cache paths, and any build error
+clean  remove every build from the kernel cache (the next use rebuilds what it needs);
+       a build another process is making right now is kept
 """
 
 from __future__ import annotations
@@ -53,12 +55,21 @@ def _build_cuda() -> int:
     return 0
 
 
+def _state(spec) -> str:
+    from lightning_fastopt.ops.builder import damage
+
+    problem = damage(spec)
+    if problem is None:
+        return "built"
+    return "not built yet" if problem == "not built" else f"damaged, rebuilt on first use: {problem}"
+
+
 def _cuda_info() -> str:
     """How CUDA tensors are stepped, for `info` (builds the CUDA kernels if a GPU is visible)."""
     import torch
 
     from lightning_fastopt.ops import cuda_backend
-    from lightning_fastopt.ops.builder import ExtensionBuildError, build_dir, is_built
+    from lightning_fastopt.ops.builder import ExtensionBuildError, build_dir
     from lightning_fastopt.ops.cuda import cuda_extension_error, cuda_extension_spec, cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
@@ -67,7 +78,7 @@ def _cuda_info() -> str:
         return "pure-PyTorch (no CUDA in this torch)"
     try:
         spec = cuda_extension_spec()
-        print(f"CUDA extension: {build_dir(spec)} ({'built' if is_built(spec) else 'not built yet'})")
+        print(f"CUDA extension: {build_dir(spec)} ({_state(spec)})")
     except ExtensionBuildError as err:
         print(f"CUDA extension: cannot be built here: {err}")
     if not torch.cuda.is_available():
@@ -83,7 +94,7 @@ def _info(args) -> int:
     import torch
 
     from lightning_fastopt.ops import BACKEND_ENV, KERNELS, backend_choice, cpu_backend
-    from lightning_fastopt.ops.builder import build_dir, cache_root, is_built, missing_tools
+    from lightning_fastopt.ops.builder import build_dir, cache_root, missing_tools
     from lightning_fastopt.ops.cpu import cpu_extension_error, cpu_extension_spec
     from lightning_fastopt.ops.isa import detect_isa
 
@@ -92,7 +103,7 @@ def _info(args) -> int:
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.get_num_threads()} CPU threads")
     print(f"CPU instruction set: {isa.name}")
     print(f"cache root: {cache_root()}")
-    print(f"CPU extension: {build_dir(spec)} ({'built' if is_built(spec) else 'not built yet'})")
+    print(f"CPU extension: {build_dir(spec)} ({_state(spec)})")
     missing = missing_tools(spec)
     if missing:
         print("missing build tools: " + "; ".join(missing))
@@ -108,6 +119,18 @@ def _info(args) -> int:
     return 0
 
 
+def _clean(args) -> int:
+    from lightning_fastopt.ops.builder import cache_root, clean
+
+    removed, busy, freed = clean()
+    for path in removed:
+        print(f"removed {path}")
+    for path in busy:
+        print(f"kept {path} (a build holds its lock)")
+    print(f"freed {freed / 1e6:.1f} MB in {len(removed)} build(s) under {cache_root()}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_fastopt.ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,8 +140,9 @@ def main(argv=None) -> int:
     b.add_argument("--cuda", action="store_true", help="build the CUDA kernels too")
     b.add_argument("--cuda-only", action="store_true", help="build only the CUDA kernels")
     sub.add_parser("info", help="show backends, ISA, cache path and build errors")
+    sub.add_parser("clean", help="remove every build from the kernel cache")
     args = parser.parse_args(argv)
-    return _build(args) if args.command == "build" else _info(args)
+    return {"build": _build, "info": _info, "clean": _clean}[args.command](args)
 
 
 if __name__ == "__main__":

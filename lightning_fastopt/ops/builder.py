@@ -4,30 +4,43 @@ Each build lives in its own directory under ``$TORCH_EXTENSIONS_DIR/lightning_fa
 (torch's default extension root when the variable is unset), named by a key that hashes
 everything the binary depends on: the sources, the compiler flags (which include the
 instruction set), the compiler version, the torch and Python versions and the machine.
-A finished build is marked by a ``BUILD_OK`` file, and a process that finds the marker
-imports the shared object directly (a few milliseconds) without invoking ninja.
+
+The cache heals itself.  A finished build is the shared object plus a record of it
+(``BUILD_OK``: its size and SHA-256, written last and atomically); a process checks the
+library against the record before importing it (a truncated or emptied file would crash
+the process with a bus error, or fail to load), and rebuilds one that does not match,
+saying why in one line.  Compiling happens in a fresh staging directory beside the
+build's (``KEY.staging-PID-RANDOM``), and only the finished library moves into place:
+compilers left running by a killed build can never write into the directory a later
+build uses, and the next build removes their staging directories.
+``python -m lightning_fastopt.ops clean`` removes every build.
 
 Building happens under an exclusive ``flock`` with a timeout, so concurrent processes
 (several ranks) build once and share the result, and a build killed half-way leaves no
-stale lock behind.
+stale lock behind.  A build says, on stderr, what it builds, why and about how long it
+takes before it starts, and where the result went when it is done.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import ModuleType
 
-from lightning_fastopt.ops.locking import file_lock
+from lightning_fastopt.ops.locking import BuildLockTimeout, file_lock
 
 BUILD_TIMEOUT_ENV = "LIGHTNING_FASTOPT_BUILD_TIMEOUT"
 _OK_MARKER = "BUILD_OK"
@@ -48,6 +61,8 @@ class ExtensionSpec:
     cuda_cflags: tuple[str, ...] = ()
     with_cuda: bool = False
     include_dirs: tuple[str, ...] = field(default=())
+    title: str = ""  # what a build message calls it, e.g. "the CPU kernels (avx2)"
+    core_seconds: float = 0.0  # compile time on one core, measured: the build's time estimate
 
 
 def cache_root() -> str:
@@ -111,13 +126,54 @@ def build_dir(spec: ExtensionSpec) -> str:
     return os.path.join(cache_root(), f"{spec.name}-{spec.variant}-{build_key(spec)}")
 
 
+def _library(spec: ExtensionSpec, directory: str) -> str:
+    return os.path.join(directory, spec.name + ".so")  # the name torch.utils.cpp_extension gives it
+
+
 def _import_built(spec: ExtensionSpec, directory: str) -> ModuleType:
-    path = os.path.join(directory, spec.name + ".so")  # the name torch.utils.cpp_extension gives it
+    path = _library(spec, directory)
     loader = importlib.machinery.ExtensionFileLoader(spec.name, path)
     mod_spec = importlib.util.spec_from_file_location(spec.name, path, loader=loader)
     module = importlib.util.module_from_spec(mod_spec)
     loader.exec_module(module)
     return module
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damage(spec: ExtensionSpec, directory: str | None = None) -> str | None:
+    """What is wrong with the build in ``directory`` (its build directory by default):
+    "not built" when there is no record of a finished build, None when the library is
+    the one the record describes."""
+    directory = directory or build_dir(spec)
+    try:
+        with open(os.path.join(directory, _OK_MARKER)) as f:
+            record = json.load(f)
+        size, digest = int(record["size"]), str(record["sha256"])
+    except FileNotFoundError:
+        return "not built"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its record {os.path.join(directory, _OK_MARKER)} is unreadable"
+    library = _library(spec, directory)
+    try:
+        actual = os.path.getsize(library)
+    except OSError:
+        return f"{library} is missing"
+    if actual != size:
+        return f"{library} is {actual} bytes where the build wrote {size}"
+    if _sha256(library) != digest:
+        return f"{library} differs from what the build wrote (SHA-256)"
+    return None
+
+
+def is_built(spec: ExtensionSpec) -> bool:
+    return damage(spec) is None
 
 
 def missing_tools(spec: ExtensionSpec) -> list[str]:
@@ -134,37 +190,57 @@ def missing_tools(spec: ExtensionSpec) -> list[str]:
     return missing
 
 
-def is_built(spec: ExtensionSpec) -> bool:
-    return os.path.exists(os.path.join(build_dir(spec), _OK_MARKER))
-
-
 def load_extension(spec: ExtensionSpec, timeout: float | None = None) -> ModuleType:
-    """Import the extension, building it first if no finished build exists.
+    """Import the extension, building it first if no sound finished build exists.
 
     Raises ExtensionBuildError with the compiler's own message on failure.
     """
     directory = build_dir(spec)
-    if os.path.exists(os.path.join(directory, _OK_MARKER)):
+    if damage(spec, directory) is None:
         return _import_built(spec, directory)
     missing = missing_tools(spec)
     if missing:
         raise ExtensionBuildError("cannot build, missing: " + "; ".join(missing))
     if timeout is None:
         timeout = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
     with file_lock(directory + ".lock", timeout=timeout):
-        if not os.path.exists(os.path.join(directory, _OK_MARKER)):
-            return _build_locked(spec, directory)
+        problem = damage(spec, directory)  # another process may have built it meanwhile
+        if problem is not None:
+            return _build_locked(spec, directory, problem)
     return _import_built(spec, directory)
 
 
-def _build_locked(spec: ExtensionSpec, directory: str) -> ModuleType:
+def _say(message: str) -> None:
+    print(f"lightning_fastopt: {message}", file=sys.stderr, flush=True)
+
+
+def _estimate_s(spec: ExtensionSpec) -> float:
+    """About how long the build takes here: its measured single-core compile time spread
+    over the cores ninja may use (MAX_JOBS, as torch reads it), plus the link."""
+    jobs = min(os.cpu_count() or 1, len(spec.sources))
+    if os.environ.get("MAX_JOBS", "").isdigit():
+        jobs = max(1, min(jobs, int(os.environ["MAX_JOBS"])))
+    return spec.core_seconds / jobs + 5.0
+
+
+def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    # torch's own baton file: we hold the real lock, so one found here is left by a killed build.
-    stale = os.path.join(directory, "lock")
-    if os.path.exists(stale):
-        os.remove(stale)
+    what = spec.title or spec.name
+    if problem == "not built":
+        why = "not in the cache yet"
+    else:
+        why = f"the cached build is damaged: {problem}"
+        _say(f"rebuilding {what}: {why}")
+    about = f", about {_estimate_s(spec):.0f} s" if spec.core_seconds else ""
+    _say(f"building {what} for this machine ({why}{about}, once)")
+    start = time.perf_counter()
+    shutil.rmtree(directory, ignore_errors=True)
+    for stale in glob.glob(glob.escape(directory) + ".staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # killed builds (their compilers may still run)
+    staging = f"{directory}.staging-{os.getpid()}-{secrets.token_hex(4)}"
+    os.makedirs(staging)
     try:
         module = cpp_extension.load(
             name=spec.name,
@@ -173,14 +249,56 @@ def _build_locked(spec: ExtensionSpec, directory: str) -> ModuleType:
             extra_cuda_cflags=list(spec.cuda_cflags) or None,
             extra_ldflags=list(spec.ldflags),
             extra_include_paths=list(spec.include_dirs),
-            build_directory=directory,
+            build_directory=staging,
             with_cuda=spec.with_cuda,
             verbose=False,
         )
     except Exception as err:  # torch raises RuntimeError with the captured compiler output
+        shutil.rmtree(staging, ignore_errors=True)
         raise ExtensionBuildError(str(err).strip()) from err
+    os.makedirs(directory)
+    library = _library(spec, directory)
+    os.replace(_library(spec, staging), library)  # the loaded module keeps its mapping
+    module.__file__ = library
+    record = {"key": build_key(spec), "size": os.path.getsize(library), "sha256": _sha256(library)}
     marker = os.path.join(directory, _OK_MARKER)
     with open(marker + ".tmp", "w") as f:
-        f.write(build_key(spec) + "\n")
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(marker + ".tmp", marker)
+    shutil.rmtree(staging, ignore_errors=True)
+    _say(f"built {what} in {time.perf_counter() - start:.0f} s: {directory}")
     return module
+
+
+def clean() -> tuple[list[str], list[str], int]:
+    """Remove every build in the cache: (removed, skipped because a build holds its lock,
+    bytes freed).  The lock files stay (removing one that a waiting process has open
+    would let two processes build at once)."""
+    root = cache_root()
+    removed, busy, freed = [], [], 0
+    entries = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for entry in entries:
+        path = os.path.join(root, entry)
+        if entry.endswith(".lock") or not os.path.isdir(path):
+            continue
+        try:
+            with file_lock(os.path.join(root, entry.split(".staging-")[0] + ".lock"), timeout=0):
+                freed += _tree_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        except BuildLockTimeout:
+            busy.append(path)
+    return removed, busy, freed
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                pass
+    return total
