@@ -49,6 +49,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.sharded import is_sharded, load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import default_cpu_threads
@@ -126,6 +127,7 @@ class FastOptStrategy(DDPStrategy):
                  zero_stage: int = 0,
                  copy_on_cpu: bool = False, keep_gradients: bool = False, **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
+        ops.check_environment()
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
@@ -226,6 +228,8 @@ class FastOptStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
+        # the kernels load (or build, saying so) now, not after the first training step
+        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
         wrapped = []

@@ -315,3 +315,87 @@ def test_thread_count_is_honoured_and_results_do_not_depend_on_it(compiled):
         results.append(p[0])
     torch.set_num_threads(os.cpu_count() or 1)
     torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- the environment
+_BAD_SETTINGS = [
+    ({ops.BACKEND_ENV: "nonsense"}, "LIGHTNING_FASTOPT_BACKEND='nonsense': expected one of ('auto', 'torch', 'compiled')"),
+    ({"LIGHTNING_FASTOPT_ISA": "avx9"}, "LIGHTNING_FASTOPT_ISA='avx9': expected one of"),
+]
+if detect_isa().name != "avx512":
+    _BAD_SETTINGS.append(({"LIGHTNING_FASTOPT_ISA": "avx512"}, "this CPU supports at most"))
+
+
+@pytest.mark.parametrize("setting,message", _BAD_SETTINGS, ids=lambda v: str(v)[:40])
+def test_a_bad_setting_is_refused_when_the_strategy_or_optimizer_is_built(monkeypatch, setting, message):
+    """It used to surface at the first optimizer step (after a training step), or to warn
+    and run the slow path."""
+    from lightning_fastopt import FastOptStrategy, FusedAdam
+
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FastOptStrategy()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FusedAdam([torch.nn.Parameter(torch.zeros(3))])
+
+
+@pytest.mark.parametrize("setting,message", _BAD_SETTINGS, ids=lambda v: str(v)[:40])
+def test_the_command_line_tools_say_a_bad_setting_in_one_line(setting, message):
+    env = {**os.environ, **setting}
+    for command in ("info", "build"):
+        out = subprocess.run([sys.executable, "-m", "lightning_fastopt.ops", command], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 2, out.stdout
+        assert out.stderr.strip().splitlines() == [f"error: {out.stderr.strip()[7:]}"]
+        assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def _unwritable_cache():
+    root = "/sys/fastopt_test_cache"  # sysfs refuses new directories, to root too
+    try:
+        os.makedirs(root)
+    except OSError:
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    pytest.skip("no directory here refuses writes")
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_the_ways_out(tmp_path, monkeypatch):
+    root = _unwritable_cache()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", root)
+    with pytest.raises(ExtensionBuildError, match=r"the kernel cache /sys/fastopt_test_cache/lightning_fastopt "
+                                                  r"cannot be written .*TORCH_EXTENSIONS_DIR.*"
+                                                  r"LIGHTNING_FASTOPT_BACKEND=torch"):
+        load_extension(tiny_spec(tmp_path), timeout=10)
+    out = subprocess.run([sys.executable, "-m", "lightning_fastopt.ops", "build"], cwd=REPO,
+                         env={**os.environ, "TORCH_EXTENSIONS_DIR": root}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "cannot be written" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_strategy_loads_the_kernels_at_set_up_not_after_a_training_step(tmp_path, ext_dir, monkeypatch):
+    """A failing build (here: a deliberately broken one) is said before training starts."""
+    import lightning as L
+
+    from tests.test_precision import _data
+    from tests.test_strategy import Model
+
+    broken = tiny_spec(tmp_path, name="fastopt_broken_at_setup", source="#error deliberately broken kernel\n")
+    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None: broken)
+    monkeypatch.setattr(cpu, "_loaded", {})
+    monkeypatch.setattr(cpu, "_errors", {})
+    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+    seen_at_first_step = []
+
+    class Probe(Model):
+        def training_step(self, batch, i):
+            if not seen_at_first_step:
+                seen_at_first_step.append([str(w.message) for w in caught])
+            return super().training_step(batch, i)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(strategy="fastopt_offload", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(Probe(lambda ps: torch.optim.AdamW(ps), sched=False), _data())
+    assert any("deliberately broken kernel" in m for m in seen_at_first_step[0]), seen_at_first_step

@@ -22,6 +22,7 @@ from lightning_fastopt.ops import torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError
 from lightning_fastopt.ops.cpu import cpu_extension_error, load_cpu_extension
 from lightning_fastopt.ops.cuda import cuda_extension_error, load_cuda_extension
+from lightning_fastopt.ops.isa import detect_isa
 
 BACKEND_ENV = "LIGHTNING_FASTOPT_BACKEND"
 _CHOICES = ("auto", "torch", "compiled")
@@ -44,6 +45,23 @@ def backend_choice() -> str:
     if choice not in _CHOICES:
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {_CHOICES}")
     return choice
+
+
+def check_environment() -> None:
+    """Refuse, naming the variable and what it accepts, a setting of ours that cannot
+    work (``LIGHTNING_FASTOPT_BACKEND``, ``LIGHTNING_FASTOPT_ISA``): called when a strategy
+    is built and by the command line tools, so the error comes before any training."""
+    if backend_choice() != "torch":
+        detect_isa()
+
+
+def prepare(device_type: str, cpu_work: bool) -> None:
+    """Load (building if needed) the kernels a run on ``device_type`` will call, now rather
+    than at the first optimizer step: the CPU kernels too when ``cpu_work`` (an offloaded
+    share).  A build that fails falls back as it would at the step, after one warning."""
+    route(device_type)
+    if cpu_work and device_type != "cpu":
+        cpu_backend()
 
 
 def cpu_backend() -> ModuleType:
@@ -117,5 +135,5 @@ class _NeverRaised(Exception):
     pass
 
 
-__all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "Route", "backend_for", "cpu_backend", "cuda_backend",
-           "route", "torch_backend", "unsupported_tensor_error"]
+__all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "Route", "backend_for", "check_environment", "cpu_backend",
+           "cuda_backend", "prepare", "route", "torch_backend", "unsupported_tensor_error"]

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 
 def _build(args) -> int:
@@ -32,7 +33,7 @@ def _build(args) -> int:
         start = time.perf_counter()
         try:
             load_extension(spec)
-        except ExtensionBuildError as err:
+        except (ExtensionBuildError, OSError) as err:  # the lock's timeout is an OSError too
             print(f"cpu[{isa}]: build FAILED\n{err}", file=sys.stderr)
             status = 1
             continue
@@ -48,7 +49,7 @@ def _build_cuda() -> int:
     try:
         spec = cuda_extension_spec()
         load_extension(spec)
-    except ExtensionBuildError as err:
+    except (ExtensionBuildError, OSError) as err:
         print(f"cuda: build FAILED\n{err}", file=sys.stderr)
         return 1
     print(f"cuda[{spec.variant}]: ready in {time.perf_counter() - start:.1f} s at {build_dir(spec)}")
@@ -108,7 +109,9 @@ def _info(args) -> int:
     if missing:
         print("missing build tools: " + "; ".join(missing))
     print(f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r} -> {backend_choice()}")
-    backend = cpu_backend()  # builds if needed
+    with warnings.catch_warnings():  # a failed build's warning: its reason is printed below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        backend = cpu_backend()  # builds if needed
     name = "compiled" if backend.isa != "torch" else "pure-PyTorch"
     error = cpu_extension_error()
     cuda_line = _cuda_info()
@@ -142,6 +145,14 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="show backends, ISA, cache path and build errors")
     sub.add_parser("clean", help="remove every build from the kernel cache")
     args = parser.parse_args(argv)
+    if args.command != "clean":  # cleaning needs no valid settings
+        from lightning_fastopt.ops import check_environment
+
+        try:
+            check_environment()
+        except ValueError as err:  # one line naming the variable, no traceback
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     return {"build": _build, "info": _info, "clean": _clean}[args.command](args)
 
 

@@ -203,12 +203,27 @@ def load_extension(spec: ExtensionSpec, timeout: float | None = None) -> ModuleT
         raise ExtensionBuildError("cannot build, missing: " + "; ".join(missing))
     if timeout is None:
         timeout = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    _check_writable(os.path.dirname(directory))
     with file_lock(directory + ".lock", timeout=timeout):
         problem = damage(spec, directory)  # another process may have built it meanwhile
         if problem is not None:
             return _build_locked(spec, directory, problem)
     return _import_built(spec, directory)
+
+
+def _check_writable(root: str) -> None:
+    """Building needs the cache directory: say which one and the ways out when it cannot be written."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".write-test-{os.getpid()}-{secrets.token_hex(4)}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ExtensionBuildError(
+            f"the kernel cache {root} cannot be written ({err.strerror or err}): point TORCH_EXTENSIONS_DIR at a "
+            "writable directory, build ahead where it can be written (`python -m lightning_fastopt.ops build`), "
+            "or set LIGHTNING_FASTOPT_BACKEND=torch for the pure-PyTorch path") from None
 
 
 def _say(message: str) -> None:

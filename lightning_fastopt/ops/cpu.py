@@ -69,8 +69,9 @@ def load_cpu_extension(isa: str | None = None, warn: bool = True) -> ModuleType 
     with _lock:
         if key in _loaded:
             return _loaded[key]
+        spec = cpu_extension_spec(isa)  # a bad LIGHTNING_FASTOPT_ISA is the user's error, not a fallback
         try:
-            module = load_extension(cpu_extension_spec(isa))
+            module = load_extension(spec)
         except (ExtensionBuildError, OSError, ImportError, TimeoutError, ValueError) as err:
             module = None
             _errors[key] = f"{type(err).__name__}: {err}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
+from functools import lru_cache
 
 ISA_ENV = "LIGHTNING_FASTOPT_ISA"
 
@@ -31,15 +32,16 @@ _ISAS = {
 }
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def detect_isa() -> Isa:

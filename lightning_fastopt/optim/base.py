@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fastopt import ops
 from lightning_fastopt.functional import grads_all_finite
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -107,6 +108,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                              "FusedLion need no flag to be captured")
         # foreach / fused choose torch's implementation; ours is always fused, so they have no effect.
         del foreach, fused
+        ops.check_environment()  # a bad LIGHTNING_FASTOPT_* variable fails here, not at the first step
         self.capturable = bool(capturable)
         super().__init__(params, defaults)
         if self.capturable:
