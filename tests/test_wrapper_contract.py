@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_fastopt import FusedAdam, FusedSGD, OffloadOptimizer
+from lightning_fastopt.checkpoint import CheckpointMismatchError
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step
 from lightning_fastopt.zero import ZeroOptimizer
 
@@ -56,3 +57,50 @@ def test_only_our_optimizers_unscale_in_their_kernels():
     ps = _params()
     assert unscales_in_step(FusedSGD(ps, lr=0.1))
     assert not unscales_in_step(torch.optim.SGD(ps, lr=0.1))
+
+
+_WRAPPERS = {
+    "offload": lambda opt, names: OffloadOptimizer(opt, names, offload_fraction=0.5, copy_on_cpu=True),
+    "zero": lambda opt, names: ZeroOptimizer(opt, names, stage=1, offload_fraction=0.5, copy_on_cpu=True),
+}
+
+
+def _stepped_state(make_opt):
+    """The state dict of a torch.optim optimizer (names as torch.optim writes them) after one step."""
+    ps = _params()
+    opt = make_opt(ps)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("wrapper", list(_WRAPPERS))
+def test_the_state_of_another_optimizer_is_refused_naming_what_differs(wrapper):
+    """Resuming an AdamW run with SGD used to be accepted silently: the SGD group took
+    AdamW's lr, betas and eps (torch.optim fails at the step, plain Lightning too)."""
+    ps = _params()
+    names = {p: f"p{i}" for i, p in enumerate(ps)}
+    sgd = _WRAPPERS[wrapper](FusedSGD(ps, lr=0.1, momentum=0.9), names)
+    adamw_state = _stepped_state(lambda q: torch.optim.AdamW(q, lr=1e-3))
+    with pytest.raises(CheckpointMismatchError, match=r"parameter group 0: the checkpoint's optimizer state was "
+                                                      r"written by another optimizer \(its groups have 'amsgrad', "
+                                                      r"'betas', 'eps'; this optimizer's have 'dampening', "
+                                                      r"'momentum', 'nesterov'\)"):
+        sgd.load_state_dict(adamw_state)
+    assert sgd.param_groups[0]["lr"] == 0.1 and "betas" not in sgd.param_groups[0]  # nothing was taken
+    sgd.close()
+
+
+@pytest.mark.parametrize("wrapper", list(_WRAPPERS))
+@pytest.mark.parametrize("writer,reader", [
+    (lambda q: torch.optim.AdamW(q, lr=1e-3), lambda q: FusedAdam(q, lr=1e-2)),
+    (lambda q: torch.optim.Adam(q, lr=1e-3), lambda q: FusedAdam(q, lr=1e-2, adamw_mode=False)),
+    (lambda q: torch.optim.SGD(q, lr=1e-3, momentum=0.9), lambda q: FusedSGD(q, lr=1e-2, momentum=0.5)),
+], ids=["AdamW-FusedAdam", "Adam-FusedAdam", "SGD-FusedSGD"])
+def test_the_state_of_the_same_rule_loads(wrapper, writer, reader):
+    ps = _params()
+    opt = _WRAPPERS[wrapper](reader(ps), {p: f"p{i}" for i, p in enumerate(ps)})
+    opt.load_state_dict(_stepped_state(writer))
+    assert opt.param_groups[0]["lr"] == 1e-3
+    opt.close()

@@ -28,6 +28,16 @@ class CheckpointMismatchError(ValueError):
     """The optimizer state in a checkpoint does not belong to this model."""
 
 
+# Hyperparameters that tell the update rules apart (a group of one optimizer has them, one
+# of another lacks them).  Not: what every rule has (lr, weight_decay, maximize), torch's
+# implementation switches, and switches that only extend a rule and default to it
+# (FusedAdam's bias_correction, FusedSGD's wd_after_momentum), so torch's Adam, AdamW and
+# FusedAdam, or torch's SGD and FusedSGD, resume from each other's checkpoints.
+_RULE_KEYS = frozenset({"betas", "eps", "amsgrad", "momentum", "dampening", "nesterov", "lr_decay",
+                        "initial_accumulator_value", "adam_w_mode", "grad_averaging", "max_grad_norm", "use_nvlamb",
+                        "eeta", "epsilon"})
+
+
 def named_state_dict(groups: Sequence[dict[str, Any]], names: Sequence[Sequence[str]],
                      state: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
     """The saved form from the live groups, the parameter names of each group and the
@@ -48,13 +58,15 @@ def named_state_dict(groups: Sequence[dict[str, Any]], names: Sequence[Sequence[
 
 
 def read_named_state(saved: Mapping[str, Any], names: Sequence[Sequence[str]],
-                     shapes: Mapping[str, torch.Size]) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+                     shapes: Mapping[str, torch.Size], groups: Sequence[Mapping[str, Any]] = ()
+                     ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Check a saved optimizer state against this model and key it by parameter name.
 
     Returns (state by name, hyperparameters of each group).  Parameters are matched by
     name when the checkpoint has names (ours, or torch's ``param_names``) and by position
     within each group otherwise (a plain torch.optim state dict).  Raises
-    :class:`CheckpointMismatchError` when groups, names or shapes differ.
+    :class:`CheckpointMismatchError` when groups, names or shapes differ, or when the
+    saved groups are those of another update rule than ``groups`` (the live ones).
     """
     if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
         raise CheckpointMismatchError("not an optimizer state dict (expected the keys 'state' and 'param_groups')")
@@ -63,6 +75,13 @@ def read_named_state(saved: Mapping[str, Any], names: Sequence[Sequence[str]],
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter group(s), this one has {len(names)}: "
             "the checkpoint was written for a different model or optimizer configuration")
+    for gi, (sg, group) in enumerate(zip(saved_groups, groups)):
+        theirs, ours = _RULE_KEYS & set(sg), _RULE_KEYS & set(group)
+        if theirs != ours:
+            raise CheckpointMismatchError(
+                f"parameter group {gi}: the checkpoint's optimizer state was written by another optimizer (its "
+                f"groups have {_few(sorted(theirs - ours), 6)}; this optimizer's have {_few(sorted(ours - theirs), 6)}): "
+                "resume with the optimizer that wrote it, or load the weights alone")
     key_to_name: dict[Any, str] = {}
     for gi, (sg, group_names) in enumerate(zip(saved_groups, names)):
         keys = list(sg["params"])

@@ -442,7 +442,7 @@ class OffloadOptimizer(OptimizerWrapper):
         """Load a state dict of this class (any offload fraction) or of the torch.optim
         equivalent; raises CheckpointMismatchError when it belongs to another model."""
         by_name, saved_groups = read_named_state(state_dict, self._names(),
-                                                 {s.name: s.param.shape for s in self._slots})
+                                                 {s.name: s.param.shape for s in self._slots}, self.param_groups)
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)  # in place: LR schedulers hold these dicts
             self.optimizer._validate_group(group)

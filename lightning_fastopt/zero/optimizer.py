@@ -203,7 +203,8 @@ class ZeroOptimizer(OptimizerWrapper):
         """Load a whole optimizer state (ours keyed by name, or torch's by position, from any
         world size once merged): this rank keeps the part it owns."""
         by_name, saved_groups = read_named_state(state_dict, self._names(),
-                                                 {self.param_names[p]: p.shape for p in self._params})
+                                                 {self.param_names[p]: p.shape for p in self._params},
+                                                 self.param_groups)
         owned_names = [[self.param_names[p] for p in g["params"]] for g in self.local.param_groups]
         self.local.load_state_dict({
             "state": {n: by_name[n] for names in owned_names for n in names if n in by_name},
