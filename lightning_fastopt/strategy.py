@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,7 +51,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.sharded import is_sharded, load_sharded, save_sharded
+from lightning_fastopt.checkpoint.reading import read_checkpoint_file
+from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers
@@ -309,10 +311,12 @@ class FastOptStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Sharded (ZeRO) directories are merged, to be re-sharded for this world size."""
-        if is_sharded(checkpoint_path):
+        """Sharded (ZeRO) directories are merged, to be re-sharded for this world size; a
+        damaged file or directory is one message naming it (BrokenCheckpointError)."""
+        if _is_local_dir(checkpoint_path):
             return load_sharded(checkpoint_path, weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        return read_checkpoint_file(checkpoint_path, lambda path: super(FastOptStrategy, self).load_checkpoint(
+            path, weights_only))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -347,6 +351,14 @@ class FastOptStrategy(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
                                            zero_stage=zero_stage)
+
+
+def _is_local_dir(path) -> bool:
+    """A directory on this machine (a sharded checkpoint, or something that should be one)."""
+    try:
+        return os.path.isdir(path)
+    except TypeError:
+        return False
 
 
 def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:

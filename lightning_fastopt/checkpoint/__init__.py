@@ -6,6 +6,8 @@
   ZeRO writes, merging it at load, consolidating it into one file (and its command line,
   ``python -m lightning_fastopt.checkpoint consolidate PATH OUT``).
 - :mod:`~lightning_fastopt.checkpoint.atomic`: the fsynced, atomic file writes both use.
+- :mod:`~lightning_fastopt.checkpoint.reading`: reading files, with one message naming a
+  damaged one.
 
 The Lightning plugin that writes single files atomically is
 :class:`lightning_fastopt.checkpoint_io.AtomicCheckpointIO`.
@@ -13,12 +15,14 @@ The Lightning plugin that writes single files atomically is
 
 from lightning_fastopt.checkpoint.atomic import save_atomically, save_synced
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
+from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import (FORMAT_VERSION, MAIN_FILE, MANIFEST, consolidate, finish_sharded,
-                                                  is_sharded, load_sharded, merge_shards, save_sharded, shard_file,
-                                                  staging_path, write_main, write_shard)
+                                                  is_sharded, load_sharded, merge_shards, read_manifest, save_sharded,
+                                                  shard_file, staging_path, write_main, write_shard)
 
 __all__ = [
-    "FORMAT_VERSION", "MAIN_FILE", "MANIFEST", "CheckpointMismatchError", "consolidate", "finish_sharded",
-    "is_sharded", "load_sharded", "merge_shards", "named_state_dict", "read_named_state", "save_atomically",
+    "FORMAT_VERSION", "MAIN_FILE", "MANIFEST", "BrokenCheckpointError", "CheckpointMismatchError", "consolidate",
+    "finish_sharded", "is_sharded", "load_sharded", "merge_shards", "named_state_dict", "read_checkpoint_file",
+    "read_named_state", "read_manifest", "save_atomically",
     "save_sharded", "save_synced", "shard_file", "staging_path", "write_main", "write_shard",
 ]

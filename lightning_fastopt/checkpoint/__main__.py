@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
+from lightning_fastopt.checkpoint.reading import BrokenCheckpointError
 from lightning_fastopt.checkpoint.sharded import MANIFEST, consolidate, is_sharded
 
 
@@ -18,7 +20,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not is_sharded(args.path):
         parser.error(f"{args.path} is not a sharded lightning_fastopt checkpoint (no {MANIFEST})")
-    ckpt = consolidate(args.path, args.out)
+    try:
+        ckpt = consolidate(args.path, args.out)
+    except (BrokenCheckpointError, CheckpointMismatchError) as err:
+        parser.exit(2, f"error: {err}\n")
     print(f"wrote {args.out}: {len(ckpt['optimizer_states'])} optimizer state(s), "
           f"{sum(len(s['state']) for s in ckpt['optimizer_states'])} parameter state(s)")
 

@@ -27,6 +27,7 @@ import torch
 from lightning_fastopt.checkpoint.atomic import (remove_stale_temps, replace_path, save_atomically, save_synced,
                                                  temp_path, write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
+from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, read_checkpoint_file
 from lightning_fastopt.optim.base import hyperparameters
 
 
@@ -116,17 +117,41 @@ def merge_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def load_sharded(path, weights_only: bool | None = True) -> dict[str, Any]:
-    """A sharded checkpoint as one Lightning checkpoint dictionary, with each optimizer's
-    shards merged into a whole name-keyed state."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
+def read_manifest(path) -> dict[str, Any]:
+    """The manifest of a sharded checkpoint directory, checked: BrokenCheckpointError names
+    the directory or the manifest and what is wrong."""
+    path = os.fspath(path)
+    where = os.path.join(path, MANIFEST)
+    if not os.path.isfile(where):
+        raise BrokenCheckpointError(f"{path} is a directory without {MANIFEST}: not a lightning_fastopt sharded "
+                                    "checkpoint (or one whose save did not finish)")
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BrokenCheckpointError(f"cannot read {where}: {err}") from err
+    if not isinstance(manifest, dict):
+        raise BrokenCheckpointError(f"{where} holds a {type(manifest).__name__}, not a manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointMismatchError(f"{path}: sharded checkpoint format {manifest.get('format_version')!r}, "
                                       f"this version of lightning_fastopt reads {FORMAT_VERSION}")
+    shards = manifest.get("shards")
+    if not isinstance(manifest.get("main"), str) or not isinstance(shards, list) or not shards \
+            or not all(isinstance(name, str) for name in shards):
+        raise BrokenCheckpointError(f"{where} is malformed: it needs 'main' (a file name) and 'shards' (a list of "
+                                    "file names)")
+    return manifest
+
+
+def load_sharded(path, weights_only: bool | None = True) -> dict[str, Any]:
+    """A sharded checkpoint as one Lightning checkpoint dictionary, with each optimizer's
+    shards merged into a whole name-keyed state."""
+    manifest = read_manifest(path)
     load = dict(map_location="cpu", weights_only=True if weights_only is None else weights_only)
-    checkpoint = torch.load(os.path.join(path, manifest["main"]), **load)
-    per_rank = [torch.load(os.path.join(path, name), **load) for name in manifest["shards"]]  # only those listed
+    checkpoint = read_checkpoint_file(os.path.join(path, manifest["main"]), lambda f: torch.load(f, **load))
+    per_rank = [read_checkpoint_file(os.path.join(path, name), lambda f: torch.load(f, **load),
+                                     what="optimizer shard", needs=None)
+                for name in manifest["shards"]]  # only those listed
     n_opt = len(per_rank[0])
     checkpoint["optimizer_states"] = [merge_shards([shards[i] for shards in per_rank]) for i in range(n_opt)]
     return checkpoint
