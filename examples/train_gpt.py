@@ -19,7 +19,14 @@ from gpt import TextData, TinyGPT  # noqa: E402
 
 
 def main(args=None):
-    return LightningCLI(TinyGPT, TextData, args=args, save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(TinyGPT, TextData, args=args, save_config_kwargs={"overwrite": True})
+    callback = cli.trainer.checkpoint_callback
+    saved = (callback.last_model_path or callback.best_model_path) if callback else ""
+    if cli.subcommand == "fit" and saved and cli.trainer.is_global_zero:
+        argv = list(sys.argv[1:] if args is None else args)
+        print(f"checkpoint: {saved}")
+        print("resume with: python3 examples/train_gpt.py " + " ".join([*argv, "--ckpt_path", saved]))
+    return cli
 
 
 if __name__ == "__main__":

@@ -53,6 +53,26 @@ def test_main_job_loss_goes_down(tmp_path, capsys):
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
 
 
+def test_main_job_says_where_its_checkpoint_went_and_how_to_resume(tmp_path, capsys):
+    at = SMALL.index("--trainer.enable_checkpointing")
+    small = SMALL[:at] + SMALL[at + 2:]
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from train_gpt import main
+    finally:
+        sys.path.pop(0)
+    sys.argv[1:] = []
+    args = ["fit", "--config", str(CONFIGS / "gpt_offload.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            *small, "--trainer.max_steps", "2"]
+    main(args)
+    out = capsys.readouterr().out.splitlines()
+    saved = next(ln for ln in out if ln.startswith("checkpoint: ")).split(": ", 1)[1]
+    assert Path(saved).is_file() and saved.startswith(str(tmp_path))
+    assert f"resume with: python3 examples/train_gpt.py {' '.join(args)} --ckpt_path {saved}" in out
+    resumed = main([*args[:-1], "4", "--ckpt_path", saved])
+    assert resumed.trainer.global_step == 4
+
+
 def test_class_path_config_in_a_fresh_interpreter(tmp_path):
     """No `import lightning_fastopt` anywhere: jsonargparse imports the strategy and the
     precision plugin from their class_path."""
