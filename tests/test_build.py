@@ -227,12 +227,17 @@ def test_compiler_error_is_quoted(tmp_path, ext_dir):
     assert not builder.is_built(spec)
 
 
-def test_failed_build_warns_once_and_falls_back(tmp_path, ext_dir, monkeypatch):
+@pytest.fixture
+def broken_cpu_build(tmp_path, ext_dir, monkeypatch):
+    """The CPU extension replaced by one that cannot compile, nothing loaded yet."""
     broken = tiny_spec(tmp_path, name="fastopt_broken_cpu", source="#error deliberately broken kernel\n")
     monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None: broken)
     monkeypatch.setattr(cpu, "_loaded", {})
     monkeypatch.setattr(cpu, "_errors", {})
     monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
+
+
+def test_failed_build_warns_once_and_falls_back(broken_cpu_build, monkeypatch):
     with pytest.warns(RuntimeWarning, match="deliberately broken kernel"):
         backend = ops.cpu_backend()
     assert backend is torch_backend
@@ -373,18 +378,13 @@ def test_a_cache_that_cannot_be_written_is_named_with_the_ways_out(tmp_path, mon
     assert out.returncode == 1 and "cannot be written" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_the_strategy_loads_the_kernels_at_set_up_not_after_a_training_step(tmp_path, ext_dir, monkeypatch):
+def test_the_strategy_loads_the_kernels_at_set_up_not_after_a_training_step(broken_cpu_build):
     """A failing build (here: a deliberately broken one) is said before training starts."""
     import lightning as L
 
     from tests.test_precision import _data
     from tests.test_strategy import Model
 
-    broken = tiny_spec(tmp_path, name="fastopt_broken_at_setup", source="#error deliberately broken kernel\n")
-    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None: broken)
-    monkeypatch.setattr(cpu, "_loaded", {})
-    monkeypatch.setattr(cpu, "_errors", {})
-    monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
     seen_at_first_step = []
 
     class Probe(Model):
