@@ -14,9 +14,9 @@ This is DeepSpeed's ``DynamicLossScaler`` (non-consecutive hysteresis) except th
 growth comes after exactly ``loss_scale_window`` clean steps (DeepSpeed waits one more
 after an overflow).
 
-An overflow when the scale cannot go lower (at ``min_loss_scale``, hysteresis spent)
-means the loss or the gradients are inf/NaN whatever the scale, and every later step
-would be skipped too.  ``at_min_loss_scale`` says what then happens: ``"raise"`` (the
+An overflow when the scale cannot go lower (at ``min_loss_scale``, hysteresis spent; a
+static scale, once ``hysteresis`` steps in a row have overflowed) means the loss or the
+gradients are inf/NaN whatever the scale, and every later step would be skipped too.  ``at_min_loss_scale`` says what then happens: ``"raise"`` (the
 default, as DeepSpeed) raises :class:`LossScaleAtMinimumError`; ``"warn"`` warns (at the
 1st, 2nd, 4th, 8th ... such overflow in a row) and keeps skipping; ``"skip"`` skips quietly.
 """
@@ -76,17 +76,16 @@ class DynamicLossScaler:
         if overflow:
             self.skipped_steps += 1
             self.clean_steps = 0
-            if not self.dynamic:
-                return
             if self.hysteresis_left > 1:
                 self.hysteresis_left -= 1
-            elif self.scale > self.min_loss_scale:
+            elif self.dynamic and self.scale > self.min_loss_scale:
                 self.scale = max(self.scale / 2.0, self.min_loss_scale)
             else:
                 self._overflowed_at_min()
             return
         self.overflows_at_min = 0
         if not self.dynamic:
+            self.hysteresis_left = self.hysteresis  # a static scale acts on the hysteresis-th overflow in a row
             return
         self.clean_steps += 1
         if self.clean_steps >= self.loss_scale_window:
@@ -97,8 +96,10 @@ class DynamicLossScaler:
     def _overflowed_at_min(self) -> None:
         self.overflows_at_min += 1
         n = self.overflows_at_min
-        message = (f"fp16 loss scaling: the step overflowed (inf/NaN gradients) with the loss scale already at "
-                   f"min_loss_scale={self.min_loss_scale:g}, {n} time(s) in a row ({self.skipped_steps} steps "
+        where = (f"already at min_loss_scale={self.min_loss_scale:g}" if self.dynamic
+                 else f"static (loss_scale={self.scale:g}, which never goes lower)")
+        message = (f"fp16 loss scaling: the step overflowed (inf/NaN gradients) with the loss scale {where}, "
+                   f"{n} time(s) in a row ({self.skipped_steps} steps "
                    "skipped in all): the loss or the gradients are not finite whatever the scale, so every "
                    "later step would be skipped too.")
         if self.at_min_loss_scale == "raise":

@@ -54,6 +54,23 @@ def test_static_scale_never_moves_but_counts_skips():
     assert s.scale == 128.0 and not s.dynamic and s.skipped_steps == 2
 
 
+def test_a_static_scale_overflowing_step_after_step_is_not_skipped_forever_in_silence():
+    """A static scale cannot go lower: an overflow (a spike) is skipped, and the
+    `hysteresis`-th in a row gets the at_min_loss_scale policy, as when a dynamic scale
+    at its minimum would have halved."""
+    s = DynamicLossScaler(loss_scale=128.0, hysteresis=2)
+    for overflow in (True, False, True, False, True, False, True):  # never two in a row
+        s.update(overflow)
+    assert s.skipped_steps == 4 and s.overflows_at_min == 0
+    with pytest.raises(LossScaleAtMinimumError, match=r"with the loss scale static \(loss_scale=128, which never goes "
+                                                      r"lower\), 1 time\(s\) in a row \(5 steps skipped in all\)"):
+        s.update(True)
+    quiet = DynamicLossScaler(loss_scale=128.0, hysteresis=1, at_min_loss_scale="skip")
+    for _ in range(3):
+        quiet.update(True)
+    assert quiet.scale == 128.0 and quiet.skipped_steps == 3
+
+
 def test_state_round_trip_through_weights_only_load():
     s = DynamicLossScaler(initial_scale_power=10, loss_scale_window=5)
     for overflow in (True, False, False, True, True, False):
