@@ -21,6 +21,7 @@ from lightning_fastopt.ops import builder, torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError, ExtensionSpec, build_dir, build_key, load_extension
 from lightning_fastopt.ops.cpu import cpu_extension_spec, load_cpu_extension
 from lightning_fastopt.ops.isa import available_isas, detect_isa
+from lightning_fastopt.ops.__main__ import main as ops_main
 from lightning_fastopt.ops.locking import BuildLockTimeout, file_lock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -170,34 +171,50 @@ def _copy_of(tiny_cache, ext_dir):
     return spec
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "same size, other bytes", "record unreadable"])
-def test_a_damaged_cached_build_is_rebuilt_once_with_one_line(tiny_cache, ext_dir, damage):
-    """A truncated library used to crash every later process with a bus error, and an
-    empty one to give the slow path forever; now it is rebuilt, and said why."""
-    spec = _copy_of(tiny_cache, ext_dir)
+def _damage(spec, kind):
     library = Path(build_dir(spec)) / f"{spec.name}.so"
     data = library.read_bytes()
-    if damage == "truncated":
+    if kind == "truncated":
         library.write_bytes(data[: len(data) // 2])
-    elif damage == "empty":
+    elif kind == "empty":
         library.write_bytes(b"")
-    elif damage == "same size, other bytes":
+    elif kind == "same size, other bytes":
         library.write_bytes(data[:4096] + bytes(len(data) - 4096))
     else:
         (library.parent / "BUILD_OK").write_text("{not json")
+
+
+@pytest.mark.parametrize("kind,said", [
+    ("truncated", r"fastopt_tiny_cached\.so is \d+ bytes where the build wrote \d+"),
+    ("empty", r"fastopt_tiny_cached\.so is 0 bytes where the build wrote \d+"),
+    ("same size, other bytes", r"fastopt_tiny_cached\.so differs from what the build wrote \(SHA-256\)"),
+    ("record unreadable", r"its record .*BUILD_OK is unreadable"),
+])
+def test_each_kind_of_damage_to_a_cached_build_is_found_and_named(tiny_cache, ext_dir, kind, said):
+    spec = _copy_of(tiny_cache, ext_dir)
+    assert builder.damage(spec) is None
+    _damage(spec, kind)
+    assert re.fullmatch(".*" + said, builder.damage(spec))
+    assert not builder.is_built(spec)
+
+
+def test_a_damaged_cached_build_is_rebuilt_once_with_one_line(tiny_cache, ext_dir):
+    """A truncated library used to crash every later process with a bus error (an empty
+    one gave the slow path forever): now it is rebuilt, once, and said why."""
+    spec = _copy_of(tiny_cache, ext_dir)
+    _damage(spec, "truncated")
     again = _run(_load_code(spec), ext_dir)
     assert again.returncode == 0, again.stderr
-    reason = {"truncated": "bytes where the build wrote", "empty": "is 0 bytes where the build wrote",
-              "same size, other bytes": "differs from what the build wrote", "record unreadable": "is unreadable"}
     lines = [line for line in again.stderr.splitlines() if line.startswith("lightning_fastopt:")]
-    assert len(lines) == 3 and "rebuilding the tiny kernels: the cached build is damaged" in lines[0], lines
-    assert reason[damage] in lines[0]
+    assert len(lines) == 3, lines
+    assert "rebuilding the tiny kernels: the cached build is damaged:" in lines[0]
+    assert "bytes where the build wrote" in lines[0] and "building the tiny kernels" in lines[1]
     assert builder.is_built(spec)
     quiet = _run(_load_code(spec), ext_dir)
     assert quiet.returncode == 0 and "lightning_fastopt:" not in quiet.stderr, quiet.stderr
 
 
-def test_ops_clean_removes_every_build_but_one_being_built(tmp_path, tiny_cache, ext_dir):
+def test_ops_clean_removes_every_build_but_one_being_built(tmp_path, tiny_cache, ext_dir, capsys):
     spec = _copy_of(tiny_cache, ext_dir)
     d = Path(build_dir(spec))
     assert builder.is_built(spec)
@@ -208,16 +225,15 @@ def test_ops_clean_removes_every_build_but_one_being_built(tmp_path, tiny_cache,
     busy.mkdir()
     holder = _hold_lock(Path(f"{busy}.lock"), tmp_path / "ready")
     try:
-        out = _run("from lightning_fastopt.ops.__main__ import main; raise SystemExit(main(['clean']))", ext_dir)
+        assert ops_main(["clean"]) == 0
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    assert out.returncode == 0, out.stderr
+    out = capsys.readouterr().out
     assert not d.exists() and not orphan.exists() and busy.exists()
-    assert f"removed {d}" in out.stdout and f"removed {orphan}" in out.stdout
-    assert f"kept {busy} (a build holds its lock)" in out.stdout
-    assert re.search(r"freed \d+\.\d MB in 2 build\(s\)", out.stdout), out.stdout
-    assert "Traceback" not in out.stderr
+    assert f"removed {d}" in out and f"removed {orphan}" in out
+    assert f"kept {busy} (a build holds its lock)" in out
+    assert re.search(r"freed \d+\.\d MB in 2 build\(s\)", out), out
 
 
 def test_compiler_error_is_quoted(tmp_path, ext_dir):
@@ -346,14 +362,23 @@ def test_a_bad_setting_is_refused_when_the_strategy_or_optimizer_is_built(monkey
 
 
 @pytest.mark.parametrize("setting,message", _BAD_SETTINGS, ids=lambda v: str(v)[:40])
-def test_the_command_line_tools_say_a_bad_setting_in_one_line(setting, message):
-    env = {**os.environ, **setting}
+def test_the_command_line_tools_say_a_bad_setting_in_one_line(monkeypatch, capsys, setting, message):
+    """`info` and `build` check the settings in main(), before either runs."""
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
     for command in ("info", "build"):
-        out = subprocess.run([sys.executable, "-m", "lightning_fastopt.ops", command], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 2, out.stdout
-        assert out.stderr.strip().splitlines() == [f"error: {out.stderr.strip()[7:]}"]
-        assert message in out.stderr and "Traceback" not in out.stderr
+        assert ops_main([command]) == 2
+        said = capsys.readouterr()
+        assert said.out == "" and said.err.splitlines() == [f"error: {said.err.strip()[7:]}"]
+        assert message in said.err
+
+
+def test_the_command_line_prints_no_traceback_for_a_bad_setting():
+    env = {**os.environ, ops.BACKEND_ENV: "nonsense"}
+    out = subprocess.run([sys.executable, "-m", "lightning_fastopt.ops", "build"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith("error: LIGHTNING_FASTOPT_BACKEND='nonsense'")
+    assert "Traceback" not in out.stderr
 
 
 def _unwritable_cache():
