@@ -121,10 +121,10 @@ class FastOptPrecision(Precision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: Lightning skipped backward
-        grads = _grads(optimizer)
-        # an overflow on any rank skips the step on every rank
+        # an overflow on any rank skips the step on every rank (without a scaler nothing
+        # reads the gradients here: an offload step streamed into backward may be under way)
         self._overflow = self.scaler is not None and bool(
-            all_reduce_scalar(float(not grads_all_finite(grads)), dist.ReduceOp.MAX))
+            all_reduce_scalar(float(not grads_all_finite(_grads(optimizer))), dist.ReduceOp.MAX))
         self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
         if self._overflow:
             self.scaler.update(overflow=True)

@@ -58,7 +58,7 @@ from lightning_fastopt.cpu_threads import default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.optim.base import FusedOptimizer, check_range
+from lightning_fastopt.optim.base import FusedOptimizer, check_range, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
@@ -117,6 +117,12 @@ class FastOptStrategy(DDPStrategy):
             does, even when no overridden hook is seen to read them: for code the detection
             cannot see (``p.grad`` read after the step, in ``on_train_batch_end``, or from
             outside Lightning's hooks).  Costs the device memory the early copy saves.
+        stream_cpu_step: start each host bucket's CPU update during backward, as soon as
+            its gradients have landed (same results, bit for bit).  Used where the step
+            needs no gradient before it starts: automatic optimization, no hook reading
+            gradients, no fp16 loss scaling, no gradient clipping, no optimizer-wide norm
+            (LAMB's ``max_grad_norm``), no ZeRO; otherwise one log line says why not.
+            Off by default until it has been measured on a GPU.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -127,14 +133,15 @@ class FastOptStrategy(DDPStrategy):
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  zero_stage: int = 0,
-                 copy_on_cpu: bool = False, keep_gradients: bool = False, **kwargs: Any) -> None:
+                 copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
+                 **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         ops.check_environment()
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
-                           ("keep_gradients", keep_gradients)):
+                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
@@ -152,6 +159,7 @@ class FastOptStrategy(DDPStrategy):
         self.wall_clock_breakdown = wall_clock_breakdown
         self.copy_on_cpu = copy_on_cpu
         self.keep_gradients = keep_gradients
+        self.stream_cpu_step = stream_cpu_step
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
         # set before super().__init__, which calls the precision_plugin setter
@@ -241,15 +249,35 @@ class FastOptStrategy(DDPStrategy):
             if fused is not opt:
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
+            stream = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
             wrapper = wrap_fused_optimizer(
                 fused, names, zero_stage=self._effective_stage, offload_fraction=self.offload_fraction,
                 bucket_size_mb=self.bucket_size_mb, overlap=self.overlap, pin_memory=self.pin_memory,
                 device_grads=device_grads, wall_clock_breakdown=self.wall_clock_breakdown,
-                copy_on_cpu=self.copy_on_cpu)
+                copy_on_cpu=self.copy_on_cpu, **stream)
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
         self.optimizers = wrapped
+
+    def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> bool:
+        """Whether the CPU step streams into backward (``stream_cpu_step``), said in one line."""
+        if not self.stream_cpu_step:
+            return False
+        why_not = [reason for reason, applies in (
+            ("user code reads gradients before the step", device_grads != "copy_in_backward"),
+            ("fp16 loss scaling checks every gradient first", self.precision_plugin.scaler is not None),
+            ("gradient clipping needs every gradient first", bool(trainer.gradient_clip_val)),
+            (f"{type(fused).__name__} needs every gradient first", needs_step_context(fused)),
+            ("ZeRO", self.zero_stage > 0),
+            ("nothing is offloaded", self.offload_fraction == 0),
+        ) if applies]
+        if why_not:
+            rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
+            return False
+        rank_zero_info("lightning_fastopt: each host bucket's CPU update starts during backward, once its "
+                       "gradients have landed (stream_cpu_step=True)")
+        return True
 
     def _device_grads(self) -> str:
         """The offload optimizers' ``device_grads``, said in one log line with the reason."""

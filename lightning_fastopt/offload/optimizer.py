@@ -58,8 +58,10 @@ offload fraction and loadable by torch.optim.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -105,19 +107,32 @@ class OffloadOptimizer(OptimizerWrapper):
             (synchronizes the device; for diagnosis).
         copy_on_cpu: on a CPU run, keep separate host masters and gradient buffers and
             copy as on an accelerator (the accelerator code path, without one; for tests).
+        stream_cpu_step: start each bucket's CPU update (and its copy back) on a worker
+            thread as soon as its gradients have landed, while backward goes on, instead
+            of when :meth:`step` is called; the result is the same, bit for bit.  Only for
+            steps that need no gradient before they start: no ``check_finite``, no step
+            context (clipping by norm, LAMB's global norm), no ``gradients()`` in between,
+            ``device_grads="copy_in_backward"`` (FastOptStrategy checks all this).
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
                  pin_memory: bool = True, device_grads: str = "copy_in_backward",
-                 wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
+                 wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
+                 stream_cpu_step: bool = False) -> None:
         super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         if device_grads not in DEVICE_GRADS:
             raise ValueError(f"device_grads must be one of {DEVICE_GRADS}, got {device_grads!r}")
+        if stream_cpu_step and device_grads != "copy_in_backward":
+            raise ValueError(f"stream_cpu_step=True needs device_grads='copy_in_backward' (gradients that leave "
+                             f"during backward), got {device_grads!r}")
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
+        self.stream_cpu_step = bool(stream_cpu_step)
+        self._streamed: dict[int, Future] = {}  # bucket index -> its CPU update, started during backward
+        self._worker: ThreadPoolExecutor | None = None
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
         params = [p for g in self.param_groups for p in g["params"]]
         devices = {p.device for p in params}
@@ -211,6 +226,7 @@ class OffloadOptimizer(OptimizerWrapper):
             bucket.written_flags = torch.zeros(len(slots), dtype=torch.bool, pin_memory=self._pin)
         bucket.grads_ready = self.copies.new_event()
         bucket.params_sent = self.copies.new_event()
+        bucket.backward_done = self.copies.new_event()
         for s in slots:
             s.bucket = bucket
         return bucket
@@ -304,6 +320,42 @@ class OffloadOptimizer(OptimizerWrapper):
         self.copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
         self.copies.mark_grads_sent(bucket.grads_ready)
         bucket.recorded = True
+        if self.stream_cpu_step and self.copies.needed:
+            self._start_streamed(bucket)
+
+    # ------------------------------------------------------------------ the streamed CPU step
+    def _start_streamed(self, bucket: HostBucket) -> None:
+        """Start the bucket's CPU update and copy back on the worker thread.  Its parameters'
+        copy back waits (on the device) for the compute stream as it is now: every use of
+        those weights by backward precedes the hook that sent their last gradient."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
+        self.copies.mark_compute_done(bucket.backward_done)
+        self._streamed[self._buckets.index(bucket)] = self._worker.submit(self._bucket_step, bucket, None, None,
+                                                                          bucket.backward_done)
+
+    def _bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
+        """One bucket's share of a step, once its gradients have landed: refresh masters
+        written by others, update on the CPU, send the new weights back (after ``after``).
+        ``timed``: into the step's phases (the main thread's steps only)."""
+        phase = self._timer.phase if timed else (lambda name: contextlib.nullcontext())
+        copy_hyperparameters(bucket.inner, self.param_groups)
+        with phase("grad_d2h"):
+            self.copies.wait_on_host(bucket.grads_ready)
+        self._refresh_written(written_in_bucket(bucket))
+        with phase("cpu_step"):
+            updated = self._step_inner(bucket.inner, bucket.slots, grad_scale, context)
+        if updated:
+            with phase("param_h2d"):
+                self.copies.params_to_device(
+                    [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in updated],
+                    after, bucket.params_sent)
+        return updated
+
+    def _join_streamed(self) -> dict[int, list[ParamSlot]]:
+        """Wait for the CPU updates started during backward; their updated slots by bucket."""
+        futures, self._streamed = self._streamed, {}
+        return {i: f.result() for i, f in futures.items()}
 
     def _grad_of(self, slot: ParamSlot) -> Tensor | None:
         if slot.host_grad is not None:
@@ -317,12 +369,17 @@ class OffloadOptimizer(OptimizerWrapper):
         clipping, which may scale them in place."""
         if self.device_grads == "keep":
             return [s.param.grad for s in self._slots if s.param.grad is not None]
+        if self._streamed:
+            raise RuntimeError("gradients() after the streamed CPU step began: those buckets were already updated "
+                               "with their gradients (stream_cpu_step=True is for steps that need no gradient "
+                               "before they start)")
         self._send_pending_grads()
         for b in self._buckets:
             self.copies.wait_on_host(b.grads_ready)
         return [g for g in map(self._grad_of, self._slots) if g is not None]
 
     def _new_gradients(self) -> None:
+        self._join_streamed()  # a backward that was not followed by a step (an error): let it finish
         self._hooks.refresh()  # parameters unfrozen since the last step get their hook
         for b in self._buckets:
             self._reset_bucket(b)
@@ -364,6 +421,11 @@ class OffloadOptimizer(OptimizerWrapper):
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
         needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
+        if self.stream_cpu_step and (needs_all or grad_scale is not None or step_context not in (COMPUTE, None)):
+            self._join_streamed()
+            raise RuntimeError("stream_cpu_step=True updates buckets during backward, so the step may not need "
+                               "every gradient first (check_finite, a grad_scale or a step context): "
+                               "FastOptStrategy only streams when nothing does")
         if needs_all:
             with timer.phase("grad_d2h"):
                 grads = self.gradients()
@@ -380,19 +442,18 @@ class OffloadOptimizer(OptimizerWrapper):
         with timer.phase("gpu_step"):
             written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
         last_sent = None
-        for b in self._buckets:
-            with timer.phase("grad_d2h"):
-                self.copies.wait_on_host(b.grads_ready)
-            if self.copies.needed:
-                self._refresh_written(written_in_bucket(b))
-            with timer.phase("cpu_step"):
-                updated = self._step_inner(b.inner, b.slots, grad_scale, context)
+        with timer.phase("cpu_step"):  # what is left of the CPU updates started during backward
+            streamed = self._join_streamed()
+        for i, b in enumerate(self._buckets):
+            if i in streamed:
+                updated = streamed[i]
+            elif not self.copies.needed:  # a CPU run: nothing to wait for or copy
+                with timer.phase("cpu_step"):
+                    updated = self._step_inner(b.inner, b.slots, grad_scale, context)
+            else:
+                updated = self._bucket_step(b, grad_scale, context, self._compute_done, timed=True)
             written += updated
             if self.copies.needed and updated:
-                with timer.phase("param_h2d"):
-                    self.copies.params_to_device(
-                        [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in updated],
-                        self._compute_done, b.params_sent)
                 last_sent = b.params_sent
         self.copies.compute_waits_for(last_sent)  # the next forward sees the new weights
         # the others' fingerprints still hold: nothing wrote them since the check
@@ -458,6 +519,10 @@ class OffloadOptimizer(OptimizerWrapper):
         """Remove the backward hooks and wait for copies in flight (the host buffers go
         with the optimizer)."""
         self._hooks.remove()
+        self._join_streamed()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         self.copies.synchronize()
 
     def __repr__(self) -> str:

@@ -92,6 +92,7 @@ class HostBucket:
     grads_ready = None  # event: the gradient copies of this bucket have landed
     written_flags: Tensor | None = None  # host: which slots' parameters others wrote (lands with the gradients)
     params_sent = None  # event: the parameter copies of this bucket have been issued
+    backward_done = None  # event: backward no longer reads this bucket's weights (a streamed step)
     unsent: int = 0  # gradients the hooks have still to copy this step
     recorded: bool = False  # grads_ready recorded this step
 

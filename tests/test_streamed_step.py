@@ -1,0 +1,133 @@
+"""The CPU step streamed into backward (``stream_cpu_step=True``), on the accelerator code
+path run on the CPU (``copy_on_cpu=True``: host masters, gradient and weight copies):
+
+- it ends where the unstreamed step ends, bit for bit (parameters and optimizer state),
+  at fractions 1 and 0.5 with several buckets, for AdamW and SGD;
+- a bucket's CPU update starts before backward has finished (timestamps);
+- steps that need every gradient first are refused (check_finite, ``gradients()``), and
+  ``device_grads`` other than ``"copy_in_backward"`` at construction;
+- under ``Trainer()``: the strategy streams where nothing needs the gradients first and
+  says why not otherwise (clipping, fp16), ending where ``Trainer()`` ends either way.
+"""
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_fastopt import FastOptStrategy, FusedAdam, FusedSGD
+from lightning_fastopt.offload import OffloadOptimizer
+from tests.test_precision import _data
+from tests.test_strategy import Model
+
+
+def _net(width=24, depth=4):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def _train(stream, make_opt, fraction, steps=12):
+    model = _net()
+    opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=stream)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 24, generator=g)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    states = [opt.state_of(p) for p in model.parameters()]
+    opt.close()
+    return model, states, opt
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("make_opt", [lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+                                      lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9)], ids=["adamw", "sgd"])
+def test_the_streamed_step_ends_where_the_unstreamed_one_ends_bit_for_bit(backend, make_opt, fraction):
+    streamed, streamed_states, opt = _train(True, make_opt, fraction)
+    assert len(opt._buckets) >= 3  # several buckets, each started on its own
+    plain, plain_states, _ = _train(False, make_opt, fraction)
+    for a, b in zip(streamed.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    for sa, sb in zip(streamed_states, plain_states):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_buckets_cpu_update_starts_before_backward_ends(compiled):
+    """Wide layers make backward long; the last layer's gradients land first, and its
+    bucket's update starts while the earlier layers' backward still runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(768, 768) for _ in range(8)])
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=2.5, copy_on_cpu=True, stream_cpu_step=True)
+    started = []
+    inner_step = opt._step_inner
+
+    def timed(inner, slots, *args):
+        if inner is not opt._device_inner:
+            started.append(time.perf_counter())
+        return inner_step(inner, slots, *args)
+
+    opt._step_inner = timed
+    x = torch.randn(1024, 768)
+    for _ in range(2):  # the second time with warm caches
+        started.clear()
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        backward_ended = time.perf_counter()
+        opt.step()
+    assert len(started) == len(opt._buckets) >= 4
+    assert min(started) < backward_ended, (min(started) - backward_ended)
+    opt.close()
+
+
+def test_steps_that_need_every_gradient_first_are_refused():
+    model = _net()
+    names = {p: n for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="stream_cpu_step=True needs device_grads='copy_in_backward'"):
+        OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, copy_on_cpu=True, device_grads="keep",
+                         stream_cpu_step=True)
+    opt = OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, bucket_size_mb=0.002, copy_on_cpu=True,
+                           stream_cpu_step=True)
+    model(torch.randn(4, 24)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"gradients\(\) after the streamed CPU step began"):
+        opt.gradients()
+    with pytest.raises(RuntimeError, match="may not need every gradient first"):
+        opt.step(check_finite=True)
+    opt.close()
+
+
+def _fit(strategy, **kw):
+    model = Model(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), sched=True)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+    trainer.fit(model, _data())
+    return model
+
+
+@pytest.mark.parametrize("kw,said", [
+    ({}, "each host bucket's CPU update starts during backward"),
+    ({"gradient_clip_val": 0.5}, "stream_cpu_step=True not used: gradient clipping needs every gradient first"),
+    ({"accumulate_grad_batches": 2}, "each host bucket's CPU update starts during backward"),
+], ids=["streamed", "clipping", "accumulation"])
+def test_under_the_trainer_it_streams_where_it_may_and_ends_where_trainer_ends(caplog, monkeypatch, kw, said):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True, stream_cpu_step=True)
+    with caplog.at_level(logging.INFO):
+        ours = _fit(strategy, **kw)
+    assert said in caplog.text
+    ref = _fit("auto", **kw)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        if "gradient_clip_val" in kw:  # the norm is summed in another order than torch's: rounding
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b)
