@@ -1,6 +1,7 @@
 """End-to-end benchmark: a GPT-style model of about 1B parameters trained with Lightning,
 plain (torch AdamW(fused=True)) against ``fastopt_offload`` at offload_fraction 0, 0.5
-and 1 (and DeepSpeed's ``deepspeed_stage_2_offload`` when deepspeed is installed).
+and 1, the last two also with ``stream_cpu_step=True`` (and DeepSpeed's
+``deepspeed_stage_2_offload`` when deepspeed is installed).
 
     python benchmarks/gpt_offload.py                # ~1B parameters on a GPU (about 10 minutes on an H100)
     python benchmarks/gpt_offload.py --tiny         # a tiny model on any device: checks the script runs
@@ -37,7 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
-CONFIGS = ["plain", "fastopt:0", "fastopt:0.5", "fastopt:1", "deepspeed_stage_2_offload"]
+# fastopt:F is FastOptStrategy(offload_fraction=F); fastopt:F:stream adds stream_cpu_step=True
+CONFIGS = ["plain", "fastopt:0", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1", "fastopt:1:stream",
+           "deepspeed_stage_2_offload"]
 
 
 # ---------------------------------------------------------------------------- one configuration (child)
@@ -129,7 +132,8 @@ def child(config: str, args) -> dict:
     if config == "plain":
         strategy = "auto"
     elif config.startswith("fastopt"):
-        strategy = FastOptStrategy(offload_fraction=float(config.split(":")[1]))
+        _, fraction, *mode = config.split(":")
+        strategy = FastOptStrategy(offload_fraction=float(fraction), stream_cpu_step=mode == ["stream"])
     else:
         strategy = config
     measure = Measure()

@@ -271,6 +271,7 @@ class FastOptStrategy(DDPStrategy):
             (f"{type(fused).__name__} needs every gradient first", needs_step_context(fused)),
             ("ZeRO", self.zero_stage > 0),
             ("nothing is offloaded", self.offload_fraction == 0),
+            ("a CPU run updates in place, with nothing to copy", self.root_device.type == "cpu" and not self.copy_on_cpu),
         ) if applies]
         if why_not:
             rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
