@@ -265,7 +265,8 @@ class FastOptStrategy(DDPStrategy):
         if not self.stream_cpu_step:
             return False
         why_not = [reason for reason, applies in (
-            ("user code reads gradients before the step", device_grads != "copy_in_backward"),
+            ("user code reads gradients before the step", device_grads == "keep"),
+            ("DDP reduces the gradients after backward", device_grads == "copy_at_step"),
             ("fp16 loss scaling checks every gradient first", self.precision_plugin.scaler is not None),
             ("gradient clipping needs every gradient first", bool(trainer.gradient_clip_val)),
             (f"{type(fused).__name__} needs every gradient first", needs_step_context(fused)),
