@@ -24,7 +24,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning_utilities import apply_to_collection
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -36,8 +38,9 @@ from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
 
 
-SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true"]
+SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true")
+_PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true"]
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -51,10 +54,15 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 class FastOptPrecision(Precision):
     """Precision plugin: ``"16-mixed"`` (fp16 autocast, dynamic loss scaling with DeepSpeed's
-    knobs), ``"bf16-mixed"`` (bf16 autocast) or ``"32-true"``.
+    knobs), ``"bf16-mixed"`` (bf16 autocast), ``"32-true"``, or the half weights of
+    ``"bf16-true"`` and ``"16-true"`` (fp16, with the same loss scaling): the model holds
+    bf16/fp16 weights and gradients (2 bytes per parameter on the device), and the fastopt
+    optimizers keep float32 master weights and write the half copy in the same pass, as
+    apex O2 and DeepSpeed do.
 
     Args:
-        precision: one of ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``.
+        precision: one of ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, ``"bf16-true"``,
+            ``"16-true"``.
         loss_scale: 0 for dynamic scaling, or a fixed scale (fp16 only).
         initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
         loss_scale_window: clean steps before the scale doubles.
@@ -75,7 +83,9 @@ class FastOptPrecision(Precision):
             raise ValueError(f"FastOptPrecision supports precision in {SUPPORTED_PRECISIONS}, got {precision!r}")
         self.precision = precision
         self.scaler = (DynamicLossScaler(loss_scale, initial_scale_power, loss_scale_window, hysteresis,
-                                         min_loss_scale, at_min_loss_scale) if precision == "16-mixed" else None)
+                                         min_loss_scale, at_min_loss_scale)
+                       if precision in ("16-mixed", "16-true") else None)
+        self._true_dtype = _TRUE_DTYPES.get(precision)  # the weights' dtype in a "-true" precision
         self.device = device
         self._overflow = False
 
@@ -102,7 +112,27 @@ class FastOptPrecision(Precision):
         return super().connect(model, optimizers, lr_schedulers)
 
     @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self._true_dtype) if self._true_dtype is not None else module
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return _DtypeContextManager(self._true_dtype) if self._true_dtype is not None else contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self._true_dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._true_dtype)
+
+    @override
     def forward_context(self) -> contextlib.AbstractContextManager:
+        if self._true_dtype is not None:  # tensors created in forward take the weights' dtype
+            return _DtypeContextManager(self._true_dtype)
         if self.precision == "32-true":
             return contextlib.nullcontext()
         dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
@@ -197,6 +227,8 @@ def to_fastopt_precision(plugin: Precision, **scale_knobs: Any) -> FastOptPrecis
     if isinstance(plugin, MixedPrecision):
         device = getattr(plugin, "device", None)
         return FastOptPrecision(plugin.precision, device=device, **scale_knobs)
+    if isinstance(plugin, HalfPrecision):
+        return FastOptPrecision(plugin.precision, **scale_knobs)
     if type(plugin) is Precision:
         return FastOptPrecision("32-true")
     raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "

@@ -170,8 +170,8 @@ def test_bf16_mixed_trains(backend):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(precision="16-true"), r"supports precision in \('16-mixed', 'bf16-mixed', '32-true'\)"),
-    (dict(precision="64-true"), "supports precision in"),
+    (dict(precision="64-true"), r"supports precision in \('16-mixed', 'bf16-mixed', '32-true', 'bf16-true', "
+                                r"'16-true'\), got '64-true'"),
     (dict(initial_scale_power=-2), "initial_scale_power must be an integer >= 0"),
     (dict(hysteresis=0), "hysteresis must be an integer >= 1"),
     (dict(min_loss_scale=-1.0), "min_loss_scale must be a positive finite number"),

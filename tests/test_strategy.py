@@ -104,8 +104,13 @@ def test_precision_flags_map_to_our_plugin():
     t = L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", plugins=[FastOptPrecision("16-mixed")],
                   logger=False)
     assert t.precision_plugin.precision == "16-mixed"
-    with pytest.raises(TypeError, match=r"support precision in \('16-mixed', 'bf16-mixed', '32-true'\)"):
-        L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", precision="bf16-true", logger=False)
+    for flag in ("bf16-true", "16-true"):
+        t = L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", precision=flag, logger=False)
+        assert isinstance(t.precision_plugin, FastOptPrecision) and t.precision_plugin.precision == flag
+        assert (t.precision_plugin.scaler is not None) == (flag == "16-true")
+    with pytest.raises(TypeError, match=r"support precision in \('16-mixed', 'bf16-mixed', '32-true', 'bf16-true', "
+                                        r"'16-true'\).*got DoublePrecision\('64-true'\)"):
+        L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", precision="64-true", logger=False)
 
 
 def test_unknown_optimizer_is_a_clear_error(backend):
