@@ -1,7 +1,8 @@
 """End-to-end benchmark: a GPT-style model of about 1B parameters trained with Lightning,
 plain (torch AdamW(fused=True)) against ``fastopt_offload`` at offload_fraction 0, 0.5
-and 1, the last two also with ``stream_cpu_step=True`` (and DeepSpeed's
-``deepspeed_stage_2_offload`` when deepspeed is installed).
+and 1, the last two also with ``stream_cpu_step=True``, and at 1 with half weights
+(``precision="bf16-true"``) (and DeepSpeed's ``deepspeed_stage_2_offload`` when deepspeed
+is installed).
 
     python benchmarks/gpt_offload.py                # ~1B parameters on a GPU (about 10 minutes on an H100)
     python benchmarks/gpt_offload.py --tiny         # a tiny model on any device: checks the script runs
@@ -38,9 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
-# fastopt:F is FastOptStrategy(offload_fraction=F); fastopt:F:stream adds stream_cpu_step=True
+# fastopt:F is FastOptStrategy(offload_fraction=F); a ":stream" suffix adds stream_cpu_step=True, a
+# ":bf16-true" suffix trains with half weights (precision="bf16-true") instead of bf16-mixed
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1", "fastopt:1:stream",
-           "deepspeed_stage_2_offload"]
+           "fastopt:1:stream:bf16-true", "deepspeed_stage_2_offload"]
 
 
 # ---------------------------------------------------------------------------- one configuration (child)
@@ -133,12 +135,13 @@ def child(config: str, args) -> dict:
         strategy = "auto"
     elif config.startswith("fastopt"):
         _, fraction, *mode = config.split(":")
-        strategy = FastOptStrategy(offload_fraction=float(fraction), stream_cpu_step=mode == ["stream"])
+        strategy = FastOptStrategy(offload_fraction=float(fraction), stream_cpu_step="stream" in mode)
     else:
         strategy = config
     measure = Measure()
+    precision = ("bf16-true" if config.endswith(":bf16-true") else "bf16-mixed") if gpu else "32-true"
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=strategy,
-                        precision="bf16-mixed" if gpu else "32-true", max_steps=args.warmup + args.steps,
+                        precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[measure])
     trainer.fit(model, loader)
