@@ -28,7 +28,8 @@ case "$part" in
             "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact" 2>&1 | tee "$OUT/tests.txt"
         # the Trainer-level comparisons with Trainer() (everyday patterns, precision, strategy) on the GPU
         FASTOPT_TEST_ACCELERATOR=gpu python3 -m pytest -q -p no:cacheprovider -rs $parallel \
-            tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py 2>&1 \
+            tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py \
+            tests/test_streamed_step.py tests/test_half_weights.py 2>&1 \
             | tee "$OUT/lightning_on_gpu.txt"
         ;;
     kernels)

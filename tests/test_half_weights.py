@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 from lightning_fastopt import FastOptStrategy
+from tests.helpers import ACCELERATOR
 from tests.test_precision import _data
 from tests.test_strategy import Model
+
+DEVICE = "cuda" if ACCELERATOR == "gpu" else "cpu"
 
 STRATEGIES = {
     "fastopt": lambda: "fastopt",
@@ -30,13 +33,13 @@ OPTIMIZERS = {
 
 def _reference(make_opt, dtype, epochs):
     """Half weights, float32 masters, torch.optim on the masters, the half copy written back."""
-    model = Model(make_opt, sched=False).to(dtype)
+    model = Model(make_opt, sched=False).to(DEVICE, dtype)
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
     groups = [{"params": masters[:2]}, {"params": masters[2:], "lr": 3e-3}]  # Model's groups
     opt = make_opt(groups)
     for _ in range(epochs):
         for x, y in _data():
-            x, y = x.to(dtype), y.to(dtype)
+            x, y = x.to(DEVICE, dtype), y.to(DEVICE, dtype)
             for p in model.parameters():
                 p.grad = None
             model.training_step((x, y), 0).backward()
@@ -53,12 +56,13 @@ def _reference(make_opt, dtype, epochs):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_bf16_true_trains_half_weights_from_float32_masters(strategy, name):
     ours = Model(OPTIMIZERS[name], sched=False)
-    trainer = L.Trainer(strategy=STRATEGIES[strategy](), precision="bf16-true", accelerator="cpu", devices=1,
+    trainer = L.Trainer(strategy=STRATEGIES[strategy](), precision="bf16-true", accelerator=ACCELERATOR, devices=1,
                         max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(ours, _data())
     ref = _reference(OPTIMIZERS[name], torch.bfloat16, epochs=2)
     for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        a, b = a.cpu(), b.cpu()
         assert a.dtype == torch.bfloat16
         if name == "sgd":
             assert torch.equal(a, b), n
@@ -78,7 +82,7 @@ def test_16_true_scales_the_loss_and_skips_an_overflowing_step():
     ours = _Poisoned(OPTIMIZERS["sgd"], sched=False)
     trainer = L.Trainer(strategy=FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True,
                                                  initial_scale_power=8),
-                        precision="16-true", accelerator="cpu", devices=1, max_steps=6, logger=False,
+                        precision="16-true", accelerator=ACCELERATOR, devices=1, max_steps=6, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(ours, _data())
     plugin = trainer.precision_plugin

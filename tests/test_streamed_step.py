@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_fastopt import FastOptStrategy, FusedAdam, FusedSGD
 from lightning_fastopt.offload import OffloadOptimizer
+from tests.helpers import ACCELERATOR
 from tests.test_precision import _data
 from tests.test_strategy import Model
 
@@ -106,7 +107,7 @@ def test_steps_that_need_every_gradient_first_are_refused():
 
 def _fit(strategy, **kw):
     model = Model(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), sched=True)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+    trainer = L.Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
     trainer.fit(model, _data())
     return model
