@@ -89,6 +89,18 @@ def test_a_buckets_cpu_update_starts_before_backward_ends(compiled):
     opt.close()
 
 
+def test_the_breakdown_tells_streamed_from_waited_for_cpu_time():
+    model = _net()
+    opt = OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=True, wall_clock_breakdown=True)
+    opt.zero_grad()
+    model(torch.randn(4, 24)).sum().backward()
+    opt.step()
+    times = opt.last_step_times
+    assert times["cpu_step_streamed"] > 0 and set(times) >= {"cpu_step", "grad_d2h", "param_h2d"}
+    opt.close()
+
+
 def test_steps_that_need_every_gradient_first_are_refused():
     model = _net()
     names = {p: n for n, p in model.named_parameters()}

@@ -59,6 +59,7 @@ offload fraction and loadable by torch.optim.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,6 +133,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self.device_grads = device_grads
         self.stream_cpu_step = bool(stream_cpu_step)
         self._streamed: dict[int, Future] = {}  # bucket index -> its CPU update, started during backward
+        self._streamed_ms = 0.0  # their CPU time (wall_clock_breakdown's cpu_step_streamed)
         self._worker: ThreadPoolExecutor | None = None
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
         params = [p for g in self.param_groups for p in g["params"]]
@@ -343,8 +345,11 @@ class OffloadOptimizer(OptimizerWrapper):
         with phase("grad_d2h"):
             self.copies.wait_on_host(bucket.grads_ready)
         self._refresh_written(written_in_bucket(bucket))
+        started = time.perf_counter()
         with phase("cpu_step"):
             updated = self._step_inner(bucket.inner, bucket.slots, grad_scale, context)
+        if not timed:  # on the worker: into the next step's cpu_step_streamed
+            self._streamed_ms += (time.perf_counter() - started) * 1e3
         if updated:
             with phase("param_h2d"):
                 self.copies.params_to_device(
@@ -444,6 +449,8 @@ class OffloadOptimizer(OptimizerWrapper):
         last_sent = None
         with timer.phase("cpu_step"):  # what is left of the CPU updates started during backward
             streamed = self._join_streamed()
+        timer.add("cpu_step_streamed", self._streamed_ms)
+        self._streamed_ms = 0.0
         for i, b in enumerate(self._buckets):
             if i in streamed:
                 updated = streamed[i]

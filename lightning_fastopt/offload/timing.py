@@ -10,7 +10,9 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-PHASES = ("grad_d2h", "gpu_step", "cpu_step", "param_h2d")
+# cpu_step: the CPU updates the step waited for; cpu_step_streamed: those that ran on the
+# worker thread during backward (stream_cpu_step), timed on the host without synchronizing
+PHASES = ("grad_d2h", "gpu_step", "cpu_step", "param_h2d", "cpu_step_streamed")
 
 
 class StepTimer:
@@ -22,6 +24,11 @@ class StepTimer:
 
     def start_step(self) -> None:
         self._current = dict.fromkeys(PHASES, 0.0)
+
+    def add(self, name: str, ms: float) -> None:
+        """Time measured elsewhere (the streamed updates, before the step started)."""
+        if self.enabled:
+            self._current[name] = self._current.get(name, 0.0) + ms
 
     def end_step(self) -> None:
         if self.enabled:
