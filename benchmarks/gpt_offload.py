@@ -68,6 +68,16 @@ def hidden_share(copies, busy) -> float | None:
     return covered / total
 
 
+def fastopt_arguments(config: str) -> tuple[dict, bool]:
+    """FastOptStrategy's arguments for ``fastopt:F[:stream][:bf16-true]``, and whether the
+    configuration trains with half weights."""
+    _, fraction, *mode = config.split(":")
+    unknown = set(mode) - {"stream", "bf16-true"}
+    if unknown:
+        raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' and/or ':bf16-true'")
+    return dict(offload_fraction=float(fraction), stream_cpu_step="stream" in mode), "bf16-true" in mode
+
+
 def child(config: str, args) -> dict:
     import lightning as L
     from gpt import ByteWindows, TinyGPT
@@ -134,12 +144,12 @@ def child(config: str, args) -> dict:
     if config == "plain":
         strategy = "auto"
     elif config.startswith("fastopt"):
-        _, fraction, *mode = config.split(":")
-        strategy = FastOptStrategy(offload_fraction=float(fraction), stream_cpu_step="stream" in mode)
+        strategy = FastOptStrategy(**fastopt_arguments(config)[0])
     else:
         strategy = config
     measure = Measure()
-    precision = ("bf16-true" if config.endswith(":bf16-true") else "bf16-mixed") if gpu else "32-true"
+    half = config.startswith("fastopt") and fastopt_arguments(config)[1]
+    precision = ("bf16-true" if half else "bf16-mixed") if gpu else "32-true"
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=strategy,
                         precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

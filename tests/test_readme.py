@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +58,26 @@ def test_benchmark_scripts_run():
                          timeout=600, env=subprocess_env(REPO))
     assert out.returncode == 0, out.stderr
     assert "| 2 | 1 |" in out.stdout and "ideal sharded state" in out.stdout
+    out = subprocess.run([sys.executable, "benchmarks/weight_watch.py", "--numel", "1e5", "--tensors", "10",
+                          "--repeat", "1"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=subprocess_env(REPO))
+    assert out.returncode == 0, out.stderr
+    assert "| CPU | 1e+05 bfloat16" in out.stdout and "floor / per step" in out.stdout
+
+
+def test_the_gpt_benchmark_reads_its_configurations():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from gpt_offload import CONFIGS, fastopt_arguments
+    finally:
+        sys.path.pop(0)
+    assert fastopt_arguments("fastopt:0.5") == (dict(offload_fraction=0.5, stream_cpu_step=False), False)
+    assert fastopt_arguments("fastopt:1:stream:bf16-true") == (dict(offload_fraction=1.0, stream_cpu_step=True), True)
+    with pytest.raises(ValueError, match=r"unknown suffix \['fast'\]"):
+        fastopt_arguments("fastopt:1:fast")
+    for config in CONFIGS:
+        if config.startswith("fastopt"):
+            fastopt_arguments(config)
 
 
 def test_the_readme_lists_every_default_that_differs_from_torch():
