@@ -341,7 +341,6 @@ class OffloadOptimizer(OptimizerWrapper):
         written by others, update on the CPU, send the new weights back (after ``after``).
         ``timed``: into the step's phases (the main thread's steps only)."""
         phase = self._timer.phase if timed else (lambda name: contextlib.nullcontext())
-        copy_hyperparameters(bucket.inner, self.param_groups)
         with phase("grad_d2h"):
             self.copies.wait_on_host(bucket.grads_ready)
         self._refresh_written(written_in_bucket(bucket))
@@ -441,8 +440,6 @@ class OffloadOptimizer(OptimizerWrapper):
             context = self.optimizer.step_context(grads, grad_scale) if step_context is COMPUTE else step_context
         else:
             context = None if step_context is COMPUTE else step_context
-        for inner in self._inners():
-            copy_hyperparameters(inner, self.param_groups)
         self.copies.mark_compute_done(self._compute_done)
         with timer.phase("gpu_step"):
             written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
@@ -473,7 +470,9 @@ class OffloadOptimizer(OptimizerWrapper):
         return [self._device_inner] + [b.inner for b in self._buckets]
 
     def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context) -> list[ParamSlot]:
-        """Step one inner optimizer over the slots that have a gradient; returns them."""
+        """Step one inner optimizer over the slots that have a gradient, with the user's
+        current hyperparameters (where LR schedulers write); returns them."""
+        copy_hyperparameters(inner, self.param_groups)
         sources, targets, updated = {}, {}, []
         for s in slots:
             g = self._grad_of(s)
