@@ -132,7 +132,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
         self.stream_cpu_step = bool(stream_cpu_step)
-        self._streamed: dict[int, Future] = {}  # bucket index -> its CPU update, started during backward
+        self._streamed: dict[HostBucket, Future] = {}  # a bucket's CPU update, started during backward
         self._streamed_ms = 0.0  # their CPU time (wall_clock_breakdown's cpu_step_streamed)
         self._worker: ThreadPoolExecutor | None = None
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
@@ -333,8 +333,7 @@ class OffloadOptimizer(OptimizerWrapper):
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
         self.copies.mark_compute_done(bucket.backward_done)
-        self._streamed[self._buckets.index(bucket)] = self._worker.submit(self._bucket_step, bucket, None, None,
-                                                                          bucket.backward_done)
+        self._streamed[bucket] = self._worker.submit(self._bucket_step, bucket, None, None, bucket.backward_done)
 
     def _bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
         """One bucket's share of a step, once its gradients have landed: refresh masters
@@ -356,10 +355,10 @@ class OffloadOptimizer(OptimizerWrapper):
                     after, bucket.params_sent)
         return updated
 
-    def _join_streamed(self) -> dict[int, list[ParamSlot]]:
+    def _join_streamed(self) -> dict[HostBucket, list[ParamSlot]]:
         """Wait for the CPU updates started during backward; their updated slots by bucket."""
         futures, self._streamed = self._streamed, {}
-        return {i: f.result() for i, f in futures.items()}
+        return {b: f.result() for b, f in futures.items()}
 
     def _grad_of(self, slot: ParamSlot) -> Tensor | None:
         if slot.host_grad is not None:
@@ -448,9 +447,9 @@ class OffloadOptimizer(OptimizerWrapper):
             streamed = self._join_streamed()
         timer.add("cpu_step_streamed", self._streamed_ms)
         self._streamed_ms = 0.0
-        for i, b in enumerate(self._buckets):
-            if i in streamed:
-                updated = streamed[i]
+        for b in self._buckets:
+            if b in streamed:
+                updated = streamed[b]
             elif not self.copies.needed:  # a CPU run: nothing to wait for or copy
                 with timer.phase("cpu_step"):
                     updated = self._step_inner(b.inner, b.slots, grad_scale, context)
