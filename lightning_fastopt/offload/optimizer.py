@@ -70,10 +70,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fastopt.checkpoint.named_state import named_state_dict, read_named_state
+from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
+from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.slots import (
     HostBucket, ParamSlot, carve, remember_weights, written_by_others, written_in_bucket,
@@ -114,13 +115,20 @@ class OffloadOptimizer(OptimizerWrapper):
             steps that need no gradient before they start: no ``check_finite``, no step
             context (clipping by norm, LAMB's global norm), no ``gradients()`` in between,
             ``device_grads="copy_in_backward"`` (FastOptStrategy checks all this).
+        delayed_update: after ``delayed_update_warmup`` synchronous steps, run each step's
+            CPU update on a worker thread while the next forward and backward compute, the
+            weights they use one update old (ZeRO-Offload's delayed parameter update; the
+            semantics, checkpoints included, are in :mod:`~lightning_fastopt.offload.delayed`).
+            Needs separate host masters: an accelerator, or ``copy_on_cpu=True``.
+        delayed_update_warmup: steps taken synchronously before the update is delayed.
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
                  pin_memory: bool = True, device_grads: str = "copy_in_backward",
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
-                 stream_cpu_step: bool = False) -> None:
+                 stream_cpu_step: bool = False, delayed_update: bool = False,
+                 delayed_update_warmup: int = 40) -> None:
         super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
@@ -129,11 +137,13 @@ class OffloadOptimizer(OptimizerWrapper):
         if stream_cpu_step and device_grads != "copy_in_backward":
             raise ValueError(f"stream_cpu_step=True needs device_grads='copy_in_backward' (gradients that leave "
                              f"during backward), got {device_grads!r}")
+        check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
         self.stream_cpu_step = bool(stream_cpu_step)
         self._streamed: dict[HostBucket, Future] = {}  # a bucket's CPU update, started during backward
-        self._streamed_ms = 0.0  # their CPU time (wall_clock_breakdown's cpu_step_streamed)
+        self._delayed = DelayedUpdates(delayed_update_warmup) if delayed_update else None
+        self._background_ms = 0.0  # CPU time of updates on the worker (wall_clock_breakdown's cpu_step_background)
         self._worker: ThreadPoolExecutor | None = None
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
         params = [p for g in self.param_groups for p in g["params"]]
@@ -142,6 +152,9 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError(f"OffloadOptimizer needs every parameter on one device, got {sorted(map(str, devices))}")
         self.device = params[0].device if params else torch.device("cpu")
         self.copies = CopyStreams(self.device, overlap, copy_on_cpu)
+        if delayed_update and not self.copies.needed:
+            raise ValueError("delayed_update=True needs host masters apart from the model's weights: an accelerator, "
+                             "or copy_on_cpu=True on a CPU run")
         self._timer = StepTimer(wall_clock_breakdown, self.copies.synchronize)
         self._pin = pin_memory and self.copies.is_cuda
         self._bucket_bytes = int(bucket_size_mb * 2**20)
@@ -185,6 +198,7 @@ class OffloadOptimizer(OptimizerWrapper):
 
     @override
     def _adopt_group(self, group: dict[str, Any]) -> None:
+        self._wait_delayed()  # the worker reads the inner optimizers' groups
         for inner in self._inners():  # every inner optimizer keeps one group per user group
             inner.param_groups.append(dict(hyperparameters(group), params=[]))
         self._add_slots(list(group["params"]))
@@ -215,6 +229,11 @@ class OffloadOptimizer(OptimizerWrapper):
             shapes = [s.param.shape for s in slots]
             masters, bufs = carve(shapes, [torch.float32] * len(slots), self._pin)
             grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
+            if self._delayed is not None:  # the next step's gradients land here while an update reads the others
+                spares, sbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
+                gbufs += sbufs
+                for s, spare in zip(slots, spares):
+                    s.spare_grad = spare
             half = [s for s in slots if s.param.dtype != torch.float32]
             copies, cbufs = carve([s.param.shape for s in half], [s.param.dtype for s in half], self._pin)
             buffers = bufs + gbufs + cbufs
@@ -272,6 +291,7 @@ class OffloadOptimizer(OptimizerWrapper):
         """The optimizer state of a model parameter (empty before its first step).  The
         state lives in inner optimizers, not in ``self.state``: Lightning moves whatever
         ``self.state`` holds to the accelerator, which would undo the offload."""
+        self._wait_delayed()
         slot = self._slot_of[param]
         return self._inner_of(slot).state.get(slot.master, {})
 
@@ -330,10 +350,8 @@ class OffloadOptimizer(OptimizerWrapper):
         """Start the bucket's CPU update and copy back on the worker thread.  Its parameters'
         copy back waits (on the device) for the compute stream as it is now: every use of
         those weights by backward precedes the hook that sent their last gradient."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
         self.copies.mark_compute_done(bucket.backward_done)
-        self._streamed[bucket] = self._worker.submit(self._bucket_step, bucket, None, None, bucket.backward_done)
+        self._streamed[bucket] = self._pool().submit(self._bucket_step, bucket, None, None, bucket.backward_done)
 
     def _bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
         """One bucket's share of a step, once its gradients have landed: refresh masters
@@ -346,19 +364,99 @@ class OffloadOptimizer(OptimizerWrapper):
         started = time.perf_counter()
         with phase("cpu_step"):
             updated = self._step_inner(bucket.inner, bucket.slots, grad_scale, context)
-        if not timed:  # on the worker: into the next step's cpu_step_streamed
-            self._streamed_ms += (time.perf_counter() - started) * 1e3
+        if not timed:  # on the worker: into the next step's cpu_step_background
+            self._background_ms += (time.perf_counter() - started) * 1e3
         if updated:
             with phase("param_h2d"):
-                self.copies.params_to_device(
-                    [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in updated],
-                    after, bucket.params_sent)
+                self._send_weights(bucket, updated, after)
         return updated
+
+    def _send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:
+        """Copy the new weights of some of the bucket's slots to the device once ``after`` has passed."""
+        self.copies.params_to_device(
+            [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in slots],
+            after, bucket.params_sent)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """The worker thread of the streamed and delayed CPU updates (one: buckets in order)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
+        return self._worker
 
     def _join_streamed(self) -> dict[HostBucket, list[ParamSlot]]:
         """Wait for the CPU updates started during backward; their updated slots by bucket."""
         futures, self._streamed = self._streamed, {}
         return {b: f.result() for b, f in futures.items()}
+
+    # ------------------------------------------------------------------ the delayed update
+    def _launch_delayed(self, grad_scale, context) -> None:
+        """Start every bucket's CPU update on the worker; its weights go to the device at the
+        next step (:meth:`_send_delayed`).  What it reads is fixed here, on this thread: the
+        gradients (the next ones go to the spare buffers) and the hyperparameters."""
+        if isinstance(grad_scale, Tensor):
+            grad_scale = grad_scale.clone()
+        for b in self._buckets:
+            plan = self._plan(b.inner, b.slots)
+            if plan is None:
+                continue
+            for s in b.slots:
+                s.swap_grad_buffers()
+            self._delayed.pending[b] = self._pool().submit(self._run_delayed, b, plan, grad_scale, context)
+
+    def _run_delayed(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
+        self.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
+        started = time.perf_counter()
+        updated = self._run_plan(bucket.inner, plan, grad_scale, context)
+        self._background_ms += (time.perf_counter() - started) * 1e3
+        return updated
+
+    def _send_delayed(self) -> tuple[list[ParamSlot], Any]:
+        """A delayed step, once backward is done: wait for each bucket's update the last step
+        launched and send its weights to the device (the next forward uses them); a master
+        whose parameter something else wrote meanwhile takes the write instead.  Returns
+        the slots sent and the event of the last copy."""
+        timer, sent, last = self._timer, [], None
+        for b in self._buckets:
+            with timer.phase("grad_d2h"):
+                self.copies.wait_on_host(b.grads_ready)  # the written flags land with the gradients
+            with timer.phase("cpu_step"):
+                updated = self._delayed.take(b)
+            written = written_in_bucket(b)
+            b.written_flags.zero_()  # answered: a step in line after this one must not refresh again
+            self._refresh_written(written)
+            keep = [s for s in updated if s not in written]
+            if keep:
+                with timer.phase("param_h2d"):
+                    self._send_weights(b, keep, self._compute_done)
+                sent, last = sent + keep, b.params_sent
+        return sent, last
+
+    def _wait_delayed(self) -> None:
+        """Wait for the delayed updates in flight (they stay pending): their state is read or replaced."""
+        if self._delayed is not None:
+            self._delayed.wait()
+
+    def apply_pending_update(self) -> int:
+        """Send the weights of the delayed update still pending to the model now, so that
+        the model holds the masters (the next step then starts from them, as after a
+        synchronous step); :meth:`close` does it when training ends.  A weight something
+        else wrote since the last step keeps the write.  Returns how many weights it sent."""
+        if self._delayed is None or not self._delayed.pending:
+            return 0
+        updated = self._delayed.take_all()
+        written = written_by_others(updated)
+        self._refresh_written(written)
+        keep = [s for s in updated if s not in written]
+        self.copies.mark_compute_done(self._compute_done)
+        last = None
+        for b in self._buckets:
+            mine = [s for s in keep if s.bucket is b]
+            if mine:
+                self._send_weights(b, mine, self._compute_done)
+                last = b.params_sent
+        self.copies.compute_waits_for(last)
+        remember_weights(keep)
+        return len(keep)
 
     def _grad_of(self, slot: ParamSlot) -> Tensor | None:
         if slot.host_grad is not None:
@@ -429,24 +527,32 @@ class OffloadOptimizer(OptimizerWrapper):
             raise RuntimeError("stream_cpu_step=True updates buckets during backward, so the step may not need "
                                "every gradient first (check_finite, a grad_scale or a step context): "
                                "FastOptStrategy only streams when nothing does")
+        self.copies.mark_compute_done(self._compute_done)
+        delays = self._delayed is not None and self._delayed.delays_next_step()
+        sent, last_sent = [], None
+        if delays or (self._delayed is not None and self._delayed.pending):
+            sent, last_sent = self._send_delayed()  # the last step's update: its weights go to the device now
+            self._count_background()
+        if self._delayed is not None:
+            self._delayed.steps += 1
         if needs_all:
             with timer.phase("grad_d2h"):
                 grads = self.gradients()
             if check_finite and not grads_all_finite(grads):
-                self._new_gradients()
-                timer.end_step()
+                self._end_step(sent, last_sent)
                 return True
             context = self.optimizer.step_context(grads, grad_scale) if step_context is COMPUTE else step_context
         else:
             context = None if step_context is COMPUTE else step_context
-        self.copies.mark_compute_done(self._compute_done)
         with timer.phase("gpu_step"):
             written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
-        last_sent = None
+        if delays:
+            self._launch_delayed(grad_scale, context)
+            self._end_step(written + sent, last_sent)
+            return False
         with timer.phase("cpu_step"):  # what is left of the CPU updates started during backward
             streamed = self._join_streamed()
-        timer.add("cpu_step_streamed", self._streamed_ms)
-        self._streamed_ms = 0.0
+        self._count_background()
         for b in self._buckets:
             if b in streamed:
                 updated = streamed[b]
@@ -458,19 +564,36 @@ class OffloadOptimizer(OptimizerWrapper):
             written += updated
             if self.copies.needed and updated:
                 last_sent = b.params_sent
-        self.copies.compute_waits_for(last_sent)  # the next forward sees the new weights
+        self._end_step(written + sent, last_sent)
+        return False
+
+    def _count_background(self) -> None:
+        """Into this step's breakdown: the CPU time of the worker's updates, all joined now."""
+        self._timer.add("cpu_step_background", self._background_ms)
+        self._background_ms = 0.0
+
+    def _end_step(self, written: list[ParamSlot], last_sent) -> None:
+        """The next forward waits for the weights sent to the device (``last_sent``, on the
+        device, not the host); ``written``: the parameters this step wrote."""
+        self.copies.compute_waits_for(last_sent)
         # the others' fingerprints still hold: nothing wrote them since the check
         remember_weights([s for s in written if s.separate_master])
         self._new_gradients()
-        timer.end_step()
-        return False
+        self._timer.end_step()
 
     def _inners(self) -> list[FusedOptimizer]:
         return [self._device_inner] + [b.inner for b in self._buckets]
 
     def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context) -> list[ParamSlot]:
         """Step one inner optimizer over the slots that have a gradient, with the user's
-        current hyperparameters (where LR schedulers write); returns them."""
+        current hyperparameters; returns them."""
+        plan = self._plan(inner, slots)
+        return self._run_plan(inner, plan, grad_scale, context) if plan is not None else []
+
+    def _plan(self, inner: FusedOptimizer, slots: list[ParamSlot]):
+        """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
+        current hyperparameters (where LR schedulers write) copied in, the slots that have
+        a gradient, each one's gradient and half copy.  None when no slot has a gradient."""
         copy_hyperparameters(inner, self.param_groups)
         sources, targets, updated = {}, {}, []
         for s in slots:
@@ -481,10 +604,12 @@ class OffloadOptimizer(OptimizerWrapper):
             updated.append(s)
             if s.param.dtype != torch.float32:
                 targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
-        if not updated:
-            return []
+        return (updated, sources, targets or None) if updated else None
+
+    def _run_plan(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
+        updated, sources, targets = plan
         inner.grad_source = sources
-        inner.copies_to = targets or None
+        inner.copies_to = targets
         try:
             inner.step(grad_scale=grad_scale, step_context=context)
         finally:
@@ -497,16 +622,25 @@ class OffloadOptimizer(OptimizerWrapper):
         return [[self._slot_of[p].name for p in g["params"]] for g in self.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
+        """Keyed by parameter name; with ``delayed_update``, also the masters of the update
+        not yet on the device (:mod:`~lightning_fastopt.offload.delayed`)."""
+        self._wait_delayed()
         state = {}
         for s in self._slots:
             st = self._inner_of(s).state.get(s.master)
             if st:
                 state[s.name] = st
-        return named_state_dict(self.param_groups, self._names(), state)
+        saved = named_state_dict(self.param_groups, self._names(), state)
+        if self._delayed is not None:
+            saved[SAVED_KEY] = self._delayed.saved()
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class (any offload fraction) or of the torch.optim
-        equivalent; raises CheckpointMismatchError when it belongs to another model."""
+        equivalent; raises CheckpointMismatchError when it belongs to another model.  The
+        model's weights are loaded first (a delayed update's pending masters are kept apart
+        from them)."""
+        self._wait_delayed()
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {s.name: s.param.shape for s in self._slots}, self.param_groups)
         for group, saved in zip(self.param_groups, saved_groups):
@@ -518,6 +652,32 @@ class OffloadOptimizer(OptimizerWrapper):
             st = by_name.get(s.name)
             if st:
                 self._set_state(s, st)
+        self._load_pending(state_dict.get(SAVED_KEY))
+
+    def _load_pending(self, saved: Mapping[str, Any] | None) -> None:
+        """A delayed update's pending masters from a checkpoint: pending again for the
+        offloaded parameters of a delayed optimizer, into the model for any other."""
+        weights = dict((saved or {}).get("weights", {}))
+        by_name = {s.name: s for s in self._slots}
+        for name, w in weights.items():
+            slot = by_name.get(name)
+            if slot is None or tuple(w.shape) != tuple(slot.param.shape):
+                raise CheckpointMismatchError(f"the checkpoint's pending weight {name!r} "
+                                              f"({tuple(w.shape)}) does not match a parameter of this model")
+        pending = {by_name[n]: w for n, w in weights.items()}
+        later = {s: w for s, w in pending.items() if self._delayed is not None and s.bucket is not None}
+        if self._delayed is not None:
+            self._delayed.restore(later)
+            if saved:
+                self._delayed.steps = int(saved.get("steps", 0))
+        now = [s for s in pending if s not in later]
+        for s in now:
+            if s.separate_master:
+                put_master(s, pending[s])
+                s.param.data.copy_(s.master)
+            else:
+                s.param.data.copy_(pending[s])
+        remember_weights(list(pending))  # the model's weights as loaded are the device's
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -525,6 +685,7 @@ class OffloadOptimizer(OptimizerWrapper):
         with the optimizer)."""
         self._hooks.remove()
         self._join_streamed()
+        self.apply_pending_update()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

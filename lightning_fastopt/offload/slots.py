@@ -33,6 +33,7 @@ class ParamSlot:
     offloaded: bool
     master: Tensor
     host_grad: Tensor | None = None
+    spare_grad: Tensor | None = None  # a second gradient buffer (delayed update: the next step's gradients)
     host_copy: Tensor | None = None
     bucket: HostBucket | None = None  # the host bucket of an offloaded parameter
     grad_sent: bool = False
@@ -43,6 +44,10 @@ class ParamSlot:
     @property
     def separate_master(self) -> bool:
         return self.master is not self.param
+
+    def swap_grad_buffers(self) -> None:
+        """The next gradients go to the spare buffer (an update in flight reads this one)."""
+        self.host_grad, self.spare_grad = self.spare_grad, self.host_grad
 
     def rebound_or_bumped(self) -> bool:
         """True when the parameter's storage was replaced or its version counter moved

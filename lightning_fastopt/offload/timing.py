@@ -10,9 +10,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-# cpu_step: the CPU updates the step waited for; cpu_step_streamed: those that ran on the
-# worker thread during backward (stream_cpu_step), timed on the host without synchronizing
-PHASES = ("grad_d2h", "gpu_step", "cpu_step", "param_h2d", "cpu_step_streamed")
+# cpu_step: the CPU updates the step waited for; cpu_step_background: the CPU time of those
+# that ran on the worker thread (during backward with stream_cpu_step, during the next
+# forward and backward with delayed_update), timed on the host without synchronizing
+PHASES = ("grad_d2h", "gpu_step", "cpu_step", "param_h2d", "cpu_step_background")
 
 
 class StepTimer:

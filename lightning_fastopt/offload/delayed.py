@@ -1,0 +1,109 @@
+"""The delayed parameter update (``delayed_update=True``), as in the ZeRO-Offload paper.
+
+Once ``warmup`` steps have run synchronously, the CPU update of step t runs on a worker
+thread while the accelerator computes forward and backward of step t+1, so the CPU step
+hides behind compute instead of following it.  What changes in the math, precisely:
+
+- the float32 masters and the optimizer state follow the usual recurrence,
+  ``m[t+1] = update(m[t], g[t])``, with the hyperparameters (learning rate, clipping
+  coefficient, loss scale) of step t;
+- the weights forward and backward of step t+1 use are ``m[t]`` (the masters before
+  update t) instead of ``m[t+1]``: each gradient is computed at weights one update old.
+  During warm-up, and after a step skipped for an fp16 overflow, the two are the same;
+- at the start of step t+1 (after its backward) the worker's result ``m[t+1]`` goes to
+  the device, and update t+1 is launched from it.
+
+So between steps the model holds the weights before the last update: validation,
+callbacks and anything else that reads them see those.  A weight written by something
+other than the optimizer while an update is in flight keeps the write (the in-flight
+update of that parameter is dropped; its optimizer state keeps the update).
+
+Only the offloaded share is delayed; parameters updated on the accelerator are updated
+at their step as usual.  The gradients of step t+1 land in a second host buffer while
+update t reads the first (one more gradient buffer per offloaded parameter).
+
+A checkpoint holds the state after the last launched update: the optimizer state and,
+under :data:`SAVED_KEY` in the optimizer's state dict, the masters of that update with
+the step count (the model's weights in the checkpoint are the device's, one update
+old).  Resuming loads the model first (as Lightning does), then the optimizer state, and
+continues exactly where the saving run would have gone.  An optimizer without a delayed
+update that loads such a checkpoint writes those masters into the model (the pending
+update finishes); torch.optim ignores the key (the weights stay one update behind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+
+SAVED_KEY = "delayed_update"  # in the optimizer's state dict: {"steps": int, "weights": {name: float32 tensor}}
+
+
+class DelayedUpdates:
+    """The updates launched by the last step, not yet on the device, and the step count
+    that ends the synchronous warm-up."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.steps = 0  # steps taken (skipped ones included)
+        self.pending: dict[HostBucket, Future] = {}  # a bucket's update: the slots it updated
+
+    def delays_next_step(self) -> bool:
+        return self.steps >= self.warmup
+
+    def wait(self) -> None:
+        """Wait for every update in flight (its weights stay pending)."""
+        for future in self.pending.values():
+            future.result()
+
+    def take(self, bucket: HostBucket) -> list[ParamSlot]:
+        """The slots the bucket's pending update changed (waiting for it), now no longer pending."""
+        future = self.pending.pop(bucket, None)
+        return future.result() if future is not None else []
+
+    def take_all(self) -> list[ParamSlot]:
+        return [s for b in list(self.pending) for s in self.take(b)]
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the step count and the masters not yet on the device."""
+        self.wait()
+        weights = {s.name: s.master.detach().clone() for f in self.pending.values() for s in f.result()}
+        return {"steps": self.steps, "weights": weights}
+
+    def restore(self, weights: Mapping[ParamSlot, Tensor]) -> None:
+        """Take a checkpoint's pending masters of offloaded slots back as pending updates
+        (the model's weights, loaded before, are the device's)."""
+        self.pending = {}
+        by_bucket: dict[HostBucket, list[ParamSlot]] = {}
+        for slot, weight in weights.items():
+            put_master(slot, weight)
+            by_bucket.setdefault(slot.bucket, []).append(slot)
+        for bucket, updated in by_bucket.items():
+            done: Future = Future()
+            done.set_result(updated)
+            self.pending[bucket] = done
+
+
+def check_delayed_update(delayed_update: Any, warmup: Any, stream_cpu_step: bool) -> None:
+    """Refuse bad ``delayed_update`` arguments, naming them."""
+    if not isinstance(delayed_update, bool):
+        raise TypeError(f"delayed_update must be True or False, got {delayed_update!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"delayed_update_warmup must be a whole number of steps >= 0, got {warmup!r}")
+    if delayed_update and stream_cpu_step:
+        raise ValueError("delayed_update=True and stream_cpu_step=True exclude each other: the delayed update "
+                         "already runs each CPU step during the next forward and backward")
+
+
+def put_master(slot: ParamSlot, weight: Tensor) -> None:
+    """Set a slot's float32 master (and the half copy that goes to the device) to ``weight``."""
+    with torch.no_grad():
+        slot.master.copy_(weight)
+        if slot.host_copy is not None:
+            slot.host_copy.copy_(slot.master)
