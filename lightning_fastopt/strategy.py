@@ -58,6 +58,7 @@ from lightning_fastopt.cpu_threads import default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.optim.base import FusedOptimizer, check_range, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
@@ -123,6 +124,16 @@ class FastOptStrategy(DDPStrategy):
             gradients, no fp16 loss scaling, no gradient clipping, no optimizer-wide norm
             (LAMB's ``max_grad_norm``), no ZeRO; otherwise one log line says why not.
             Off by default until it has been measured on a GPU.
+        delayed_update: after ``delayed_update_warmup`` synchronous steps, each step's CPU
+            update runs while the next forward and backward compute, so forward and
+            backward use weights one update old (ZeRO-Offload's delayed parameter update;
+            this changes the math: see :mod:`lightning_fastopt.offload.delayed`).  Between
+            steps, validation and callbacks see the weights of before the last update;
+            when training ends the model gets the last one.  Only the offloaded share is
+            delayed.  Not with ZeRO or ``stream_cpu_step``; on a CPU run it keeps host
+            masters apart from the weights, as ``copy_on_cpu`` does.
+        delayed_update_warmup: optimizer steps taken synchronously before the update is
+            delayed (default 40: the first steps move the weights the most).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -134,7 +145,7 @@ class FastOptStrategy(DDPStrategy):
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  zero_stage: int = 0,
                  copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
-                 **kwargs: Any) -> None:
+                 delayed_update: bool = False, delayed_update_warmup: int = 40, **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         ops.check_environment()
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
@@ -150,6 +161,11 @@ class FastOptStrategy(DDPStrategy):
                              f"got {cpu_threads!r}")
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
+        if delayed_update and zero_stage:
+            raise ValueError(f"delayed_update=True runs with zero_stage=0 only, got zero_stage={zero_stage}")
+        self.delayed_update = delayed_update
+        self.delayed_update_warmup = delayed_update_warmup
         self.zero_stage = int(zero_stage)
         self.offload_fraction = float(offload_fraction)
         self.overlap = overlap
@@ -254,7 +270,7 @@ class FastOptStrategy(DDPStrategy):
                 fused, names, zero_stage=self._effective_stage, offload_fraction=self.offload_fraction,
                 bucket_size_mb=self.bucket_size_mb, overlap=self.overlap, pin_memory=self.pin_memory,
                 device_grads=device_grads, wall_clock_breakdown=self.wall_clock_breakdown,
-                copy_on_cpu=self.copy_on_cpu, **stream)
+                copy_on_cpu=self.copy_on_cpu or self.delayed_update, **stream, **self._delays())
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
@@ -280,6 +296,18 @@ class FastOptStrategy(DDPStrategy):
         rank_zero_info("lightning_fastopt: each host bucket's CPU update starts during backward, once its "
                        "gradients have landed (stream_cpu_step=True)")
         return True
+
+    def _delays(self) -> dict[str, Any]:
+        """The offload optimizers' delayed-update arguments, said in one line."""
+        if not self.delayed_update:
+            return {}
+        if self.offload_fraction == 0:
+            rank_zero_info("lightning_fastopt: delayed_update=True delays nothing: nothing is offloaded")
+        else:
+            rank_zero_info(f"lightning_fastopt: after {self.delayed_update_warmup} synchronous step(s), each CPU "
+                           "update runs during the next forward and backward, which use weights one update old "
+                           "(delayed_update=True)")
+        return {"delayed_update": True, "delayed_update_warmup": self.delayed_update_warmup}
 
     def _device_grads(self) -> str:
         """The offload optimizers' ``device_grads``, said in one log line with the reason."""

@@ -322,3 +322,106 @@ def test_bad_arguments_are_refused_by_name(kw, error, match):
     args = dict(copy_on_cpu=True) | kw
     with pytest.raises(error, match=match):
         OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), offload_fraction=1.0, **args)
+
+
+# ---------------------------------------------------------------------- under the Trainer
+class DelayedTorchUpdate(L.Callback):
+    """``Trainer()`` with torch's update delayed as the strategy delays it: torch.optim
+    steps the float32 masters (kept here); once ``warmup`` steps are done the model keeps
+    the masters of before the last update, and gets the last one when training ends."""
+
+    def __init__(self, warmup, delayed=None):
+        self.warmup = warmup
+        self.delayed = delayed  # which parameters the delay applies to (default: all)
+
+    def on_train_start(self, trainer, pl_module):
+        self.masters = [p.detach().clone() for p in pl_module.parameters()]
+        self.steps = trainer.global_step
+
+    @torch.no_grad()
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before = [m.clone() for m in self.masters]
+        for p, m in zip(pl_module.parameters(), self.masters):
+            p.copy_(m)  # torch steps the masters, with the gradients of the weights the model had
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.steps:
+            return  # accumulating: no step in this batch
+        self.steps = trainer.global_step
+        self.masters = [p.detach().clone() for p in pl_module.parameters()]
+        if self.steps - 1 >= self.warmup:
+            for p, b, d in zip(pl_module.parameters(), self.before, self.delayed or [True] * len(self.before)):
+                if d:
+                    p.copy_(b)
+
+    @torch.no_grad()
+    def on_train_end(self, trainer, pl_module):
+        for p, m in zip(pl_module.parameters(), self.masters):
+            p.copy_(m)
+
+
+def _model():
+    from tests.test_strategy import Model
+
+    return Model(lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9), sched=True)
+
+
+def _trainer_fit(strategy, model, ckpt_path=None, **kw):
+    from tests.test_precision import _data
+
+    args = dict(accelerator=ACCELERATOR, devices=1, max_epochs=4, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
+                accumulate_grad_batches=2, gradient_clip_val=0.3)
+    args.update(kw)
+    L.Trainer(**args).fit(model, _data(), ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.1])  # 0.1: the last layer's two tensors of the small model
+def test_under_the_trainer_it_equals_trainer_with_torchs_update_delayed(caplog, monkeypatch, fraction):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    strategy = FastOptStrategy(offload_fraction=fraction, bucket_size_mb=0.0002, delayed_update=True,
+                               delayed_update_warmup=3)
+    with caplog.at_level(logging.INFO):
+        ours = _trainer_fit(strategy, _model())
+    assert "after 3 synchronous step(s), each CPU update runs during the next forward and backward" in caplog.text
+    opt = ours.trainer.strategy.optimizers[0]
+    offloaded = [opt.owns(p) and opt._slot_of[p].offloaded for p in ours.parameters()]
+    assert any(offloaded) and all(offloaded) == (fraction == 1.0)
+    # only the offloaded share is delayed: the reference delays those parameters
+    reference = _trainer_fit("auto", _model(), callbacks=[DelayedTorchUpdate(3, offloaded)])
+    plain = _trainer_fit("auto", _model())
+    for a, b in zip(ours.parameters(), reference.parameters()):
+        # clipping sums the norm in another order than torch's: rounding
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not all(torch.allclose(a, c, rtol=1e-4, atol=1e-5) for a, c in zip(ours.parameters(), plain.parameters()))
+
+
+def test_under_the_trainer_a_delayed_run_resumes_from_a_checkpoint_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def strategy():
+        return FastOptStrategy(bucket_size_mb=0.0002, delayed_update=True, delayed_update_warmup=3)
+
+    every_epoch = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    straight = _trainer_fit(strategy(), _model(), enable_checkpointing=True, callbacks=[every_epoch])
+    middle = tmp_path / "epoch=1.ckpt"  # after 8 steps: an update is pending
+    saved = torch.load(middle, weights_only=True)["optimizer_states"][0][SAVED_KEY]
+    assert saved["steps"] == 8 and saved["weights"]
+    resumed = _trainer_fit(strategy(), _model(), ckpt_path=str(middle))
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(delayed_update=True, zero_stage=1), ValueError, "delayed_update=True runs with zero_stage=0 only"),
+    (dict(delayed_update="yes"), TypeError, "delayed_update must be True or False"),
+    (dict(delayed_update=True, delayed_update_warmup=2.5), ValueError, "delayed_update_warmup must be a whole"),
+    (dict(delayed_update=True, stream_cpu_step=True), ValueError, "exclude each other"),
+])
+def test_the_strategy_refuses_bad_delayed_update_arguments(kw, error, match):
+    with pytest.raises(error, match=match):
+        FastOptStrategy(**kw)
