@@ -40,9 +40,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
 # fastopt:F is FastOptStrategy(offload_fraction=F); a ":stream" suffix adds stream_cpu_step=True, a
-# ":bf16-true" suffix trains with half weights (precision="bf16-true") instead of bf16-mixed
+# ":delayed" suffix delayed_update=True (delayed from the third step on, well before the timed steps),
+# a ":bf16-true" suffix trains with half weights (precision="bf16-true") instead of bf16-mixed
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1", "fastopt:1:stream",
-           "fastopt:1:stream:bf16-true", "deepspeed_stage_2_offload"]
+           "fastopt:1:delayed", "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true",
+           "deepspeed_stage_2_offload"]
+DELAYED_WARMUP = 2
 
 
 # ---------------------------------------------------------------------------- one configuration (child)
@@ -69,13 +72,17 @@ def hidden_share(copies, busy) -> float | None:
 
 
 def fastopt_arguments(config: str) -> tuple[dict, bool]:
-    """FastOptStrategy's arguments for ``fastopt:F[:stream][:bf16-true]``, and whether the
-    configuration trains with half weights."""
+    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true]``, and
+    whether the configuration trains with half weights."""
     _, fraction, *mode = config.split(":")
-    unknown = set(mode) - {"stream", "bf16-true"}
+    unknown = set(mode) - {"stream", "delayed", "bf16-true"}
     if unknown:
-        raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' and/or ':bf16-true'")
-    return dict(offload_fraction=float(fraction), stream_cpu_step="stream" in mode), "bf16-true" in mode
+        raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' or ':delayed', "
+                         "and/or ':bf16-true'")
+    arguments = dict(offload_fraction=float(fraction), stream_cpu_step="stream" in mode)
+    if "delayed" in mode:
+        arguments.update(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
+    return arguments, "bf16-true" in mode
 
 
 def child(config: str, args) -> dict:

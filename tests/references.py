@@ -1,9 +1,11 @@
 """Plain-PyTorch reference implementations, one tensor at a time, for the optimizers
-torch.optim lacks (LAMB, LARS, Lion) and for Adam without bias correction.  Written
-from the algorithms' definitions, independently of lightning_fastopt."""
+torch.optim lacks (LAMB, LARS, Lion) and for Adam without bias correction, and of the
+delayed parameter update for Lightning runs.  Written from the algorithms' definitions,
+independently of lightning_fastopt."""
 
 import math
 
+import lightning as L
 import torch
 
 
@@ -70,3 +72,39 @@ def adam_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw, b
         second = vmax
     denom = second.sqrt() / math.sqrt(bc2) + eps
     p.addcdiv_(m, denom, value=-lr / bc1)
+
+
+class DelayedTorchUpdate(L.Callback):
+    """``Trainer()`` with torch's update delayed as the strategy delays it: torch.optim
+    steps the float32 masters (kept here); once ``warmup`` steps are done the model keeps
+    the masters of before the last update, and gets the last one when training ends."""
+
+    def __init__(self, warmup, delayed=None):
+        self.warmup = warmup
+        self.delayed = delayed  # which parameters the delay applies to (default: all)
+
+    def on_train_start(self, trainer, pl_module):
+        self.masters = [p.detach().clone() for p in pl_module.parameters()]
+        self.steps = trainer.global_step
+
+    @torch.no_grad()
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before = [m.clone() for m in self.masters]
+        for p, m in zip(pl_module.parameters(), self.masters):
+            p.copy_(m)  # torch steps the masters, with the gradients of the weights the model had
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.steps:
+            return  # accumulating: no step in this batch
+        self.steps = trainer.global_step
+        self.masters = [p.detach().clone() for p in pl_module.parameters()]
+        if self.steps - 1 >= self.warmup:
+            for p, b, d in zip(pl_module.parameters(), self.before, self.delayed or [True] * len(self.before)):
+                if d:
+                    p.copy_(b)
+
+    @torch.no_grad()
+    def on_train_end(self, trainer, pl_module):
+        for p, m in zip(pl_module.parameters(), self.masters):
+            p.copy_(m)

@@ -30,6 +30,7 @@ from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.delayed import SAVED_KEY
 from tests.helpers import ACCELERATOR
+from tests.references import DelayedTorchUpdate
 
 SCALE = 8.0  # a loss scale; a power of two, so scaled gradients are exact multiples
 MAX_NORM = 0.5
@@ -325,42 +326,6 @@ def test_bad_arguments_are_refused_by_name(kw, error, match):
 
 
 # ---------------------------------------------------------------------- under the Trainer
-class DelayedTorchUpdate(L.Callback):
-    """``Trainer()`` with torch's update delayed as the strategy delays it: torch.optim
-    steps the float32 masters (kept here); once ``warmup`` steps are done the model keeps
-    the masters of before the last update, and gets the last one when training ends."""
-
-    def __init__(self, warmup, delayed=None):
-        self.warmup = warmup
-        self.delayed = delayed  # which parameters the delay applies to (default: all)
-
-    def on_train_start(self, trainer, pl_module):
-        self.masters = [p.detach().clone() for p in pl_module.parameters()]
-        self.steps = trainer.global_step
-
-    @torch.no_grad()
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.before = [m.clone() for m in self.masters]
-        for p, m in zip(pl_module.parameters(), self.masters):
-            p.copy_(m)  # torch steps the masters, with the gradients of the weights the model had
-
-    @torch.no_grad()
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.steps:
-            return  # accumulating: no step in this batch
-        self.steps = trainer.global_step
-        self.masters = [p.detach().clone() for p in pl_module.parameters()]
-        if self.steps - 1 >= self.warmup:
-            for p, b, d in zip(pl_module.parameters(), self.before, self.delayed or [True] * len(self.before)):
-                if d:
-                    p.copy_(b)
-
-    @torch.no_grad()
-    def on_train_end(self, trainer, pl_module):
-        for p, m in zip(pl_module.parameters(), self.masters):
-            p.copy_(m)
-
-
 def _model():
     from tests.test_strategy import Model
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_fastopt import FastOptStrategy
 from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,9 +76,11 @@ def test_the_gpt_benchmark_reads_its_configurations():
     assert fastopt_arguments("fastopt:1:stream:bf16-true") == (dict(offload_fraction=1.0, stream_cpu_step=True), True)
     with pytest.raises(ValueError, match=r"unknown suffix \['fast'\]"):
         fastopt_arguments("fastopt:1:fast")
+    assert fastopt_arguments("fastopt:1:delayed") == (dict(offload_fraction=1.0, stream_cpu_step=False,
+                                                           delayed_update=True, delayed_update_warmup=2), False)
     for config in CONFIGS:
         if config.startswith("fastopt"):
-            fastopt_arguments(config)
+            FastOptStrategy(**fastopt_arguments(config)[0])  # every default configuration is a valid strategy
 
 
 def test_the_readme_lists_every_default_that_differs_from_torch():

@@ -1,6 +1,6 @@
 """`fastopt` and `fastopt_offload` with 2 real processes (gloo): the same weights as Lightning's plain `ddp` with
-torch AdamW (clipping, accumulation, an LR scheduler), and an overflow on one rank skips
-the step on both."""
+torch AdamW (clipping, accumulation, an LR scheduler), with ``delayed_update`` the same
+as ``ddp`` with torch's update delayed, and an overflow on one rank skips the step on both."""
 
 import subprocess
 import sys
@@ -41,6 +41,14 @@ def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
     for k in ours:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
     for k in ours:
+        torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_two_process_delayed_update_matches_ddp_with_torchs_update_delayed(tmp_path):
+    ours, ours_rank1 = _run("delayed_offload", tmp_path / "delayed.pt")
+    ref, _ = _run("ddp", tmp_path / "ddp.pt", "--delayed-reference")
+    for k in ours:
+        assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
         torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 

@@ -1,6 +1,10 @@
 """Train a small model with 2 CPU processes (gloo) and save rank 0's final weights.
 
-    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu]
+    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu] [--delayed-reference]
+
+STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), or ``delayed_offload``
+(``fastopt_offload`` with ``delayed_update=True`` after 2 steps); ``--delayed-reference``
+delays torch's update the same way (``tests.references.DelayedTorchUpdate``).
 
 Also runs under torchrun (Lightning then takes the ranks from the environment).
 
@@ -18,6 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_fastopt  # noqa: E402,F401  (registers "fastopt")
 from lightning_fastopt import FastOptPrecision  # noqa: E402
+from tests.references import DelayedTorchUpdate  # noqa: E402
+
+DELAYED_WARMUP = 2
 
 
 class Model(L.LightningModule):
@@ -72,6 +79,9 @@ def main():
     if strategy.startswith("zero"):  # ZeRO stage 1 or 2, the shards kept on the device or all offloaded
         strategy = lightning_fastopt.FastOptStrategy(zero_stage=int(strategy[4]), bucket_size_mb=0.0002,
                                                      offload_fraction=1.0 if "offload" in strategy else 0.0)
+    elif strategy == "delayed_offload":
+        strategy = lightning_fastopt.FastOptStrategy(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP,
+                                                     bucket_size_mb=0.0002)
     inject = "--inject-inf" in sys.argv
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
@@ -81,7 +91,8 @@ def main():
     accelerator = "gpu" if "--gpu" in sys.argv else "cpu"
     trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins)
+                        gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins,
+                        callbacks=[DelayedTorchUpdate(DELAYED_WARMUP)] if "--delayed-reference" in sys.argv else None)
     model = (InjectingModel if inject else Model)(inject, lamb="--lamb" in sys.argv)
     seen = {}
     _count_gradients_at_step(model, seen)
