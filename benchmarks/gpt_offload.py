@@ -39,12 +39,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
-# fastopt:F is FastOptStrategy(offload_fraction=F); a ":stream" suffix adds stream_cpu_step=True, a
-# ":delayed" suffix delayed_update=True (delayed from the third step on, well before the timed steps),
-# a ":bf16-true" suffix trains with half weights (precision="bf16-true") instead of bf16-mixed
-CONFIGS = ["plain", "fastopt:0", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1", "fastopt:1:stream",
-           "fastopt:1:delayed", "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true",
-           "deepspeed_stage_2_offload"]
+# fastopt:F is FastOptStrategy(offload_fraction=F), F a number or "auto" (chosen after 5 probe steps, before
+# the timed ones); a ":stream" suffix adds stream_cpu_step=True, a ":delayed" suffix delayed_update=True
+# (delayed from the third step on, well before the timed steps), a ":bf16-true" suffix trains with half
+# weights (precision="bf16-true") instead of bf16-mixed
+CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
+           "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
+           "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "deepspeed_stage_2_offload"]
 DELAYED_WARMUP = 2
 
 
@@ -72,14 +73,15 @@ def hidden_share(copies, busy) -> float | None:
 
 
 def fastopt_arguments(config: str) -> tuple[dict, bool]:
-    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true]``, and
-    whether the configuration trains with half weights."""
+    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true]`` (F a
+    number or ``auto``), and whether the configuration trains with half weights."""
     _, fraction, *mode = config.split(":")
     unknown = set(mode) - {"stream", "delayed", "bf16-true"}
     if unknown:
         raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' or ':delayed', "
                          "and/or ':bf16-true'")
-    arguments = dict(offload_fraction=float(fraction), stream_cpu_step="stream" in mode)
+    arguments = dict(offload_fraction=fraction if fraction == "auto" else float(fraction),
+                     stream_cpu_step="stream" in mode)
     if "delayed" in mode:
         arguments.update(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
     return arguments, "bf16-true" in mode
@@ -163,7 +165,8 @@ def child(config: str, args) -> dict:
                         enable_model_summary=False, callbacks=[measure])
     trainer.fit(model, loader)
     seconds = measure.t1 - measure.t0
-    return dict(configuration=config, params=n_params, tokens_per_s=args.steps * args.batch * args.seq / seconds,
+    opt = trainer.strategy.optimizers[0] if trainer.strategy.optimizers else None
+    return dict(configuration=config, fraction=getattr(opt, "offload_fraction", None), params=n_params, tokens_per_s=args.steps * args.batch * args.seq / seconds,
                 step_ms=seconds / args.steps * 1e3,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 **(measure.profile or {}))
@@ -177,7 +180,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=7)  # offload_fraction="auto" settles after 5
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--tiny", action="store_true", help="a tiny model, any device (checks the script runs)")
@@ -226,7 +229,8 @@ def main() -> None:
         rel = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "n/a"
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         saved = (f"{plain['peak_gib'] - r['peak_gib']:.1f}" if plain and r["peak_gib"] is not None else "n/a")
-        print(f"| {r['configuration']} | {r['tokens_per_s']:,.0f} | {rel} | {r['step_ms']:.0f} | {peak} | {saved} "
+        chosen = f" (chose {r['fraction']:g})" if ":auto" in r["configuration"] and r.get("fraction") is not None else ""
+        print(f"| {r['configuration']}{chosen} | {r['tokens_per_s']:,.0f} | {rel} | {r['step_ms']:.0f} | {peak} | {saved} "
               f"| {pct(r.get('d2h_hidden'))} | {pct(r.get('h2d_hidden'))} |")
     by = {r["configuration"]: r for r in rows}
     if gpu and "fastopt:0" in by and "fastopt:1" in by:

@@ -58,6 +58,7 @@ from lightning_fastopt.cpu_threads import default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.optim.base import FusedOptimizer, check_range, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
@@ -85,7 +86,13 @@ class FastOptStrategy(DDPStrategy):
     Args:
         offload_fraction: share of the parameters (by element count) whose fp32 master
             weights and optimizer state live in CPU memory and are updated by the CPU
-            kernels, in [0, 1]; the rest are updated on the accelerator.
+            kernels, in [0, 1]; the rest are updated on the accelerator.  ``"auto"``:
+            chosen after the first steps (run with everything offloaded) from their
+            measured timings, the largest fraction whose CPU update hides behind the
+            accelerator's work, or more to fit ``gpu_memory_budget_gb``; one log line
+            says which and why (:mod:`lightning_fastopt.offload.auto_fraction`).
+        gpu_memory_budget_gb: with ``offload_fraction="auto"``, the accelerator memory
+            the run may use at its peak (CUDA); None: no budget.
         overlap: copy gradients to the host and parameters back on side streams,
             overlapping compute (CUDA).
         pin_memory: page-locked host buffers (faster, asynchronous copies; CUDA).
@@ -139,16 +146,19 @@ class FastOptStrategy(DDPStrategy):
 
     strategy_name = "fastopt_offload"
 
-    def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
+    def __init__(self, offload_fraction: float | str = 1.0, overlap: bool = True, pin_memory: bool = True,
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  zero_stage: int = 0,
                  copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
-                 delayed_update: bool = False, delayed_update_warmup: int = 40, **kwargs: Any) -> None:
+                 delayed_update: bool = False, delayed_update_warmup: int = 40,
+                 gpu_memory_budget_gb: float | None = None, **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         ops.check_environment()
-        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+        self.auto_fraction = _check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
+        self.gpu_memory_budget_gb = gpu_memory_budget_gb
+        self._auto: AutoFraction | None = None  # the probe of a fit with offload_fraction="auto"
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
@@ -167,7 +177,7 @@ class FastOptStrategy(DDPStrategy):
         self.delayed_update = delayed_update
         self.delayed_update_warmup = delayed_update_warmup
         self.zero_stage = int(zero_stage)
-        self.offload_fraction = float(offload_fraction)
+        self.offload_fraction = 1.0 if self.auto_fraction else float(offload_fraction)  # "auto" starts at 1
         self.overlap = overlap
         self.pin_memory = pin_memory
         self.bucket_size_mb = float(bucket_size_mb)
@@ -275,6 +285,19 @@ class FastOptStrategy(DDPStrategy):
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
         self.optimizers = wrapped
+        self._auto = None
+        if self.auto_fraction:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError("offload_fraction='auto' measures the forward and backward that Lightning runs in "
+                                 "each step's closure (automatic optimization); with manual optimization give a "
+                                 "number")
+            if self.gpu_memory_budget_gb is not None and self.root_device.type != "cuda":
+                raise ValueError(f"gpu_memory_budget_gb needs a CUDA device to measure memory on, this run is on "
+                                 f"{self.root_device}")
+            rank_zero_info(f"lightning_fastopt: offload_fraction='auto': the first {PROBE_SKIP + PROBE_STEPS} steps run "
+                           f"with everything offloaded, the last {PROBE_STEPS} of them measured")
+            self._auto = AutoFraction(self.root_device, self.gpu_memory_budget_gb, trainer.accumulate_grad_batches,
+                                      agree=lambda f: float(self.broadcast(f)))
 
     def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> bool:
         """Whether the CPU step streams into backward (``stream_cpu_step``), said in one line."""
@@ -340,14 +363,28 @@ class FastOptStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
         raw = unwrapped(optimizer)
+        auto = self._auto if isinstance(raw, OffloadOptimizer) else None
+        if auto is not None:
+            closure = auto.closure(raw, closure)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
         user = self._user_optimizers.get(id(raw))
         if user is not None:
             user._opt_called = True  # LR schedulers bound to the user's optimizer check this
         if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
             self._log_step_times(raw.last_step_times)
+        if auto is not None:
+            self._settle_fraction(raw, auto.after_step(raw, self.precision_plugin.last_step_skipped))
         return out
+
+    def _settle_fraction(self, old: OffloadOptimizer, settled: tuple[OffloadOptimizer, str] | None) -> None:
+        """The probe of ``offload_fraction="auto"`` has chosen: the optimizer is rebuilt with that fraction."""
+        if settled is None:
+            return
+        new, why = settled
+        rank_zero_info(f"lightning_fastopt: {why}")
+        self._user_optimizers[id(new)] = self._user_optimizers.pop(id(old))
+        self.optimizers = [new if o is old else o for o in self.optimizers]  # Lightning wraps them again
 
     def _log_step_times(self, step_times: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer
@@ -409,6 +446,24 @@ class FastOptStrategy(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
                                            zero_stage=zero_stage)
+
+
+def _check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:
+    """Refuse a bad ``offload_fraction`` or ``gpu_memory_budget_gb``; True for ``"auto"``."""
+    auto = offload_fraction == "auto"
+    if isinstance(offload_fraction, str) and not auto:
+        raise ValueError(f"offload_fraction must be a number in [0, 1] or 'auto', got {offload_fraction!r}")
+    if not auto:
+        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+    elif zero_stage:
+        raise ValueError(f"offload_fraction='auto' runs with zero_stage=0 only, got zero_stage={zero_stage!r}")
+    if budget_gb is not None:
+        if not auto:
+            raise ValueError("gpu_memory_budget_gb is for offload_fraction='auto' (it chooses the fraction that "
+                             f"fits), got offload_fraction={offload_fraction!r}")
+        if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not budget_gb > 0:
+            raise ValueError(f"gpu_memory_budget_gb must be a positive number of GiB or None, got {budget_gb!r}")
+    return auto
 
 
 def _is_local_dir(path) -> bool:

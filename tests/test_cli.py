@@ -105,6 +105,18 @@ def test_strategy_by_class_path_on_the_command_line(tmp_path):
     assert isinstance(cli.trainer.precision_plugin, FastOptPrecision)
 
 
+def test_auto_fraction_and_the_delayed_update_from_the_command_line(tmp_path):
+    cli = _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.max_steps", "7", "--trainer.strategy",
+               "lightning_fastopt.FastOptStrategy", "--trainer.strategy.offload_fraction", "auto",
+               "--trainer.strategy.delayed_update", "true", "--trainer.strategy.delayed_update_warmup", "3")
+    strategy = cli.trainer.strategy
+    assert strategy.auto_fraction and strategy.delayed_update and strategy.delayed_update_warmup == 3
+    opt = strategy.optimizers[0]
+    assert isinstance(opt, OffloadOptimizer) and opt._delayed is not None
+    assert strategy._auto._probes[id(opt)].done  # the rebuilt optimizer, after the 5 probe steps
+    assert strategy._lightning_optimizers[0]._optimizer is opt  # Lightning steps the rebuilt optimizer
+
+
 def test_bad_value_in_a_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\], got 1.5"):
         _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.strategy", "lightning_fastopt.FastOptStrategy",

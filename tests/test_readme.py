@@ -78,6 +78,7 @@ def test_the_gpt_benchmark_reads_its_configurations():
         fastopt_arguments("fastopt:1:fast")
     assert fastopt_arguments("fastopt:1:delayed") == (dict(offload_fraction=1.0, stream_cpu_step=False,
                                                            delayed_update=True, delayed_update_warmup=2), False)
+    assert fastopt_arguments("fastopt:auto:stream")[0] == dict(offload_fraction="auto", stream_cpu_step=True)
     for config in CONFIGS:
         if config.startswith("fastopt"):
             FastOptStrategy(**fastopt_arguments(config)[0])  # every default configuration is a valid strategy

@@ -138,6 +138,11 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError(f"stream_cpu_step=True needs device_grads='copy_in_backward' (gradients that leave "
                              f"during backward), got {device_grads!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
+        # every argument but the fraction, for with_fraction()
+        self._settings = dict(bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
+                              device_grads=device_grads, wall_clock_breakdown=wall_clock_breakdown,
+                              copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step,
+                              delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup)
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
         self.stream_cpu_step = bool(stream_cpu_step)
@@ -283,6 +288,16 @@ class OffloadOptimizer(OptimizerWrapper):
     def last_step_times(self) -> dict[str, float]:
         """Milliseconds per phase of the last step (``wall_clock_breakdown=True``)."""
         return dict(self._timer.last)
+
+    @property
+    def wall_clock_breakdown(self) -> bool:
+        """Whether steps are timed phase by phase (settable: ``offload_fraction="auto"``
+        times its probe steps)."""
+        return self._timer.enabled
+
+    @wall_clock_breakdown.setter
+    def wall_clock_breakdown(self, enabled: bool) -> None:
+        self._timer.enabled = bool(enabled)
 
     def owns(self, param: Tensor) -> bool:
         return param in self._slot_of
@@ -679,13 +694,40 @@ class OffloadOptimizer(OptimizerWrapper):
                 s.param.data.copy_(pending[s])
         remember_weights(list(pending))  # the model's weights as loaded are the device's
 
+    # ------------------------------------------------------------------ another fraction
+    def with_fraction(self, offload_fraction: float) -> OffloadOptimizer:
+        """The same optimizer with another offload fraction, between steps: a new one over
+        the same parameters and groups (LR schedulers keep theirs) with every other
+        setting, this one's state, float32 masters, skipped-step count and pending
+        delayed update moved over; the result is what this one would have computed.
+        This one is closed."""
+        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+        saved = self.state_dict()  # the state and a delayed update's pending masters, by name
+        masters = {s.name: s.master for s in self._slots if s.separate_master}
+        self.close(apply_pending=False)  # the pending update moves over, it is not applied here
+        new = OffloadOptimizer(self.optimizer, self._param_names, offload_fraction=offload_fraction,
+                               **self._settings)
+        new.load_state_dict(saved)
+        pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))
+        kept = [s for s in new._slots if s.separate_master and s.name in masters and s.name not in pending]
+        for s in kept:  # a half-precision weight's master has more bits than the weight
+            put_master(s, masters[s.name])
+        remember_weights(kept)
+        new.skipped_steps = self.skipped_steps
+        new.accumulating = self.accumulating
+        return new
+
     # ------------------------------------------------------------------ teardown
-    def close(self) -> None:
+    def close(self, apply_pending: bool = True) -> None:
         """Remove the backward hooks and wait for copies in flight (the host buffers go
-        with the optimizer)."""
+        with the optimizer); ``apply_pending``: send a delayed update still pending to the
+        model (training has ended)."""
         self._hooks.remove()
         self._join_streamed()
-        self.apply_pending_update()
+        if apply_pending:
+            self.apply_pending_update()
+        else:
+            self._wait_delayed()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
