@@ -1,8 +1,8 @@
 """End-to-end benchmark: a GPT-style model of about 1B parameters trained with Lightning,
-plain (torch AdamW(fused=True)) against ``fastopt_offload`` at offload_fraction 0, 0.5
-and 1, the last two also with ``stream_cpu_step=True``, and at 1 with half weights
-(``precision="bf16-true"``) (and DeepSpeed's ``deepspeed_stage_2_offload`` when deepspeed
-is installed).
+plain (torch AdamW(fused=True)) against ``fastopt_offload`` at offload_fraction 0, 0.25,
+0.5, 1 and ``"auto"``, exact, streamed (``stream_cpu_step=True``) and delayed
+(``delayed_update=True``), with bf16-mixed or half weights (``precision="bf16-true"``),
+and DeepSpeed's ``deepspeed_stage_2_offload`` when deepspeed is installed (see CONFIGS).
 
     python benchmarks/gpt_offload.py                # ~1B parameters on a GPU (about 10 minutes on an H100)
     python benchmarks/gpt_offload.py --tiny         # a tiny model on any device: checks the script runs
@@ -15,9 +15,12 @@ its own): bf16-mixed precision, the byte-level GPT of examples/gpt.py (20 layers
 - ``tokens/s``: tokens per second over the measured steps (wall clock, synchronized at
   both ends), and ``vs plain``: that over plain Lightning's;
 - ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the measured steps;
-- ``D2H hidden`` / ``H2D hidden``: from a profiler trace of one step, the share of the
-  gradient (device-to-host) and weight (host-to-device) copy time during which compute
-  kernels were running: the overlap the side streams achieve.
+- ``D2H hidden`` / ``H2D hidden``: from a profiler trace of the last two warm-up steps,
+  the share of the gradient (device-to-host) and weight (host-to-device) copy time
+  during which compute kernels were running: the overlap the side streams achieve;
+- after the table, per configuration, the same trace's busy, hidden and exposed time of
+  the copies and of the CPU updates (``benchmarks/timeline.py``), and with
+  ``--timeline DIR`` a picture of it (PNG, matplotlib).
 
 The headline figures: the GPU memory saved per 25% of offload ((peak at 0 - peak at 1) /
 4) and the slowdown at fraction 1 (plain tokens/s over fastopt_offload's); Megatron-style
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from timeline import draw, hidden_exposed, lanes_from_events, table
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -50,28 +54,6 @@ DELAYED_WARMUP = 2
 
 
 # ---------------------------------------------------------------------------- one configuration (child)
-def _merge(intervals):
-    out = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return out
-
-
-def hidden_share(copies, busy) -> float | None:
-    """The share of the copies' time during which `busy` (merged kernel intervals) ran."""
-    total = sum(e - s for s, e in copies)
-    if not total:
-        return None
-    covered = 0.0
-    for s, e in copies:
-        for bs, be in busy:
-            covered += max(0.0, min(e, be) - max(s, bs))
-    return covered / total
-
-
 def fastopt_arguments(config: str) -> tuple[dict, bool]:
     """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true]`` (F a
     number or ``auto``), and whether the configuration trains with half weights."""
@@ -85,6 +67,14 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
     if "delayed" in mode:
         arguments.update(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
     return arguments, "bf16-true" in mode
+
+
+PROFILED_STEPS = 2  # the last warm-up steps, profiled: a delayed update runs into the next step
+
+
+def _share(split) -> float | None:
+    busy, hidden, _ = split
+    return hidden / busy if busy else None
 
 
 def child(config: str, args) -> dict:
@@ -116,8 +106,10 @@ def child(config: str, args) -> dict:
             self.prof = None
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == args.warmup - 1 and gpu:
-                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            if batch_idx == max(0, args.warmup - PROFILED_STEPS):  # the last warm-up steps
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                self.prof = torch.profiler.profile(
+                    activities=activities + ([torch.profiler.ProfilerActivity.CUDA] if gpu else []))
                 self.prof.__enter__()
             if batch_idx == args.warmup:
                 if gpu:
@@ -127,15 +119,14 @@ def child(config: str, args) -> dict:
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if self.prof is not None and batch_idx == args.warmup - 1:
-                torch.cuda.synchronize()
+                if gpu:
+                    torch.cuda.synchronize()
                 self.prof.__exit__(None, None, None)
-                events = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                kernels = _merge((e.time_range.start, e.time_range.end) for e in events
-                                 if "Memcpy" not in e.name and "Memset" not in e.name)
-                d2h = [(e.time_range.start, e.time_range.end) for e in events if "DtoH" in e.name]
-                h2d = [(e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name]
-                self.profile = dict(d2h_ms=sum(e - s for s, e in d2h) / 1e3, h2d_ms=sum(e - s for s, e in h2d) / 1e3,
-                                    d2h_hidden=hidden_share(d2h, kernels), h2d_hidden=hidden_share(h2d, kernels))
+                lanes = lanes_from_events(self.prof.events())
+                split = hidden_exposed(lanes)
+                self.profile = dict(lanes=lanes, steps_profiled=batch_idx + 1 - max(0, args.warmup - PROFILED_STEPS),
+                                    d2h_ms=split["D2H"][0], h2d_ms=split["H2D"][0],
+                                    d2h_hidden=_share(split["D2H"]), h2d_hidden=_share(split["H2D"]))
                 self.prof = None
             if batch_idx == args.warmup + args.steps - 1:
                 if gpu:
@@ -186,12 +177,19 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny model, any device (checks the script runs)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--timeline", type=Path, help="draw each configuration's profiled steps as a PNG in this "
+                                                  "directory (matplotlib), and print where each lane hid")
     args = ap.parse_args()
     if args.tiny:
         args.layers, args.width, args.heads, args.seq, args.batch, args.warmup, args.steps = 2, 64, 4, 32, 2, 2, 3
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args)), flush=True)
         return
+    if args.timeline:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.exit("--timeline draws with matplotlib: pip install matplotlib")
 
     rows = []
     for config in args.configs.split(","):
@@ -239,6 +237,16 @@ def main() -> None:
     if plain and "fastopt:1" in by:
         print(f"slowdown at offload_fraction=1: {plain['tokens_per_s'] / by['fastopt:1']['tokens_per_s']:.2f}x "
               "(Megatron-style hybrid offload: 1.9x to 4.2x)")
+    for r in rows:
+        lanes = r.get("lanes")
+        if not lanes or not any(lanes.values()):
+            continue
+        print(f"\n{r['configuration']}: {r['steps_profiled']} profiled step(s), {table(lanes)}")
+        if args.timeline:
+            args.timeline.mkdir(parents=True, exist_ok=True)
+            path = args.timeline / f"timeline_{r['configuration'].replace(':', '_')}.png"
+            draw(lanes, path, f"{r['configuration']}: {r['steps_profiled']} step(s), {name}")
+            print(f"timeline: {path}")
     if args.out:
         args.out.write_text(json.dumps(dict(device=name, rows=rows), indent=2))
 

@@ -38,7 +38,10 @@ case "$part" in
         python3 benchmarks/weight_watch.py 2>&1 | tee "$OUT/weight_watch.md"
         ;;
     e2e)
-        python3 benchmarks/gpt_offload.py --out "$OUT/gpt_offload.json" 2>&1 | tee "$OUT/gpt_offload.md"
+        # the timeline pictures where matplotlib is installed
+        timeline=""
+        python3 -c "import matplotlib" 2>/dev/null && timeline="--timeline $OUT"
+        python3 benchmarks/gpt_offload.py --out "$OUT/gpt_offload.json" $timeline 2>&1 | tee "$OUT/gpt_offload.md"
         ;;
     *)
         echo "usage: $0 tests|kernels|e2e" >&2

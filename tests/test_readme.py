@@ -43,7 +43,7 @@ def test_main_job_runs_and_reports_the_loss(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_benchmark_scripts_run():
+def test_benchmark_scripts_run(tmp_path):
     """Tiny sizes: the numbers are not checked here, the benchmarks report them."""
     out = subprocess.run([sys.executable, "benchmarks/cpu_optimizers.py", "--quick", "--repeat", "1",
                           "--algorithms", "adam,adam-mixed,lamb"], cwd=REPO, capture_output=True, text=True,
@@ -64,6 +64,12 @@ def test_benchmark_scripts_run():
                          env=subprocess_env(REPO))
     assert out.returncode == 0, out.stderr
     assert "| CPU | 1e+05 bfloat16" in out.stdout and "floor / per step" in out.stdout
+    out = subprocess.run([sys.executable, "benchmarks/gpt_offload.py", "--tiny", "--configs", "fastopt:1:delayed",
+                          "--timeline", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=subprocess_env(REPO))
+    assert out.returncode == 0, out.stderr
+    assert "| fastopt:1:delayed |" in out.stdout and "| CPU update |" in out.stdout
+    assert (tmp_path / "timeline_fastopt_1_delayed.png").is_file()
 
 
 def test_the_gpt_benchmark_reads_its_configurations():

@@ -622,11 +622,15 @@ class OffloadOptimizer(OptimizerWrapper):
         return (updated, sources, targets or None) if updated else None
 
     def _run_plan(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
+        """Step ``inner`` as :meth:`_plan` fixed it; a host bucket's update is the profiler
+        range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
         updated, sources, targets = plan
         inner.grad_source = sources
         inner.copies_to = targets
+        label = "fastopt::device_update" if inner is self._device_inner else "fastopt::cpu_update"
         try:
-            inner.step(grad_scale=grad_scale, step_context=context)
+            with torch.profiler.record_function(label):
+                inner.step(grad_scale=grad_scale, step_context=context)
         finally:
             inner.grad_source = None
             inner.copies_to = None

@@ -1,0 +1,110 @@
+"""The timeline of profiled training steps: what ran when on the GPU, on the copy engines
+and on the CPU, what of each hid behind GPU compute, and a picture of it.
+
+From a ``torch.profiler`` trace (CPU and CUDA activities):
+
+- ``GPU compute``: every CUDA kernel but copies and memsets (forward, backward, the GPU
+  share's update);
+- ``D2H``: device-to-host copies (gradients leaving); ``H2D``: host-to-device copies
+  (weights coming back);
+- ``CPU update``: the offload optimizer's CPU updates (its ``fastopt::cpu_update``
+  ranges, on the main thread or the worker).
+
+:func:`hidden_exposed` splits each lane's busy time into the part during which GPU
+compute ran (hidden) and the rest (exposed: the GPU waited, or nothing needed it yet);
+:func:`draw` saves the picture (matplotlib).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+LANES = ("GPU compute", "D2H", "H2D", "CPU update")
+CPU_UPDATE = "fastopt::cpu_update"  # the record_function name of a bucket's CPU update
+
+Intervals = list[tuple[float, float]]
+
+
+def merge(intervals: Iterable[tuple[float, float]]) -> Intervals:
+    """Sorted, non-overlapping intervals covering the same time."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+def lanes_from_events(events) -> dict[str, Intervals]:
+    """The lanes of a profiler trace (``prof.events()``), in milliseconds from its first event."""
+    import torch
+
+    raw: dict[str, list[tuple[float, float]]] = {lane: [] for lane in LANES}
+    for e in events:
+        span = (e.time_range.start / 1e3, e.time_range.end / 1e3)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if "DtoH" in e.name or "DeviceToHost" in e.name:
+                raw["D2H"].append(span)
+            elif "HtoD" in e.name or "HostToDevice" in e.name:
+                raw["H2D"].append(span)
+            elif "Memcpy" not in e.name and "Memset" not in e.name:
+                raw["GPU compute"].append(span)
+        elif e.name == CPU_UPDATE:
+            raw["CPU update"].append(span)
+    starts = [s for spans in raw.values() for s, _ in spans]
+    t0 = min(starts) if starts else 0.0
+    return {lane: merge((s - t0, e - t0) for s, e in spans) for lane, spans in raw.items()}
+
+
+def _overlap(a: Intervals, b: Intervals) -> float:
+    total = 0.0
+    for s, e in a:
+        for bs, be in b:
+            total += max(0.0, min(e, be) - max(s, bs))
+    return total
+
+
+def hidden_exposed(lanes: dict[str, Intervals]) -> dict[str, tuple[float, float, float]]:
+    """Per lane but GPU compute: (busy ms, hidden ms: while GPU compute ran, exposed ms)."""
+    compute = merge(lanes.get("GPU compute", []))
+    out = {}
+    for lane, spans in lanes.items():
+        if lane == "GPU compute":
+            continue
+        spans = merge(spans)
+        busy = sum(e - s for s, e in spans)
+        hidden = _overlap(spans, compute)
+        out[lane] = (busy, hidden, busy - hidden)
+    return out
+
+
+def table(lanes: dict[str, Intervals]) -> str:
+    """A markdown table of :func:`hidden_exposed`, with the span of the trace."""
+    span = max((e for spans in lanes.values() for _, e in spans), default=0.0)
+    rows = [f"profiled span {span:.1f} ms", "", "| lane | busy ms | hidden ms | exposed ms |", "|---|---:|---:|---:|"]
+    for lane, (busy, hidden, exposed) in hidden_exposed(lanes).items():
+        rows.append(f"| {lane} | {busy:.1f} | {hidden:.1f} | {exposed:.1f} |")
+    return "\n".join(rows)
+
+
+def draw(lanes: dict[str, Intervals], path, title: str) -> None:
+    """Save the lanes as a PNG, one row each, time in ms along the bottom."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [lane for lane in LANES if lane in lanes] + [lane for lane in lanes if lane not in LANES]
+    colors = {"GPU compute": "tab:green", "D2H": "tab:orange", "H2D": "tab:purple", "CPU update": "tab:blue"}
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(names) + 1.2))
+    for row, lane in enumerate(reversed(names)):
+        spans = lanes[lane]
+        ax.broken_barh([(s, e - s) for s, e in spans], (row - 0.4, 0.8), color=colors.get(lane, "tab:gray"))
+    ax.set_yticks(range(len(names)), list(reversed(names)))
+    ax.set_xlabel("ms")
+    ax.set_title(title)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,58 @@
+"""benchmarks/timeline.py: the lanes of a profiler trace (the offload optimizer's CPU
+updates are profiler ranges), where each lane hid behind GPU compute, and the picture."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fastopt import FusedAdam
+from lightning_fastopt.offload import OffloadOptimizer
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+try:
+    from timeline import CPU_UPDATE, LANES, draw, hidden_exposed, lanes_from_events, merge, table
+finally:
+    sys.path.pop(0)
+
+
+def test_each_buckets_cpu_update_is_a_profiler_range():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=0.005, copy_on_cpu=True)
+    model(torch.randn(8, 32)).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    assert len(opt._buckets) >= 3
+    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
+    lanes = lanes_from_events(prof.events())
+    assert set(lanes) == set(LANES) and lanes["CPU update"] and not lanes["GPU compute"]
+    assert lanes["CPU update"][0][0] >= 0.0
+    opt.close()
+
+
+LANES_MS = {
+    "GPU compute": [(0.0, 10.0), (12.0, 20.0)],
+    "D2H": [(5.0, 11.0)],  # 5 hidden, 1 exposed
+    "H2D": [(19.0, 23.0)],  # 1 hidden, 3 exposed
+    "CPU update": [(8.0, 14.0), (13.0, 16.0)],  # merged: 8..16, 2 + 4 hidden
+}
+
+
+def test_hidden_and_exposed_time_per_lane():
+    assert merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    split = hidden_exposed(LANES_MS)
+    assert split == {"D2H": (6.0, 5.0, 1.0), "H2D": (4.0, 1.0, 3.0), "CPU update": (8.0, 6.0, 2.0)}
+    text = table(LANES_MS)
+    assert "profiled span 23.0 ms" in text and "| CPU update | 8.0 | 6.0 | 2.0 |" in text
+
+
+def test_the_timeline_is_drawn_as_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    draw(LANES_MS, path, "a test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
