@@ -25,7 +25,8 @@ case "$part" in
         # (one process: on an H100, 8 xdist workers took 6 minutes where one takes 4)
         python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda_kernels.py tests/test_offload_cuda.py \
             tests/test_cuda_build.py tests/test_cuda_math.py tests/test_torch_fused.py tests/test_weight_watch.py \
-            "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact" 2>&1 | tee "$OUT/tests.txt"
+            "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact" \
+            tests/test_bf16_state.py 2>&1 | tee "$OUT/tests.txt"  # the last on this host's best ISA (AVX-512?)
         # the Trainer-level comparisons with Trainer() (everyday patterns, precision, strategy) on the GPU
         FASTOPT_TEST_ACCELERATOR=gpu python3 -m pytest -q -p no:cacheprovider -rs $parallel \
             tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py \

@@ -249,7 +249,11 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
 def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
                 grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
-    """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula."""
+    """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula.
+
+    ``exp_avgs`` and ``exp_avg_sqs`` are float32, or (CPU, float32 params, no amsgrad)
+    bfloat16, stored with stochastic rounding seeded by the step count
+    (:func:`lightning_fastopt.ops.torch_backend.round_bf16_stochastic`)."""
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                    max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None, param_copies=param_copies)
     if amsgrad and max_exp_avg_sqs is None:
@@ -275,7 +279,7 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
                 max_exp_avg_sqs=_list(maxes), copies=_list(param_copies), lr=sc.lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, step_size=sc.lr / bc1, bias_correction2_sqrt=bc2 ** 0.5,
                 inv_grad_scale=sc.inv_scale, amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
-                check_finite=check_finite)
+                check_finite=check_finite, state_seed=sc.step & 0xFFFFFFFF)
 
 
 @_routed

@@ -60,6 +60,7 @@ from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.delayed import check_delayed_update
+from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.optim.base import FusedOptimizer, check_range, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
@@ -141,6 +142,11 @@ class FastOptStrategy(DDPStrategy):
             masters apart from the weights, as ``copy_on_cpu`` does.
         delayed_update_warmup: optimizer steps taken synchronously before the update is
             delayed (default 40: the first steps move the weights the most).
+        host_state_dtype: ``"float32"`` (default) or ``"bfloat16"``: the dtype of the
+            offloaded share's Adam moments in host memory.  bfloat16 (stochastic rounding)
+            cuts the CPU step's memory traffic from 28 to 20 bytes per parameter and the
+            host state by half, and changes the math (see README); Adam/AdamW only, not
+            with ZeRO.  Checkpoints hold the moments as float32 either way.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -153,7 +159,8 @@ class FastOptStrategy(DDPStrategy):
                  zero_stage: int = 0,
                  copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
                  delayed_update: bool = False, delayed_update_warmup: int = 40,
-                 gpu_memory_budget_gb: float | None = None, **kwargs: Any) -> None:
+                 gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
+                 **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         ops.check_environment()
         self.auto_fraction = _check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
@@ -176,6 +183,10 @@ class FastOptStrategy(DDPStrategy):
             raise ValueError(f"delayed_update=True runs with zero_stage=0 only, got zero_stage={zero_stage}")
         self.delayed_update = delayed_update
         self.delayed_update_warmup = delayed_update_warmup
+        self.host_state_dtype = check_state_dtype(host_state_dtype)
+        if self.host_state_dtype != torch.float32 and zero_stage:
+            raise ValueError(f"host_state_dtype={host_state_dtype!r} runs with zero_stage=0 only, got "
+                             f"zero_stage={zero_stage}")
         self.zero_stage = int(zero_stage)
         self.offload_fraction = 1.0 if self.auto_fraction else float(offload_fraction)  # "auto" starts at 1
         self.overlap = overlap
@@ -280,7 +291,8 @@ class FastOptStrategy(DDPStrategy):
                 fused, names, zero_stage=self._effective_stage, offload_fraction=self.offload_fraction,
                 bucket_size_mb=self.bucket_size_mb, overlap=self.overlap, pin_memory=self.pin_memory,
                 device_grads=device_grads, wall_clock_breakdown=self.wall_clock_breakdown,
-                copy_on_cpu=self.copy_on_cpu or self.delayed_update, **stream, **self._delays())
+                copy_on_cpu=self.copy_on_cpu or self.delayed_update, **stream, **self._delays(),
+                **({"host_state_dtype": self.host_state_dtype} if self.host_state_dtype != torch.float32 else {}))
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)

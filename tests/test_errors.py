@@ -149,7 +149,9 @@ def test_functional_dtype_errors(compiled):
         F.fused_sgd_(p, [torch.zeros(3, dtype=torch.float64)], step=1, lr=0.1)
     with pytest.raises(TypeError, match="param_copies must be float16/bfloat16 copies of float32 params"):
         F.fused_sgd_(p, [torch.zeros(3)], step=1, lr=0.1, param_copies=[torch.empty(3)])
-    with pytest.raises(TypeError, match="optimizer state must be float32"):
+    with pytest.raises(TypeError, match="SGD keeps float32 optimizer state; bfloat16 state is for Adam on the CPU"):
         F.fused_sgd_(p, [torch.zeros(3)], [torch.zeros(3, dtype=torch.bfloat16)], step=2, lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match=r"optimizer state must be float32 \(or bfloat16: Adam on the CPU\)"):
+        F.fused_sgd_(p, [torch.zeros(3)], [torch.zeros(3, dtype=torch.float16)], step=2, lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="has 4 elements, expected 3"):
         F.fused_sgd_(p, [torch.zeros(4)], step=1, lr=0.1)

@@ -20,8 +20,11 @@ namespace fastopt {
 enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kNone = 3 };
 
 // One parameter tensor and everything updated with it.  All tensors of a slot have
-// `numel` elements and are contiguous.  Optimizer state is always float32; `state[k]`
-// is null when that state is not used by the call (e.g. no amsgrad maximum).
+// `numel` elements and are contiguous.  Optimizer state is float32; `state[k]` is null
+// when that state is not used by the call (e.g. no amsgrad maximum).  The CPU's Adam
+// also keeps it in bfloat16 (`state_dtype`; `state[k]` then points at bfloat16 elements),
+// stored with stochastic rounding whose noise derives from `state_seed` (this step's),
+// the state's index and the element's index (stochastic_round.h).
 struct TensorSlot {
   void* param = nullptr;
   const void* grad = nullptr;
@@ -31,6 +34,8 @@ struct TensorSlot {
   DType param_dtype = DType::kFloat32;
   DType grad_dtype = DType::kFloat32;
   DType copy_dtype = DType::kNone;
+  DType state_dtype = DType::kFloat32;
+  uint32_t state_seed = 0;
 };
 using Slots = std::vector<TensorSlot>;
 

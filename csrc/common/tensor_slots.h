@@ -44,8 +44,8 @@ void check_tensor(const at::Tensor& t, const char* what, size_t i, int64_t numel
                                 std::to_string(t.numel()) + " elements, expected " + std::to_string(numel));
 }
 
-// The slots of one call.  `states` are float32 lists of the same length as params (an
-// empty list means "not used"); `copies` are fp16/bf16 tensors written with the updated
+// The slots of one call.  `states` are float32 (or, for a kernel that takes them,
+// bfloat16) lists of the same length as params (an empty list means "not used"); `copies` are fp16/bf16 tensors written with the updated
 // float32 parameters.
 template <typename Usable>
 Slots make_slots(const TensorList& params, const TensorList* grads, const std::vector<const TensorList*>& states,
@@ -72,12 +72,18 @@ Slots make_slots(const TensorList& params, const TensorList* grads, const std::v
           slot.grad_dtype != slot.param_dtype)
         throw pybind11::type_error("a half-precision parameter needs a gradient of its own dtype or float32");
     }
+    bool typed = false;  // state_dtype set by an earlier state of this slot
     for (size_t k = 0; k < states.size(); ++k) {
       if (states[k]->empty()) continue;
       const at::Tensor& s = (*states[k])[i];
       check_tensor(s, "optimizer state", i, slot.numel, usable, kind);
-      if (s.scalar_type() != at::kFloat) throw pybind11::type_error("optimizer state must be float32");
-      slot.state[k] = s.data_ptr<float>();
+      const DType d = s.scalar_type() == at::kFloat ? DType::kFloat32
+                      : s.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kNone;
+      if (d == DType::kNone) throw pybind11::type_error("optimizer state must be float32 (or bfloat16: Adam on the CPU)");
+      if (typed && d != slot.state_dtype) throw pybind11::type_error("a parameter's optimizer states must share a dtype");
+      slot.state_dtype = d;
+      typed = true;
+      slot.state[k] = static_cast<float*>(s.data_ptr());  // bfloat16 elements when state_dtype says so
     }
     if (copies) {
       const at::Tensor& c = (*copies)[i];
@@ -89,6 +95,14 @@ Slots make_slots(const TensorList& params, const TensorList* grads, const std::v
     }
   }
   return slots;
+}
+
+// For the kernels that keep float32 state only (every one but the CPU's Adam).
+inline void require_float32_state(const Slots& slots, const char* algorithm) {
+  for (const TensorSlot& s : slots)
+    if (s.state_dtype != DType::kFloat32)
+      throw pybind11::type_error(std::string(algorithm) + " keeps float32 optimizer state; bfloat16 state is for "
+                                 "Adam on the CPU");
 }
 
 inline const TensorList kNoTensors;

@@ -2,6 +2,7 @@
 //   g  = -g if maximize (after unscaling);  L2 mode: g += wd * p;  AdamW: p *= 1 - lr * wd
 //   m  = lerp(m, g, 1 - beta1);  v = v * beta2 + (1 - beta2) * g * g;  vmax = max(vmax, v)
 //   p -= step_size * m / (sqrt(v or vmax) / sqrt(bias_correction2) + eps)
+// m and v are float32, or bfloat16 stored with stochastic rounding (vec.h; no amsgrad).
 #include "tensor_walk.h"
 
 namespace fastopt {
@@ -28,7 +29,8 @@ void run(const Slots& slots, const AdamArgs& a) {
   const VecF bc2s = VecF::set1(a.bias_correction2_sqrt), eps = VecF::set1(a.eps);
   const VecF neg_step = VecF::set1(-a.step_size);
   constexpr int NS = kAmsgrad ? 3 : 2;
-  elementwise_step<NS>(slots, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
+  // bfloat16 state (stochastic rounding) for float32 params without amsgrad
+  elementwise_step<NS, !kAmsgrad>(slots, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
     g = g * gs;
     if constexpr (kL2) g = VecF::fmadd(wd, p, g);
     if constexpr (kDecoupled) p = p * decay;

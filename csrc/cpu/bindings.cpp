@@ -34,20 +34,34 @@ void sync_threads() { omp_set_num_threads(std::max(1, at::get_num_threads())); }
 // The kernels of each algorithm, for def_optimizer_functions.
 struct CpuKernels {
   void adam(const Slots& s, const AdamArgs& a, bool /*bias_correction: in step_size already*/) const {
+    for (const TensorSlot& slot : s)
+      if (slot.state_dtype == DType::kBFloat16 && (a.amsgrad || slot.param_dtype != DType::kFloat32))
+        throw py::type_error("bfloat16 Adam state needs float32 params (masters) and amsgrad=False");
     adam_step(s, a);
   }
-  void sgd(const Slots& s, const SgdArgs& a) const { sgd_step(s, a); }
+  void sgd(const Slots& s, const SgdArgs& a) const {
+    require_float32_state(s, "SGD");
+    sgd_step(s, a);
+  }
   void adagrad(const Slots& s, const AdagradArgs& a, float /*lr*/, float /*lr_decay: in clr already*/) const {
+    require_float32_state(s, "Adagrad");
     adagrad_step(s, a);
   }
-  void lion(const Slots& s, const LionArgs& a) const { lion_step(s, a); }
+  void lion(const Slots& s, const LionArgs& a) const {
+    require_float32_state(s, "Lion");
+    lion_step(s, a);
+  }
   void lamb(const Slots& s, const LambArgs& a, const LambDeviceClip& clip, bool /*bias_correction*/) const {
     if (clip.grad_sum_squares)
       throw py::value_error("grad_sum_squares is read on a CUDA device; the CPU kernels take the clipping "
                             "divisor in grad_factor");
+    require_float32_state(s, "LAMB");
     lamb_step(s, a);
   }
-  void lars(const Slots& s, const LarsArgs& a) const { lars_step(s, a); }
+  void lars(const Slots& s, const LarsArgs& a) const {
+    require_float32_state(s, "LARS");
+    lars_step(s, a);
+  }
 };
 
 // The CPU's policy for ../common/optimizer_bindings.h.

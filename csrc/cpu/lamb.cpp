@@ -43,7 +43,7 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
     dispatch_dtypes(s, [&](auto p, auto g, auto) {
       for (int64_t blk = b; blk < e; blk += kSumBlock) {
         VecF pacc = VecF::zero(), uacc = VecF::zero();
-        for_each_vec<2, false, decltype(p), decltype(g), None>(s, blk, std::min(e, blk + kSumBlock),
+        for_each_vec<2, false, decltype(p), decltype(g), None, F32>(s, blk, std::min(e, blk + kSumBlock),
             [&](VecF& pv, VecF gv, std::array<VecF, 2>& st) {
               gv = gv * mth.gf;
               if (mth.l2) gv = VecF::fmadd(mth.wd, pv, gv);
@@ -71,7 +71,7 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
     const TensorSlot& s = slots[t];
     const VecF neg = VecF::set1(scale[t]);
     dispatch_dtypes(s, [&](auto p, auto, auto c) {
-      for_each_vec<2, true, decltype(p), None, decltype(c)>(s, b, e,
+      for_each_vec<2, true, decltype(p), None, decltype(c), F32>(s, b, e,
           [&](VecF& pv, VecF, std::array<VecF, 2>& st) {
             pv = VecF::fmadd(neg, mth.update(pv, st[0], st[1]), pv);
           });

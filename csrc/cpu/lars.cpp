@@ -27,7 +27,7 @@ void lars_step(const Slots& slots, const LarsArgs& a) {
     const TensorSlot& s = slots[t];
     const VecF neg = VecF::set1(neg_step[t]);
     dispatch_dtypes(s, [&](auto p, auto g, auto c) {
-      for_each_vec<1, true, decltype(p), decltype(g), decltype(c)>(s, b, e,
+      for_each_vec<1, true, decltype(p), decltype(g), decltype(c), F32>(s, b, e,
           [&](VecF& pv, VecF gv, std::array<VecF, 1>& st) {
             st[0] = VecF::fmadd(st[0], mom, VecF::fmadd(wd, pv, gv * gs));
             pv = VecF::fmadd(neg, st[0], pv);

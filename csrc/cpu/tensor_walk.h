@@ -87,7 +87,8 @@ void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
 }
 
 // body(VecF& param, VecF grad, std::array<VecF, NS>& state) updates param and state in
-// registers; the first NS state pointers of the slot are loaded and stored.  With
+// registers; the first NS state pointers of the slot are loaded and stored (S: their
+// storage, F32, or BF16 stored with stochastic rounding, see vec.h).  With
 // kStoreParam false the parameter (and its copy) is only read; with G = None no
 // gradient is read and the body sees zeros.
 // One out-of-line function per dtype combination (a fresh inlining budget for each), with
@@ -95,20 +96,27 @@ void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
 // instantiations share one caller, and the loop pays a call per vector.
 #define FASTOPT_ALWAYS_INLINE __attribute__((always_inline))
 
-template <int NS, bool kStoreParam, typename P, typename G, typename C, typename Body>
+template <int NS, bool kStoreParam, typename P, typename G, typename C, typename S, typename Body>
 __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int64_t e, const Body& body) {
   using PT = storage_t<P>;
   using GT = std::conditional_t<std::is_same_v<G, None>, float, storage_t<G>>;
+  using ST = storage_t<S>;
   constexpr bool kHasGrad = !std::is_same_v<G, None>;
   constexpr bool kHasCopy = kStoreParam && !std::is_same_v<C, None>;
+  constexpr bool kRoundState = std::is_same_v<S, BF16>;
   constexpr int W = VecF::W;
   PT* p = static_cast<PT*>(s.param);
   const GT* g = static_cast<const GT*>(s.grad);
-  std::array<float*, NS> st;
-  for (int k = 0; k < NS; ++k) st[k] = s.state[k];
+  std::array<ST*, NS> st;
+  std::array<uint32_t, NS> seed{};
+  for (int k = 0; k < NS; ++k) {
+    st[k] = reinterpret_cast<ST*>(s.state[k]);
+    if constexpr (kRoundState) seed[k] = state_rounding_seed(s.state_seed, k);
+  }
 
-  // One vector at offset `off`; Stream selects a non-temporal store for the copy.
-  auto one = [&](auto stream, PT* pp, const GT* gp, const std::array<float*, NS>& sp, int64_t off,
+  // One vector at offset `off` of the given pointers, element `index` of the tensor;
+  // Stream selects a non-temporal store for the copy.
+  auto one = [&](auto stream, PT* pp, const GT* gp, const std::array<ST*, NS>& sp, int64_t off, int64_t index,
                  void* cp) FASTOPT_ALWAYS_INLINE {
     VecF pv = VecF::load(pp + off);
     VecF gv;
@@ -116,7 +124,10 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
     std::array<VecF, NS> sv;
     for (int k = 0; k < NS; ++k) sv[k] = VecF::load(sp[k] + off);
     body(pv, gv, sv);
-    for (int k = 0; k < NS; ++k) sv[k].store(sp[k] + off);
+    for (int k = 0; k < NS; ++k) {
+      if constexpr (kRoundState) sv[k].store_stochastic(sp[k] + off, seed[k], static_cast<uint32_t>(index));
+      else sv[k].store(sp[k] + off);
+    }
     if constexpr (kStoreParam) pv.store(pp + off);
     if constexpr (kHasCopy) {
       if constexpr (decltype(stream)::value) pv.stream(static_cast<storage_t<C>*>(cp) + off);
@@ -131,35 +142,35 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
     // The parameter copy is write-only: non-temporal stores save reading each of its
     // lines first (b is a multiple of kUnit, so every vector is aligned like the base).
     if (reinterpret_cast<uintptr_t>(s.copy) % VecF::kStreamAlign == 0) {
-      for (; i + W <= e; i += W) one(kStream, p, g, st, i, s.copy);
+      for (; i + W <= e; i += W) one(kStream, p, g, st, i, i, s.copy);
       stream_fence();
     }
   }
-  for (; i + W <= e; i += W) one(kPlain, p, g, st, i, s.copy);
+  for (; i + W <= e; i += W) one(kPlain, p, g, st, i, i, s.copy);
   if (i < e) {
     const int64_t r = e - i;
     alignas(64) PT pb[W];
     alignas(64) GT gb[W];
-    alignas(64) float sb[NS > 0 ? NS : 1][W];
+    alignas(64) ST sb[NS > 0 ? NS : 1][W];
     std::memset(static_cast<void*>(pb), 0, sizeof(pb));
     std::memset(static_cast<void*>(gb), 0, sizeof(gb));
-    std::memset(sb, 0, sizeof(sb));
+    std::memset(static_cast<void*>(sb), 0, sizeof(sb));
     std::memcpy(static_cast<void*>(pb), p + i, r * sizeof(PT));
     if constexpr (kHasGrad) std::memcpy(static_cast<void*>(gb), g + i, r * sizeof(GT));
-    std::array<float*, NS> sbp;
+    std::array<ST*, NS> sbp;
     for (int k = 0; k < NS; ++k) {
-      std::memcpy(sb[k], st[k] + i, r * sizeof(float));
+      std::memcpy(static_cast<void*>(sb[k]), st[k] + i, r * sizeof(ST));
       sbp[k] = sb[k];
     }
     if constexpr (kHasCopy) {
       alignas(64) storage_t<C> cb[W];
-      one(kPlain, pb, gb, sbp, 0, cb);
+      one(kPlain, pb, gb, sbp, 0, i, cb);
       std::memcpy(static_cast<void*>(static_cast<storage_t<C>*>(s.copy) + i), cb, r * sizeof(storage_t<C>));
     } else {
-      one(kPlain, pb, gb, sbp, 0, nullptr);
+      one(kPlain, pb, gb, sbp, 0, i, nullptr);
     }
     if constexpr (kStoreParam) std::memcpy(static_cast<void*>(p + i), pb, r * sizeof(PT));
-    for (int k = 0; k < NS; ++k) std::memcpy(st[k] + i, sb[k], r * sizeof(float));
+    for (int k = 0; k < NS; ++k) std::memcpy(static_cast<void*>(st[k] + i), sb[k], r * sizeof(ST));
   }
 }
 
@@ -187,13 +198,21 @@ inline void for_each_vec_read(const T* x, int64_t b, int64_t e, const Fn& fn) {
   }
 }
 
-// The common case: an element-wise algorithm with NS float32 states.
-template <int NS, typename Body>
+// The common case: an element-wise algorithm with NS float32 states (kBf16State: or,
+// with float32 params, bfloat16 ones as the slot says).
+template <int NS, bool kBf16State = false, typename Body>
 void elementwise_step(const Slots& slots, const Body& body) {
   parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
     const TensorSlot& s = slots[t];
     dispatch_dtypes(s, [&](auto p, auto g, auto c) {
-      for_each_vec<NS, true, decltype(p), decltype(g), decltype(c)>(s, b, e, body);
+      using P = decltype(p);
+      if constexpr (kBf16State && std::is_same_v<P, F32>) {
+        if (s.state_dtype == DType::kBFloat16) {
+          for_each_vec<NS, true, P, decltype(g), decltype(c), BF16>(s, b, e, body);
+          return;
+        }
+      }
+      for_each_vec<NS, true, P, decltype(g), decltype(c), F32>(s, b, e, body);
     });
   });
 }

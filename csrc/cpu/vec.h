@@ -24,6 +24,33 @@
 
 namespace fastopt {
 
+// Stochastic rounding to bfloat16 (Adam's state kept in bfloat16): a float rounds up with
+// probability equal to the fraction of the bfloat16 step it lies above the value below
+// (unbiased), from 16 bits of noise added below the bfloat16 mantissa.  The noise of
+// element i of state k is a function of (this step's seed, k, i) only, so results do not
+// depend on threads, vectors or bucketing, and torch_backend.stochastic_noise computes
+// the same bits.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+// The seed of state k from the step's seed.
+inline uint32_t state_rounding_seed(uint32_t step_seed, int k) {
+  return lowbias32(step_seed + 0x632BE5ABU * static_cast<uint32_t>(k + 1));
+}
+constexpr uint32_t kIndexMix = 0x9E3779B1U;  // element i's noise: lowbias32(i * kIndexMix ^ seed) & 0xFFFF
+inline uint32_t rounding_noise(uint32_t seed, uint32_t i) { return lowbias32((i * kIndexMix) ^ seed) & 0xFFFFU; }
+inline uint16_t round_bf16_stochastic(float x, uint32_t noise) {
+  if (x != x) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return static_cast<uint16_t>((u + noise) >> 16);
+}
+
 // Storage tags: the element type a tensor holds in memory.
 struct F32 { using type = float; };
 struct F16 { using type = c10::Half; };
@@ -67,6 +94,22 @@ struct VecF {
   template <typename H>
   void stream(H* p) const { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits(p)); }
   static constexpr int kStreamAlign = 32;
+  // bfloat16 with stochastic rounding; the lanes are elements first, first + 1, ...
+  void store_stochastic(c10::BFloat16* p, uint32_t seed, uint32_t first) const {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i x = _mm512_xor_si512(_mm512_mullo_epi32(idx, _mm512_set1_epi32(static_cast<int>(kIndexMix))),
+                                 _mm512_set1_epi32(static_cast<int>(seed)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bU)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    const __m512i noise = _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v), noise), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
 
   friend VecF operator+(VecF a, VecF b) { return _mm512_add_ps(a.v, b.v); }
   friend VecF operator-(VecF a, VecF b) { return _mm512_sub_ps(a.v, b.v); }
@@ -123,6 +166,24 @@ struct VecF {
   template <typename H>
   void stream(H* p) const { _mm_stream_si128(reinterpret_cast<__m128i*>(p), bits(p)); }
   static constexpr int kStreamAlign = 16;
+  // bfloat16 with stochastic rounding; the lanes are elements first, first + 1, ...
+  void store_stochastic(c10::BFloat16* p, uint32_t seed, uint32_t first) const {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i x = _mm256_xor_si256(_mm256_mullo_epi32(idx, _mm256_set1_epi32(static_cast<int>(kIndexMix))),
+                                 _mm256_set1_epi32(static_cast<int>(seed)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    const __m256i noise = _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), noise), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8)));
+  }
 
   friend VecF operator+(VecF a, VecF b) { return _mm256_add_ps(a.v, b.v); }
   friend VecF operator-(VecF a, VecF b) { return _mm256_sub_ps(a.v, b.v); }
@@ -158,6 +219,12 @@ struct VecF {
   template <typename H>
   void stream(H* p) const { store(p); }
   static constexpr int kStreamAlign = 1;
+  void store_stochastic(c10::BFloat16* p, uint32_t seed, uint32_t first) const {
+    for (int i = 0; i < W; ++i) {
+      const uint16_t b = round_bf16_stochastic(v[i], rounding_noise(seed, first + static_cast<uint32_t>(i)));
+      std::memcpy(p + i, &b, sizeof(b));
+    }
+  }
 
 #define FASTOPT_BINOP(op)                                        \
   friend VecF operator op(const VecF& a, const VecF& b) {        \

@@ -37,7 +37,9 @@ Slots cuda_slots(const TensorList& params, const TensorList* grads, const std::v
   auto usable = [&](const at::Tensor& t) {
     return t.is_cuda() && t.device() == device && t.layout() == at::kStrided && t.is_contiguous();
   };
-  return make_slots(params, grads, states, copies, usable, kCudaKind);
+  Slots slots = make_slots(params, grads, states, copies, usable, kCudaKind);
+  require_float32_state(slots, "the CUDA kernels");
+  return slots;
 }
 
 // A device scalar argument: one float32 element on the device of the call.

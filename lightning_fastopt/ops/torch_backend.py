@@ -78,17 +78,70 @@ def fingerprint(tensors) -> torch.Tensor:
     return torch.stack(sums)
 
 
+# ---------------------------------------------------------------------- stochastic rounding
+_M32 = 0xFFFFFFFF
+
+
+def _lowbias32(x):
+    """A 32-bit integer hash (Chris Wellons' lowbias32), on ints or int64 tensors of uint32 values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def stochastic_noise(numel: int, step_seed: int, k: int, device=None) -> torch.Tensor:
+    """The 16 bits of noise (int64) added below the bfloat16 mantissa of each element of
+    state ``k`` before truncation, as csrc/cpu/vec.h computes them: element i's is
+    ``lowbias32(i * 0x9E3779B1 ^ seed_k) & 0xFFFF`` with
+    ``seed_k = lowbias32(step_seed + 0x632BE5AB * (k + 1))`` (all modulo 2**32)."""
+    seed_k = _lowbias32((step_seed + 0x632BE5AB * (k + 1)) & _M32)
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    return _lowbias32(((i * 0x9E3779B1) & _M32) ^ seed_k) & 0xFFFF
+
+
+def round_bf16_stochastic(x: torch.Tensor, step_seed: int, k: int) -> torch.Tensor:
+    """float32 ``x`` to bfloat16 with stochastic rounding (unbiased: up with probability
+    the fraction of the bfloat16 step above the value below); NaN stays NaN."""
+    flat = x.detach().reshape(-1).float()
+    bits = flat.view(torch.int32).to(torch.int64) & _M32
+    r = (((bits + stochastic_noise(flat.numel(), step_seed, k, flat.device)) & _M32) >> 16)
+    r = torch.where(torch.isnan(flat), torch.full_like(r, 0x7FC0), r)
+    r = torch.where(r >= 0x8000, r - 0x10000, r)  # as a signed 16-bit pattern
+    return r.to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+
+
 def _lerp_(dst, src, weight: float) -> None:
     torch._foreach_lerp_(dst, src, weight)
 
 
 def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
           weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
-          check_finite) -> bool:
+          check_finite, state_seed: int = 0) -> bool:
     if check_finite and not all_finite(grads):
         return True
     if not params:
         return False
+    if any(m.dtype == torch.bfloat16 for m in exp_avgs):  # bfloat16 state: float32 working copies
+        if amsgrad or any(p.dtype != torch.float32 for p in params):
+            raise TypeError("bfloat16 Adam state needs float32 params (masters) and amsgrad=False")
+        stored = (list(exp_avgs), list(exp_avg_sqs))
+        exp_avgs, exp_avg_sqs = _f32(exp_avgs), _f32(exp_avg_sqs)
+        _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
+                  weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize)
+        for k, (kept, work) in enumerate(zip(stored, (exp_avgs, exp_avg_sqs))):
+            for t, w in zip(kept, work):
+                if t is not w:
+                    t.copy_(round_bf16_stochastic(w, state_seed, k))
+        return False
+    _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
+              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize)
+    return False
+
+
+def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
+              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize) -> None:
     work = _f32(params)
     g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
@@ -108,7 +161,6 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(work, exp_avgs, denom, value=-step_size)
     _finish(params, work, copies)
-    return False
 
 
 def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weight_decay, inv_grad_scale,
