@@ -11,7 +11,8 @@ in-place read-modify-write bandwidth, measured first.
 
 Bytes per parameter (float32 unless said): Adam 28 (read p,g,m,v; write p,m,v);
 mixed-precision Adam 28 (bf16 g 2, p 8, m 8, v 8, bf16 copy 2; the finite check's extra
-read of the grads is not counted); SGD with momentum, Adagrad and Lion 20; LAMB 44
+read of the grads is not counted), 20 with bfloat16 moments (``adam-mixed-bf16-state``:
+m 4, v 4; the offload strategy's ``host_state_dtype="bfloat16"``); SGD with momentum, Adagrad and Lion 20; LAMB 44
 (a norm pass over g, a moments pass, an apply pass); LARS 28.
 
 Targets (issue 2): FusedAdam >= 1.0x torch AdamW(fused=True) and >= 5x the torch
@@ -37,7 +38,8 @@ from lightning_fastopt import FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, Fus
 from lightning_fastopt.functional import fused_adam_  # noqa: E402
 from lightning_fastopt.ops import cpu_backend  # noqa: E402
 
-BYTES = {"adam": 28, "adam-mixed": 28, "sgd": 20, "adagrad": 20, "lion": 20, "lamb": 44, "lars": 28}
+BYTES = {"adam": 28, "adam-mixed": 28, "adam-mixed-bf16-state": 20, "sgd": 20, "adagrad": 20, "lion": 20, "lamb": 44,
+         "lars": 28}
 
 
 def median_time(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
@@ -167,6 +169,8 @@ def implementations(name: str, sizes) -> list[tuple[str, Callable[[], object]]]:
             optimizer("DeepSpeedCPUAdam", lambda p: DeepSpeedCPUAdam(p, lr=1e-3, weight_decay=0.01))
     elif name == "adam-mixed":
         impls += mixed_precision_implementations(sizes)
+    elif name == "adam-mixed-bf16-state":  # ours with bfloat16 moments, against the same torch compositions
+        impls += mixed_precision_implementations(sizes, state_dtype=torch.bfloat16)
     elif name == "sgd":
         kw = dict(lr=1e-2, momentum=0.9, weight_decay=1e-4)
         optimizer("lightning_fastopt FusedSGD", lambda p: FusedSGD(p, **kw))
@@ -190,13 +194,14 @@ def implementations(name: str, sizes) -> list[tuple[str, Callable[[], object]]]:
     return impls
 
 
-def mixed_precision_implementations(sizes) -> list[tuple[str, Callable[[], object]]]:
-    """bf16 grads in, unscale, overflow check, fp32 AdamW update, bf16 param copy out."""
+def mixed_precision_implementations(sizes, state_dtype=torch.float32) -> list[tuple[str, Callable[[], object]]]:
+    """bf16 grads in, unscale, overflow check, fp32 AdamW update, bf16 param copy out
+    (ours with its moments in ``state_dtype``; torch's always float32)."""
     scale = 1024.0
     grads = [torch.randn(n, dtype=torch.bfloat16) for n in sizes]
     masters = [torch.randn(n) for n in sizes]
-    m = [torch.zeros(n) for n in sizes]
-    v = [torch.zeros(n) for n in sizes]
+    m = [torch.zeros(n, dtype=state_dtype) for n in sizes]
+    v = [torch.zeros(n, dtype=state_dtype) for n in sizes]
     copies = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
     state = {"step": 0}
 
@@ -236,7 +241,8 @@ def mixed_precision_implementations(sizes) -> list[tuple[str, Callable[[], objec
             opt.step()
         torch._foreach_copy_(torch_copies, detached)
 
-    return [("lightning_fastopt fused_adam_ (one pass)", ours),
+    label = "lightning_fastopt fused_adam_ (one pass" + (", bfloat16 moments)" if state_dtype != torch.float32 else ")")
+    return [(label, ours),
             ("torch: preallocated fp32 grads + check/unscale + AdamW(fused) + copy out", torch_composition),
             ("torch: grad.float() + check/unscale + AdamW(fused) + copy out", torch_composition_as_written)]
 
@@ -247,7 +253,7 @@ LAYOUTS = {
     "2000 x 5k": [5_000] * 2000,
 }
 QUICK_LAYOUTS = {"1M x 1": [1_000_000], "200 x 5k": [5_000] * 200}
-ALGORITHMS = ["adam", "adam-mixed", "sgd", "adagrad", "lion", "lamb", "lars"]
+ALGORITHMS = ["adam", "adam-mixed", "adam-mixed-bf16-state", "sgd", "adagrad", "lion", "lamb", "lars"]
 
 
 def main(argv=None) -> int:

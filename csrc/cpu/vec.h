@@ -24,12 +24,15 @@
 
 namespace fastopt {
 
-// Stochastic rounding to bfloat16 (Adam's state kept in bfloat16): a float rounds up with
-// probability equal to the fraction of the bfloat16 step it lies above the value below
-// (unbiased), from 16 bits of noise added below the bfloat16 mantissa.  The noise of
-// element i of state k is a function of (this step's seed, k, i) only, so results do not
-// depend on threads, vectors or bucketing, and torch_backend.stochastic_noise computes
-// the same bits.
+// Stochastic rounding to bfloat16 (Adam's state kept in bfloat16): a float rounds away
+// from zero with probability equal to the fraction of the bfloat16 step it lies beyond
+// the neighbour toward zero (unbiased), from 16 bits of noise added below the bfloat16
+// mantissa.  The noise of element i of state k is the top half of i * kIndexMix + seed_k
+// (mod 2^32): a Weyl sequence over the elements (evenly spread), offset by a hash of this
+// step's seed and k (so each element's noise is uniform over steps).  It depends on
+// (step, k, i) only: results do not depend on threads, vectors or bucketing, and
+// torch_backend.stochastic_noise computes the same bits.  No multiply per vector: the
+// lanes' offsets are constants.
 inline uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
@@ -42,8 +45,9 @@ inline uint32_t lowbias32(uint32_t x) {
 inline uint32_t state_rounding_seed(uint32_t step_seed, int k) {
   return lowbias32(step_seed + 0x632BE5ABU * static_cast<uint32_t>(k + 1));
 }
-constexpr uint32_t kIndexMix = 0x9E3779B1U;  // element i's noise: lowbias32(i * kIndexMix ^ seed) & 0xFFFF
-inline uint32_t rounding_noise(uint32_t seed, uint32_t i) { return lowbias32((i * kIndexMix) ^ seed) & 0xFFFFU; }
+constexpr uint32_t kIndexMix = 0x9E3779B1U;  // 2^32 / golden ratio
+inline uint32_t rounding_noise(uint32_t seed, uint32_t i) { return (i * kIndexMix + seed) >> 16; }
+constexpr int lane_mix(int lane) { return static_cast<int>(static_cast<uint32_t>(lane) * kIndexMix); }
 inline uint16_t round_bf16_stochastic(float x, uint32_t noise) {
   if (x != x) return 0x7FC0;
   uint32_t u;
@@ -96,16 +100,12 @@ struct VecF {
   static constexpr int kStreamAlign = 32;
   // bfloat16 with stochastic rounding; the lanes are elements first, first + 1, ...
   void store_stochastic(c10::BFloat16* p, uint32_t seed, uint32_t first) const {
-    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    __m512i x = _mm512_xor_si512(_mm512_mullo_epi32(idx, _mm512_set1_epi32(static_cast<int>(kIndexMix))),
-                                 _mm512_set1_epi32(static_cast<int>(seed)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bU)));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    const __m512i noise = _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
+    const __m512i lanes = _mm512_setr_epi32(0, lane_mix(1), lane_mix(2), lane_mix(3), lane_mix(4),
+                                            lane_mix(5), lane_mix(6), lane_mix(7), lane_mix(8),
+                                            lane_mix(9), lane_mix(10), lane_mix(11), lane_mix(12),
+                                            lane_mix(13), lane_mix(14), lane_mix(15));
+    const __m512i noise = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first * kIndexMix + seed)), lanes), 16);
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v), noise), 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
@@ -168,16 +168,10 @@ struct VecF {
   static constexpr int kStreamAlign = 16;
   // bfloat16 with stochastic rounding; the lanes are elements first, first + 1, ...
   void store_stochastic(c10::BFloat16* p, uint32_t seed, uint32_t first) const {
-    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)),
-                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256i x = _mm256_xor_si256(_mm256_mullo_epi32(idx, _mm256_set1_epi32(static_cast<int>(kIndexMix))),
-                                 _mm256_set1_epi32(static_cast<int>(seed)));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    const __m256i noise = _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF));
+    const __m256i lanes = _mm256_setr_epi32(0, lane_mix(1), lane_mix(2), lane_mix(3), lane_mix(4),
+                                            lane_mix(5), lane_mix(6), lane_mix(7));
+    const __m256i noise = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first * kIndexMix + seed)), lanes), 16);
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), noise), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);

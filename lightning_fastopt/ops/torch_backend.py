@@ -93,12 +93,12 @@ def _lowbias32(x):
 
 def stochastic_noise(numel: int, step_seed: int, k: int, device=None) -> torch.Tensor:
     """The 16 bits of noise (int64) added below the bfloat16 mantissa of each element of
-    state ``k`` before truncation, as csrc/cpu/vec.h computes them: element i's is
-    ``lowbias32(i * 0x9E3779B1 ^ seed_k) & 0xFFFF`` with
-    ``seed_k = lowbias32(step_seed + 0x632BE5AB * (k + 1))`` (all modulo 2**32)."""
+    state ``k`` before truncation, as csrc/cpu/vec.h computes them: element i's is the top
+    half of ``i * 0x9E3779B1 + seed_k`` with ``seed_k = lowbias32(step_seed + 0x632BE5AB
+    * (k + 1))`` (all modulo 2**32): a Weyl sequence over the elements, offset per step."""
     seed_k = _lowbias32((step_seed + 0x632BE5AB * (k + 1)) & _M32)
     i = torch.arange(numel, dtype=torch.int64, device=device)
-    return _lowbias32(((i * 0x9E3779B1) & _M32) ^ seed_k) & 0xFFFF
+    return (((i * 0x9E3779B1) + seed_k) & _M32) >> 16
 
 
 def round_bf16_stochastic(x: torch.Tensor, step_seed: int, k: int) -> torch.Tensor:
