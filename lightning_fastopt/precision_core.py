@@ -1,0 +1,165 @@
+"""What the fastopt precision plugins share, for Lightning's Trainer
+(:class:`~lightning_fastopt.precision.FastOptPrecision`) and for Fabric
+(:class:`~lightning_fastopt.fabric.FastOptFabricPrecision`): the precision flags, the
+dtype of "-true" weights, autocast, the fp16 loss scaler, the overflow check that skips a
+step, the step itself (our optimizers unscale inside the kernels, any other gets its
+gradients unscaled first) and clipping of still-scaled gradients as if unscaled.
+
+A mixin: each plugin puts it before its framework's ``Precision`` class, whose hooks the
+framework calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+
+from lightning_fastopt.distributed import all_reduce_scalar
+from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
+from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
+
+SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true")
+PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true"]
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def optimizer_gradients(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The gradients the optimizer's next step reads (an offload optimizer keeps some in
+    host memory: it says where)."""
+    optimizer = unwrapped(optimizer)  # manual optimization's clip_gradients passes LightningOptimizer
+    if isinstance(optimizer, OptimizerWrapper):
+        return optimizer.gradients()
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+class PrecisionCore:
+    """The shared part of the fastopt precision plugins (see the module's documentation)."""
+
+    def __init__(self, precision: PrecisionFlag = "16-mixed", loss_scale: float = 0.0,
+                 initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 min_loss_scale: float = 1.0, device: str | None = None, at_min_loss_scale: str = "raise") -> None:
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(f"{type(self).__name__} supports precision in {SUPPORTED_PRECISIONS}, got {precision!r}")
+        self.precision = precision
+        self.scaler = (DynamicLossScaler(loss_scale, initial_scale_power, loss_scale_window, hysteresis,
+                                         min_loss_scale, at_min_loss_scale)
+                       if precision in ("16-mixed", "16-true") else None)
+        self._true_dtype = _TRUE_DTYPES.get(precision)  # the weights' dtype in a "-true" precision
+        self.device = device
+        self._overflow = False
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last optimizer step was skipped for overflowing gradients."""
+        return self._overflow
+
+    # ------------------------------------------------------------------ dtypes and autocast
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self._true_dtype) if self._true_dtype is not None else module
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return _DtypeContextManager(self._true_dtype) if self._true_dtype is not None else contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
+    def convert_input(self, data: Any) -> Any:
+        if self._true_dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._true_dtype)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self._true_dtype is not None:  # tensors created in forward take the weights' dtype
+            return _DtypeContextManager(self._true_dtype)
+        if self.precision == "32-true":
+            return contextlib.nullcontext()
+        dtype = torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.autocast(device, dtype=dtype, cache_enabled=False)
+
+    # ------------------------------------------------------------------ scaling and stepping
+    def pre_backward(self, tensor: Tensor, module) -> Tensor:
+        if self.scaler is not None:
+            tensor = tensor * self.scaler.scale
+        return super().pre_backward(tensor, module)
+
+    def _check_overflow(self, optimizer) -> bool:
+        """Whether the step must be skipped: an inf/NaN gradient on any rank (without a
+        scaler nothing reads the gradients here: an offload step streamed into backward
+        may be under way)."""
+        self._overflow = self.scaler is not None and bool(
+            all_reduce_scalar(float(not grads_all_finite(optimizer_gradients(optimizer))), dist.ReduceOp.MAX))
+        return self._overflow
+
+    def _skip_step(self, optimizer) -> None:
+        self.scaler.update(overflow=True)
+        optimizer._opt_called = True  # LR schedulers check this; the skipped step still counts
+        rank_zero_info(f"lightning_fastopt: gradient overflow, step skipped; loss scale now {self.scaler.scale:g}")
+
+    def _step(self, optimizer, **kwargs: Any) -> Any:
+        """The optimizer step on gradients that are finite (checked) and still scaled."""
+        scale = self.scaler.scale if self.scaler is not None else None
+        if unscales_in_step(optimizer):
+            out = optimizer.step(grad_scale=scale, **kwargs)
+        else:
+            if scale is not None:
+                unscale_grads_(optimizer_gradients(optimizer), scale)  # again: hooks may replace .grad
+            out = optimizer.step(**kwargs)
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        return out
+
+    def clip_scaled_gradients(self, optimizer, clip_val: float, by_value: bool = False) -> Tensor | None:
+        """Clip the (possibly still scaled) gradients as if they were unscaled; by norm
+        returns the unscaled total norm (before clipping)."""
+        if clip_val <= 0:
+            return None
+        grads = optimizer_gradients(optimizer)
+        if not grads:
+            return None
+        scale = self.loss_scale
+        if by_value:
+            bound = float(clip_val) * scale
+            for g in grads:
+                g.clamp_(-bound, bound)
+            return None
+        # the multi-tensor L2 kernels, on every device (an offload optimizer has gradients on two)
+        squares = sum_of_squares(grads)
+        optimizer = unwrapped(optimizer)
+        if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
+            squares = all_reduce_scalar(squares)
+        total = math.sqrt(squares) / scale
+        coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+        if coef < 1.0 and math.isfinite(coef):
+            for same in by_device(grads):
+                torch._foreach_mul_(same, coef)
+        return torch.tensor(total)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision!r}, loss_scale={self.loss_scale:g})"
