@@ -56,16 +56,14 @@ from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers
-from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
-from lightning_fastopt.offload.delayed import check_delayed_update
-from lightning_fastopt.optim.adam import check_state_dtype
-from lightning_fastopt.optim.base import FusedOptimizer, check_range, needs_step_context
+from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
+from lightning_fastopt.strategy_options import StrategyOptions
 from lightning_fastopt.zero import ZeroOptimizer
 
 __all__ = ["STRATEGY_NAMES", "FastOptStrategy", "default_cpu_threads", "to_fused_optimizer"]
@@ -163,47 +161,23 @@ class FastOptStrategy(DDPStrategy):
                  **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         ops.check_environment()
-        self.auto_fraction = _check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
-        self.gpu_memory_budget_gb = gpu_memory_budget_gb
+        options = StrategyOptions.check(
+            offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory, bucket_size_mb=bucket_size_mb,
+            cpu_threads=cpu_threads, loss_scale=loss_scale, initial_scale_power=initial_scale_power,
+            loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
+            at_min_loss_scale=at_min_loss_scale, wall_clock_breakdown=wall_clock_breakdown, zero_stage=zero_stage,
+            copy_on_cpu=copy_on_cpu, keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step,
+            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
+            gpu_memory_budget_gb=gpu_memory_budget_gb, host_state_dtype=host_state_dtype)
+        self.options = options
+        # the checked values as attributes (self.offload_fraction, ...): the hooks below read them
+        for name, value in vars(options).items():
+            if name != "scale_knobs":
+                setattr(self, name, value)
         self._auto: AutoFraction | None = None  # the probe of a fit with offload_fraction="auto"
-        check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
-        for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
-                           ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
-                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
-        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
-                                        or cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
-                             f"got {cpu_threads!r}")
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
-        check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
-        if delayed_update and zero_stage:
-            raise ValueError(f"delayed_update=True runs with zero_stage=0 only, got zero_stage={zero_stage}")
-        self.delayed_update = delayed_update
-        self.delayed_update_warmup = delayed_update_warmup
-        self.host_state_dtype = check_state_dtype(host_state_dtype)
-        if self.host_state_dtype != torch.float32 and zero_stage:
-            raise ValueError(f"host_state_dtype={host_state_dtype!r} runs with zero_stage=0 only, got "
-                             f"zero_stage={zero_stage}")
-        self.zero_stage = int(zero_stage)
-        self.offload_fraction = 1.0 if self.auto_fraction else float(offload_fraction)  # "auto" starts at 1
-        self.overlap = overlap
-        self.pin_memory = pin_memory
-        self.bucket_size_mb = float(bucket_size_mb)
-        self.cpu_threads = cpu_threads
-        self.wall_clock_breakdown = wall_clock_breakdown
-        self.copy_on_cpu = copy_on_cpu
-        self.keep_gradients = keep_gradients
-        self.stream_cpu_step = stream_cpu_step
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
-        # set before super().__init__, which calls the precision_plugin setter
-        self._scale_knobs = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-                                 loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-                                 min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale)
-        DynamicLossScaler(**self._scale_knobs)  # bad knobs fail here, with the argument's name
+        self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}
         self._threads_before: int | None = None
         if kwargs.get("checkpoint_io") is None:
@@ -287,12 +261,8 @@ class FastOptStrategy(DDPStrategy):
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
             stream = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
-            wrapper = wrap_fused_optimizer(
-                fused, names, zero_stage=self._effective_stage, offload_fraction=self.offload_fraction,
-                bucket_size_mb=self.bucket_size_mb, overlap=self.overlap, pin_memory=self.pin_memory,
-                device_grads=device_grads, wall_clock_breakdown=self.wall_clock_breakdown,
-                copy_on_cpu=self.copy_on_cpu or self.delayed_update, **stream, **self._delays(),
-                **({"host_state_dtype": self.host_state_dtype} if self.host_state_dtype != torch.float32 else {}))
+            wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
+                                           **self.options.offload_arguments(), **stream, **self._delays())
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
@@ -458,24 +428,6 @@ class FastOptStrategy(DDPStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
                                            zero_stage=zero_stage)
-
-
-def _check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:
-    """Refuse a bad ``offload_fraction`` or ``gpu_memory_budget_gb``; True for ``"auto"``."""
-    auto = offload_fraction == "auto"
-    if isinstance(offload_fraction, str) and not auto:
-        raise ValueError(f"offload_fraction must be a number in [0, 1] or 'auto', got {offload_fraction!r}")
-    if not auto:
-        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
-    elif zero_stage:
-        raise ValueError(f"offload_fraction='auto' runs with zero_stage=0 only, got zero_stage={zero_stage!r}")
-    if budget_gb is not None:
-        if not auto:
-            raise ValueError("gpu_memory_budget_gb is for offload_fraction='auto' (it chooses the fraction that "
-                             f"fits), got offload_fraction={offload_fraction!r}")
-        if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not budget_gb > 0:
-            raise ValueError(f"gpu_memory_budget_gb must be a positive number of GiB or None, got {budget_gb!r}")
-    return auto
 
 
 def _is_local_dir(path) -> bool:

@@ -1,0 +1,105 @@
+"""The arguments the fastopt strategies take, checked once for both the Trainer's
+(:class:`~lightning_fastopt.strategy.FastOptStrategy`) and Fabric's
+(:class:`~lightning_fastopt.fabric.FastOptFabricStrategy`): a bad value is an error
+naming the argument and what it accepts, when the strategy is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.offload.delayed import check_delayed_update
+from lightning_fastopt.optim.adam import check_state_dtype
+from lightning_fastopt.optim.base import check_range
+
+
+@dataclass
+class StrategyOptions:
+    """Checked arguments (see :class:`~lightning_fastopt.strategy.FastOptStrategy` for
+    their meaning).  ``offload_fraction`` is 1 when ``auto_fraction`` (where the probe starts)."""
+
+    offload_fraction: float = 1.0
+    auto_fraction: bool = False
+    gpu_memory_budget_gb: float | None = None
+    overlap: bool = True
+    pin_memory: bool = True
+    bucket_size_mb: float = 64.0
+    cpu_threads: int | None = None
+    wall_clock_breakdown: bool = False
+    zero_stage: int = 0
+    copy_on_cpu: bool = False
+    keep_gradients: bool = False
+    stream_cpu_step: bool = False
+    delayed_update: bool = False
+    delayed_update_warmup: int = 40
+    host_state_dtype: torch.dtype = torch.float32
+    scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
+
+    @classmethod
+    def check(cls, *, offload_fraction: Any, overlap: Any, pin_memory: Any, bucket_size_mb: Any, cpu_threads: Any,
+              loss_scale: Any, initial_scale_power: Any, loss_scale_window: Any, hysteresis: Any,
+              min_loss_scale: Any, at_min_loss_scale: Any, wall_clock_breakdown: Any, zero_stage: Any,
+              copy_on_cpu: Any, keep_gradients: Any, stream_cpu_step: Any, delayed_update: Any,
+              delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any) -> StrategyOptions:
+        auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
+        check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
+        for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
+                           ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
+                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                        or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
+                             f"got {cpu_threads!r}")
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
+        if delayed_update and zero_stage:
+            raise ValueError(f"delayed_update=True runs with zero_stage=0 only, got zero_stage={zero_stage}")
+        state_dtype = check_state_dtype(host_state_dtype)
+        if state_dtype != torch.float32 and zero_stage:
+            raise ValueError(f"host_state_dtype={host_state_dtype!r} runs with zero_stage=0 only, got "
+                             f"zero_stage={zero_stage}")
+        knobs = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
+                     loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
+                     at_min_loss_scale=at_min_loss_scale)
+        DynamicLossScaler(**knobs)  # bad knobs fail here, with the argument's name
+        return cls(offload_fraction=1.0 if auto else float(offload_fraction), auto_fraction=auto,
+                   gpu_memory_budget_gb=gpu_memory_budget_gb, overlap=overlap, pin_memory=pin_memory,
+                   bucket_size_mb=float(bucket_size_mb), cpu_threads=cpu_threads,
+                   wall_clock_breakdown=wall_clock_breakdown, zero_stage=int(zero_stage), copy_on_cpu=copy_on_cpu,
+                   keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
+                   delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype, scale_knobs=knobs)
+
+    def offload_arguments(self) -> dict[str, Any]:
+        """The arguments of the offload (or ZeRO) optimizer that come from these options
+        (without ``device_grads``, ``stream_cpu_step`` and the delayed update, which depend
+        on the run)."""
+        args = dict(offload_fraction=self.offload_fraction, bucket_size_mb=self.bucket_size_mb, overlap=self.overlap,
+                    pin_memory=self.pin_memory, wall_clock_breakdown=self.wall_clock_breakdown,
+                    copy_on_cpu=self.copy_on_cpu or self.delayed_update)
+        if self.host_state_dtype != torch.float32:
+            args["host_state_dtype"] = self.host_state_dtype
+        return args
+
+
+def check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:
+    """Refuse a bad ``offload_fraction`` or ``gpu_memory_budget_gb``; True for ``"auto"``."""
+    auto = offload_fraction == "auto"
+    if isinstance(offload_fraction, str) and not auto:
+        raise TypeError(f"offload_fraction must be a number in [0.0, 1.0] or 'auto', got {offload_fraction!r}")
+    if not auto:
+        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+    elif zero_stage:
+        raise ValueError(f"offload_fraction='auto' runs with zero_stage=0 only, got zero_stage={zero_stage!r}")
+    if budget_gb is not None:
+        if not auto:
+            raise ValueError("gpu_memory_budget_gb is for offload_fraction='auto' (it chooses the fraction that "
+                             f"fits), got offload_fraction={offload_fraction!r}")
+        if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or not budget_gb > 0:
+            raise ValueError(f"gpu_memory_budget_gb must be a positive number of GiB or None, got {budget_gb!r}")
+    return auto
