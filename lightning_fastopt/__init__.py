@@ -7,6 +7,7 @@ pure-PyTorch path computes the same results.
 
 from lightning_fastopt import functional
 from lightning_fastopt.checkpoint import load_guard
+from lightning_fastopt.fabric import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.memory import MemoryEstimate, estimate_memory
 from lightning_fastopt.offload import OffloadOptimizer
@@ -27,17 +28,21 @@ __version__ = "0.1.0"
 
 
 def _register_strategies() -> None:
-    """Make ``Trainer(strategy="fastopt_offload")`` work after ``import lightning_fastopt`` (idempotent)."""
+    """Make ``Trainer(strategy="fastopt_offload")`` and ``Fabric(strategy="fastopt_offload")``
+    work after ``import lightning_fastopt`` (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     FastOptStrategy.register_strategies(StrategyRegistry)
+    FastOptFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 
 _register_strategies()
 load_guard.install()  # a sharded checkpoint given to Lightning's own loaders: a clear error
 
 __all__ = [
-    "CPUAdam", "DynamicLossScaler", "FastOptPrecision", "FastOptStrategy", "FusedAdagrad", "FusedAdam",
+    "CPUAdam", "DynamicLossScaler", "FastOptFabricPrecision", "FastOptFabricStrategy", "FastOptPrecision",
+    "FastOptStrategy", "FusedAdagrad", "FusedAdam",
     "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "MemoryEstimate", "OffloadOptimizer",
     "estimate_memory", "functional", "__version__",
 ]

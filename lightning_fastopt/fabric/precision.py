@@ -1,0 +1,54 @@
+"""FastOptFabricPrecision: the fastopt precision plugin for Lightning Fabric.
+
+The same flags, autocast, half weights and fp16 loss scaling as the Trainer's
+:class:`~lightning_fastopt.precision.FastOptPrecision` (both are
+:class:`~lightning_fastopt.precision_core.PrecisionCore`): ``fabric.backward(loss)``
+scales the loss, ``optimizer.step()`` skips the step when a gradient overflowed (on any
+rank) and otherwise steps with the scale taken out inside our kernels, and
+``fabric.clip_gradients`` clips the still-scaled gradients as if unscaled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from typing_extensions import override
+
+from lightning_fastopt.precision_core import SUPPORTED_PRECISIONS, PrecisionCore
+
+
+class FastOptFabricPrecision(PrecisionCore, Precision):
+    """Fabric's precision plugin of the fastopt strategies; the arguments are those of
+    :class:`~lightning_fastopt.precision.FastOptPrecision`.  ``Fabric(precision=...)``
+    gives one to a fastopt strategy; pass ``plugins=[FastOptFabricPrecision("16-mixed")]``
+    for fp16 on the CPU (where Fabric turns ``"16-mixed"`` into bf16)."""
+
+    @override
+    def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
+        tensor.backward(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if self._check_overflow(optimizer):
+            self._skip_step(optimizer)
+            return None
+        return self._step(optimizer, **kwargs)
+
+    @override
+    def unscale_gradients(self, optimizer) -> None:
+        """Nothing: gradients stay scaled until the kernels take the scale out (clipping
+        accounts for it, see FastOptFabricStrategy.clip_gradients_norm)."""
+
+
+def to_fabric_precision(plugin: Precision, **scale_knobs: Any) -> FastOptFabricPrecision:
+    """The FastOptFabricPrecision for the plugin Fabric built from the ``precision`` flag;
+    a TypeError naming the supported precisions for anything else."""
+    if isinstance(plugin, FastOptFabricPrecision):
+        return plugin
+    if isinstance(plugin, (MixedPrecision, HalfPrecision)) or type(plugin) is Precision:
+        device = getattr(plugin, "device", None)
+        return FastOptFabricPrecision(getattr(plugin, "precision", "32-true"), device=device, **scale_knobs)
+    raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "
+                    f"(or plugins=[FastOptFabricPrecision(...)]), got {type(plugin).__name__}"
+                    f"({getattr(plugin, 'precision', '?')!r})")

@@ -1,0 +1,253 @@
+"""FastOptFabricStrategy: the fastopt strategies for Lightning Fabric.
+
+``import lightning_fastopt`` registers the Trainer's names in Fabric's registry too
+(``Fabric(strategy="fastopt_offload")``).  The work is shared with the Trainer's
+:class:`~lightning_fastopt.strategy.FastOptStrategy`: the same arguments, checked by
+:class:`~lightning_fastopt.strategy_options.StrategyOptions`; the same optimizers
+(:func:`~lightning_fastopt.optim.from_torch.to_fused_optimizer`, then
+:func:`~lightning_fastopt.strategy.wrap_fused_optimizer`: offload or ZeRO); the same
+precision core; the same name-keyed, atomically written checkpoints.  What differs is how
+Fabric drives a step:
+
+- ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``): the
+  model is wrapped in DistributedDataParallel only with several processes (ZeRO stage 2:
+  never; it reduces the gradients itself), and the optimizer becomes the fused one inside
+  the offload (or ZeRO) optimizer; an LR scheduler made on the torch optimizer keeps
+  working (the same ``param_groups`` dicts);
+- gradients stay in ``p.grad`` until the step (``keep_gradients=True``, the default here):
+  Fabric cannot tell which code of the loop reads them.  ``keep_gradients=False`` copies
+  the offloaded ones to the host during backward and frees them on the device (the memory
+  saving); then read them only through ``fabric.clip_gradients``;
+- ``fabric.no_backward_sync(model, enabled=...)`` marks the micro-batches that accumulate
+  (nothing is copied or reduced yet);
+- ``fabric.clip_gradients`` clips what the step reads, as if unscaled (fp16);
+- ``fabric.save`` / ``fabric.load`` keep the fp16 loss scaler's state in the checkpoint
+  (key ``"fastopt_loss_scaler"``, taken out again when loading).
+
+Not yet with Fabric (refused by name): ``offload_fraction="auto"`` (it times Lightning's
+closure) and ``stream_cpu_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_fastopt import ops
+from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
+from lightning_fastopt.cpu_threads import default_cpu_threads
+from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
+from lightning_fastopt.optim.from_torch import to_fused_optimizer
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.param_checks import check_parameters
+from lightning_fastopt.strategy import STRATEGY_NAMES, wrap_fused_optimizer
+from lightning_fastopt.strategy_options import StrategyOptions
+
+SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
+
+
+class FastOptFabricStrategy(DDPStrategy):
+    """The arguments are :class:`~lightning_fastopt.strategy.FastOptStrategy`'s, with
+    ``keep_gradients=True`` by default (see the module's documentation); ``**kwargs`` go
+    to Fabric's ``DDPStrategy``."""
+
+    def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
+                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
+                 initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
+                 zero_stage: int = 0, copy_on_cpu: bool = False, keep_gradients: bool = True,
+                 stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
+                 gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
+                 **kwargs: Any) -> None:
+        ops.check_environment()
+        options = StrategyOptions.check(
+            offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory, bucket_size_mb=bucket_size_mb,
+            cpu_threads=cpu_threads, loss_scale=loss_scale, initial_scale_power=initial_scale_power,
+            loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
+            at_min_loss_scale=at_min_loss_scale, wall_clock_breakdown=wall_clock_breakdown, zero_stage=zero_stage,
+            copy_on_cpu=copy_on_cpu, keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step,
+            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
+            gpu_memory_budget_gb=gpu_memory_budget_gb, host_state_dtype=host_state_dtype)
+        if options.auto_fraction:
+            raise ValueError("offload_fraction='auto' is for the Trainer (it times the step's closure); with Fabric "
+                             "give a number")
+        if options.stream_cpu_step:
+            raise ValueError("stream_cpu_step=True is for the Trainer (which knows what reads the gradients before "
+                             "the step); with Fabric leave it False")
+        self.options = options
+        self._module: Module | None = None  # the user's module (names of parameters)
+        self._user_optimizers: dict[int, torch.optim.Optimizer] = {}  # by id of our optimizer
+        self._wrappers: list[OptimizerWrapper] = []  # the optimizers set up, closed at teardown
+        self._threads_before: int | None = None
+        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
+        super().__init__(**kwargs)
+        self._backward_sync_control = _FastOptBackwardSync(self)
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision(self) -> FastOptFabricPrecision:
+        if self._precision is None:
+            self._precision = FastOptFabricPrecision("32-true")
+        return self._precision
+
+    @precision.setter
+    @override
+    def precision(self, precision) -> None:
+        self._precision = None if precision is None else to_fabric_precision(precision, **self.options.scale_knobs)
+
+    # ------------------------------------------------------------------ environment
+    @property
+    def _one_process(self) -> bool:
+        return self.num_nodes * self.num_processes == 1
+
+    @override
+    def setup_environment(self) -> None:
+        threads = self.options.cpu_threads or default_cpu_threads(self.num_processes)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        if self._one_process:  # as Fabric's single-device strategy: no process group
+            self.accelerator.setup_device(self.root_device)
+            self._set_world_ranks()
+        else:
+            super().setup_environment()
+        if self.precision.device is None:
+            self.precision.device = self.root_device.type
+        rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """DistributedDataParallel with several processes (not for ZeRO stage 2, which
+        reduces gradients itself after one broadcast of rank 0's weights); none with one."""
+        self._module = module
+        if self._one_process:
+            return module
+        if self.options.zero_stage == 2:
+            from lightning.pytorch.overrides.distributed import _sync_module_states
+
+            _sync_module_states(module)
+            return module
+        return super().setup_module(module)
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
+        """The fused equivalent of ``optimizer`` inside the offload (or ZeRO) optimizer."""
+        if self._module is None:
+            raise RuntimeError("set up the model before its optimizer: fabric.setup(model, optimizer), or "
+                               "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)")
+        ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
+        check_parameters(optimizer, self._module)
+        fused = to_fused_optimizer(optimizer)
+        if fused is not optimizer:
+            rank_zero_info(f"lightning_fastopt: running {type(optimizer).__name__} as {type(fused).__name__} with "
+                           "the same hyperparameters")
+        names = {p: n for n, p in self._module.named_parameters()}
+        delayed = ({"delayed_update": True, "delayed_update_warmup": self.options.delayed_update_warmup}
+                   if self.options.delayed_update else {})
+        wrapper = wrap_fused_optimizer(fused, names, zero_stage=self.options.zero_stage,
+                                       device_grads=self._device_grads(), **self.options.offload_arguments(),
+                                       **delayed)
+        rank_zero_info(f"lightning_fastopt: {wrapper!r}")
+        self._user_optimizers[id(wrapper)] = optimizer
+        self._wrappers.append(wrapper)
+        return wrapper
+
+    def _device_grads(self) -> str:
+        if self.options.keep_gradients:
+            return "keep"
+        ddp = not self._one_process and self.options.zero_stage < 2
+        return "copy_at_step" if ddp else "copy_in_backward"
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, **kwargs)
+        user = self._user_optimizers.get(id(unwrapped(optimizer)))
+        if user is not None:
+            user._opt_called = True  # LR schedulers made on the user's optimizer check this
+        return out
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer, max_norm: float | int, norm_type: float | int = 2.0,
+                            error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip what the step reads by its L2 norm (fp16: as if unscaled); returns the norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"the fastopt strategies clip by the L2 norm (norm_type=2), got norm_type={norm_type!r}")
+        total = self.precision.clip_scaled_gradients(optimizer, max_norm)
+        if total is None:
+            return torch.tensor(0.0)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of the gradients is {total.item()}: clip_gradients(..., "
+                               "error_if_nonfinite=False) clips anyway")
+        return total
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer, clip_val: float | int) -> None:
+        self.precision.clip_scaled_gradients(optimizer, clip_val, by_value=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict | None = None) -> None:
+        if self.precision.scaler is not None:
+            state = {**state, SCALER_KEY: self.precision.state_dict()}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        scaler = remainder.pop(SCALER_KEY, None) if isinstance(remainder, dict) and state else None
+        if scaler is not None:
+            self.precision.load_state_dict(scaler)
+        return remainder
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        for o in self._wrappers:
+            o.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
+                                           zero_stage=zero_stage)
+
+
+class _FastOptBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the offload optimizers copy nothing while gradients
+    accumulate, and DistributedDataParallel (when the model has it) does not reduce."""
+
+    def __init__(self, strategy: FastOptFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return self._blocked(module) if enabled else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _blocked(self, module: Module) -> Iterator[None]:
+        wrappers = self.strategy._wrappers
+        for o in wrappers:
+            o.accumulating = True
+        try:
+            with module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext():
+                yield
+        finally:
+            for o in wrappers:
+                o.accumulating = False
