@@ -17,7 +17,8 @@ Fabric drives a step:
 - gradients stay in ``p.grad`` until the step (``keep_gradients=True``, the default here):
   Fabric cannot tell which code of the loop reads them.  ``keep_gradients=False`` copies
   the offloaded ones to the host during backward and frees them on the device (the memory
-  saving); then read them only through ``fabric.clip_gradients``;
+  saving; ZeRO stage 2 only then frees other ranks' gradients, it reduces as stage 1
+  does otherwise); then read them only through ``fabric.clip_gradients``;
 - ``fabric.no_backward_sync(model, enabled=...)`` marks the micro-batches that accumulate
   (nothing is copied or reduced yet);
 - ``fabric.clip_gradients`` clips what the step reads, as if unscaled (fp16);
@@ -131,7 +132,7 @@ class FastOptFabricStrategy(DDPStrategy):
         self._module = module
         if self._one_process:
             return module
-        if self.options.zero_stage == 2:
+        if self._effective_stage == 2:
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
             _sync_module_states(module)
@@ -153,7 +154,7 @@ class FastOptFabricStrategy(DDPStrategy):
         names = {p: n for n, p in self._module.named_parameters()}
         delayed = ({"delayed_update": True, "delayed_update_warmup": self.options.delayed_update_warmup}
                    if self.options.delayed_update else {})
-        wrapper = wrap_fused_optimizer(fused, names, zero_stage=self.options.zero_stage,
+        wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
                                        device_grads=self._device_grads(), **self.options.offload_arguments(),
                                        **delayed)
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
@@ -161,10 +162,16 @@ class FastOptFabricStrategy(DDPStrategy):
         self._wrappers.append(wrapper)
         return wrapper
 
+    @property
+    def _effective_stage(self) -> int:
+        """ZeRO stage 2 frees other ranks' gradients during backward: with gradients kept in
+        ``p.grad`` for the loop's code it reduces them as stage 1 does (as the Trainer's)."""
+        return 1 if self.options.zero_stage == 2 and self.options.keep_gradients else self.options.zero_stage
+
     def _device_grads(self) -> str:
         if self.options.keep_gradients:
             return "keep"
-        ddp = not self._one_process and self.options.zero_stage < 2
+        ddp = not self._one_process and self._effective_stage < 2
         return "copy_at_step" if ddp else "copy_in_backward"
 
     # ------------------------------------------------------------------ steps
