@@ -54,7 +54,7 @@ from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.reading import read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
-from lightning_fastopt.cpu_threads import default_cpu_threads
+from lightning_fastopt.cpu_threads import TorchThreads, default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
@@ -161,14 +161,7 @@ class FastOptStrategy(DDPStrategy):
                  **kwargs: Any) -> None:
         _check_ddp_kwargs(kwargs)
         ops.check_environment()
-        options = StrategyOptions.check(
-            offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory, bucket_size_mb=bucket_size_mb,
-            cpu_threads=cpu_threads, loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-            loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
-            at_min_loss_scale=at_min_loss_scale, wall_clock_breakdown=wall_clock_breakdown, zero_stage=zero_stage,
-            copy_on_cpu=copy_on_cpu, keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step,
-            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
-            gpu_memory_budget_gb=gpu_memory_budget_gb, host_state_dtype=host_state_dtype)
+        options = StrategyOptions.from_arguments(locals())
         self.options = options
         # the checked values as attributes (self.offload_fraction, ...): the hooks below read them
         for name, value in vars(options).items():
@@ -179,7 +172,7 @@ class FastOptStrategy(DDPStrategy):
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}
-        self._threads_before: int | None = None
+        self._threads = TorchThreads()
         if kwargs.get("checkpoint_io") is None:
             kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(**kwargs)
@@ -205,10 +198,7 @@ class FastOptStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        threads = self.cpu_threads or default_cpu_threads(self.num_processes)
-        self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
+        self._threads.set(self.cpu_threads, self.num_processes)
         if self._one_process:  # keep the user's sampler, as Trainer() does (a DDPStrategy would replace it)
             connector = self.lightning_module.trainer._accelerator_connector
             self._sampler_flag_before = (connector, connector.use_distributed_sampler)
@@ -415,19 +405,23 @@ class FastOptStrategy(DDPStrategy):
             connector, flag = self._sampler_flag_before
             connector.use_distributed_sampler = flag
             self._sampler_flag_before = None
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+        self._threads.restore()
         super().teardown()
 
     # ------------------------------------------------------------------ registry
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
-                                           zero_stage=zero_stage)
+        register_names(cls, strategy_registry)
+
+
+def register_names(cls, strategy_registry) -> None:
+    """Register :data:`STRATEGY_NAMES` for ``cls`` (the Trainer's strategy or Fabric's) in a
+    registry that lacks them."""
+    for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
+        if name not in strategy_registry:
+            strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
+                                       zero_stage=zero_stage)
 
 
 def _is_local_dir(path) -> bool:

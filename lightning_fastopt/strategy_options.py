@@ -5,6 +5,8 @@ naming the argument and what it accepts, when the strategy is built."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,13 @@ class StrategyOptions:
                    wall_clock_breakdown=wall_clock_breakdown, zero_stage=int(zero_stage), copy_on_cpu=copy_on_cpu,
                    keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
                    delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype, scale_knobs=knobs)
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> StrategyOptions:
+        """:meth:`check` on the entries of ``arguments`` it takes (a strategy's ``locals()``,
+        whose signature lists every argument for the CLI)."""
+        names = [n for n in inspect.signature(cls.check).parameters if n != "cls"]
+        return cls.check(**{n: arguments[n] for n in names})
 
     def offload_arguments(self) -> dict[str, Any]:
         """The arguments of the offload (or ZeRO) optimizer that come from these options

@@ -31,6 +31,7 @@ from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.delayed import SAVED_KEY
 from tests.helpers import ACCELERATOR
 from tests.references import DelayedTorchUpdate
+from tests.test_streamed_step import _net
 
 SCALE = 8.0  # a loss scale; a power of two, so scaled gradients are exact multiples
 MAX_NORM = 0.5
@@ -38,14 +39,6 @@ OVERFLOW_AT = {3, 17, 18, 33}  # 3 is in the warm-up
 WARMUP = 5
 EXACT = dict(rtol=0, atol=0)
 ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)  # torch.testing's float32 defaults
-
-
-def _net(width=24, depth=4):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
 def _groups(params, names):

@@ -45,12 +45,12 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
-from lightning_fastopt.cpu_threads import default_cpu_threads
+from lightning_fastopt.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
-from lightning_fastopt.strategy import STRATEGY_NAMES, wrap_fused_optimizer
+from lightning_fastopt.strategy import register_names, wrap_fused_optimizer
 from lightning_fastopt.strategy_options import StrategyOptions
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
@@ -70,14 +70,7 @@ class FastOptFabricStrategy(DDPStrategy):
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  **kwargs: Any) -> None:
         ops.check_environment()
-        options = StrategyOptions.check(
-            offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory, bucket_size_mb=bucket_size_mb,
-            cpu_threads=cpu_threads, loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-            loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
-            at_min_loss_scale=at_min_loss_scale, wall_clock_breakdown=wall_clock_breakdown, zero_stage=zero_stage,
-            copy_on_cpu=copy_on_cpu, keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step,
-            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
-            gpu_memory_budget_gb=gpu_memory_budget_gb, host_state_dtype=host_state_dtype)
+        options = StrategyOptions.from_arguments(locals())
         if options.auto_fraction:
             raise ValueError("offload_fraction='auto' is for the Trainer (it times the step's closure); with Fabric "
                              "give a number")
@@ -88,8 +81,9 @@ class FastOptFabricStrategy(DDPStrategy):
         self._module: Module | None = None  # the user's module (names of parameters)
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}  # by id of our optimizer
         self._wrappers: list[OptimizerWrapper] = []  # the optimizers set up, closed at teardown
-        self._threads_before: int | None = None
-        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
+        self._threads = TorchThreads()
+        if kwargs.get("checkpoint_io") is None:
+            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(**kwargs)
         self._backward_sync_control = _FastOptBackwardSync(self)
 
@@ -113,9 +107,7 @@ class FastOptFabricStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        threads = self.options.cpu_threads or default_cpu_threads(self.num_processes)
-        self._threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        self._threads.set(self.options.cpu_threads, self.num_processes)
         if self._one_process:  # as Fabric's single-device strategy: no process group
             self.accelerator.setup_device(self.root_device)
             self._set_world_ranks()
@@ -123,7 +115,6 @@ class FastOptFabricStrategy(DDPStrategy):
             super().setup_environment()
         if self.precision.device is None:
             self.precision.device = self.root_device.type
-        rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -222,18 +213,13 @@ class FastOptFabricStrategy(DDPStrategy):
     def teardown(self) -> None:
         for o in self._wrappers:
             o.close()
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+        self._threads.restore()
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
-                                           zero_stage=zero_stage)
+        register_names(cls, strategy_registry)
 
 
 class _FastOptBackwardSync(_BackwardSyncControl):
