@@ -94,6 +94,14 @@ def test_what_fabric_cannot_do_is_refused_by_name(kw, match):
         FastOptFabricStrategy(**kw)
 
 
+def test_saving_zeros_shards_at_several_processes_is_refused(tmp_path, monkeypatch):
+    fabric = _fabric("fastopt_zero1")
+    model = train(fabric, steps=1)
+    monkeypatch.setattr(FastOptFabricStrategy, "world_size", property(lambda self: 2))
+    with pytest.raises(NotImplementedError, match="would keep rank 0's shard of the optimizer state only"):
+        fabric.save(tmp_path / "x.ckpt", {"model": model})
+
+
 def _two_processes(name, out):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fabric_run.py"), name, str(out)], cwd=REPO,
                           env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)

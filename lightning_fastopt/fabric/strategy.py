@@ -26,7 +26,8 @@ Fabric drives a step:
   (key ``"fastopt_loss_scaler"``, taken out again when loading).
 
 Not yet with Fabric (refused by name): ``offload_fraction="auto"`` (it times Lightning's
-closure) and ``stream_cpu_step``.
+closure), ``stream_cpu_step``, and ``fabric.save`` of ZeRO's sharded optimizer state at
+several processes.
 """
 
 from __future__ import annotations
@@ -196,6 +197,13 @@ class FastOptFabricStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
+        """One file from rank 0, as Fabric's DDP saves; with ZeRO at several processes each
+        rank holds only its shard of the optimizer state, which one file from rank 0 would
+        lose: refused (the Trainer's strategy writes sharded directories)."""
+        if self.world_size > 1 and any(o.partition() is not None for o in self._wrappers):
+            raise NotImplementedError("fabric.save with ZeRO (zero_stage > 0) at several processes would keep rank "
+                                      "0's shard of the optimizer state only; with Fabric it is not supported yet "
+                                      "(the Trainer's fastopt strategies write sharded checkpoints)")
         if self.precision.scaler is not None:
             state = {**state, SCALER_KEY: self.precision.state_dict()}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
