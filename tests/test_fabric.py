@@ -11,6 +11,7 @@ accumulation with ``no_backward_sync`` and clipping by norm or by value:
 - fp16 with an injected inf skips the step; ``fabric.save`` / ``fabric.load`` continue
   exactly, with the loss scaler;
 - the names are in Fabric's registry; what Fabric cannot do yet is refused by name;
+- optimizer state moves between Trainer and Fabric checkpoints;
 - examples/fabric_gpt.py trains.
 """
 
@@ -136,3 +137,36 @@ def test_the_fabric_example_trains(tmp_path):
     saved = torch.load(ckpt, weights_only=True)
     names = {n for n, _ in saved["model"].items()}
     assert set(saved["optimizer"]["state"]) <= names and "tok.weight" in saved["optimizer"]["state"]
+
+
+def test_optimizer_state_moves_between_the_trainer_and_fabric(tmp_path):
+    """The Trainer's checkpoint (``optimizer_states``) loads into a Fabric run's optimizer
+    and the Fabric run's (``fabric.save``) into the Trainer's: the same name-keyed form."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_precision import _data
+    from tests.test_strategy import Model
+
+    model = Model(lambda g: torch.optim.AdamW(g, lr=1e-2), sched=False)
+    trainer = L.Trainer(strategy="fastopt_offload", accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="trainer")],
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, _data())
+    trainer_ckpt = torch.load(tmp_path / "trainer.ckpt", weights_only=True)
+
+    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True, bucket_size_mb=0.0002))
+    fabric_model = Model(lambda g: torch.optim.AdamW(g, lr=1e-2), sched=False)
+    fabric_model, opt = fabric.setup(fabric_model, fabric_model.configure_optimizers())
+    fabric_model.load_state_dict(trainer_ckpt["state_dict"])
+    opt.load_state_dict(trainer_ckpt["optimizer_states"][0])
+    for p in fabric_model.parameters():  # the Trainer's moments, now in Fabric's optimizer
+        name = fabric.strategy._wrappers[0]._slot_of[p].name
+        assert torch.equal(fabric.strategy._wrappers[0].state_of(p)["exp_avg"],
+                           trainer_ckpt["optimizer_states"][0]["state"][name]["exp_avg"])
+    fabric.save(tmp_path / "fabric.ckpt", {"model": fabric_model, "optimizer": opt})
+    fabric_ckpt = torch.load(tmp_path / "fabric.ckpt", weights_only=True)
+    trainer.strategy.load_optimizer_state_dict({"optimizer_states": [fabric_ckpt["optimizer"]]})
+    back = trainer.strategy.optimizers[0]
+    for p in model.parameters():
+        name = back._slot_of[p].name
+        assert torch.equal(back.state_of(p)["exp_avg_sq"], fabric_ckpt["optimizer"]["state"][name]["exp_avg_sq"])
