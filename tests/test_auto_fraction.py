@@ -146,7 +146,7 @@ def _run(fractions, dtype=torch.float32, steps=10, switch_at=4, **kw):
     # a delayed update pending at the switch moves over (only the offloaded share is delayed: same fraction)
     ((0.5, 0.5), dict(delayed_update=True, delayed_update_warmup=2), 0.5),
 ], ids=["exact-1-to-0.3", "exact-0-to-1", "warm-up-1-to-0.3", "warm-up-0-to-1", "pending"])
-def test_switching_the_fraction_between_steps_changes_nothing(backend, fractions, kw, like, dtype):
+def test_switching_the_fraction_between_steps_changes_nothing(compiled, fractions, kw, like, dtype):
     """The exact step computes the same at every fraction, so a switched run ends where
     one at either fraction ends; with a delayed update, where the run at the fraction
     that was delayed ends."""

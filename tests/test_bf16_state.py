@@ -156,7 +156,7 @@ def _offload_run(fraction, host_state_dtype, steps=6):
     return model, opt
 
 
-def test_the_offload_optimizer_keeps_host_moments_in_bfloat16(backend):
+def test_the_offload_optimizer_keeps_host_moments_in_bfloat16(compiled):
     full, opt = _offload_run(1.0, "bfloat16")
     assert all(opt.state_of(p)["exp_avg"].dtype == BF16 for p in full.parameters())
     saved = opt.state_dict()
@@ -172,7 +172,7 @@ def test_the_offload_optimizer_keeps_host_moments_in_bfloat16(backend):
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * 6 * 1e-2)
 
 
-def test_under_the_trainer_bfloat16_moments_follow_float32(backend):
+def test_under_the_trainer_bfloat16_moments_follow_float32(compiled):
     from tests.test_precision import Regressor, _data
 
     runs = {}

@@ -167,7 +167,7 @@ def run_reference(name, offloaded, steps=50):
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_delayed_update_follows_the_delayed_recurrence_of_torch_optim(backend, name, fraction):
+def test_delayed_update_follows_the_delayed_recurrence_of_torch_optim(compiled, name, fraction):
     ours, ours_stale, ours_states = run_ours(name, fraction, resume_at=25)
     offloaded = ours.offloaded()
     assert any(offloaded) and (all(offloaded) if fraction == 1.0 else not all(offloaded))
@@ -185,7 +185,7 @@ def test_delayed_update_follows_the_delayed_recurrence_of_torch_optim(backend, n
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-def test_a_resumed_delayed_run_ends_where_the_uninterrupted_one_ends_bit_for_bit(backend, name):
+def test_a_resumed_delayed_run_ends_where_the_uninterrupted_one_ends_bit_for_bit(compiled, name):
     straight, straight_stale, straight_states = run_ours(name, 1.0, steps=30)
     resumed, resumed_stale, resumed_states = run_ours(name, 1.0, steps=30, resume_at=12)
     for a, b in zip(straight_stale + list(straight.model.parameters()),
@@ -195,7 +195,7 @@ def test_a_resumed_delayed_run_ends_where_the_uninterrupted_one_ends_bit_for_bit
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_no_delay_during_the_warm_up_equals_the_synchronous_step_bit_for_bit(backend):
+def test_no_delay_during_the_warm_up_equals_the_synchronous_step_bit_for_bit(compiled):
     batches = _batches(8)
     delayed, plain = Ours("adamw", 1.0, warmup=100), Ours("adamw", 1.0, delayed=False)
     for t in range(8):
