@@ -159,7 +159,7 @@ class FastOptStrategy(DDPStrategy):
                  delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  **kwargs: Any) -> None:
-        _check_ddp_kwargs(kwargs)
+        check_ddp_kwargs(kwargs, DDPStrategy, FastOptStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
         self.options = options
@@ -432,21 +432,22 @@ def _is_local_dir(path) -> bool:
         return False
 
 
-def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
-    """``**kwargs`` go to DDPStrategy and from there to DistributedDataParallel, which is not
-    built with one process: a misspelt argument would be silently ignored there.  Refuse
-    anything neither accepts, suggesting the nearest name."""
+def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
+    """``**kwargs`` go to ``base`` (Lightning's or Fabric's DDPStrategy) and from there to
+    DistributedDataParallel, which is not built with one process: a misspelt argument
+    would be silently ignored there.  Refuse anything neither accepts, suggesting the
+    nearest name (among ``ours``'s arguments too)."""
     def names(fn) -> set[str]:
         return {n for n, p in inspect.signature(fn).parameters.items()
                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}
 
-    forwarded = names(DDPStrategy.__init__) | names(DistributedDataParallel.__init__)
+    forwarded = names(base.__init__) | names(DistributedDataParallel.__init__)
     unknown = sorted(set(kwargs) - forwarded)
     if unknown:
-        known = names(FastOptStrategy.__init__) | forwarded
+        known = names(ours.__init__) | forwarded
         hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1))
                              else "") for k in unknown]
-        raise TypeError(f"FastOptStrategy got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
+        raise TypeError(f"{ours.__name__} got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
                         "own arguments, DDPStrategy's and DistributedDataParallel's")
 
 

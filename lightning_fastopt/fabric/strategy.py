@@ -51,7 +51,7 @@ from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
-from lightning_fastopt.strategy import register_names, wrap_fused_optimizer
+from lightning_fastopt.strategy import check_ddp_kwargs, register_names, wrap_fused_optimizer
 from lightning_fastopt.strategy_options import StrategyOptions
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
@@ -70,6 +70,7 @@ class FastOptFabricStrategy(DDPStrategy):
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  **kwargs: Any) -> None:
+        check_ddp_kwargs(kwargs, DDPStrategy, FastOptFabricStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
         if options.auto_fraction:
