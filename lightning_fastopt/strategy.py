@@ -63,7 +63,7 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
-from lightning_fastopt.strategy_options import StrategyOptions
+from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
 from lightning_fastopt.zero import ZeroOptimizer
 
 __all__ = ["STRATEGY_NAMES", "FastOptStrategy", "default_cpu_threads", "to_fused_optimizer"]
@@ -162,7 +162,6 @@ class FastOptStrategy(DDPStrategy):
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
-        self.options = options
         # the checked values as attributes (self.offload_fraction, ...): the hooks below read them
         for name, value in vars(options).items():
             if name != "scale_knobs":
@@ -252,8 +251,9 @@ class FastOptStrategy(DDPStrategy):
                                "with the same hyperparameters")
             stream = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
             wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
-                                           **self.options.offload_arguments(), **stream, **self._delays())
+                                           **offload_arguments(self), **stream)
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
+            self._say_delays()
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
         self.optimizers = wrapped
@@ -292,17 +292,16 @@ class FastOptStrategy(DDPStrategy):
                        "gradients have landed (stream_cpu_step=True)")
         return True
 
-    def _delays(self) -> dict[str, Any]:
-        """The offload optimizers' delayed-update arguments, said in one line."""
+    def _say_delays(self) -> None:
+        """What ``delayed_update=True`` does in this run, in one line."""
         if not self.delayed_update:
-            return {}
+            return
         if self.offload_fraction == 0:
             rank_zero_info("lightning_fastopt: delayed_update=True delays nothing: nothing is offloaded")
         else:
             rank_zero_info(f"lightning_fastopt: after {self.delayed_update_warmup} synchronous step(s), each CPU "
                            "update runs during the next forward and backward, which use weights one update old "
                            "(delayed_update=True)")
-        return {"delayed_update": True, "delayed_update_warmup": self.delayed_update_warmup}
 
     def _device_grads(self) -> str:
         """The offload optimizers' ``device_grads``, said in one log line with the reason."""

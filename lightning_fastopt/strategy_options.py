@@ -84,16 +84,22 @@ class StrategyOptions:
         names = [n for n in inspect.signature(cls.check).parameters if n != "cls"]
         return cls.check(**{n: arguments[n] for n in names})
 
-    def offload_arguments(self) -> dict[str, Any]:
-        """The arguments of the offload (or ZeRO) optimizer that come from these options
-        (without ``device_grads``, ``stream_cpu_step`` and the delayed update, which depend
-        on the run)."""
-        args = dict(offload_fraction=self.offload_fraction, bucket_size_mb=self.bucket_size_mb, overlap=self.overlap,
-                    pin_memory=self.pin_memory, wall_clock_breakdown=self.wall_clock_breakdown,
-                    copy_on_cpu=self.copy_on_cpu or self.delayed_update)
-        if self.host_state_dtype != torch.float32:
-            args["host_state_dtype"] = self.host_state_dtype
-        return args
+
+
+def offload_arguments(options: Any) -> dict[str, Any]:
+    """The arguments of the offload (or ZeRO) optimizer that come from the options (without
+    ``device_grads`` and ``stream_cpu_step``, which depend on the run).  ``options``: a
+    :class:`StrategyOptions`, or the Trainer's strategy, which keeps the same values as
+    attributes (read at set-up, as Lightning strategies' attributes are)."""
+    args = dict(offload_fraction=options.offload_fraction, bucket_size_mb=options.bucket_size_mb,
+                overlap=options.overlap, pin_memory=options.pin_memory,
+                wall_clock_breakdown=options.wall_clock_breakdown,
+                copy_on_cpu=options.copy_on_cpu or options.delayed_update)
+    if options.host_state_dtype != torch.float32:
+        args["host_state_dtype"] = options.host_state_dtype
+    if options.delayed_update:
+        args.update(delayed_update=True, delayed_update_warmup=options.delayed_update_warmup)
+    return args
 
 
 def check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:

@@ -52,7 +52,7 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.strategy import check_ddp_kwargs, register_names, wrap_fused_optimizer
-from lightning_fastopt.strategy_options import StrategyOptions
+from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
 
@@ -145,11 +145,8 @@ class FastOptFabricStrategy(DDPStrategy):
             rank_zero_info(f"lightning_fastopt: running {type(optimizer).__name__} as {type(fused).__name__} with "
                            "the same hyperparameters")
         names = {p: n for n, p in self._module.named_parameters()}
-        delayed = ({"delayed_update": True, "delayed_update_warmup": self.options.delayed_update_warmup}
-                   if self.options.delayed_update else {})
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
-                                       device_grads=self._device_grads(), **self.options.offload_arguments(),
-                                       **delayed)
+                                       device_grads=self._device_grads(), **offload_arguments(self.options))
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._user_optimizers[id(wrapper)] = optimizer
         self._wrappers.append(wrapper)
