@@ -1,9 +1,12 @@
 """A Fabric training loop as users write it, shared by the Fabric tests and the two-process
 script (tests/scripts/fabric_run.py): two parameter groups, an LR scheduler, accumulation
 with ``no_backward_sync``, clipping, a distributed sampler through
-``setup_dataloaders``; optionally an injected inf, and a save and load in the middle."""
+``setup_dataloaders``; optionally an injected inf, a save and load in the middle, and a
+SIGKILL of the process in the middle of a step."""
 
 import math
+import os
+import signal
 
 import torch
 from torch import nn
@@ -32,10 +35,11 @@ def _forever(loader):
 
 
 def train(fabric, steps=8, accumulate=2, clip=("norm", 0.5), inject_at=(), save_at=None, path=None,
-          model=None, optimizer=None, start=0):
+          model=None, optimizer=None, start=0, kill_at=None):
     """``steps`` optimizer steps; returns the (set-up) model.  ``save_at``: save to ``path``
-    after that many steps and stop; ``start``: continue from a checkpoint at ``path``
-    saved after that many steps."""
+    after that many steps and stop (with ``kill_at``: go on, and kill the process with
+    SIGKILL between backward and the step of step ``kill_at``); ``start``: continue from a
+    checkpoint at ``path`` saved after that many steps."""
     model = model or make_model()
     opt = optimizer or make_optimizer(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
@@ -54,6 +58,8 @@ def train(fabric, steps=8, accumulate=2, clip=("norm", 0.5), inject_at=(), save_
             with fabric.no_backward_sync(model, enabled=not last):
                 loss = nn.functional.mse_loss(model(x).float(), y) / accumulate
                 fabric.backward(loss)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         if step in inject_at:  # an overflow (gradients stay in p.grad with keep_gradients=True)
             model.module[0].weight.grad[0, 0] = math.inf
         if clip and clip[0] == "norm":
@@ -65,5 +71,6 @@ def train(fabric, steps=8, accumulate=2, clip=("norm", 0.5), inject_at=(), save_
         sched.step()
         if save_at is not None and step + 1 == save_at:
             fabric.save(path, {"model": model, "optimizer": opt, "scheduler": sched})
-            break
+            if kill_at is None:
+                break
     return model

@@ -9,12 +9,17 @@ accumulation with ``no_backward_sync`` and clipping by norm or by value:
   backward (copied at the step, after DDP's reduction), and ZeRO stage 2 freeing other
   ranks' gradients, against Fabric's ``ddp``;
 - fp16 with an injected inf skips the step; ``fabric.save`` / ``fabric.load`` continue
-  exactly, with the loss scaler;
+  exactly, with the loss scaler, also in a new process after the saving one was killed
+  with SIGKILL;
+- on a GPU (marked ``cuda``): fractions 0, 0.5 and 1 with the CUDA kernels and side
+  streams, bf16-mixed against Fabric's own, and the fp16 skip with save/load;
 - the names are in Fabric's registry; what Fabric cannot do yet is refused by name;
-- optimizer state moves between Trainer and Fabric checkpoints;
+- a Trainer run continues under Fabric from its checkpoint, and a Fabric run (saved with
+  the Trainer's keys) under the Trainer's ``ckpt_path``, bit for bit;
 - examples/fabric_gpt.py trains.
 """
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
 
 
-def _fabric(strategy, **kw):
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, **kw)
+def _fabric(strategy, accelerator="cpu", **kw):
+    fabric = L.Fabric(accelerator=accelerator, devices=1, strategy=strategy, **kw)
     fabric.launch()
     return fabric
 
@@ -55,6 +60,42 @@ def test_one_process_equals_fabric_with_torch_adamw(fraction, keep, clip):
     assert isinstance(opt, OffloadOptimizer) and opt.offload_fraction == fraction
     assert opt.device_grads == ("keep" if keep else "copy_in_backward")
     torch.testing.assert_close(_weights(ours), reference, **ADAM_TOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fraction,keep", [(0.0, True), (0.5, True), (1.0, True), (0.5, False), (1.0, False)])
+def test_on_gpu_equals_fabric_with_torch_adamw(fraction, keep):
+    """On the GPU: the device share runs the CUDA kernels, the host share the CPU kernels,
+    gradients and weights cross on side streams."""
+    reference = _weights(train(_fabric("auto", accelerator="cuda")))
+    strategy = FastOptFabricStrategy(offload_fraction=fraction, keep_gradients=keep, bucket_size_mb=0.0002)
+    ours = train(_fabric(strategy, accelerator="cuda"))
+    assert strategy._wrappers[0].offload_fraction == fraction
+    torch.testing.assert_close(_weights(ours), reference, **ADAM_TOL)
+
+
+@pytest.mark.cuda
+def test_on_gpu_bf16_mixed_equals_fabrics_own():
+    reference = _weights(train(_fabric("auto", accelerator="cuda", precision="bf16-mixed")))
+    fabric = _fabric(FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002), accelerator="cuda",
+                     precision="bf16-mixed")
+    assert isinstance(fabric.strategy.precision, FastOptFabricPrecision)
+    torch.testing.assert_close(_weights(train(fabric)), reference, **ADAM_TOL)
+
+
+@pytest.mark.cuda
+def test_on_gpu_fp16_overflow_skips_the_step_and_save_load_continues_exactly(tmp_path):
+    def fabric():
+        return _fabric(FastOptFabricStrategy(offload_fraction=0.5, initial_scale_power=8, hysteresis=1,
+                                             bucket_size_mb=0.0002), accelerator="cuda", precision="16-mixed")
+
+    straight_fabric = fabric()
+    straight = train(straight_fabric, inject_at={2})
+    assert straight_fabric.strategy.precision.skipped_steps == 1
+    train(fabric(), inject_at={2}, save_at=5, path=tmp_path / "mid.ckpt")
+    resumed = train(fabric(), inject_at={2}, start=5, path=tmp_path / "mid.ckpt")
+    for a, b in zip(_weights(straight), _weights(resumed)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name", ["fastopt", "fastopt_offload", "fastopt_zero1", "fastopt_zero2"])
@@ -88,6 +129,7 @@ def test_fp16_overflow_skips_the_step_and_save_load_continues_exactly(tmp_path):
 @pytest.mark.parametrize("kw,match", [
     (dict(offload_fraction="auto"), "offload_fraction='auto' is for the Trainer"),
     (dict(stream_cpu_step=True), "stream_cpu_step=True is for the Trainer"),
+    (dict(delayed_update=True), "delayed_update=True is for the Trainer"),
     (dict(offload_fraction=2.0), r"offload_fraction must be in \[0.0, 1.0\]"),
     (dict(bucket_size=8), r"unexpected keyword argument\(s\) 'bucket_size' \(did you mean 'bucket_size_mb'\?\)"),
 ])
@@ -104,11 +146,19 @@ def test_saving_zeros_shards_at_several_processes_is_refused(tmp_path, monkeypat
         fabric.save(tmp_path / "x.ckpt", {"model": model})
 
 
-def _two_processes(name, out):
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fabric_run.py"), name, str(out)], cwd=REPO,
-                          env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+def _process(name, out, *args, devices=2, killed=False):
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fabric_run.py"), name, str(out),
+                           "--devices", str(devices), *args], cwd=REPO, env=subprocess_env(REPO),
+                          capture_output=True, text=True, timeout=600)
+    if killed:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        return None
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(devices)]
+
+
+def _two_processes(name, out):
+    return [saved["weights"] for saved in _process(name, out)]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +176,22 @@ def test_two_processes_equal_fabrics_ddp(tmp_path, fabric_ddp, name):
         torch.testing.assert_close(ours[k], ref[k], **ADAM_TOL, msg=lambda m: f"{k}: {m}")
 
 
+def test_sigkill_after_a_save_then_load_continues_exactly(tmp_path):
+    """fp16 (an overflow at step 2), half offloaded through the accelerator code path: a
+    process saved after 4 steps and killed with SIGKILL in the middle of step 6, then a
+    new process loading that file ends bit for bit where an uninterrupted process ends."""
+    common = ("--fp16", "--steps", "8")
+    straight, = _process("half_copied", tmp_path / "straight.pt", *common, devices=1)
+    ckpt = tmp_path / "run.ckpt"
+    _process("half_copied", tmp_path / "killed.pt", *common, "--save-at", "4", "--kill-at", "6", "--ckpt", str(ckpt),
+             devices=1, killed=True)
+    resumed, = _process("half_copied", tmp_path / "resumed.pt", *common, "--start", "4", "--ckpt", str(ckpt),
+                        devices=1)
+    assert straight["loss_scale"] == resumed["loss_scale"] == 2 ** 7  # the scaler came back too
+    for k in straight["weights"]:
+        assert torch.equal(straight["weights"][k], resumed["weights"][k]), k
+
+
 def test_the_fabric_example_trains(tmp_path):
     ckpt = tmp_path / "last.ckpt"
     out = subprocess.run([sys.executable, "examples/fabric_gpt.py", "--epochs", "2", "--limit-batches", "4",
@@ -140,34 +206,61 @@ def test_the_fabric_example_trains(tmp_path):
     assert set(saved["optimizer"]["state"]) <= names and "tok.weight" in saved["optimizer"]["state"]
 
 
-def test_optimizer_state_moves_between_the_trainer_and_fabric(tmp_path):
-    """The Trainer's checkpoint (``optimizer_states``) loads into a Fabric run's optimizer
-    and the Fabric run's (``fabric.save``) into the Trainer's: the same name-keyed form."""
+def _trainer(epochs, **kw):
+    from lightning_fastopt import FastOptStrategy
+
+    return L.Trainer(strategy=FastOptStrategy(copy_on_cpu=True, bucket_size_mb=0.0002), accelerator="cpu", devices=1,
+                     max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+def _fabric_epoch(model, load=None, save=None):
+    """One epoch of the Trainer's loop written for Fabric with the LightningModule's own
+    ``training_step`` and ``configure_optimizers`` (a step-interval scheduler); ``load``:
+    continue from a Trainer checkpoint; ``save``: write one in the Trainer's layout."""
+    from tests.test_precision import _data
+
+    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True, bucket_size_mb=0.0002))
+    configured = model.configure_optimizers()
+    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    model, opt = fabric.setup(model, opt)
+    if load:
+        saved = fabric.load(load)  # what is not given as state comes back as a plain dict
+        model.load_state_dict(saved["state_dict"])
+        opt.load_state_dict(saved["optimizer_states"][0])
+        sched.load_state_dict(saved["lr_schedulers"][0])
+    for i, batch in enumerate(_data()):
+        fabric.backward(model.training_step(batch, i))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    if save:
+        fabric.save(save, {"state_dict": model, "optimizer_states": [opt.state_dict()],
+                           "lr_schedulers": [sched.state_dict()], "pytorch-lightning_version": L.__version__})
+    return model
+
+
+def test_a_trainer_run_continues_in_fabric_and_a_fabric_run_in_the_trainer(tmp_path):
+    """Two epochs under the Trainer, against one epoch under the Trainer then one under
+    Fabric from its checkpoint, and against one under Fabric (saved with the Trainer's
+    keys) then one under the Trainer's ``ckpt_path``: bit for bit, both ways (the same
+    name-keyed optimizer state, scheduler state and weights)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.test_precision import _data
     from tests.test_strategy import Model
 
-    model = Model(lambda g: torch.optim.AdamW(g, lr=1e-2), sched=False)
-    trainer = L.Trainer(strategy="fastopt_offload", accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="trainer")],
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, _data())
-    trainer_ckpt = torch.load(tmp_path / "trainer.ckpt", weights_only=True)
+    def model():
+        return Model(lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01))
 
-    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True, bucket_size_mb=0.0002))
-    fabric_model = Model(lambda g: torch.optim.AdamW(g, lr=1e-2), sched=False)
-    fabric_model, opt = fabric.setup(fabric_model, fabric_model.configure_optimizers())
-    fabric_model.load_state_dict(trainer_ckpt["state_dict"])
-    opt.load_state_dict(trainer_ckpt["optimizer_states"][0])
-    for p in fabric_model.parameters():  # the Trainer's moments, now in Fabric's optimizer
-        name = fabric.strategy._wrappers[0]._slot_of[p].name
-        assert torch.equal(fabric.strategy._wrappers[0].state_of(p)["exp_avg"],
-                           trainer_ckpt["optimizer_states"][0]["state"][name]["exp_avg"])
-    fabric.save(tmp_path / "fabric.ckpt", {"model": fabric_model, "optimizer": opt})
-    fabric_ckpt = torch.load(tmp_path / "fabric.ckpt", weights_only=True)
-    trainer.strategy.load_optimizer_state_dict({"optimizer_states": [fabric_ckpt["optimizer"]]})
-    back = trainer.strategy.optimizers[0]
-    for p in model.parameters():
-        name = back._slot_of[p].name
-        assert torch.equal(back.state_of(p)["exp_avg_sq"], fabric_ckpt["optimizer"]["state"][name]["exp_avg_sq"])
+    reference = model()
+    _trainer(2, enable_checkpointing=False).fit(reference, _data())
+    first = model()
+    _trainer(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="trainer")]).fit(first, _data())
+    assert not any(torch.equal(a, b) for a, b in zip(first.parameters(), reference.parameters()))
+    in_fabric = _fabric_epoch(model(), load=tmp_path / "trainer.ckpt")
+
+    _fabric_epoch(model(), save=tmp_path / "fabric.ckpt")
+    in_trainer = model()  # no ``loops`` entry in the file: the Trainer counts epochs from 0 again
+    _trainer(1, enable_checkpointing=False).fit(in_trainer, _data(), ckpt_path=tmp_path / "fabric.ckpt")
+    for ref, a, b in zip(reference.parameters(), in_fabric.parameters(), in_trainer.parameters()):
+        assert torch.equal(a, ref) and torch.equal(b, ref)

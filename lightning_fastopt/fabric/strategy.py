@@ -26,8 +26,9 @@ Fabric drives a step:
   (key ``"fastopt_loss_scaler"``, taken out again when loading).
 
 Not yet with Fabric (refused by name): ``offload_fraction="auto"`` (it times Lightning's
-closure), ``stream_cpu_step``, and ``fabric.save`` of ZeRO's sharded optimizer state at
-several processes.
+closure), ``stream_cpu_step``, ``delayed_update`` (the strategy does not see the loop end,
+where the last update must reach the model), and ``fabric.save`` of ZeRO's sharded
+optimizer state at several processes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class FastOptFabricStrategy(DDPStrategy):
         if options.stream_cpu_step:
             raise ValueError("stream_cpu_step=True is for the Trainer (which knows what reads the gradients before "
                              "the step); with Fabric leave it False")
+        if options.delayed_update:
+            raise ValueError("delayed_update=True is for the Trainer (which gives the model the last update when "
+                             "training ends; a Fabric loop's end is not seen by the strategy, so the weights would "
+                             "stay one update behind); with Fabric leave it False")
         self.options = options
         self._module: Module | None = None  # the user's module (names of parameters)
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}  # by id of our optimizer
