@@ -46,24 +46,27 @@ sys.path.insert(0, str(REPO / "examples"))
 # fastopt:F is FastOptStrategy(offload_fraction=F), F a number or "auto" (chosen after 5 probe steps, before
 # the timed ones); a ":stream" suffix adds stream_cpu_step=True, a ":delayed" suffix delayed_update=True
 # (delayed from the third step on, well before the timed steps), a ":bf16-true" suffix trains with half
-# weights (precision="bf16-true") instead of bf16-mixed
+# weights (precision="bf16-true") instead of bf16-mixed, a ":module" suffix adds forward_waits="module"
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
            "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
-           "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "deepspeed_stage_2_offload"]
+           "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "fastopt:0.5:module",
+           "fastopt:1:delayed:bf16-true:module", "deepspeed_stage_2_offload"]
 DELAYED_WARMUP = 2
 
 
 # ---------------------------------------------------------------------------- one configuration (child)
 def fastopt_arguments(config: str) -> tuple[dict, bool]:
-    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true]`` (F a
-    number or ``auto``), and whether the configuration trains with half weights."""
+    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true][:module]``
+    (F a number or ``auto``), and whether the configuration trains with half weights."""
     _, fraction, *mode = config.split(":")
-    unknown = set(mode) - {"stream", "delayed", "bf16-true"}
+    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module"}
     if unknown:
         raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' or ':delayed', "
-                         "and/or ':bf16-true'")
+                         "and/or ':bf16-true', ':module'")
     arguments = dict(offload_fraction=fraction if fraction == "auto" else float(fraction),
                      stream_cpu_step="stream" in mode)
+    if "module" in mode:
+        arguments["forward_waits"] = "module"
     if "delayed" in mode:
         arguments.update(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
     return arguments, "bf16-true" in mode
@@ -100,6 +103,8 @@ def child(config: str, args) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
     class Measure(L.Callback):
+        reads_weights_between_steps = False  # it times steps: forward_waits="module" may apply
+
         def __init__(self):
             self.t0 = self.t1 = None
             self.profile = None

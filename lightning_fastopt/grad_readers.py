@@ -1,4 +1,6 @@
-"""Which user code reads gradients between backward and the optimizer step.
+"""Which user code reads gradients between backward and the optimizer step
+(:func:`gradient_readers`), or weights between a step and the next forward
+(:func:`weight_readers`).
 
 The offload optimizer saves device memory by copying the gradients of offloaded
 parameters to the host from backward hooks and freeing them on the device at once; ZeRO
@@ -7,6 +9,11 @@ code could look at it.  The strategy does that only when nothing can look: none 
 hooks below overridden by the LightningModule or a callback, and automatic optimization
 (in manual optimization ``manual_backward`` hands ``p.grad`` to the user's code).
 Otherwise gradients stay in ``p.grad`` until the step, as in torch.
+
+Likewise ``forward_waits="module"`` lets the next forward start before every new weight
+is back on the device; the strategy does that only when no hook that runs between a
+step and the next forward is overridden (beyond what Lightning's own callbacks that do
+not read weights override) and optimization is automatic.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.callbacks import (
+    BatchSizeFinder, DeviceStatsMonitor, EarlyStopping, GradientAccumulationScheduler, LearningRateMonitor,
+    ModelCheckpoint, ProgressBar, SpikeDetection, ThroughputMonitor, Timer,
+)
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 # hooks that run after backward and before the optimizer step (or between steps, with the
@@ -31,4 +42,33 @@ def gradient_readers(module: LightningModule, callbacks: Iterable[Callback]) -> 
     for callback in callbacks:
         readers += [f"{type(callback).__name__}.{hook}" for hook in CALLBACK_HOOKS
                     if is_overridden(hook, callback, Callback)]
+    return readers
+
+
+# hooks that run after a step and before the next forward reaches its modules (or before
+# the strategy's own hooks at the start of validation), where user code may read weights
+BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end", "on_train_epoch_start",
+                      "on_validation_start", "on_before_zero_grad")
+# Lightning's callbacks that override some of those without reading weights (checkpoints
+# read them through the strategy, which waits for every weight first), with their
+# subclasses in Lightning (TQDMProgressBar); what a user's subclass overrides still counts
+QUIET_CALLBACKS = (ProgressBar, ModelCheckpoint, LearningRateMonitor, Timer, EarlyStopping, ThroughputMonitor,
+                   DeviceStatsMonitor, GradientAccumulationScheduler, SpikeDetection, BatchSizeFinder)
+
+
+def weight_readers(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:
+    """Why the next forward must wait for every new weight: each overridden hook of
+    :data:`BETWEEN_STEP_HOOKS` as ``Class.hook``, and ``manual optimization`` (user code
+    runs after the step inside ``training_step``); empty when nothing reads them.  A
+    callback with ``reads_weights_between_steps = False`` does not count."""
+    readers = [] if module.automatic_optimization else ["manual optimization"]
+    readers += [f"{type(module).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
+                if is_overridden(hook, module, LightningModule)]
+    for callback in callbacks:
+        if getattr(callback, "reads_weights_between_steps", True) is False:
+            continue  # the callback says so (a timer, a logger of metrics)
+        lightnings = next(c for c in type(callback).__mro__ if c.__module__.startswith("lightning.pytorch."))
+        base = lightnings if issubclass(lightnings, QUIET_CALLBACKS) else Callback
+        readers += [f"{type(callback).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
+                    if is_overridden(hook, callback, base)]
     return readers

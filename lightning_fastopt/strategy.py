@@ -55,8 +55,9 @@ from lightning_fastopt.checkpoint.reading import read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import TorchThreads, default_cpu_threads
-from lightning_fastopt.grad_readers import gradient_readers
+from lightning_fastopt.grad_readers import gradient_readers, weight_readers
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
@@ -145,6 +146,15 @@ class FastOptStrategy(DDPStrategy):
             cuts the CPU step's memory traffic from 28 to 20 bytes per parameter and the
             host state by half, and changes the math (see README); Adam/AdamW only, not
             with ZeRO.  Checkpoints hold the moments as float32 either way.
+        forward_waits: ``"step"`` (default: the next forward starts once every new weight
+            is back on the device) or ``"module"``: each module's forward waits only for
+            the weights of its own parameters, so the first layers compute while the
+            offloaded share's weights are still crossing (same results; see
+            :mod:`lightning_fastopt.offload.forward_waits`).  Used where nothing reads
+            weights between a step and the next forward but the modules' forward
+            (automatic optimization, no hook between steps overridden beyond Lightning's
+            own callbacks that do not read weights); otherwise one log line says why not.
+            Not with ZeRO.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -158,7 +168,7 @@ class FastOptStrategy(DDPStrategy):
                  copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
                  delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 **kwargs: Any) -> None:
+                 forward_waits: str = "step", **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
@@ -168,6 +178,7 @@ class FastOptStrategy(DDPStrategy):
                 setattr(self, name, value)
         self._auto: AutoFraction | None = None  # the probe of a fit with offload_fraction="auto"
         self._grad_readers: list[str] | None = None  # decided at set-up
+        self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._user_optimizers: dict[int, torch.optim.Optimizer] = {}
@@ -242,6 +253,7 @@ class FastOptStrategy(DDPStrategy):
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
+        by_module = self._waits_by_module(trainer)
         wrapped = []
         for opt in self.optimizers:
             check_parameters(opt, self.lightning_module)
@@ -249,14 +261,20 @@ class FastOptStrategy(DDPStrategy):
             if fused is not opt:
                 rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
                                "with the same hyperparameters")
-            stream = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
+            extra = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
+            if by_module:
+                extra["forward_waits"] = "module"
             wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
-                                           **offload_arguments(self), **stream)
+                                           **offload_arguments(self), **extra)
             rank_zero_info(f"lightning_fastopt: {wrapper!r}")
             self._say_delays()
             self._user_optimizers[id(wrapper)] = opt
             wrapped.append(wrapper)
         self.optimizers = wrapped
+        if by_module:
+            self._forward_waits = ForwardWaits(self.lightning_module, self._offload_optimizers)
+            for o in self._offload_optimizers():
+                o.modules_wait_for(self._forward_waits.covered)
         self._auto = None
         if self.auto_fraction:
             if not self.lightning_module.automatic_optimization:
@@ -291,6 +309,54 @@ class FastOptStrategy(DDPStrategy):
         rank_zero_info("lightning_fastopt: each host bucket's CPU update starts during backward, once its "
                        "gradients have landed (stream_cpu_step=True)")
         return True
+
+    def _waits_by_module(self, trainer) -> bool:
+        """Whether each module's forward waits only for its own new weights
+        (``forward_waits="module"``), said in one line."""
+        if self.forward_waits == "step":
+            return False
+        why_not = weight_readers(self.lightning_module, trainer.callbacks)
+        if why_not:
+            why_not = [f"{', '.join(why_not)} can read the weights between steps"]
+        why_not += [reason for reason, applies in (
+            ("nothing is offloaded", self.offload_fraction == 0 and not self.auto_fraction),
+            ("a CPU run updates in place, with nothing to copy",
+             self.root_device.type == "cpu" and not (self.copy_on_cpu or self.delayed_update)),
+        ) if applies]
+        if why_not:
+            rank_zero_info(f"lightning_fastopt: forward_waits='module' not used: {'; '.join(why_not)}")
+            return False
+        rank_zero_info("lightning_fastopt: each module's forward waits only for its own new weights "
+                       "(forward_waits='module')")
+        return True
+
+    def _offload_optimizers(self) -> list[OffloadOptimizer]:
+        return [o for o in self.optimizers if isinstance(o, OffloadOptimizer)]
+
+    def _wait_for_weights(self) -> None:
+        """Every new weight is on the device before anything but a module's forward reads it."""
+        for o in self._offload_optimizers():
+            o.wait_for_weights()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._wait_for_weights()  # a checkpoint reads every weight
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._wait_for_weights()  # validation_step may read weights outside their modules' forward
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._wait_for_weights()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._wait_for_weights()
+        super().on_predict_start()
 
     def _say_delays(self) -> None:
         """What ``delayed_update=True`` does in this run, in one line."""
@@ -400,6 +466,9 @@ class FastOptStrategy(DDPStrategy):
     def teardown(self) -> None:
         for opt in _wrappers(self.optimizers):
             opt.close()
+        if self._forward_waits is not None:
+            self._forward_waits.remove()
+            self._forward_waits = None
         if self._sampler_flag_before is not None:
             connector, flag = self._sampler_flag_before
             connector.use_distributed_sampler = flag

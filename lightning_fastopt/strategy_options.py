@@ -14,6 +14,7 @@ import torch
 
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
+from lightning_fastopt.offload.forward_waits import check_forward_waits
 from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.optim.base import check_range
 
@@ -38,6 +39,7 @@ class StrategyOptions:
     delayed_update: bool = False
     delayed_update_warmup: int = 40
     host_state_dtype: torch.dtype = torch.float32
+    forward_waits: str = "step"
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -45,7 +47,8 @@ class StrategyOptions:
               loss_scale: Any, initial_scale_power: Any, loss_scale_window: Any, hysteresis: Any,
               min_loss_scale: Any, at_min_loss_scale: Any, wall_clock_breakdown: Any, zero_stage: Any,
               copy_on_cpu: Any, keep_gradients: Any, stream_cpu_step: Any, delayed_update: Any,
-              delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any) -> StrategyOptions:
+              delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
+              forward_waits: Any) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
@@ -66,6 +69,10 @@ class StrategyOptions:
         if state_dtype != torch.float32 and zero_stage:
             raise ValueError(f"host_state_dtype={host_state_dtype!r} runs with zero_stage=0 only, got "
                              f"zero_stage={zero_stage}")
+        check_forward_waits(forward_waits)
+        if forward_waits != "step" and zero_stage:
+            raise ValueError(f"forward_waits={forward_waits!r} runs with zero_stage=0 only (ZeRO sends each rank's "
+                             f"new weights to the others), got zero_stage={zero_stage}")
         knobs = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
                      loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                      at_min_loss_scale=at_min_loss_scale)
@@ -75,7 +82,8 @@ class StrategyOptions:
                    bucket_size_mb=float(bucket_size_mb), cpu_threads=cpu_threads,
                    wall_clock_breakdown=wall_clock_breakdown, zero_stage=int(zero_stage), copy_on_cpu=copy_on_cpu,
                    keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
-                   delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype, scale_knobs=knobs)
+                   delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype,
+                   forward_waits=forward_waits, scale_knobs=knobs)
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> StrategyOptions:

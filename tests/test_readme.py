@@ -85,6 +85,8 @@ def test_the_gpt_benchmark_reads_its_configurations():
     assert fastopt_arguments("fastopt:1:delayed") == (dict(offload_fraction=1.0, stream_cpu_step=False,
                                                            delayed_update=True, delayed_update_warmup=2), False)
     assert fastopt_arguments("fastopt:auto:stream")[0] == dict(offload_fraction="auto", stream_cpu_step=True)
+    assert fastopt_arguments("fastopt:0.5:module")[0] == dict(offload_fraction=0.5, stream_cpu_step=False,
+                                                             forward_waits="module")
     for config in CONFIGS:
         if config.startswith("fastopt"):
             FastOptStrategy(**fastopt_arguments(config)[0])  # every default configuration is a valid strategy

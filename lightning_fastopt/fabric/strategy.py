@@ -26,9 +26,10 @@ Fabric drives a step:
   (key ``"fastopt_loss_scaler"``, taken out again when loading).
 
 Not yet with Fabric (refused by name): ``offload_fraction="auto"`` (it times Lightning's
-closure), ``stream_cpu_step``, ``delayed_update`` (the strategy does not see the loop end,
-where the last update must reach the model), and ``fabric.save`` of ZeRO's sharded
-optimizer state at several processes.
+closure), ``stream_cpu_step`` and ``forward_waits="module"`` (the strategy cannot see
+what the loop reads between backward and the step, or between steps), ``delayed_update``
+(the strategy does not see the loop end, where the last update must reach the model),
+and ``fabric.save`` of ZeRO's sharded optimizer state at several processes.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class FastOptFabricStrategy(DDPStrategy):
                  zero_stage: int = 0, copy_on_cpu: bool = False, keep_gradients: bool = True,
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 **kwargs: Any) -> None:
+                 forward_waits: str = "step", **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptFabricStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
@@ -80,6 +81,9 @@ class FastOptFabricStrategy(DDPStrategy):
         if options.stream_cpu_step:
             raise ValueError("stream_cpu_step=True is for the Trainer (which knows what reads the gradients before "
                              "the step); with Fabric leave it False")
+        if options.forward_waits != "step":
+            raise ValueError(f"forward_waits={options.forward_waits!r} is for the Trainer (which knows what reads "
+                             "the weights between steps); with Fabric leave it 'step'")
         if options.delayed_update:
             raise ValueError("delayed_update=True is for the Trainer (which gives the model the last update when "
                              "training ends; a Fabric loop's end is not seen by the strategy, so the weights would "

@@ -16,7 +16,9 @@ the rest are updated where they live by the same optimizer class.  On an acceler
    starts that bucket's host-to-device copy on another side stream while the CPU moves
    on to the next bucket;
 3. the compute stream waits (on the device, not the host) for the last copy before the
-   next forward.
+   next forward; with ``forward_waits="module"``, for each bucket's copy only before the
+   forward of a module that owns its parameters
+   (:mod:`~lightning_fastopt.offload.forward_waits`).
 
 On a CPU-only run the same code runs with nothing to copy: an offloaded float32
 parameter is its own master.
@@ -75,6 +77,7 @@ from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedUpdates, check_delayed_update, put_master
+from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.slots import (
     HostBucket, ParamSlot, carve, remember_weights, written_by_others, written_in_bucket,
@@ -127,6 +130,11 @@ class OffloadOptimizer(OptimizerWrapper):
             and write in the CPU step, see :class:`~lightning_fastopt.optim.adam.FusedAdam`'s
             ``state_dtype``); None: the wrapped optimizer's own.  The state dict holds
             them as float32 either way.
+        forward_waits: ``"step"`` (the compute stream waits for every new weight when
+            the step ends) or ``"module"`` (for a bucket's weights just before the
+            forward of a module that owns them, once :meth:`modules_wait_for` has named
+            the parameters such modules own; see
+            :mod:`~lightning_fastopt.offload.forward_waits` for the contract).
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -134,7 +142,8 @@ class OffloadOptimizer(OptimizerWrapper):
                  pin_memory: bool = True, device_grads: str = "copy_in_backward",
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
                  stream_cpu_step: bool = False, delayed_update: bool = False,
-                 delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None) -> None:
+                 delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
+                 forward_waits: str = "step") -> None:
         super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
@@ -144,12 +153,13 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError(f"stream_cpu_step=True needs device_grads='copy_in_backward' (gradients that leave "
                              f"during backward), got {device_grads!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
+        check_forward_waits(forward_waits)
         # every argument but the fraction, for with_fraction()
         self._settings = dict(bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
                               device_grads=device_grads, wall_clock_breakdown=wall_clock_breakdown,
                               copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step,
                               delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
-                              host_state_dtype=host_state_dtype)
+                              host_state_dtype=host_state_dtype, forward_waits=forward_waits)
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
@@ -165,6 +175,8 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError(f"OffloadOptimizer needs every parameter on one device, got {sorted(map(str, devices))}")
         self.device = params[0].device if params else torch.device("cpu")
         self.copies = CopyStreams(self.device, overlap, copy_on_cpu)
+        self.forward_waits = forward_waits
+        self._in_flight = WeightsInFlight(self.copies, by_module=forward_waits == "module")
         if delayed_update and not self.copies.needed:
             raise ValueError("delayed_update=True needs host masters apart from the model's weights: an accelerator, "
                              "or copy_on_cpu=True on a CPU run")
@@ -214,6 +226,7 @@ class OffloadOptimizer(OptimizerWrapper):
     @override
     def _adopt_group(self, group: dict[str, Any]) -> None:
         self._wait_delayed()  # the worker reads the inner optimizers' groups
+        self._in_flight.wait_all()  # the new masters are copied from the weights
         for inner in self._inners():  # every inner optimizer keeps one group per user group
             inner.param_groups.append(dict(hyperparameters(group), params=[]))
         self._add_slots(list(group["params"]))
@@ -317,6 +330,24 @@ class OffloadOptimizer(OptimizerWrapper):
     def owns(self, param: Tensor) -> bool:
         return param in self._slot_of
 
+    # ------------------------------------------------------------------ weights on their way
+    def modules_wait_for(self, params: set[Tensor]) -> None:
+        """``forward_waits="module"``: the modules that own ``params`` wait for their
+        weights before their forward (:class:`~lightning_fastopt.offload.forward_waits.ForwardWaits`);
+        a bucket with any other parameter is waited for when the step ends."""
+        self._in_flight.covered = set(params)
+
+    def wait_for_weights(self, params: list[Tensor] | None = None) -> None:
+        """Make the compute stream wait (on the device) for the new weights of ``params``
+        still on their way from the last step, or for every one (None): before anything
+        but their modules' forward reads them."""
+        if not self._in_flight:
+            return
+        if params is None:
+            self._in_flight.wait_all()
+        else:
+            self._in_flight.wait_for({self._slot_of[p].bucket for p in params if p in self._slot_of})
+
     def state_of(self, param: Tensor) -> dict[str, Any]:
         """The optimizer state of a model parameter (empty before its first step).  The
         state lives in inner optimizers, not in ``self.state``: Lightning moves whatever
@@ -327,6 +358,7 @@ class OffloadOptimizer(OptimizerWrapper):
 
     # ------------------------------------------------------------------ gradients
     def _on_grad_ready(self, param: Tensor) -> None:
+        self._in_flight.wait_all()  # the weights' checks below read them: every copy first
         if self.accumulating:
             return  # Lightning is accumulating: the gradient is not final yet
         slot = self._slot_of[param]
@@ -425,7 +457,7 @@ class OffloadOptimizer(OptimizerWrapper):
         gradients (the next ones go to the spare buffers) and the hyperparameters."""
         if isinstance(grad_scale, Tensor):
             grad_scale = grad_scale.clone()
-        for b in self._buckets:
+        for b in reversed(self._buckets):  # forward order: the first layers' weights are ready first
             plan = self._plan(b.inner, b.slots)
             if plan is None:
                 continue
@@ -440,13 +472,13 @@ class OffloadOptimizer(OptimizerWrapper):
         self._background_ms += (time.perf_counter() - started) * 1e3
         return updated
 
-    def _send_delayed(self) -> tuple[list[ParamSlot], Any]:
+    def _send_delayed(self) -> tuple[list[ParamSlot], list[HostBucket]]:
         """A delayed step, once backward is done: wait for each bucket's update the last step
-        launched and send its weights to the device (the next forward uses them); a master
-        whose parameter something else wrote meanwhile takes the write instead.  Returns
-        the slots sent and the event of the last copy."""
-        timer, sent, last = self._timer, [], None
-        for b in self._buckets:
+        launched and send its weights to the device (the next forward uses them), in
+        forward order; a master whose parameter something else wrote meanwhile takes the
+        write instead.  Returns the slots sent and their buckets, in the order sent."""
+        timer, sent, buckets = self._timer, [], []
+        for b in reversed(self._buckets):
             with timer.phase("grad_d2h"):
                 self.copies.wait_on_host(b.grads_ready)  # the written flags land with the gradients
             with timer.phase("cpu_step"):
@@ -458,8 +490,8 @@ class OffloadOptimizer(OptimizerWrapper):
             if keep:
                 with timer.phase("param_h2d"):
                     self._send_weights(b, keep, self._compute_done)
-                sent, last = sent + keep, b.params_sent
-        return sent, last
+                sent, buckets = sent + keep, buckets + [b]
+        return sent, buckets
 
     def _wait_delayed(self) -> None:
         """Wait for the delayed updates in flight (they stay pending): their state is read or replaced."""
@@ -473,6 +505,7 @@ class OffloadOptimizer(OptimizerWrapper):
         else wrote since the last step keeps the write.  Returns how many weights it sent."""
         if self._delayed is None or not self._delayed.pending:
             return 0
+        self._in_flight.wait_all()  # the checks below read the weights
         updated = self._delayed.take_all()
         written = written_by_others(updated)
         self._refresh_written(written)
@@ -498,6 +531,7 @@ class OffloadOptimizer(OptimizerWrapper):
         ones in host memory, once landed; with ``device_grads="keep"`` every one in
         ``p.grad``, copied when the step starts): for overflow checks and gradient
         clipping, which may scale them in place."""
+        self._in_flight.wait_all()
         if self.device_grads == "keep":
             return [s.param.grad for s in self._slots if s.param.grad is not None]
         if self._streamed:
@@ -527,6 +561,7 @@ class OffloadOptimizer(OptimizerWrapper):
     # ------------------------------------------------------------------ masters
     def refresh_master_weights(self, only_changed: bool = False) -> int:
         """Copy the model's parameters into the separate float32 masters; returns how many."""
+        self._in_flight.wait_all()
         slots = written_by_others(self._slots) if only_changed else [s for s in self._slots if s.separate_master]
         return self._refresh(slots)
 
@@ -547,6 +582,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         timer = self._timer
         timer.start_step()
+        self._in_flight.wait_all()  # weights of the last step that no forward waited for
         # the offloaded parameters' check travels with their gradients (_grads_sent)
         self._refresh_written(written_by_others(self._device_slots if self.copies.needed else self._slots))
         with timer.phase("grad_d2h"):
@@ -559,9 +595,9 @@ class OffloadOptimizer(OptimizerWrapper):
                                "FastOptStrategy only streams when nothing does")
         self.copies.mark_compute_done(self._compute_done)
         delays = self._delayed is not None and self._delayed.delays_next_step()
-        sent, last_sent = [], None
+        sent, sent_buckets = [], []
         if delays or (self._delayed is not None and self._delayed.pending):
-            sent, last_sent = self._send_delayed()  # the last step's update: its weights go to the device now
+            sent, sent_buckets = self._send_delayed()  # the last step's update: its weights go to the device now
             self._count_background()
         if self._delayed is not None:
             self._delayed.steps += 1
@@ -569,7 +605,7 @@ class OffloadOptimizer(OptimizerWrapper):
             with timer.phase("grad_d2h"):
                 grads = self.gradients()
             if check_finite and not grads_all_finite(grads):
-                self._end_step(sent, last_sent)
+                self._end_step(sent, sent_buckets)
                 return True
             context = self.optimizer.step_context(grads, grad_scale) if step_context is COMPUTE else step_context
         else:
@@ -578,7 +614,7 @@ class OffloadOptimizer(OptimizerWrapper):
             written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
         if delays:
             self._launch_delayed(grad_scale, context)
-            self._end_step(written + sent, last_sent)
+            self._end_step(written + sent, sent_buckets)
             return False
         with timer.phase("cpu_step"):  # what is left of the CPU updates started during backward
             streamed = self._join_streamed()
@@ -593,8 +629,8 @@ class OffloadOptimizer(OptimizerWrapper):
                 updated = self._bucket_step(b, grad_scale, context, self._compute_done, timed=True)
             written += updated
             if self.copies.needed and updated:
-                last_sent = b.params_sent
-        self._end_step(written + sent, last_sent)
+                sent_buckets.append(b)
+        self._end_step(written + sent, sent_buckets)
         return False
 
     def _count_background(self) -> None:
@@ -602,10 +638,11 @@ class OffloadOptimizer(OptimizerWrapper):
         self._timer.add("cpu_step_background", self._background_ms)
         self._background_ms = 0.0
 
-    def _end_step(self, written: list[ParamSlot], last_sent) -> None:
-        """The next forward waits for the weights sent to the device (``last_sent``, on the
-        device, not the host); ``written``: the parameters this step wrote."""
-        self.copies.compute_waits_for(last_sent)
+    def _end_step(self, written: list[ParamSlot], sent: list[HostBucket]) -> None:
+        """The next forward waits for the weights sent to the device (``sent``: their
+        buckets, in the order sent; on the device, not the host: when the step ends, or
+        in forward with ``forward_waits="module"``); ``written``: the parameters this step wrote."""
+        self._in_flight.arrive_later(sent)
         # the others' fingerprints still hold: nothing wrote them since the check
         remember_weights([s for s in written if s.separate_master])
         self._new_gradients()
@@ -676,6 +713,7 @@ class OffloadOptimizer(OptimizerWrapper):
         model's weights are loaded first (a delayed update's pending masters are kept apart
         from them)."""
         self._wait_delayed()
+        self._in_flight.wait_all()  # pending weights may be written into the model below
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {s.name: s.param.shape for s in self._slots}, self.param_groups)
         for group, saved in zip(self.param_groups, saved_groups):
@@ -735,6 +773,7 @@ class OffloadOptimizer(OptimizerWrapper):
         remember_weights(kept)
         new.skipped_steps = self.skipped_steps
         new.accumulating = self.accumulating
+        new.modules_wait_for(self._in_flight.covered)
         return new
 
     # ------------------------------------------------------------------ teardown
@@ -744,6 +783,7 @@ class OffloadOptimizer(OptimizerWrapper):
         model (training has ended)."""
         self._hooks.remove()
         self._join_streamed()
+        self._in_flight.wait_all()
         if apply_pending:
             self.apply_pending_update()
         else:

@@ -1,0 +1,327 @@
+"""Forward waits per bucket (``forward_waits="module"``), on the accelerator code path run
+on the CPU (``copy_on_cpu=True``).  The copies there are in line, so the order of events is
+what is checked: where the compute stream would wait for each bucket's weights (recorded
+by fake events and a fake compute stream), against where each module's forward starts.
+
+- half offloaded: the device share's modules run before any wait, each offloaded module
+  after the wait for its bucket; with ``"step"`` every wait comes before the forward;
+- the delayed update sends its buckets in forward order and each module waits for its
+  own just before it runs;
+- a bucket holding a parameter of the root module (read by ``training_step`` directly)
+  is waited for when the step ends; everything the optimizer reads itself, and
+  ``wait_for_weights()``, waits for every copy;
+- results are those of ``"step"``, bit for bit (exact, streamed and delayed steps), and
+  under ``Trainer()`` the strategy ends where ``Trainer()`` ends;
+- the strategy falls back to ``"step"`` with one line naming the callback or hook that
+  can read weights between steps (Lightning's quiet callbacks do not count); checkpoints
+  and validation wait for every weight; bad arguments are refused by name.
+"""
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_fastopt import FastOptFabricStrategy, FastOptStrategy, FusedAdam, FusedSGD
+from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.copies import CopyStreams
+from lightning_fastopt.offload.forward_waits import ForwardWaits
+from tests.helpers import ACCELERATOR
+from tests.test_precision import _data
+from tests.test_strategy import Model
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Log:
+    """What the compute stream is asked to wait for, and where each module's forward starts."""
+
+    def __init__(self, monkeypatch):
+        self.entries = []
+        log = self
+
+        class Stream:
+            def wait_event(self, event):
+                log.entries.append(("wait", event))
+
+        monkeypatch.setattr(CopyStreams, "new_event", lambda self: _Event())
+        monkeypatch.setattr(CopyStreams, "_current", lambda self: Stream())
+
+    def watch(self, model):
+        for name, module in model.named_children():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(lambda m, a, name=name: self.entries.append(("forward", name)))
+
+    def since(self, mark):
+        return self.entries[mark:]
+
+
+def _net(depth=4, width=16):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+def _optimizer(model, mode, fraction, **kw):
+    """Buckets of one 16x16 layer each (1,088 bytes of 1,101)."""
+    opt = OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1, momentum=0.9),
+                           {p: n for n, p in model.named_parameters()}, offload_fraction=fraction,
+                           bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, **kw)
+    waits = ForwardWaits(model, lambda: [opt])
+    opt.modules_wait_for(waits.covered)
+    return opt, waits
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def _named(entries, opt, model):
+    """("wait", event) as ("wait", the name of the module whose bucket it is)."""
+    module_of = {p: name for name, m in model.named_children() for p in m.parameters()}
+    bucket_of = {b.params_sent: module_of[b.slots[0].param] for b in opt._buckets}
+    return [(kind, bucket_of.get(what, "?") if kind == "wait" else what) for kind, what in entries]
+
+
+def test_half_offloaded_the_device_share_runs_before_any_wait(monkeypatch):
+    log = _Log(monkeypatch)
+    model = _net()
+    opt, _ = _optimizer(model, "module", 0.5)
+    assert [len(b.slots) for b in opt._buckets] == [2, 2]  # layers 3 then 2 (the order backward produces them)
+    log.watch(model)
+    x = torch.randn(8, 16)
+    _step(model, opt, x)
+    mark = len(log.entries)
+    model(x)
+    # the copies run in the order sent (layer 3's bucket, then layer 2's): waiting for layer
+    # 2's waits for both, so layer 3 needs no wait of its own
+    assert _named(log.since(mark), opt, model) == [("forward", "0"), ("forward", "1"), ("wait", "2"),
+                                                    ("forward", "2"), ("forward", "3")]
+    opt.close()
+
+
+def test_with_step_every_wait_comes_before_the_forward(monkeypatch):
+    log = _Log(monkeypatch)
+    model = _net()
+    opt, _ = _optimizer(model, "step", 0.5)
+    log.watch(model)
+    x = torch.randn(8, 16)
+    _step(model, opt, x)
+    forward_at = len(log.entries)
+    model(x)
+    assert all(kind == "forward" for kind, _ in log.since(forward_at))
+    assert ("wait", "2") in _named(log.entries[:forward_at], opt, model)  # the last bucket sent, at the step's end
+    opt.close()
+
+
+def test_the_delayed_update_sends_in_forward_order_and_each_module_waits_for_its_own(monkeypatch):
+    log = _Log(monkeypatch)
+    model = _net()
+    opt, _ = _optimizer(model, "module", 1.0, delayed_update=True, delayed_update_warmup=1)
+    log.watch(model)
+    x = torch.randn(8, 16)
+    for _ in range(3):  # the warm-up step, the first delayed one, then one that sends its weights
+        _step(model, opt, x)
+    mark = len(log.entries)
+    model(x)
+    assert _named(log.since(mark), opt, model) == [
+        ("wait", "0"), ("forward", "0"), ("wait", "1"), ("forward", "1"),
+        ("wait", "2"), ("forward", "2"), ("wait", "3"), ("forward", "3")]
+    opt.close()
+
+
+class _WithRootParameter(nn.Module):
+    """A parameter of the root module itself, read directly (as ``training_step`` would)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.ones(16))
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def forward(self, x):
+        return self.body(x * self.scale)
+
+
+def test_a_bucket_with_a_parameter_no_module_waits_for_is_waited_for_at_the_steps_end(monkeypatch):
+    log = _Log(monkeypatch)
+    model = _WithRootParameter()
+    opt, waits = _optimizer(model, "module", 1.0)
+    assert model.scale not in waits.covered
+    root_bucket = opt._slot_of[model.scale].bucket
+    assert root_bucket is opt._buckets[-1]  # registered first: its gradient comes last
+    x = torch.randn(8, 16)
+    _step(model, opt, x)
+    assert ("wait", root_bucket.params_sent) in log.entries  # at the step's end: it was sent last
+    assert not opt._in_flight
+    opt.close()
+
+
+def test_what_reads_weights_outside_a_forward_waits_for_every_copy(monkeypatch):
+    _Log(monkeypatch)
+    model = _net()
+    opt, _ = _optimizer(model, "module", 1.0)
+    x = torch.randn(8, 16)
+    _step(model, opt, x)
+    assert opt._in_flight  # nothing has waited yet: every module is covered
+    opt.wait_for_weights()
+    assert not opt._in_flight
+    for reader in (lambda: opt.refresh_master_weights(), lambda: opt.load_state_dict(opt.state_dict()),
+                   lambda: opt.gradients(), lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]}),
+                   lambda: (model[0].weight * 1).sum().backward()):  # a backward's first gradient
+        opt.zero_grad()
+        _step(model, opt, x)
+        assert opt._in_flight
+        reader()
+        assert not opt._in_flight
+    opt.close()
+
+
+def _train(mode, fraction, make_opt, steps=10, **kw):
+    model = _net(depth=5)
+    opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           offload_fraction=fraction, bucket_size_mb=0.001, copy_on_cpu=True, forward_waits=mode,
+                           **kw)
+    waits = ForwardWaits(model, lambda: [opt])
+    opt.modules_wait_for(waits.covered)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        _step(model, opt, torch.randn(8, 16, generator=g))
+    opt.close()
+    waits.remove()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kw", [{}, {"stream_cpu_step": True}, {"delayed_update": True, "delayed_update_warmup": 3}],
+                         ids=["exact", "streamed", "delayed"])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_the_same_results_as_waiting_at_the_step_bit_for_bit(compiled, fraction, kw):
+    def make(ps):
+        return FusedAdam(ps, lr=1e-2, weight_decay=0.01)
+
+    for a, b in zip(_train("module", fraction, make, **kw), _train("step", fraction, make, **kw)):
+        assert torch.equal(a, b)
+
+
+class _Validated(Model):
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+
+def _fit(strategy, callbacks=(), checkpoints=None):
+    model = _Validated(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), sched=True)
+    if checkpoints is not None:
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3)]
+    trainer = L.Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, max_epochs=2, logger=False,
+                        enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=list(callbacks))
+    trainer.fit(model, _data(), _data(16))
+    return model, trainer
+
+
+class _ReadsWeights(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pass
+
+
+@pytest.fixture
+def info(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    caplog.set_level(logging.INFO)
+    return caplog
+
+
+@pytest.mark.parametrize("kw", [{}, {"delayed_update": True, "delayed_update_warmup": 2}], ids=["exact", "delayed"])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_under_the_trainer_it_ends_where_the_step_waiting_run_ends(info, tmp_path, fraction, kw):
+    """With checkpoints every 3 steps and validation every epoch (which wait for every
+    weight) and Lightning's default callbacks, which do not count as readers."""
+    def strategy(mode):
+        return FastOptStrategy(offload_fraction=fraction, bucket_size_mb=0.0002, copy_on_cpu=True, forward_waits=mode,
+                               **kw)
+
+    ours, trainer = _fit(strategy("module"), checkpoints=tmp_path)
+    assert "each module's forward waits only for its own new weights" in info.text
+    assert trainer.strategy.optimizers[0].forward_waits == "module"
+    ref, _ = _fit(strategy("step") if kw else "auto")
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        if kw:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+
+
+class _SaysItDoesNot(_ReadsWeights):
+    reads_weights_between_steps = False
+
+
+@pytest.mark.parametrize("callback,mode", [(_ReadsWeights(), "step"), (_SaysItDoesNot(), "module")])
+def test_the_strategy_falls_back_to_waiting_at_the_step_where_weights_can_be_read(info, callback, mode):
+    strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True, forward_waits="module")
+    _, trainer = _fit(strategy, [callback])
+    said = "forward_waits='module' not used: _ReadsWeights.on_train_batch_end can read the weights between steps"
+    assert (said in info.text) == (mode == "step")
+    assert trainer.strategy.optimizers[0].forward_waits == mode
+
+
+def test_checkpoints_and_validation_wait_for_every_weight(monkeypatch, tmp_path):
+    waited = []
+    original = OffloadOptimizer.wait_for_weights
+
+    def spy(self, params=None):
+        if params is None:
+            waited.append(bool(self._in_flight))
+        return original(self, params)
+
+    monkeypatch.setattr(OffloadOptimizer, "wait_for_weights", spy)
+    strategy = FastOptStrategy(offload_fraction=1.0, bucket_size_mb=0.0002, copy_on_cpu=True, forward_waits="module")
+    _fit(strategy, checkpoints=tmp_path)
+    # 5 checkpoints (steps 3..15) and 2 validations found weights on their way (every module is covered)
+    assert waited.count(True) >= 7
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: FastOptStrategy(forward_waits="layer"), r"forward_waits must be one of \('step', 'module'\)"),
+    (lambda: FastOptStrategy(forward_waits="module", zero_stage=1), "forward_waits='module' runs with zero_stage=0"),
+    (lambda: FastOptFabricStrategy(forward_waits="module"), "forward_waits='module' is for the Trainer"),
+    (lambda: OffloadOptimizer(FusedSGD(_net().parameters(), lr=0.1), forward_waits=True),
+     "forward_waits must be one of"),
+])
+def test_bad_arguments_are_refused_by_name(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{"offload_fraction": 0.5}, {"offload_fraction": 1.0, "delayed_update": True,
+                                                            "delayed_update_warmup": 1}], ids=["half", "delayed"])
+def test_on_gpu_the_forward_reads_only_weights_that_have_arrived(kw):
+    """Wide layers (32 MiB of weights each) make every bucket's copy slow enough for a
+    forward that did not wait to overtake it: the run must still equal the one that waits
+    for every copy at the step, bit for bit."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+        opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
+                               bucket_size_mb=16.5, forward_waits=mode, **kw)
+        waits = ForwardWaits(model, lambda: [opt])
+        opt.modules_wait_for(waits.covered)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(6):
+            _step(model, opt, torch.randn(64, 2048, device="cuda", generator=g))
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run("module"), run("step")):
+        assert torch.equal(a, b)
