@@ -10,7 +10,6 @@ unit).  fp16 (``"16-true"``) also gets the loss scaler; an overflow skips the st
 import lightning as L
 import pytest
 import torch
-from torch import nn
 
 from lightning_fastopt import FastOptStrategy
 from tests.helpers import ACCELERATOR

@@ -64,12 +64,12 @@ def test_benchmark_scripts_run(tmp_path):
                          env=subprocess_env(REPO))
     assert out.returncode == 0, out.stderr
     assert "| CPU | 1e+05 bfloat16" in out.stdout and "floor / per step" in out.stdout
-    out = subprocess.run([sys.executable, "benchmarks/gpt_offload.py", "--tiny", "--configs", "fastopt:1:delayed",
+    out = subprocess.run([sys.executable, "benchmarks/gpt_offload.py", "--tiny", "--configs", "fastopt:1:delayed:module",
                           "--timeline", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600,
                          env=subprocess_env(REPO))
     assert out.returncode == 0, out.stderr
-    assert "| fastopt:1:delayed |" in out.stdout and "| CPU update |" in out.stdout
-    assert (tmp_path / "timeline_fastopt_1_delayed.png").is_file()
+    assert "| fastopt:1:delayed:module |" in out.stdout and "| CPU update |" in out.stdout
+    assert (tmp_path / "timeline_fastopt_1_delayed_module.png").is_file()
 
 
 def test_the_gpt_benchmark_reads_its_configurations():

@@ -22,11 +22,24 @@ def _run(strategy, out, *extra):
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A reference run's two ranks, run once per module for each set of arguments."""
+    runs = {}
+
+    def run(strategy, *extra):
+        key = (strategy, *extra)
+        if key not in runs:
+            runs[key] = _run(strategy, tmp_path_factory.mktemp("reference") / "ref.pt", *extra)
+        return [{k: v.clone() for k, v in r.items()} for r in runs[key]]
+    return run
+
+
 @pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload", "zero1", "zero1_offload", "zero2",
                                       "zero2_offload"])
-def test_two_process_fastopt_matches_plain_ddp(tmp_path, strategy):
+def test_two_process_fastopt_matches_plain_ddp(tmp_path, reference, strategy):
     ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt")
-    ref, _ = _run("ddp", tmp_path / "ddp.pt")
+    ref, _ = reference("ddp")
     if strategy.startswith("zero"):
         # each rank owns about half of the 8*16+16+16+1 = 161 elements, and keeps Adam's two
         # float32 moments for those only
@@ -77,18 +90,18 @@ def test_zero1_lamb_global_norm_spans_the_shards(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_zero_fp16_loss_scaling_matches_unsharded(tmp_path, strategy):
+def test_zero_fp16_loss_scaling_matches_unsharded(tmp_path, reference, strategy):
     """fp16 with dynamic loss scaling: sharded optimizer state (and gradients) give the
     weights of the unsharded fastopt run (rtol 1e-5: fp16 gradients summed in another
     order)."""
     ours, rank1 = _run(strategy, tmp_path / "zero.pt", "--fp16")
-    ref, _ = _run("fastopt", tmp_path / "ref.pt", "--fp16")
+    ref, _ = reference("fastopt", "--fp16")
     for k in ref:
         torch.testing.assert_close(ours[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
         assert torch.equal(ours[k], rank1[k])
 
 
-def test_zero2_under_torchrun(tmp_path):
+def test_zero2_under_torchrun(tmp_path, reference):
     """torchrun starts the processes; Lightning takes the ranks from its environment."""
     out = tmp_path / "torchrun.pt"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -96,7 +109,7 @@ def test_zero2_under_torchrun(tmp_path):
                           env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours, rank1 = (torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1))
-    ref, _ = _run("ddp", tmp_path / "ddp.pt")
+    ref, _ = reference("ddp")
     for k in ref:
         torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
         assert torch.equal(ours[k], rank1[k])

@@ -41,6 +41,12 @@ def two_rank_run(tmp_path_factory):
     return out, _run(out, "--devices", "2")
 
 
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero1rank")
+    return out, _run(out, "--devices", "1")
+
+
 def test_directory_layout_and_manifest(two_rank_run):
     out, _ = two_rank_run
     path = out / "ckpt" / EPOCH_2
@@ -68,9 +74,9 @@ def test_resume_two_ranks_on_one(two_rank_run, tmp_path):
     assert ck.load_sharded(over)["global_step"] == 32
 
 
-def test_resume_one_rank_on_two(tmp_path):
-    ref = _run(tmp_path / "one", "--devices", "1")
-    resumed = _run(tmp_path / "two", "--devices", "2", "--resume", str(tmp_path / "one" / "ckpt" / EPOCH_2))
+def test_resume_one_rank_on_two(one_rank_run, tmp_path):
+    one, ref = one_rank_run
+    resumed = _run(tmp_path / "two", "--devices", "2", "--resume", str(one / "ckpt" / EPOCH_2))
     _assert_close(resumed, ref)
 
 
@@ -132,7 +138,7 @@ def test_unfinished_save_leaves_the_previous_checkpoint(two_rank_run, tmp_path):
     assert ck.load_sharded(path)["global_step"] == 16
 
 
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(two_rank_run, tmp_path):
     """Rank 1 is killed (SIGKILL) half-way through writing its shard of the second
     checkpoint: rank 0 gives up at the barrier, the first checkpoint and last.ckpt still
     load whole, the half-written one never appears under its name, and training resumes."""
@@ -143,13 +149,13 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert ckpts == ["epoch=0-step=8.ckpt", "last.ckpt"]  # saves 1 and 2: epoch 0 and last
     for name in ckpts:
         assert ck.load_sharded(tmp_path / "ckpt" / name)["global_step"] == 8
-    ref = _run(tmp_path / "ref", "--devices", "2")
+    ref = two_rank_run[1]  # the same run, not killed
     resumed = _run(tmp_path / "resumed", "--devices", "2", "--resume", str(tmp_path / "ckpt" / "last.ckpt"))
     _assert_close(resumed, ref)
 
 
 @pytest.mark.parametrize("stage", ["1", "2"])
-def test_two_ranks_equal_one_process_with_the_same_global_batch(two_rank_run, tmp_path, stage):
-    one = _run(tmp_path / "one", "--devices", "1", "--stage", stage)
+def test_two_ranks_equal_one_process_with_the_same_global_batch(two_rank_run, one_rank_run, tmp_path, stage):
+    one = one_rank_run[1] if stage == "1" else _run(tmp_path / "one", "--devices", "1", "--stage", stage)
     two = two_rank_run[1] if stage == "1" else _run(tmp_path / "two", "--devices", "2", "--stage", stage)
     _assert_close(two, one)
