@@ -6,7 +6,9 @@ name that ``ckpt_path="last"`` then picks.  This writer saves local paths with
 :func:`lightning_fastopt.checkpoint.atomic.save_atomically` (a temporary file, flushed,
 renamed over the target).  Remote paths (``s3://`` ...) go through Lightning's writer
 unchanged.  A sharded checkpoint directory of the same name (a ZeRO run resumed without
-ZeRO) is replaced whole; any other directory in the way is an error.
+ZeRO) is replaced whole; any other directory in the way is an error.  Reading a sharded
+checkpoint directory gives the merged checkpoint
+(:func:`~lightning_fastopt.checkpoint.sharded.load_sharded`: Fabric's ``fabric.load``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_fastopt.checkpoint.atomic import save_atomically
-from lightning_fastopt.checkpoint.sharded import is_sharded
+from lightning_fastopt.checkpoint.sharded import is_sharded, load_sharded
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -34,3 +36,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise IsADirectoryError(f"cannot save the checkpoint {os.fspath(path)!r}: a directory that is not a "
                                     "lightning_fastopt sharded checkpoint is in the way")
         save_atomically(checkpoint, path)
+
+    @override
+    def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_sharded(path):
+            return load_sharded(path, weights_only)
+        if map_location is None:
+            return super().load_checkpoint(path, weights_only=weights_only)
+        return super().load_checkpoint(path, map_location, weights_only)

@@ -13,6 +13,8 @@ accumulation with ``no_backward_sync`` and clipping by norm or by value:
   with SIGKILL;
 - on a GPU (marked ``cuda``): fractions 0, 0.5 and 1 with the CUDA kernels and side
   streams, bf16-mixed against Fabric's own, and the fp16 skip with save/load;
+- ZeRO at two processes saves a sharded directory (each rank its shard), which two new
+  processes load to continue exactly;
 - the names are in Fabric's registry; what Fabric cannot do yet is refused by name;
 - a Trainer run continues under Fabric from its checkpoint, and a Fabric run (saved with
   the Trainer's keys) under the Trainer's ``ckpt_path``, bit for bit;
@@ -138,14 +140,6 @@ def test_what_fabric_cannot_do_is_refused_by_name(kw, match):
         FastOptFabricStrategy(**kw)
 
 
-def test_saving_zeros_shards_at_several_processes_is_refused(tmp_path, monkeypatch):
-    fabric = _fabric("fastopt_zero1")
-    model = train(fabric, steps=1)
-    monkeypatch.setattr(FastOptFabricStrategy, "world_size", property(lambda self: 2))
-    with pytest.raises(NotImplementedError, match="would keep rank 0's shard of the optimizer state only"):
-        fabric.save(tmp_path / "x.ckpt", {"model": model})
-
-
 def _process(name, out, *args, devices=2, killed=False):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fabric_run.py"), name, str(out),
                            "--devices", str(devices), *args], cwd=REPO, env=subprocess_env(REPO),
@@ -167,13 +161,43 @@ def fabric_ddp(tmp_path_factory):
     return _two_processes("ddp", tmp_path_factory.mktemp("ddp") / "ddp.pt")[0]
 
 
+@pytest.fixture(scope="module")
+def zero2_freeing(tmp_path_factory):
+    """ZeRO stage 2 freeing other ranks' gradients, two processes, 6 steps: both ranks' weights."""
+    return _two_processes("zero2_freeing", tmp_path_factory.mktemp("zero2") / "zero2.pt")
+
+
 @pytest.mark.parametrize("name", ["half_offloaded", "zero2_freeing"])
-def test_two_processes_equal_fabrics_ddp(tmp_path, fabric_ddp, name):
-    ours, ours_rank1 = _two_processes(name, tmp_path / "ours.pt")
+def test_two_processes_equal_fabrics_ddp(tmp_path, fabric_ddp, zero2_freeing, name):
+    ours, ours_rank1 = zero2_freeing if name == "zero2_freeing" else _two_processes(name, tmp_path / "ours.pt")
     ref = fabric_ddp
     for k in ref:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
         torch.testing.assert_close(ours[k], ref[k], **ADAM_TOL, msg=lambda m: f"{k}: {m}")
+
+
+def test_zero_at_two_processes_saves_a_sharded_directory_that_loads_and_continues_exactly(tmp_path, zero2_freeing):
+    """Each rank writes its own shard of the optimizer state (stage 2, gradients sharded
+    too); two new processes load the directory after 3 steps and end bit for bit where
+    the uninterrupted run ends; the directory loads as one merged checkpoint anywhere."""
+    import json
+
+    from lightning_fastopt.checkpoint.sharded import load_sharded
+
+    ckpt = tmp_path / "zero.ckpt"
+    _process("zero2_freeing", tmp_path / "saved.pt", "--save-at", "3", "--ckpt", str(ckpt))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["zero_stage"] == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint.pt", "manifest.json", "optimizer_shard_00000.pt",
+                                                      "optimizer_shard_00001.pt"]
+    merged = load_sharded(ckpt)
+    assert set(merged["optimizer"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # every rank's part
+    assert "optimizer_states" not in merged and "scheduler" in merged and "model" in merged
+    resumed = [saved["weights"] for saved in _process("zero2_freeing", tmp_path / "resumed.pt", "--start", "3",
+                                                      "--ckpt", str(ckpt))]
+    for straight, again in zip(zero2_freeing, resumed):
+        for k in straight:
+            assert torch.equal(straight[k], again[k]), k
 
 
 def test_sigkill_after_a_save_then_load_continues_exactly(tmp_path):

@@ -1,5 +1,6 @@
 """The ZeRO partition: contiguous, stable, every rank within one tensor of its ideal share;
-and ZeroOptimizer in one process (it owns everything and steps like the fused optimizer)."""
+and ZeroOptimizer in one process (it owns everything and steps like the fused optimizer;
+its state dict holds the hyperparameters as a scheduler left them)."""
 
 import random
 
@@ -46,6 +47,19 @@ def test_one_process_owns_everything_and_matches_the_fused_optimizer(backend, st
         assert torch.equal(p, r)
     assert set(zero.partition().values()) == {0}
     assert set(zero.state_dict()["state"]) == {"p0", "p1", "p2"}
+
+
+def test_the_state_dict_holds_the_hyperparameters_a_scheduler_set_after_the_last_step(backend):
+    """A checkpoint is taken after the scheduler's step: a resumed run must start with the
+    learning rate the scheduler set, not the one of the last optimizer step."""
+    ps = [torch.randn(5, requires_grad=True)]
+    zero = ZeroOptimizer(FusedAdam(ps, lr=1e-2), {ps[0]: "p"}, copy_on_cpu=True)
+    sched = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.5)
+    ps[0].grad = torch.ones(5)
+    zero.step()
+    sched.step()
+    assert zero.param_groups[0]["lr"] == 5e-3
+    assert zero.state_dict()["param_groups"][0]["lr"] == 5e-3
 
 
 def test_bad_stage():

@@ -13,6 +13,11 @@ merges the shards into one name-keyed state per optimizer
 (:mod:`lightning_fastopt.checkpoint.named_state`), to be re-sharded at any world size;
 :func:`consolidate` (``python -m lightning_fastopt.checkpoint consolidate PATH OUT``)
 writes that as one ordinary Lightning checkpoint file.
+
+A Fabric checkpoint (``fabric.save`` with ZeRO at several processes) keeps the user's
+keys: in ``checkpoint.pt`` a ZeRO optimizer's entry is a marker ``{SHARDS_KEY: i}`` (its
+shards are the i-th of each shard file), and :func:`load_sharded` puts the merged state
+in the marker's place.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from lightning_fastopt.optim.base import hyperparameters
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MAIN_FILE = "checkpoint.pt"
+SHARDS_KEY = "fastopt_optimizer_shards"  # a Fabric checkpoint's marker of a sharded optimizer entry
 
 
 def shard_file(rank: int) -> str:
@@ -148,12 +154,21 @@ def load_sharded(path, weights_only: bool | None = True) -> dict[str, Any]:
     shards merged into a whole name-keyed state."""
     manifest = read_manifest(path)
     load = dict(map_location="cpu", weights_only=True if weights_only is None else weights_only)
-    checkpoint = read_checkpoint_file(os.path.join(path, manifest["main"]), lambda f: torch.load(f, **load))
+    main = os.path.join(path, manifest["main"])
+    checkpoint = read_checkpoint_file(main, lambda f: torch.load(f, **load), needs=None)
+    marked = {k: v[SHARDS_KEY] for k, v in checkpoint.items() if isinstance(v, dict) and set(v) == {SHARDS_KEY}} \
+        if isinstance(checkpoint, dict) else {}
+    if not marked:  # a Lightning checkpoint's main file (a Fabric one marks its optimizers' entries)
+        read_checkpoint_file(main, lambda f: checkpoint)
     per_rank = [read_checkpoint_file(os.path.join(path, name), lambda f: torch.load(f, **load),
                                      what="optimizer shard", needs=None)
                 for name in manifest["shards"]]  # only those listed
     n_opt = len(per_rank[0])
-    checkpoint["optimizer_states"] = [merge_shards([shards[i] for shards in per_rank]) for i in range(n_opt)]
+    states = [merge_shards([shards[i] for shards in per_rank]) for i in range(n_opt)]
+    if marked:  # a Fabric checkpoint: each optimizer's state back under its own key
+        checkpoint.update({k: states[i] for k, i in marked.items()})
+    else:
+        checkpoint["optimizer_states"] = states
     return checkpoint
 
 

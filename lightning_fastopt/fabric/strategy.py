@@ -23,13 +23,16 @@ Fabric drives a step:
   (nothing is copied or reduced yet);
 - ``fabric.clip_gradients`` clips what the step reads, as if unscaled (fp16);
 - ``fabric.save`` / ``fabric.load`` keep the fp16 loss scaler's state in the checkpoint
-  (key ``"fastopt_loss_scaler"``, taken out again when loading).
+  (key ``"fastopt_loss_scaler"``, taken out again when loading); with ZeRO at several
+  processes ``fabric.save`` writes a sharded directory (each rank its own shard of the
+  optimizer state; pass the optimizer itself in the state), which ``fabric.load`` merges
+  and re-shards for any number of processes.
 
 Not yet with Fabric (refused by name): ``offload_fraction="auto"`` (it times Lightning's
 closure), ``stream_cpu_step`` and ``forward_waits="module"`` (the strategy cannot see
-what the loop reads between backward and the step, or between steps), ``delayed_update``
-(the strategy does not see the loop end, where the last update must reach the model),
-and ``fabric.save`` of ZeRO's sharded optimizer state at several processes.
+what the loop reads between backward and the step, or between steps), and
+``delayed_update`` (the strategy does not see the loop end, where the last update must
+reach the model).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastopt import ops
+from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
@@ -204,16 +208,33 @@ class FastOptFabricStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
-        """One file from rank 0, as Fabric's DDP saves; with ZeRO at several processes each
-        rank holds only its shard of the optimizer state, which one file from rank 0 would
-        lose: refused (the Trainer's strategy writes sharded directories)."""
-        if self.world_size > 1 and any(o.partition() is not None for o in self._wrappers):
-            raise NotImplementedError("fabric.save with ZeRO (zero_stage > 0) at several processes would keep rank "
-                                      "0's shard of the optimizer state only; with Fabric it is not supported yet "
-                                      "(the Trainer's fastopt strategies write sharded checkpoints)")
+        """One file from rank 0, as Fabric's DDP saves; with ZeRO at several processes, where
+        each rank holds only its shard of the optimizer state, a sharded directory written by
+        every rank (:mod:`lightning_fastopt.checkpoint.sharded`, as the Trainer's strategy
+        writes; ``fabric.load`` merges it and re-shards for any number of processes)."""
         if self.precision.scaler is not None:
             state = {**state, SCALER_KEY: self.precision.state_dict()}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        zero = {key: o for key, o in state.items() for z in self._wrappers if o is z and z.partition() is not None}
+        if self.world_size == 1 or not zero:  # nothing sharded to save
+            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        self._save_sharded(path, state, zero, storage_options, filter or {})
+
+    def _save_sharded(self, path, state: dict[str, Any], keys: dict[str, OptimizerWrapper], storage_options: Any,
+                      filter: dict) -> None:
+        """``keys``: the entries of ``state`` that are ZeRO optimizers."""
+        if storage_options is not None:
+            raise TypeError(f"fabric.save of a sharded (ZeRO) checkpoint takes no storage_options, got "
+                            f"{storage_options!r}")
+        if "optimizer_states" in state:
+            raise ValueError("fabric.save with ZeRO at several processes keeps the shards under 'optimizer_states': "
+                             "use another key (and pass each optimizer itself: its state is spread over the ranks)")
+        if set(filter) & set(keys):
+            raise ValueError(f"fabric.save(filter=...) of a ZeRO optimizer's entry {sorted(set(filter) & set(keys))} "
+                             "is not supported (its state is spread over the ranks)")
+        main = {key: {SHARDS_KEY: list(keys).index(key)} if key in keys else obj for key, obj in state.items()}
+        main = self._convert_stateful_objects_in_state(main, filter=filter)
+        save_sharded({**main, "optimizer_states": [o.state_dict() for o in keys.values()]}, path, self,
+                     zero_stage=self.options.zero_stage, partitions=[o.partition() for o in keys.values()])
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:

@@ -196,7 +196,9 @@ class ZeroOptimizer(OptimizerWrapper):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: the owned parameters' state, keyed by name, with every group's
-        settings (``param_groups[i]["params"]`` lists the owned names only)."""
+        settings as they are now (an LR scheduler may have stepped since the last step;
+        ``param_groups[i]["params"]`` lists the owned names only)."""
+        copy_hyperparameters(self.local.optimizer, self.param_groups)
         return self.local.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
