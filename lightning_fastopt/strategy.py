@@ -57,8 +57,8 @@ from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import TorchThreads, default_cpu_threads
 from lightning_fastopt.grad_readers import gradient_readers, weight_readers
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
+from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
