@@ -27,7 +27,7 @@ case "$part" in
             tests/test_cuda_build.py tests/test_cuda_math.py tests/test_torch_fused.py tests/test_weight_watch.py \
             "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact" \
             tests/test_fabric.py::test_on_gpu_equals_fabric_with_torch_adamw \
-            tests/test_fabric.py::test_on_gpu_bf16_mixed_equals_fabrics_own \
+            tests/test_fabric.py::test_bf16_mixed_equals_fabrics_own \
             tests/test_fabric.py::test_on_gpu_fp16_overflow_skips_the_step_and_save_load_continues_exactly \
             tests/test_bf16_state.py 2>&1 | tee "$OUT/tests.txt"  # the last on this host's best ISA (AVX-512?)
         # the Trainer-level comparisons with Trainer() (everyday patterns, precision, strategy) on the GPU

@@ -8,11 +8,14 @@ accumulation with ``no_backward_sync`` and clipping by norm or by value:
 - two gloo processes (Fabric's launcher): half offloaded with gradients copied during
   backward (copied at the step, after DDP's reduction), and ZeRO stage 2 freeing other
   ranks' gradients, against Fabric's ``ddp``;
+- bf16-true trains half weights from float32 masters (against the Trainer's plain-PyTorch
+  reference), 16-true scales the loss and skips an overflowing step;
 - fp16 with an injected inf skips the step; ``fabric.save`` / ``fabric.load`` continue
   exactly, with the loss scaler, also in a new process after the saving one was killed
   with SIGKILL;
+- bf16-mixed against Fabric's own (CPU, and GPU);
 - on a GPU (marked ``cuda``): fractions 0, 0.5 and 1 with the CUDA kernels and side
-  streams, bf16-mixed against Fabric's own, and the fp16 skip with save/load;
+  streams, and the fp16 skip with save/load;
 - ZeRO at two processes saves a sharded directory (each rank its shard), which two new
   processes load to continue exactly;
 - the names are in Fabric's registry; what Fabric cannot do yet is refused by name;
@@ -76,10 +79,11 @@ def test_on_gpu_equals_fabric_with_torch_adamw(fraction, keep):
     torch.testing.assert_close(_weights(ours), reference, **ADAM_TOL)
 
 
-@pytest.mark.cuda
-def test_on_gpu_bf16_mixed_equals_fabrics_own():
-    reference = _weights(train(_fabric("auto", accelerator="cuda", precision="bf16-mixed")))
-    fabric = _fabric(FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002), accelerator="cuda",
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_mixed_equals_fabrics_own(accelerator):
+    reference = _weights(train(_fabric("auto", accelerator=accelerator, precision="bf16-mixed")))
+    fabric = _fabric(FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002,
+                                           copy_on_cpu=accelerator == "cpu"), accelerator=accelerator,
                      precision="bf16-mixed")
     assert isinstance(fabric.strategy.precision, FastOptFabricPrecision)
     torch.testing.assert_close(_weights(train(fabric)), reference, **ADAM_TOL)
@@ -126,6 +130,58 @@ def test_fp16_overflow_skips_the_step_and_save_load_continues_exactly(tmp_path):
         assert torch.equal(a, b)
     saved = torch.load(path, weights_only=True)
     assert set(saved["optimizer"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # keyed by name
+
+
+def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):
+    """The Trainer's half-weight tests' model and data (tests/test_half_weights.py) in a
+    Fabric loop: inputs cast to the weights' dtype, one step per batch."""
+    from tests.test_precision import _data
+    from tests.test_strategy import Model
+
+    fabric = _fabric(strategy, precision=precision)
+    model, opt = fabric.setup(*(lambda m: (m, m.configure_optimizers()))(Model(make_opt, sched=False)))
+    dtype = next(model.parameters()).dtype
+    step = 0
+    for _ in range(epochs):
+        for x, y in _data():
+            loss = model.training_step((x.to(dtype), y.to(dtype)), 0)
+            fabric.backward(loss * float("inf") if step == poison_at else loss)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+    return model, fabric
+
+
+@pytest.mark.parametrize("strategy", ["fastopt", "half_offloaded"])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_bf16_true_trains_half_weights_from_float32_masters(strategy, name):
+    """Against the plain-PyTorch reference of the Trainer's test (half model, float32
+    masters stepped by torch.optim, copied back): SGD bit for bit, AdamW within one unit
+    in the last place of bfloat16."""
+    from tests.test_half_weights import OPTIMIZERS, _reference
+
+    made = FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True) \
+        if strategy == "half_offloaded" else strategy
+    ours, _ = _half_fabric_run(made, "bf16-true", OPTIMIZERS[name])
+    ref = _reference(OPTIMIZERS[name], torch.bfloat16, epochs=2)
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert a.dtype == torch.bfloat16
+        if name == "sgd":
+            assert torch.equal(a, b), n
+        else:
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_16_true_scales_the_loss_and_skips_an_overflowing_step():
+    from tests.test_half_weights import OPTIMIZERS
+
+    strategy = FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True,
+                                     initial_scale_power=8)
+    model, fabric = _half_fabric_run(strategy, "16-true", OPTIMIZERS["sgd"], epochs=1, poison_at=3)
+    precision = fabric.strategy.precision
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    assert precision.skipped_steps == 1 and precision.loss_scale == 2 ** 8  # hysteresis 2: one overflow keeps it
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("kw,match", [
