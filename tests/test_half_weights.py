@@ -5,7 +5,8 @@ master copies stepped by ``torch.optim`` with ``foreach=False``, copied back), o
 CPU, through the accelerator code path at fractions 0.5 and 1 and the plain path:
 SGD bit for bit, AdamW within one unit in the last place of bfloat16 (the fp32 masters
 agree to the optimizer tests' rtol 1.3e-6, and rounding to bf16 can then differ by one
-unit).  fp16 (``"16-true"``) also gets the loss scaler; an overflow skips the step."""
+unit).  fp16 (``"16-true"``) also gets the loss scaler; an overflow skips the step.  A
+resumed run continues from the float32 masters the checkpoint holds, bit for bit."""
 
 import lightning as L
 import pytest
@@ -88,3 +89,27 @@ def test_16_true_scales_the_loss_and_skips_an_overflowing_step():
     assert all(p.dtype == torch.float16 for p in ours.parameters())
     assert plugin.skipped_steps == 1 and plugin.loss_scale == 2 ** 8  # hysteresis 2: one overflow keeps it
     assert all(torch.isfinite(p).all() for p in ours.parameters())
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_bf16_true_resumes_bit_for_bit(tmp_path, strategy):
+    """The checkpoint holds each half weight's float32 master beside its optimizer state
+    (the model's state dict has only the rounded weight): resuming from the end of the
+    first epoch ends bit for bit where the uninterrupted run ends."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(epochs, ckpt_path=None, callbacks=()):
+        model = Model(OPTIMIZERS["adamw"], sched=False)
+        trainer = L.Trainer(strategy=STRATEGIES[strategy](), precision="bf16-true", accelerator=ACCELERATOR,
+                            devices=1, max_epochs=epochs, logger=False, enable_checkpointing=bool(callbacks),
+                            callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, _data(), ckpt_path=ckpt_path)
+        return model
+
+    straight = fit(2)
+    fit(1, callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="first")])
+    saved = torch.load(tmp_path / "first.ckpt", weights_only=True)["optimizer_states"][0]["state"]
+    assert all(st["fp32_master"].dtype == torch.float32 for st in saved.values())
+    resumed = fit(2, ckpt_path=tmp_path / "first.ckpt")
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n

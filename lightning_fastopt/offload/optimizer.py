@@ -91,6 +91,9 @@ from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
 # Where the gradients of offloaded parameters go, and when (OffloadOptimizer's device_grads).
 DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "keep")
+# In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
+# whose low bits the half weight in the model's state dict does not hold (torch.optim ignores it).
+MASTER_KEY = "fp32_master"
 
 
 class OffloadOptimizer(OptimizerWrapper):
@@ -693,8 +696,10 @@ class OffloadOptimizer(OptimizerWrapper):
         return [[self._slot_of[p].name for p in g["params"]] for g in self.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        """Keyed by parameter name; with ``delayed_update``, also the masters of the update
-        not yet on the device (:mod:`~lightning_fastopt.offload.delayed`)."""
+        """Keyed by parameter name; a half-precision parameter's state also holds its float32
+        master (:data:`MASTER_KEY`: a resumed run continues from all its bits); with
+        ``delayed_update``, also the masters of the update not yet on the device
+        (:mod:`~lightning_fastopt.offload.delayed`)."""
         self._wait_delayed()
         state = {}
         for s in self._slots:
@@ -702,6 +707,8 @@ class OffloadOptimizer(OptimizerWrapper):
             if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
                 state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else v
                                  for k, v in st.items()}
+                if s.param.dtype != torch.float32:
+                    state[s.name][MASTER_KEY] = s.master
         saved = named_state_dict(self.param_groups, self._names(), state)
         if self._delayed is not None:
             saved[SAVED_KEY] = self._delayed.saved()
@@ -721,11 +728,28 @@ class OffloadOptimizer(OptimizerWrapper):
             self.optimizer._validate_group(group)
         for inner in self._inners():
             inner.state.clear()
+        masters = {}
         for s in self._slots:
-            st = by_name.get(s.name)
+            st = dict(by_name.get(s.name) or {})
+            if MASTER_KEY in st:
+                masters[s] = st.pop(MASTER_KEY)
             if st:
                 self._set_state(s, st)
+        self._load_masters(masters)
         self._load_pending(state_dict.get(SAVED_KEY))
+
+    def _load_masters(self, masters: Mapping[ParamSlot, Tensor]) -> None:
+        """Saved float32 masters of half-precision parameters, each taken where the model's
+        weight (loaded first) is that master rounded: the weight was not changed since, and
+        the master carries the bits it lacks; elsewhere the master follows the weight."""
+        taken = []
+        for s, m in masters.items():
+            if not s.separate_master or tuple(m.shape) != tuple(s.param.shape):
+                continue
+            if torch.equal(m.to(s.param.device, s.param.dtype), s.param.detach()):
+                put_master(s, m)
+                taken.append(s)
+        remember_weights(taken)
 
     def _load_pending(self, saved: Mapping[str, Any] | None) -> None:
         """A delayed update's pending masters from a checkpoint: pending again for the
