@@ -6,7 +6,10 @@
 #   bash benchmarks/gpu_session.sh tests     # build the CUDA kernels, run every cuda-marked test and
 #                                            # the Trainer-level comparisons on the GPU
 #   bash benchmarks/gpu_session.sh kernels   # benchmarks/cuda_optimizers.py, offload_step.py, weight_watch.py
-#   bash benchmarks/gpu_session.sh e2e       # benchmarks/gpt_offload.py (the ~1B GPT)
+#   bash benchmarks/gpu_session.sh e2e       # benchmarks/gpt_offload.py (the ~1B GPT), every configuration
+#   bash benchmarks/gpu_session.sh e2e CONFIGS NAME   # only CONFIGS (comma-separated, gpt_offload.py's
+#                                            # --configs), into gpt_offload_NAME.*: to split the table
+#                                            # over several 10-minute calls
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
@@ -46,10 +49,13 @@ case "$part" in
         # the timeline pictures where matplotlib is installed
         timeline=""
         python3 -c "import matplotlib" 2>/dev/null && timeline="--timeline $OUT"
-        python3 benchmarks/gpt_offload.py --out "$OUT/gpt_offload.json" $timeline 2>&1 | tee "$OUT/gpt_offload.md"
+        configs="${2:-}"
+        name="gpt_offload${3:+_$3}"
+        python3 benchmarks/gpt_offload.py ${configs:+--configs "$configs"} --out "$OUT/$name.json" $timeline 2>&1 \
+            | tee "$OUT/$name.md"
         ;;
     *)
-        echo "usage: $0 tests|kernels|e2e" >&2
+        echo "usage: $0 tests|kernels|e2e [CONFIGS NAME]" >&2
         exit 2
         ;;
 esac
