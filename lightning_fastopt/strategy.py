@@ -319,6 +319,8 @@ class FastOptStrategy(DDPStrategy):
         if why_not:
             why_not = [f"{', '.join(why_not)} can read the weights between steps"]
         why_not += [reason for reason, applies in (
+            ("the model is compiled (torch.compile), where the forward pre-hooks would be traced or break the graph",
+             _compiled(self.lightning_module)),
             ("nothing is offloaded", self.offload_fraction == 0 and not self.auto_fraction),
             ("a CPU run updates in place, with nothing to copy",
              self.root_device.type == "cpu" and not (self.copy_on_cpu or self.delayed_update)),
@@ -526,6 +528,15 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     if zero_stage:
         return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
     return OffloadOptimizer(fused, names, **offload_args)
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) runs through torch.compile: a compiled submodule,
+    or a LightningModule the Trainer was given compiled (Lightning notes ``_compiler_ctx``)."""
+    from torch._dynamo import OptimizedModule
+
+    return getattr(module, "_compiler_ctx", None) is not None or any(
+        isinstance(m, OptimizedModule) for m in module.modules())
 
 
 def _wrappers(optimizers) -> list[OptimizerWrapper]:

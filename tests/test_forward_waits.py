@@ -275,6 +275,22 @@ def test_the_strategy_falls_back_to_waiting_at_the_step_where_weights_can_be_rea
     assert trainer.strategy.optimizers[0].forward_waits == mode
 
 
+@pytest.mark.parametrize("what", ["submodule", "lightning_module"])
+def test_a_compiled_model_waits_at_the_step(info, what):
+    """Forward pre-hooks inside torch.compile would be traced (the waits baked in) or break
+    the graph: the strategy keeps "step" for a compiled submodule, or a LightningModule
+    given to the Trainer compiled, and says why."""
+    model = _Validated(lambda ps: torch.optim.AdamW(ps, lr=1e-2), sched=False)
+    if what == "submodule":
+        model.net[2] = torch.compile(model.net[2], backend="eager")
+    strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True, forward_waits="module")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model if what == "submodule" else torch.compile(model, backend="eager"), _data())
+    assert "forward_waits='module' not used: the model is compiled (torch.compile)" in info.text
+    assert trainer.strategy.optimizers[0].forward_waits == "step"
+
+
 def test_checkpoints_and_validation_wait_for_every_weight(monkeypatch, tmp_path):
     waited = []
     original = OffloadOptimizer.wait_for_weights
