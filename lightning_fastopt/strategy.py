@@ -153,8 +153,8 @@ class FastOptStrategy(DDPStrategy):
             :mod:`lightning_fastopt.offload.forward_waits`).  Used where nothing reads
             weights between a step and the next forward but the modules' forward
             (automatic optimization, no hook between steps overridden beyond Lightning's
-            own callbacks that do not read weights); otherwise one log line says why not.
-            Not with ZeRO.
+            own callbacks that do not read weights, no torch.compile); otherwise one log
+            line says why not.  Not with ZeRO.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
