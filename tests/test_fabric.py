@@ -5,7 +5,7 @@ accumulation with ``no_backward_sync`` and clipping by norm or by value:
 
 - one process, at fractions 0, 0.5 and 1 through the accelerator code path on the CPU,
   gradients kept or copied during backward, and the ZeRO names;
-- two gloo processes (Fabric's launcher): half offloaded with gradients copied during
+- two gloo processes (Fabric's launcher, and torchrun): half offloaded with gradients copied during
   backward (copied at the step, after DDP's reduction), and ZeRO stage 2 freeing other
   ranks' gradients, against Fabric's ``ddp``;
 - bf16-true trains half weights from float32 masters (against the Trainer's plain-PyTorch
@@ -230,6 +230,24 @@ def test_two_processes_equal_fabrics_ddp(tmp_path, fabric_ddp, zero2_freeing, na
     for k in ref:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
         torch.testing.assert_close(ours[k], ref[k], **ADAM_TOL, msg=lambda m: f"{k}: {m}")
+
+
+def test_under_torchrun_equals_fabrics_ddp(tmp_path, fabric_ddp):
+    """torchrun starts the two processes; Fabric takes the ranks from its environment."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "torchrun.pt"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), str(REPO / "tests" / "scripts" / "fabric_run.py"), "half_offloaded", str(out)],
+                          cwd=REPO, env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, rank1 = (torch.load(f"{out}.rank{r}", weights_only=True)["weights"] for r in (0, 1))
+    for k in fabric_ddp:
+        assert torch.equal(ours[k], rank1[k])
+        torch.testing.assert_close(ours[k], fabric_ddp[k], **ADAM_TOL, msg=lambda m: f"{k}: {m}")
 
 
 def test_zero_at_two_processes_saves_a_sharded_directory_that_loads_and_continues_exactly(tmp_path, zero2_freeing):
