@@ -10,7 +10,8 @@ by fake events and a fake compute stream), against where each module's forward s
 - a bucket holding a parameter of the root module (read by ``training_step`` directly)
   is waited for when the step ends; everything the optimizer reads itself, and
   ``wait_for_weights()``, waits for every copy;
-- results are those of ``"step"``, bit for bit (exact, streamed and delayed steps), and
+- results are those of ``"step"``, bit for bit (exact, streamed and delayed steps; the plain
+  CPU path, where nothing is ever in flight), and
   under ``Trainer()`` the strategy ends where ``Trainer()`` ends;
 - the strategy falls back to ``"step"`` with one line naming the callback or hook that
   can read weights between steps (Lightning's quiet callbacks do not count); checkpoints
@@ -187,11 +188,11 @@ def test_what_reads_weights_outside_a_forward_waits_for_every_copy(monkeypatch):
     opt.close()
 
 
-def _train(mode, fraction, make_opt, steps=10, **kw):
+def _train(mode, fraction, make_opt, steps=10, copy_on_cpu=True, **kw):
     model = _net(depth=5)
     opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
-                           offload_fraction=fraction, bucket_size_mb=0.001, copy_on_cpu=True, forward_waits=mode,
-                           **kw)
+                           offload_fraction=fraction, bucket_size_mb=0.001, copy_on_cpu=copy_on_cpu,
+                           forward_waits=mode, **kw)
     waits = ForwardWaits(model, lambda: [opt])
     opt.modules_wait_for(waits.covered)
     g = torch.Generator().manual_seed(1)
@@ -210,6 +211,27 @@ def test_the_same_results_as_waiting_at_the_step_bit_for_bit(compiled, fraction,
         return FusedAdam(ps, lr=1e-2, weight_decay=0.01)
 
     for a, b in zip(_train("module", fraction, make, **kw), _train("step", fraction, make, **kw)):
+        assert torch.equal(a, b)
+
+
+def test_on_the_plain_cpu_path_there_is_nothing_to_wait_for(compiled, monkeypatch):
+    """A CPU run without copies updates the weights in place: nothing is ever in flight,
+    and the results are those of "step"."""
+    log = _Log(monkeypatch)
+    model = _net()
+    opt = OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), offload_fraction=0.5, forward_waits="module")
+    waits = ForwardWaits(model, lambda: [opt])
+    opt.modules_wait_for(waits.covered)
+    for _ in range(3):
+        _step(model, opt, torch.randn(8, 16))
+        assert not opt._in_flight
+    assert not [e for e in log.entries if e[0] == "wait"]
+    opt.close()
+
+    def make(ps):
+        return FusedAdam(ps, lr=1e-2, weight_decay=0.01)
+
+    for a, b in zip(_train("module", 0.5, make, copy_on_cpu=False), _train("step", 0.5, make, copy_on_cpu=False)):
         assert torch.equal(a, b)
 
 
