@@ -10,12 +10,15 @@ by fake events and a fake compute stream), against where each module's forward s
 - a bucket holding a parameter of the root module (read by ``training_step`` directly)
   is waited for when the step ends; everything the optimizer reads itself, and
   ``wait_for_weights()``, waits for every copy;
-- results are those of ``"step"``, bit for bit (exact, streamed and delayed steps; the plain
-  CPU path, where nothing is ever in flight), and
-  under ``Trainer()`` the strategy ends where ``Trainer()`` ends;
+- results are those of ``"step"``, bit for bit (exact, streamed and delayed steps; the
+  plain CPU path, where nothing is ever in flight), and under ``Trainer()`` the strategy
+  ends where ``Trainer()`` ends;
 - the strategy falls back to ``"step"`` with one line naming the callback or hook that
-  can read weights between steps (Lightning's quiet callbacks do not count); checkpoints
-  and validation wait for every weight; bad arguments are refused by name.
+  can read weights between steps (Lightning's quiet callbacks do not count), or for a
+  compiled model; checkpoints and validation wait for every weight; bad arguments are
+  refused by name;
+- on a GPU (marked ``cuda``): with layers wide enough for an unwaited forward to overtake
+  the copies, the results are still those of ``"step"``, bit for bit.
 """
 
 import logging
