@@ -36,7 +36,7 @@ import torch
 import lightning_fastopt  # noqa: F401  (registers the names)
 from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
-from tests.fabric_loop import train
+from tests.fabric_loop import make_model, make_optimizer, train
 from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,7 +253,8 @@ def test_under_torchrun_equals_fabrics_ddp(tmp_path, fabric_ddp):
 def test_zero_at_two_processes_saves_a_sharded_directory_that_loads_and_continues_exactly(tmp_path, zero2_freeing):
     """Each rank writes its own shard of the optimizer state (stage 2, gradients sharded
     too); two new processes load the directory after 3 steps and end bit for bit where
-    the uninterrupted run ends; the directory loads as one merged checkpoint anywhere."""
+    the uninterrupted run ends; the directory loads as one merged checkpoint anywhere, and
+    into one process without ZeRO."""
     import json
 
     from lightning_fastopt.checkpoint.sharded import load_sharded
@@ -267,6 +268,14 @@ def test_zero_at_two_processes_saves_a_sharded_directory_that_loads_and_continue
     merged = load_sharded(ckpt)
     assert set(merged["optimizer"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # every rank's part
     assert "optimizer_states" not in merged and "scheduler" in merged and "model" in merged
+    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True, bucket_size_mb=0.0002))  # one process, no ZeRO
+    model = make_model()
+    model, opt = fabric.setup(model, make_optimizer(model))
+    rest = fabric.load(ckpt, {"model": model, "optimizer": opt})
+    assert set(rest) == {"scheduler"}
+    ours = fabric.strategy._wrappers[0]
+    for name, p in model.module.named_parameters():
+        assert torch.equal(ours.state_of(p)["exp_avg_sq"], merged["optimizer"]["state"][name]["exp_avg_sq"])
     resumed = [saved["weights"] for saved in _process("zero2_freeing", tmp_path / "resumed.pt", "--start", "3",
                                                       "--ckpt", str(ckpt))]
     for straight, again in zip(zero2_freeing, resumed):
