@@ -291,6 +291,20 @@ class _SaysItDoesNot(_ReadsWeights):
     reads_weights_between_steps = False
 
 
+def test_with_the_fraction_chosen_for_the_user_the_rebuilt_optimizer_keeps_waiting_by_module(info):
+    """offload_fraction="auto" rebuilds the optimizer after its probe: the new one waits by
+    module too (the hooks find the current optimizer), and the run ends where Trainer() ends."""
+    strategy = FastOptStrategy(offload_fraction="auto", bucket_size_mb=0.0002, copy_on_cpu=True,
+                               forward_waits="module")
+    ours, trainer = _fit(strategy)
+    opt = trainer.strategy.optimizers[0]
+    assert "offload_fraction='auto' chose" in info.text
+    assert opt.forward_waits == "module" and opt._in_flight.covered == set(ours.parameters())
+    ref, _ = _fit("auto")
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("callback,mode", [(_ReadsWeights(), "step"), (_SaysItDoesNot(), "module")])
 def test_the_strategy_falls_back_to_waiting_at_the_step_where_weights_can_be_read(info, callback, mode):
     strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True, forward_waits="module")
