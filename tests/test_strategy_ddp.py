@@ -1,6 +1,7 @@
 """`fastopt` and `fastopt_offload` with 2 real processes (gloo): the same weights as Lightning's plain `ddp` with
-torch AdamW (clipping, accumulation, an LR scheduler), with ``delayed_update`` the same
-as ``ddp`` with torch's update delayed, and an overflow on one rank skips the step on both."""
+torch AdamW (clipping, accumulation, an LR scheduler), also with ``forward_waits="module"``;
+with ``delayed_update`` the same as ``ddp`` with torch's update delayed; and an overflow on
+one rank skips the step on both."""
 
 import subprocess
 import sys
@@ -54,6 +55,17 @@ def test_two_process_fastopt_matches_plain_ddp(tmp_path, reference, strategy):
     for k in ours:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
     for k in ours:
+        torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_two_process_forward_waits_by_module_match_plain_ddp(tmp_path, reference):
+    """forward_waits="module" under DDP (gradients copied at the step, after DDP's
+    reduction): each module's forward waits for its own bucket, the weights are DDP's."""
+    ours, ours_rank1 = _run("module_waits", tmp_path / "module.pt")
+    assert ours.pop("waits_by_module", False) and ours_rank1.pop("waits_by_module", False)
+    ref, _ = reference("ddp")
+    for k in ref:
+        assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
         torch.testing.assert_close(ours[k], ref[k], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 

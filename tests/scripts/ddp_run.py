@@ -2,8 +2,9 @@
 
     python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu] [--delayed-reference]
 
-STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), or ``delayed_offload``
-(``fastopt_offload`` with ``delayed_update=True`` after 2 steps); ``--delayed-reference``
+STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``delayed_offload``
+(``fastopt_offload`` with ``delayed_update=True`` after 2 steps), or ``module_waits`` (half
+offloaded through the accelerator code path, ``forward_waits="module"``); ``--delayed-reference``
 delays torch's update the same way (``tests.references.DelayedTorchUpdate``).
 
 Also runs under torchrun (Lightning then takes the ranks from the environment).
@@ -79,6 +80,9 @@ def main():
     if strategy.startswith("zero"):  # ZeRO stage 1 or 2, the shards kept on the device or all offloaded
         strategy = lightning_fastopt.FastOptStrategy(zero_stage=int(strategy[4]), bucket_size_mb=0.0002,
                                                      offload_fraction=1.0 if "offload" in strategy else 0.0)
+    elif strategy == "module_waits":
+        strategy = lightning_fastopt.FastOptStrategy(offload_fraction=0.5, copy_on_cpu=True, forward_waits="module",
+                                                     bucket_size_mb=0.0002)
     elif strategy == "delayed_offload":
         strategy = lightning_fastopt.FastOptStrategy(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP,
                                                      bucket_size_mb=0.0002)
@@ -101,6 +105,8 @@ def main():
     if inject:
         state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
     opt = trainer.optimizers[0]
+    if getattr(opt, "forward_waits", None) == "module":  # the strategy did not fall back to waiting at the step
+        state["waits_by_module"] = torch.tensor(True)
     if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state
         state["owned_numel"] = torch.tensor(opt.owned_numel)
         state["grad_numel"] = torch.tensor(seen["grad_numel"])
