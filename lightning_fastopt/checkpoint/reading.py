@@ -48,10 +48,17 @@ def read_checkpoint_file(path, load: Callable[[str], Any], *, what: str = "check
     except Exception as err:  # torch.load's errors for damaged files vary by damage and version
         raise BrokenCheckpointError(f"cannot read the {what} {path}: {_diagnosis(path)} "
                                     f"({type(err).__name__}: {_first_line(err)})") from err
-    if needs is not None and not (isinstance(loaded, dict) and needs in loaded):
-        kind = f"a dictionary without {needs!r}" if isinstance(loaded, dict) else f"a {type(loaded).__name__}"
-        raise BrokenCheckpointError(f"cannot read the {what} {path}: it holds {kind}, not a Lightning checkpoint")
+    if needs is not None:
+        check_holds(loaded, path, needs, what)
     return loaded
+
+
+def check_holds(loaded: Any, path, needs: str = "state_dict", what: str = "checkpoint") -> None:
+    """BrokenCheckpointError naming ``path`` unless ``loaded`` is a dictionary with the key ``needs``."""
+    if not (isinstance(loaded, dict) and needs in loaded):
+        kind = f"a dictionary without {needs!r}" if isinstance(loaded, dict) else f"a {type(loaded).__name__}"
+        raise BrokenCheckpointError(f"cannot read the {what} {os.fspath(path)}: it holds {kind}, not a Lightning "
+                                    "checkpoint")
 
 
 def _first_line(err: BaseException) -> str:

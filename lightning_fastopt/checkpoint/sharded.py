@@ -32,7 +32,7 @@ import torch
 from lightning_fastopt.checkpoint.atomic import (remove_stale_temps, replace_path, save_atomically, save_synced,
                                                  temp_path, write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
-from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, read_checkpoint_file
+from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, check_holds, read_checkpoint_file
 from lightning_fastopt.optim.base import hyperparameters
 
 
@@ -159,7 +159,7 @@ def load_sharded(path, weights_only: bool | None = True) -> dict[str, Any]:
     marked = {k: v[SHARDS_KEY] for k, v in checkpoint.items() if isinstance(v, dict) and set(v) == {SHARDS_KEY}} \
         if isinstance(checkpoint, dict) else {}
     if not marked:  # a Lightning checkpoint's main file (a Fabric one marks its optimizers' entries)
-        read_checkpoint_file(main, lambda f: checkpoint)
+        check_holds(checkpoint, main)
     per_rank = [read_checkpoint_file(os.path.join(path, name), lambda f: torch.load(f, **load),
                                      what="optimizer shard", needs=None)
                 for name in manifest["shards"]]  # only those listed
