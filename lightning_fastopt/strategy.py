@@ -256,11 +256,7 @@ class FastOptStrategy(DDPStrategy):
         by_module = self._waits_by_module(trainer)
         wrapped = []
         for opt in self.optimizers:
-            check_parameters(opt, self.lightning_module)
-            fused = to_fused_optimizer(opt)
-            if fused is not opt:
-                rank_zero_info(f"lightning_fastopt: running {type(opt).__name__} as {type(fused).__name__} "
-                               "with the same hyperparameters")
+            fused = fused_for(opt, self.lightning_module)
             extra = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
             if by_module:
                 extra["forward_waits"] = "module"
@@ -519,6 +515,17 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
                              else "") for k in unknown]
         raise TypeError(f"{ours.__name__} got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
                         "own arguments, DDPStrategy's and DistributedDataParallel's")
+
+
+def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> FusedOptimizer:
+    """The user's optimizer checked against ``module``'s parameters and mapped to its fused
+    equivalent (the same ``param_groups`` dicts), said in one line when it was mapped."""
+    check_parameters(optimizer, module)
+    fused = to_fused_optimizer(optimizer)
+    if fused is not optimizer:
+        rank_zero_info(f"lightning_fastopt: running {type(optimizer).__name__} as {type(fused).__name__} with the "
+                       "same hyperparameters")
+    return fused
 
 
 def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], *, zero_stage: int,

@@ -4,7 +4,7 @@
 (``Fabric(strategy="fastopt_offload")``).  The work is shared with the Trainer's
 :class:`~lightning_fastopt.strategy.FastOptStrategy`: the same arguments, checked by
 :class:`~lightning_fastopt.strategy_options.StrategyOptions`; the same optimizers
-(:func:`~lightning_fastopt.optim.from_torch.to_fused_optimizer`, then
+(:func:`~lightning_fastopt.strategy.fused_for`, then
 :func:`~lightning_fastopt.strategy.wrap_fused_optimizer`: offload or ZeRO); the same
 precision core; the same name-keyed, atomically written checkpoints.  What differs is how
 Fabric drives a step:
@@ -54,10 +54,8 @@ from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
-from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
-from lightning_fastopt.param_checks import check_parameters
-from lightning_fastopt.strategy import check_ddp_kwargs, register_names, wrap_fused_optimizer
+from lightning_fastopt.strategy import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
@@ -152,11 +150,7 @@ class FastOptFabricStrategy(DDPStrategy):
             raise RuntimeError("set up the model before its optimizer: fabric.setup(model, optimizer), or "
                                "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)")
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
-        check_parameters(optimizer, self._module)
-        fused = to_fused_optimizer(optimizer)
-        if fused is not optimizer:
-            rank_zero_info(f"lightning_fastopt: running {type(optimizer).__name__} as {type(fused).__name__} with "
-                           "the same hyperparameters")
+        fused = fused_for(optimizer, self._module)
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
                                        device_grads=self._device_grads(), **offload_arguments(self.options))
