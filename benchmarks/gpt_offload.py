@@ -161,7 +161,7 @@ def child(config: str, args) -> dict:
                         enable_model_summary=False, callbacks=[measure])
     trainer.fit(model, loader)
     seconds = measure.t1 - measure.t0
-    opt = trainer.strategy.optimizers[0] if trainer.strategy.optimizers else None
+    opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
     return dict(configuration=config, fraction=getattr(opt, "offload_fraction", None), params=n_params, tokens_per_s=args.steps * args.batch * args.seq / seconds,
                 step_ms=seconds / args.steps * 1e3,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,

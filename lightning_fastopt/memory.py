@@ -61,7 +61,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       in host memory (plus a buffer for the model-dtype copy of a half-precision weight);
       their device gradients are freed as soon as they are copied out, so they are not
       counted on the accelerator;
-    - optimizer state: float32, 2 tensors per element for adam/adamw/lamb (3 with
+    - optimizer state: float32 (float64 for float64 parameters, ``"64-true"``), 2 tensors per element for adam/adamw/lamb (3 with
       ``amsgrad``), 1 for sgd (with momentum)/lars/lion/adagrad.
     """
     if precision not in SUPPORTED_PRECISIONS:
@@ -75,17 +75,18 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     est = MemoryEstimate(total_params=sum(p.numel() for p in params))
     for p, offloaded in zip(params, chosen):
         n, size = p.numel(), p.element_size()
-        half = p.dtype != torch.float32
+        m = 8 if p.dtype == torch.float64 else 4  # the master's (and the state's) bytes per element
+        half = size < 4
         est.gpu["params"] += n * size
         if offloaded:
             est.offloaded_params += n
             est.cpu["grads"] += n * size
-            est.cpu["master_weights"] += 4 * n + (n * size if half else 0)
-            est.cpu["optimizer_state"] += 4 * n * state_tensors
+            est.cpu["master_weights"] += m * n + (n * size if half else 0)
+            est.cpu["optimizer_state"] += m * n * state_tensors
         else:
             est.gpu["grads"] += n * size
-            est.gpu["master_weights"] += 4 * n if half else 0
-            est.gpu["optimizer_state"] += 4 * n * state_tensors
+            est.gpu["master_weights"] += m * n if half else 0
+            est.gpu["optimizer_state"] += m * n * state_tensors
     return est
 
 

@@ -1,5 +1,6 @@
 """What the fastopt strategies refuse at set-up, before a training step has run, naming
-the parameter: a dtype the kernels do not step (complex, float64, integer) and gradients
+the parameter: a dtype the offload and ZeRO optimizers do not keep masters of (complex,
+integer; float64 ones are stepped by the user's optimizer class) and gradients
 that will be sparse (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``)."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ def check_parameters(optimizer: torch.optim.Optimizer, module: nn.Module) -> Non
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names.get(p, "a parameter not in the module")
-            check_dtype(p, f"parameter {name!r}", "the fastopt strategies step")
+            if p.dtype != torch.float64:
+                check_dtype(p, f"parameter {name!r}", "the fastopt strategies step float64 (with the optimizer's "
+                            "own step) and")
             if p in sparse:
                 raise ValueError(f"parameter {name!r} gets sparse gradients ({sparse[p]}(sparse=True)): the fused "
                                  "optimizers need dense ones; build it with sparse=False")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from typing_extensions import override
 
@@ -98,7 +98,7 @@ def to_fastopt_precision(plugin: Precision, **scale_knobs: Any) -> FastOptPrecis
     if isinstance(plugin, MixedPrecision):
         device = getattr(plugin, "device", None)
         return FastOptPrecision(plugin.precision, device=device, **scale_knobs)
-    if isinstance(plugin, HalfPrecision):
+    if isinstance(plugin, (HalfPrecision, DoublePrecision)):
         return FastOptPrecision(plugin.precision, **scale_knobs)
     if type(plugin) is Precision:
         return FastOptPrecision("32-true")

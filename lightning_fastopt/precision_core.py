@@ -25,17 +25,20 @@ from torch import Tensor
 from lightning_fastopt.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
 from lightning_fastopt.loss_scaler import DynamicLossScaler
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
+from lightning_fastopt.optim.takeover import engine_of
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step
 
-SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true")
-PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true"]
-_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true", "64-true")
+PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true", "64-true"]
+# the weights' dtype in a "-true" precision ("64-true": as Lightning's DoublePrecision; the
+# optimizer's own step runs on them, see lightning_fastopt.optim.user_step)
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 
 
 def optimizer_gradients(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The gradients the optimizer's next step reads (an offload optimizer keeps some in
     host memory: it says where)."""
-    optimizer = unwrapped(optimizer)  # manual optimization's clip_gradients passes LightningOptimizer
+    optimizer = engine_of(optimizer)  # manual optimization's clip_gradients passes LightningOptimizer
     if isinstance(optimizer, OptimizerWrapper):
         return optimizer.gradients()
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -117,7 +120,7 @@ class PrecisionCore:
     def _step(self, optimizer, **kwargs: Any) -> Any:
         """The optimizer step on gradients that are finite (checked) and still scaled."""
         scale = self.scaler.scale if self.scaler is not None else None
-        if unscales_in_step(optimizer):
+        if unscales_in_step(engine_of(optimizer)):
             out = optimizer.step(grad_scale=scale, **kwargs)
         else:
             if scale is not None:
@@ -143,7 +146,7 @@ class PrecisionCore:
             return None
         # the multi-tensor L2 kernels, on every device (an offload optimizer has gradients on two)
         squares = sum_of_squares(grads)
-        optimizer = unwrapped(optimizer)
+        optimizer = engine_of(optimizer)
         if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
             squares = all_reduce_scalar(squares)
         total = math.sqrt(squares) / scale

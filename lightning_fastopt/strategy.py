@@ -44,8 +44,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -60,8 +62,9 @@ from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
-from lightning_fastopt.optim.from_torch import to_fused_optimizer
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
+from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
 from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
@@ -180,8 +183,8 @@ class FastOptStrategy(DDPStrategy):
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
+        self._engines: list[OptimizerWrapper] = []
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
-        self._user_optimizers: dict[int, torch.optim.Optimizer] = {}
         self._threads = TorchThreads()
         if kwargs.get("checkpoint_io") is None:
             kwargs["checkpoint_io"] = AtomicCheckpointIO()
@@ -206,6 +209,14 @@ class FastOptStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes == 1
 
     @override
+    def _configure_launcher(self) -> None:
+        """One process started the usual way: no launcher, as under ``Trainer()`` (DDP's
+        would watch for child processes that never come, from a thread of its own)."""
+        super()._configure_launcher()
+        if self._one_process and self._start_method == "popen":
+            self._launcher = None
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._threads.set(self.cpu_threads, self.num_processes)
@@ -221,6 +232,18 @@ class FastOptStrategy(DDPStrategy):
         if not self._one_process:
             return super().setup_distributed()
         self.set_world_ranks()
+
+    @override
+    def setup(self, trainer) -> None:
+        """Fitting: DDP's set-up (below, the hooks it calls).  Validating, testing or
+        predicting with one process: what ``Trainer()`` does (DDPStrategy would synchronise
+        the module's states over a process group that one process does not start)."""
+        if not self._one_process or trainer.state.fn == TrainerFn.FITTING:
+            return super().setup(trainer)
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
 
     @property
     def _effective_stage(self) -> int:
@@ -254,19 +277,21 @@ class FastOptStrategy(DDPStrategy):
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
         by_module = self._waits_by_module(trainer)
-        wrapped = []
+        self._engines = []
         for opt in self.optimizers:
+            if not runs_in_engine(opt):
+                continue
             fused = fused_for(opt, self.lightning_module)
             extra = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
             if by_module:
                 extra["forward_waits"] = "module"
-            wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
-                                           **offload_arguments(self), **extra)
-            rank_zero_info(f"lightning_fastopt: {wrapper!r}")
+            engine = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
+                                          **offload_arguments(self), **extra)
+            rank_zero_info(f"lightning_fastopt: {engine!r}")
             self._say_delays()
-            self._user_optimizers[id(wrapper)] = opt
-            wrapped.append(wrapper)
-        self.optimizers = wrapped
+            take_over(opt, engine)
+            self._engines.append(engine)
+        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew for the new classes
         if by_module:
             self._forward_waits = ForwardWaits(self.lightning_module, self._offload_optimizers)
             for o in self._offload_optimizers():
@@ -328,8 +353,16 @@ class FastOptStrategy(DDPStrategy):
                        "(forward_waits='module')")
         return True
 
+    @property
+    def engines(self) -> list[OptimizerWrapper]:
+        """The offload or ZeRO optimizer that steps each of the user's optimizers (in
+        ``trainer.optimizers``, which stay the user's), from the last set-up of a fit on:
+        kept after the fit, to read (``offloaded_numel``, ``skipped_steps``,
+        ``last_step_times``, ...)."""
+        return list(self._engines)
+
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
-        return [o for o in self.optimizers if isinstance(o, OffloadOptimizer)]
+        return [o for o in _engines(self.optimizers) if isinstance(o, OffloadOptimizer)]
 
     def _wait_for_weights(self) -> None:
         """Every new weight is on the device before anything but a module's forward reads it."""
@@ -386,7 +419,7 @@ class FastOptStrategy(DDPStrategy):
         """Lightning enters this for the micro-batches of an accumulation window that do
         not step: gradients are not final, so nothing is copied to the host or (ZeRO stage
         2) sent to its owner yet."""
-        wrappers = _wrappers(self.optimizers)
+        wrappers = _engines(self.optimizers)
         for o in wrappers:
             o.accumulating = True
         try:
@@ -398,14 +431,11 @@ class FastOptStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        raw = unwrapped(optimizer)
+        raw = engine_of(optimizer)
         auto = self._auto if isinstance(raw, OffloadOptimizer) else None
         if auto is not None:
             closure = auto.closure(raw, closure)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        user = self._user_optimizers.get(id(raw))
-        if user is not None:
-            user._opt_called = True  # LR schedulers bound to the user's optimizer check this
         if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
             self._log_step_times(raw.last_step_times)
         if auto is not None:
@@ -418,8 +448,10 @@ class FastOptStrategy(DDPStrategy):
             return
         new, why = settled
         rank_zero_info(f"lightning_fastopt: {why}")
-        self._user_optimizers[id(new)] = self._user_optimizers.pop(id(old))
-        self.optimizers = [new if o is old else o for o in self.optimizers]  # Lightning wraps them again
+        for opt in self.optimizers:
+            if engine_of(opt) is old:
+                take_over(opt, new)
+        self._engines = [new if e is old else e for e in self._engines]
 
     def _log_step_times(self, step_times: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer
@@ -434,7 +466,7 @@ class FastOptStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """ZeRO: every rank writes its optimizer shard into a directory (see
         :mod:`lightning_fastopt.checkpoint.sharded`); otherwise one file, written atomically."""
-        partitions = [p for p in (o.partition() for o in _wrappers(self.optimizers)) if p is not None]
+        partitions = [p for p in (o.partition() for o in _engines(self.optimizers)) if p is not None]
         if not partitions:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         save_sharded(checkpoint, filepath, self, zero_stage=self.zero_stage, partitions=partitions)
@@ -462,8 +494,11 @@ class FastOptStrategy(DDPStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        for opt in _wrappers(self.optimizers):
-            opt.close()
+        for opt in self.optimizers:
+            engine = engine_of(opt)
+            if isinstance(engine, OptimizerWrapper):
+                engine.close()
+                give_back(opt)
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None
@@ -518,13 +553,18 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
 
 
 def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> FusedOptimizer:
-    """The user's optimizer checked against ``module``'s parameters and mapped to its fused
-    equivalent (the same ``param_groups`` dicts), said in one line when it was mapped."""
+    """The user's optimizer checked against ``module``'s parameters and mapped to the
+    optimizer that runs it (the same ``param_groups`` dicts), said in one line: fused, or
+    its own step and why."""
     check_parameters(optimizer, module)
     fused = to_fused_optimizer(optimizer)
-    if fused is not optimizer:
-        rank_zero_info(f"lightning_fastopt: running {type(optimizer).__name__} as {type(fused).__name__} with the "
-                       "same hyperparameters")
+    name = type(optimizer).__name__
+    why_not = why_not_fused(optimizer)
+    if why_not is not None:
+        rank_zero_info(f"lightning_fastopt: {name} runs its own step on the master weights, where they live "
+                       f"(not fused: {why_not})")
+    elif fused is not optimizer:
+        rank_zero_info(f"lightning_fastopt: running {name} as {type(fused).__name__} with the same hyperparameters")
     return fused
 
 
@@ -546,5 +586,20 @@ def _compiled(module: torch.nn.Module) -> bool:
         isinstance(m, OptimizedModule) for m in module.modules())
 
 
-def _wrappers(optimizers) -> list[OptimizerWrapper]:
-    return [o for o in optimizers if isinstance(o, OptimizerWrapper)]
+def _engines(optimizers) -> list[OptimizerWrapper]:
+    """The offload or ZeRO optimizers that step ``optimizers`` (the user's)."""
+    return [e for e in map(engine_of, optimizers) if isinstance(e, OptimizerWrapper)]
+
+
+def runs_in_engine(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether an offload or ZeRO optimizer can step ``optimizer``, else it runs as under
+    Lightning's own strategy (said in one line): Lightning's stand-in when
+    ``configure_optimizers`` returns None, and LBFGS, whose step evaluates the closure
+    again after changing the weights (the weights it changes must be the model's)."""
+    if isinstance(optimizer, _MockOptimizer):
+        return False
+    if isinstance(optimizer, torch.optim.LBFGS):
+        rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
+                       "weights, not offloaded: its step evaluates the closure again after changing them")
+        return False
+    return True

@@ -178,7 +178,7 @@ def test_the_strategy_probes_chooses_says_why_and_ends_where_trainer_ends(caplog
         ours = _fit(strategy)
     assert "offload_fraction='auto': the first 5 steps run with everything offloaded" in caplog.text
     assert "offload_fraction='auto' chose " in caplog.text
-    opt = ours.trainer.strategy.optimizers[0]
+    opt = ours.trainer.strategy.engines[0]
     assert isinstance(opt, OffloadOptimizer)
     if forced is not None:
         assert "chose 0.1: forced for the test" in caplog.text and opt.offload_fraction == 0.1

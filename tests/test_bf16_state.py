@@ -183,7 +183,7 @@ def test_under_the_trainer_bfloat16_moments_follow_float32(compiled):
                             enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(model, _data())
         runs[dtype] = model
-        opt = trainer.strategy.optimizers[0]
+        opt = trainer.strategy.engines[0]
         assert opt.state_of(model.net[0].weight)["exp_avg"].dtype == getattr(torch, dtype)
     assert runs["bfloat16"].losses[-1] < 0.5 * runs["bfloat16"].losses[0]
     for a, b in zip(runs["bfloat16"].parameters(), runs["float32"].parameters()):

@@ -36,7 +36,7 @@ def test_main_job_config_strategy_by_name(tmp_path):
     cli = _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.max_epochs", "3")
     trainer = cli.trainer
     assert isinstance(trainer.strategy, FastOptStrategy) and trainer.strategy.offload_fraction == 1.0
-    opt = trainer.optimizers[0]
+    opt = trainer.strategy.engines[0]
     assert isinstance(opt, OffloadOptimizer) and type(opt.optimizer) is FusedAdam
     assert opt.offloaded_numel == sum(p.numel() for p in cli.model.parameters())
     sched = trainer.lr_scheduler_configs[0].scheduler
@@ -85,7 +85,7 @@ assert "lightning_fastopt" not in sys.modules
 cli = LightningCLI(TinyGPT, TextData, args=sys.argv[1:])
 t = cli.trainer
 print("RESULT", type(t.strategy).__name__, t.strategy.offload_fraction, type(t.precision_plugin).__name__,
-      t.precision_plugin.precision, type(t.optimizers[0].optimizer).__name__, t.global_step)
+      t.precision_plugin.precision, type(t.strategy.engines[0].optimizer).__name__, t.global_step)
 """
     args = ["fit", "--config", str(CONFIGS / "gpt_offload_class_path.yaml"), "--trainer.default_root_dir",
             str(tmp_path), "--trainer.max_steps", "3", *SMALL]
@@ -111,7 +111,7 @@ def test_auto_fraction_and_the_delayed_update_from_the_command_line(tmp_path):
                "--trainer.strategy.delayed_update", "true", "--trainer.strategy.delayed_update_warmup", "3")
     strategy = cli.trainer.strategy
     assert strategy.auto_fraction and strategy.delayed_update and strategy.delayed_update_warmup == 3
-    opt = strategy.optimizers[0]
+    opt = strategy.engines[0]
     assert isinstance(opt, OffloadOptimizer) and opt._delayed is not None
     assert strategy._auto._probes[id(opt)].done  # the rebuilt optimizer, after the 5 probe steps
     assert strategy._lightning_optimizers[0]._optimizer is opt  # Lightning steps the rebuilt optimizer

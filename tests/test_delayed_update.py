@@ -346,7 +346,7 @@ def test_under_the_trainer_it_equals_trainer_with_torchs_update_delayed(caplog, 
     with caplog.at_level(logging.INFO):
         ours = _trainer_fit(strategy, _model())
     assert "after 3 synchronous step(s), each CPU update runs during the next forward and backward" in caplog.text
-    opt = ours.trainer.strategy.optimizers[0]
+    opt = ours.trainer.strategy.engines[0]
     offloaded = [opt.owns(p) and opt._slot_of[p].offloaded for p in ours.parameters()]
     assert any(offloaded) and all(offloaded) == (fraction == 1.0)
     # only the offloaded share is delayed: the reference delays those parameters

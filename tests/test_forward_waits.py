@@ -278,7 +278,7 @@ def test_under_the_trainer_it_ends_where_the_step_waiting_run_ends(info, tmp_pat
 
     ours, trainer = _fit(strategy("module"), checkpoints=tmp_path)
     assert "each module's forward waits only for its own new weights" in info.text
-    assert trainer.strategy.optimizers[0].forward_waits == "module"
+    assert trainer.strategy.engines[0].forward_waits == "module"
     ref, _ = _fit(strategy("step") if kw else "auto")
     for a, b in zip(ours.parameters(), ref.parameters()):
         if kw:
@@ -297,7 +297,7 @@ def test_with_the_fraction_chosen_for_the_user_the_rebuilt_optimizer_keeps_waiti
     strategy = FastOptStrategy(offload_fraction="auto", bucket_size_mb=0.0002, copy_on_cpu=True,
                                forward_waits="module")
     ours, trainer = _fit(strategy)
-    opt = trainer.strategy.optimizers[0]
+    opt = trainer.strategy.engines[0]
     assert "offload_fraction='auto' chose" in info.text
     assert opt.forward_waits == "module" and opt._in_flight.covered == set(ours.parameters())
     ref, _ = _fit("auto")
@@ -311,7 +311,7 @@ def test_the_strategy_falls_back_to_waiting_at_the_step_where_weights_can_be_rea
     _, trainer = _fit(strategy, [callback])
     said = "forward_waits='module' not used: _ReadsWeights.on_train_batch_end can read the weights between steps"
     assert (said in info.text) == (mode == "step")
-    assert trainer.strategy.optimizers[0].forward_waits == mode
+    assert trainer.strategy.engines[0].forward_waits == mode
 
 
 @pytest.mark.parametrize("what", ["submodule", "lightning_module"])
@@ -327,7 +327,7 @@ def test_a_compiled_model_waits_at_the_step(info, what):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model if what == "submodule" else torch.compile(model, backend="eager"), _data())
     assert "forward_waits='module' not used: the model is compiled (torch.compile)" in info.text
-    assert trainer.strategy.optimizers[0].forward_waits == "step"
+    assert trainer.strategy.engines[0].forward_waits == "step"
 
 
 def test_checkpoints_and_validation_wait_for_every_weight(monkeypatch, tmp_path):

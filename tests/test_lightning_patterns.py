@@ -128,7 +128,7 @@ def test_backbone_finetuning_adds_a_group_mid_training(strategy, make_opt, exact
     trainer, _, _ = _compare(lambda: Finetuned(make_opt), strategy, exact=exact,
                              callbacks=lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1,
                                                                    lambda_func=lambda _: 1.0)])
-    opt = trainer.optimizers[0]
+    opt = trainer.strategy.engines[0]
     assert len(opt.param_groups) == 2
     assert all(opt.owns(p) for p in trainer.lightning_module.backbone.parameters())
 
@@ -183,7 +183,7 @@ def test_the_log_line_says_where_gradients_live(caplog, monkeypatch):
         trainer = _fit(FastOptStrategy(copy_on_cpu=True), Net(), epochs=1)
     assert "copied to the host and freed on the device during backward (no hook or callback reads p.grad; " \
            "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)" in caplog.text
-    assert trainer.optimizers[0].device_grads == "copy_in_backward"
+    assert trainer.strategy.engines[0].device_grads == "copy_in_backward"
 
 
 class ReadsGradientsAfterTheStep(Net):
@@ -203,7 +203,7 @@ def test_keep_gradients_keeps_them_for_code_the_detection_cannot_see(fraction, c
     ours, ref = ReadsGradientsAfterTheStep(), ReadsGradientsAfterTheStep()
     trainer = _fit(FastOptStrategy(offload_fraction=fraction, copy_on_cpu=copy_on_cpu, keep_gradients=True), ours)
     _fit(None, ref)
-    assert trainer.optimizers[0].device_grads == "keep"
+    assert trainer.strategy.engines[0].device_grads == "keep"
     _assert_same(ours, ref, exact=True)
     assert len(ours.seen) == len(ref.seen) == 24
     for a, b in zip(ours.seen, ref.seen):

@@ -59,7 +59,7 @@ def test_estimate_arithmetic_for_a_known_model():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="precision must be one of"):
-        estimate_memory(_model(), precision="64-true")
+        estimate_memory(_model(), precision="transformer-engine")
     with pytest.raises(ValueError, match="optimizer must be one of"):
         estimate_memory(_model(), optimizer="rmsprop")
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\]"):

@@ -47,9 +47,9 @@ def test_both_wrappers_keep_the_contract(backend, make):
 
 
 def test_the_wrapper_names_what_it_takes():
-    with pytest.raises(TypeError, match="OffloadOptimizer runs lightning_fastopt's fused optimizers, got SGD"):
+    with pytest.raises(TypeError, match="OffloadOptimizer runs lightning_fastopt's fused optimizers \\(to_fused_optimizer makes one of any torch optimizer\\), got SGD"):
         OffloadOptimizer(torch.optim.SGD(_params(), lr=0.1))
-    with pytest.raises(TypeError, match="ZeroOptimizer runs lightning_fastopt's fused optimizers, got SGD"):
+    with pytest.raises(TypeError, match="ZeroOptimizer runs lightning_fastopt's fused optimizers \\(to_fused_optimizer makes one of any torch optimizer\\), got SGD"):
         ZeroOptimizer(torch.optim.SGD(_params(), lr=0.1))
 
 

@@ -80,7 +80,7 @@ from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedUpdates, check_d
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.slots import (
-    HostBucket, ParamSlot, carve, remember_weights, written_by_others, written_in_bucket,
+    HostBucket, ParamSlot, carve, master_dtype, remember_weights, written_by_others, written_in_bucket,
 )
 from lightning_fastopt.offload.timing import StepTimer
 from lightning_fastopt.offload.weight_watch import changed_flags
@@ -230,8 +230,8 @@ class OffloadOptimizer(OptimizerWrapper):
     def _adopt_group(self, group: dict[str, Any]) -> None:
         self._wait_delayed()  # the worker reads the inner optimizers' groups
         self._in_flight.wait_all()  # the new masters are copied from the weights
-        for inner in self._inners():  # every inner optimizer keeps one group per user group
-            inner.param_groups.append(dict(hyperparameters(group), params=[]))
+        for inner in self._inners():  # every inner optimizer keeps one group per user group (with its own keys)
+            inner.param_groups.append(dict(self.optimizer.inner_defaults, **hyperparameters(group), params=[]))
         self._add_slots(list(group["params"]))
 
     def _make_slots(self, params: list[Tensor], chosen: list[bool]) -> list[ParamSlot]:
@@ -241,7 +241,7 @@ class OffloadOptimizer(OptimizerWrapper):
             name = self._param_names.get(p, f"param{i}")
             if off and self.copies.needed:
                 master = torch.empty(0)  # a pinned view, carved per bucket
-            elif p.dtype == torch.float32:
+            elif p.dtype == master_dtype(p):
                 master = p
             else:
                 master = p.detach().float()
@@ -258,14 +258,14 @@ class OffloadOptimizer(OptimizerWrapper):
         buffers: list[Tensor] = []
         if self.copies.needed:
             shapes = [s.param.shape for s in slots]
-            masters, bufs = carve(shapes, [torch.float32] * len(slots), self._pin)
+            masters, bufs = carve(shapes, [master_dtype(s.param) for s in slots], self._pin)
             grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
             if self._delayed is not None:  # the next step's gradients land here while an update reads the others
                 spares, sbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
                 gbufs += sbufs
                 for s, spare in zip(slots, spares):
                     s.spare_grad = spare
-            half = [s for s in slots if s.param.dtype != torch.float32]
+            half = [s for s in slots if s.param.dtype != master_dtype(s.param)]
             copies, cbufs = carve([s.param.shape for s in half], [s.param.dtype for s in half], self._pin)
             buffers = bufs + gbufs + cbufs
             for s, m, g in zip(slots, masters, grads):
@@ -672,7 +672,7 @@ class OffloadOptimizer(OptimizerWrapper):
                 continue
             sources[s.master] = g
             updated.append(s)
-            if s.param.dtype != torch.float32:
+            if s.param.dtype != s.master.dtype:
                 targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
         return (updated, sources, targets or None) if updated else None
 
@@ -707,7 +707,7 @@ class OffloadOptimizer(OptimizerWrapper):
             if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
                 state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else v
                                  for k, v in st.items()}
-                if s.param.dtype != torch.float32:
+                if s.param.dtype != s.master.dtype:
                     state[s.name][MASTER_KEY] = s.master
         saved = named_state_dict(self.param_groups, self._names(), state)
         if self._delayed is not None:
@@ -838,10 +838,10 @@ def _host_state_dtype(optimizer: FusedOptimizer, asked: Any) -> torch.dtype | No
 
 
 def _to_like(value: Any, master: Tensor) -> Any:
-    """A saved state value ready for a master tensor: float32 tensors on its device
-    (a ``step`` stays a float32 scalar on the CPU), anything else as it is."""
+    """A saved state value ready for a master tensor: tensors of the master's dtype on its
+    device (a ``step`` stays a float32 scalar on the CPU), anything else as it is."""
     if not isinstance(value, Tensor):
         return value
     if value.dim() == 0:
         return value.detach().to("cpu", torch.float32).clone()
-    return value.detach().to(master.device, torch.float32, copy=True).contiguous()
+    return value.detach().to(master.device, master.dtype, copy=True).contiguous()

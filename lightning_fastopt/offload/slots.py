@@ -15,13 +15,19 @@ from lightning_fastopt.optim.base import FusedOptimizer
 _ALIGN = 64  # bytes: every host view starts on a cache line
 
 
+def master_dtype(param: Tensor) -> torch.dtype:
+    """The dtype of a parameter's master: float32, or float64 for a float64 parameter
+    (``precision="64-true"``, stepped by the user's optimizer class)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 @dataclass(eq=False)
 class ParamSlot:
     """One model parameter.
 
-    ``master`` is the float32 tensor the optimizer updates: the parameter itself when it
-    is float32 and stays where it is (the device share, or any share on a CPU run),
-    otherwise a float32 copy (in pinned host memory for the offloaded share of an
+    ``master`` is the tensor the optimizer updates, of :func:`master_dtype`: the parameter
+    itself when it has that dtype and stays where it is (the device share, or any share
+    on a CPU run), otherwise a copy (in pinned host memory for the offloaded share of an
     accelerator run).  ``host_grad`` receives the gradient from the device, ``host_copy``
     the model-dtype result of a half-precision parameter before it goes back.
     """

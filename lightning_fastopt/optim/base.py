@@ -128,8 +128,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         groups = [dict(hyperparameters(g), params=list(ps)) for g, ps in zip(self.param_groups, params_per_group)]
         new = type(self).__new__(type(self))
         with duplicates_warned_already():
-            FusedOptimizer.__init__(new, groups, dict(self.defaults))
+            FusedOptimizer.__init__(new, groups, dict(self.inner_defaults))
         return new
+
+    @property
+    def inner_defaults(self) -> dict[str, Any]:
+        """The defaults of the optimizers :meth:`sibling` builds: this class's, where
+        ``defaults`` are the user's torch optimizer's (one mapped to this class)."""
+        return self.__dict__.get("_inner_defaults", self.defaults)
+
+    @inner_defaults.setter
+    def inner_defaults(self, defaults: dict[str, Any]) -> None:
+        self.__dict__["_inner_defaults"] = defaults
 
     def _new_step_tensor(self, value: float, device: torch.device) -> Tensor:
         """A step count: on the parameters' device when capturable (read by the kernels

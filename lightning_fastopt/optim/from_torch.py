@@ -1,19 +1,23 @@
-"""The fused optimizer that runs a ``torch.optim`` optimizer: ``torch.optim.Adam/AdamW/SGD/
-Adagrad`` become ``FusedAdam``/``FusedSGD``/``FusedAdagrad`` with the same hyperparameters,
-sharing the very same ``param_groups`` dicts, so LR schedulers bound to the user's
-optimizer keep working; our own optimizers are used as they are; any other optimizer is
-a clear error."""
+"""The optimizer that runs the user's optimizer in the offload and ZeRO optimizers:
+``torch.optim.Adam/AdamW/SGD/Adagrad`` (or a subclass that keeps their ``step``) become
+``FusedAdam``/``FusedSGD``/``FusedAdagrad`` with the same hyperparameters; our own
+optimizers are used as they are; any other optimizer, or one with parameters the kernels
+do not step (float64), runs as a :class:`~lightning_fastopt.optim.user_step.UserStepOptimizer`
+(the user's class, its own ``step``).  Each shares the very same ``param_groups`` dicts
+(LR schedulers bound to the user's optimizer keep working) without adding keys to them."""
 
 from __future__ import annotations
 
+from types import FunctionType
 from typing import Any
 
 import torch
 
 from lightning_fastopt.optim.adagrad import FusedAdagrad
 from lightning_fastopt.optim.adam import FusedAdam
-from lightning_fastopt.optim.base import FusedOptimizer
+from lightning_fastopt.optim.base import SUPPORTED_DTYPES, FusedOptimizer
 from lightning_fastopt.optim.sgd import FusedSGD
+from lightning_fastopt.optim.user_step import UserStepOptimizer
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -22,30 +26,61 @@ _MAPPED = {
     torch.optim.SGD: FusedSGD,
     torch.optim.Adagrad: FusedAdagrad,
 }
-_SUPPORTED_NAMES = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD", "torch.optim.Adagrad",
-                    "lightning_fastopt.FusedAdam/CPUAdam/FusedLAMB/FusedSGD/FusedLars/FusedLion/FusedAdagrad")
 
 
-def to_fused_optimizer(optimizer: torch.optim.Optimizer) -> FusedOptimizer:
-    """The fused equivalent of a torch optimizer, sharing its param_groups (and state)."""
+def _defined(step: Any) -> Any:
+    """A ``step`` as its class defined it: torch's optimizers wrap their class's ``step`` in
+    profiling hooks when the first instance is made (``functools.wraps``: ``__wrapped__``)."""
+    while isinstance(step, FunctionType) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
+
+
+# each mapped class's step as torch defines it: a subclass that keeps it runs fused
+_TORCH_STEPS = {cls: _defined(cls.step) for cls in _MAPPED}
+
+
+def why_not_fused(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the kernels do not run ``optimizer`` (None when they do)."""
     if isinstance(optimizer, FusedOptimizer):
-        return optimizer
-    fused_cls = _MAPPED.get(type(optimizer))
-    if fused_cls is None:
-        raise ValueError(f"the fastopt strategies cannot run {type(optimizer).__module__}.{type(optimizer).__name__}; "
-                         f"supported optimizers: {', '.join(_SUPPORTED_NAMES)}")
+        return None
+    base = fused_base(type(optimizer))
+    if base is None:
+        return "no kernel for its algorithm"
+    if _defined(type(optimizer).step) is not _TORCH_STEPS[base]:
+        return f"it has its own step (not {base.__name__}'s)"
     for group in optimizer.param_groups:
         for flag in ("differentiable", "capturable"):
             if group.get(flag):
-                raise ValueError(f"{type(optimizer).__name__}({flag}=True) cannot be mapped to {fused_cls.__name__}")
+                return f"{flag}=True"
+        for p in group["params"]:
+            if p.dtype not in SUPPORTED_DTYPES:
+                return f"{str(p.dtype).replace('torch.', '')} parameters"
+    return None
+
+
+def fused_base(cls: type) -> type | None:
+    """The torch class among :data:`_MAPPED` that ``cls`` is or derives from (None: none)."""
+    return next((base for base in cls.__mro__ if base in _MAPPED), None)
+
+
+def to_fused_optimizer(optimizer: torch.optim.Optimizer) -> FusedOptimizer:
+    """The optimizer that runs ``optimizer`` (see the module's documentation), sharing its
+    param_groups and taking its state."""
+    if isinstance(optimizer, FusedOptimizer):
+        return optimizer
+    if why_not_fused(optimizer) is not None:
+        return UserStepOptimizer(optimizer)
+    base = fused_base(type(optimizer))
+    fused_cls = _MAPPED[base]
     placeholder = torch.nn.Parameter(torch.zeros(1))
     fused = fused_cls([placeholder], **_fused_kwargs(optimizer))
     # the same dict objects: a scheduler writing group["lr"] into the user's optimizer
-    # reaches ours; our own keys get their defaults
+    # reaches ours.  Our own keys are not added to them (the inner optimizers, built by
+    # sibling(), get their defaults); a group added later gets the user's defaults, as in torch.
+    fused.inner_defaults, fused.defaults = fused.defaults, optimizer.defaults
     fused.param_groups = optimizer.param_groups
     for group in fused.param_groups:
-        for key, value in fused.defaults.items():
-            group.setdefault(key, value)
         fused._validate_group(group)
     # the state moves over as it is (not through load_state_dict, which would replace the
     # shared param_groups with copies); ours keeps float32 state

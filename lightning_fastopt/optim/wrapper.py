@@ -45,8 +45,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def __init__(self, optimizer: FusedOptimizer) -> None:
         if not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(f"{type(self).__name__} runs lightning_fastopt's fused optimizers, "
-                            f"got {type(optimizer).__name__}")
+            raise TypeError(f"{type(self).__name__} runs lightning_fastopt's fused optimizers (to_fused_optimizer "
+                            f"makes one of any torch optimizer), got {type(optimizer).__name__}")
         self.optimizer = optimizer
         with duplicates_warned_already():
             super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
@@ -65,6 +65,28 @@ class OptimizerWrapper(torch.optim.Optimizer):
         group = self.optimizer.param_groups[-1]
         self.param_groups.append(group)
         self._adopt_group(group)
+
+    def replace_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """``optimizer.param_groups = groups`` (``BaseFinetuning`` restoring, on resume, the
+        groups it added in the earlier run): a group over the parameters of this
+        optimizer's group at the same position replaces that dict (its hyperparameters
+        are taken); the groups after this optimizer's are added (:meth:`add_param_group`).
+        Parameters moved between groups, or groups dropped, are a ValueError: the state
+        of the groups is kept per group."""
+        groups = list(groups)
+        mine = self.param_groups
+        ids = [[id(p) for p in g["params"]] for g in groups]
+        if len(groups) < len(mine) or any(new != [id(p) for p in old["params"]] for new, old in zip(ids, mine)):
+            raise ValueError(f"{type(self).__name__} takes new param_groups that keep each of its "
+                             f"{len(mine)} group(s) with the same parameters, in order, and may add groups after them")
+        for i, group in enumerate(groups[:len(mine)]):
+            group = self.optimizer._normalize_group(group)
+            for key, value in self.optimizer.defaults.items():
+                group.setdefault(key, value)
+            self.optimizer._validate_group(group)
+            self.optimizer.param_groups[i] = mine[i] = group
+        for group in groups[len(mine):]:
+            self.add_param_group(group)
 
     def _adopt_group(self, group: dict[str, Any]) -> None:
         """Start stepping the parameters of a group added after construction."""

@@ -104,7 +104,7 @@ def main():
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     if inject:
         state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
-    opt = trainer.optimizers[0]
+    opt = (getattr(trainer.strategy, "engines", None) or trainer.optimizers)[0]
     if getattr(opt, "forward_waits", None) == "module":  # the strategy did not fall back to waiting at the step
         state["waits_by_module"] = torch.tensor(True)
     if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state

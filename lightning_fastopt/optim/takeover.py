@@ -1,0 +1,125 @@
+"""The user's optimizer stays the user's optimizer: the object the fastopt strategies hand
+to Lightning (``trainer.optimizers``, hooks, ``self.optimizers()``, LR schedulers,
+callbacks) is the very optimizer ``configure_optimizers`` returned, stepped by an
+offload or ZeRO optimizer (its *engine*) while training runs.
+
+:func:`take_over` gives the user's object, for that time, a class made at run time that
+derives from its own class (as Lightning's ``LightningOptimizer`` does) and carries its
+class name: ``isinstance``, ``type(opt).__name__``, ``repr`` and ``LearningRateMonitor``'s
+keys are the user's, and LR schedulers bound to it stay bound.  What the class changes:
+
+- ``step`` runs the engine's step (torch's optimizer hooks run around it, and it counts
+  as a step for LR schedulers); ``zero_grad`` runs the user's class's, then lets the
+  engine forget the gradients it holds;
+- ``param_groups`` is the engine's list of the user's very dicts: ``add_param_group``
+  and ``optimizer.param_groups = [...]`` (``BaseFinetuning`` restoring the groups it
+  added) reach the engine;
+- ``state_dict``/``load_state_dict`` are the engine's (keyed by parameter name, loadable
+  by the user's class); ``state`` stays empty while the engine holds it (Lightning moves
+  whatever ``state`` holds to the accelerator, which would undo the offload).
+
+:func:`give_back` (at teardown) restores the class and the attributes set aside, and hands
+the final optimizer state back, keyed by the model's parameters as torch keeps it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
+
+_ENGINE = "_fastopt_engine"
+_SAVED = "_fastopt_set_aside"  # the user's class and the instance attributes the take-over shadows
+_CLASSES: dict[type, type] = {}
+
+
+class SteppedByEngine(torch.optim.Optimizer):
+    """The behaviour :func:`take_over` adds in front of the user's optimizer class (also
+    seen through Lightning's ``LightningOptimizer``, whose class derives from this one)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return engine_of(self).param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        engine_of(self).replace_param_groups(groups)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        engine_of(self).add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # the user's class's (it may do more)
+        engine_of(self).zero_grad(set_to_none)  # and the gradients the engine holds
+
+    def state_dict(self) -> dict[str, Any]:
+        return engine_of(self).state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        engine_of(self).load_state_dict(state_dict)
+
+
+@torch.optim.Optimizer.profile_hook_step
+def _step(self, closure=None, **kwargs: Any):
+    """The engine's step (``grad_scale``, ``check_finite``, ``step_context``: see
+    :meth:`OptimizerWrapper.step <lightning_fastopt.optim.wrapper.OptimizerWrapper.step>`)."""
+    self._opt_called = True  # LR schedulers bound to this optimizer check it
+    return engine_of(self).step(closure, **kwargs)
+
+
+_step._wrapped_by_lr_sched = True  # torch's LR schedulers: this step tells them it ran (above)
+SteppedByEngine.step = _step
+
+
+def take_over(optimizer: torch.optim.Optimizer, engine: OptimizerWrapper) -> torch.optim.Optimizer:
+    """Let ``engine`` step ``optimizer`` (the user's object, returned) until :func:`give_back`;
+    again with another engine (``offload_fraction="auto"`` rebuilds it) replaces the first."""
+    if _ENGINE in optimizer.__dict__:
+        optimizer.__dict__[_ENGINE] = engine
+        return optimizer
+    cls = type(optimizer)
+    shadowed = {k: optimizer.__dict__.pop(k) for k in ("step", "param_groups") if k in optimizer.__dict__}
+    optimizer.__dict__[_SAVED] = (cls, shadowed)
+    optimizer.__dict__[_ENGINE] = engine
+    optimizer.state = defaultdict(dict)  # the engine took the state over
+    optimizer.__class__ = _front_class(cls)
+    return optimizer
+
+
+def give_back(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`take_over`: the user's class and attributes, the engine's last groups,
+    and its state keyed by the model's parameters (float32 tensors where the engine kept them)."""
+    if _ENGINE not in optimizer.__dict__:
+        return
+    engine = optimizer.__dict__.pop(_ENGINE)
+    cls, shadowed = optimizer.__dict__.pop(_SAVED)
+    optimizer.__class__ = cls
+    optimizer.__dict__.update(shadowed)
+    optimizer.__dict__["param_groups"] = engine.param_groups
+    state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+    for group in engine.param_groups:
+        for p in group["params"]:
+            if engine.owns(p) and engine.state_of(p):
+                state[p] = {k: v for k, v in engine.state_of(p).items()}
+    optimizer.state = state
+
+
+def engine_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The engine stepping ``optimizer`` (Lightning's ``LightningOptimizer`` around it
+    unwrapped first), or the optimizer itself when no engine does."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    return optimizer.__dict__.get(_ENGINE, optimizer)
+
+
+def _front_class(cls: type) -> type:
+    """The class :func:`take_over` gives an optimizer of class ``cls`` (one per class)."""
+    front = _CLASSES.get(cls)
+    if front is None:
+        front = type(cls.__name__, (SteppedByEngine, cls), {"__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+        _CLASSES[cls] = front
+    return front

@@ -1,0 +1,99 @@
+"""UserStepOptimizer: an optimizer the kernels do not cover (RAdam, RMSprop, NAdam, a
+subclass with its own ``step``, a third-party class, float64 parameters), run by the
+offload and ZeRO optimizers all the same.
+
+They drive every optimizer through the interface of
+:class:`~lightning_fastopt.optim.base.FusedOptimizer` (``sibling`` over master tensors,
+``step(grad_scale=...)`` reading ``grad_source`` and writing ``copies_to``).  This one
+implements it with the user's own class: each sibling is an instance of that class over
+the masters (host or device), made without calling its ``__init__`` again (torch's
+``Optimizer.__init__`` with the user's groups, and every other attribute the user's
+``__init__`` set), whose ``param_groups`` and ``state`` are the sibling's.  A step sets
+each master's ``.grad`` to its gradient (unscaled first when a loss scale is given: the
+user's ``step`` knows nothing of it), calls the user's ``step``, and writes the half
+copies.  The math is torch's (or the user's), where the masters live, so the memory
+saving and the copies' overlap still apply; only the kernels' speed does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters
+
+# What torch.optim.Optimizer.__init__ sets on an instance (not copied from the user's optimizer)
+_OPTIMIZER_OWN = frozenset(vars(torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {})))
+# Set on the user's optimizer by others (LR schedulers, lightning_fastopt's take-over): not the class's
+_SET_BY_OTHERS = frozenset({"step", "_opt_called"})
+
+
+class UserStepOptimizer(FusedOptimizer):
+    """Args:
+        optimizer: the user's optimizer; this one shares its ``param_groups`` dicts (LR
+            schedulers keep working) and takes over its state.
+    """
+
+    counts_steps = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.user_class = type(optimizer)
+        self._attributes = {k: v for k, v in vars(optimizer).items()
+                            if k not in _OPTIMIZER_OWN and k not in _SET_BY_OTHERS and not k.startswith("_fastopt")}
+        super().__init__([torch.nn.Parameter(torch.zeros(1))], dict(optimizer.defaults))
+        self.param_groups = optimizer.param_groups  # the same dicts (and list)
+        self.state.clear()
+        for p, st in optimizer.state.items():
+            self.state[p] = dict(st)
+        self.runner: torch.optim.Optimizer | None = None  # the user's class over this one's tensors
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        torch.optim.Optimizer.add_param_group(self, param_group)  # any dtype the user's class steps
+
+    def sibling(self, params_per_group: list[list[Tensor]]) -> UserStepOptimizer:
+        if len(params_per_group) != len(self.param_groups):
+            raise ValueError(f"expected {len(self.param_groups)} parameter lists, got {len(params_per_group)}")
+        runner = self.user_class.__new__(self.user_class)
+        runner.__dict__.update(self._attributes)
+        groups = [dict(hyperparameters(g), params=list(ps)) for g, ps in zip(self.param_groups, params_per_group)]
+        torch.optim.Optimizer.__init__(runner, groups, dict(self.defaults))
+        new = type(self).__new__(type(self))
+        # torch's own attributes are the runner's very objects: one set of groups and state
+        new.__dict__.update({k: v for k, v in vars(runner).items() if k in _OPTIMIZER_OWN})
+        new.__dict__.update(user_class=self.user_class, _attributes=self._attributes, runner=runner,
+                            capturable=False, skipped_steps=0, last_step_skipped=False)
+        return new
+
+    def _take_step(self, grad_scale, check_finite: bool, found_inf: Tensor | None, step_context: Any) -> bool:
+        if self.runner is None:
+            raise RuntimeError("UserStepOptimizer steps through its siblings (the offload optimizer's)")
+        if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
+            return True
+        params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
+        source = self.grad_source
+        grads = {p: p.grad if source is None else source.get(p) for p in params}
+        given = [g for g in grads.values() if g is not None]
+        if check_finite and not grads_all_finite(given):
+            return True
+        before = {p: p.grad for p in params}
+        try:
+            for p, g in grads.items():
+                if g is not None and (g.dtype != p.dtype or g.device != p.device):
+                    g = g.to(p.device, p.dtype)
+                p.grad = g
+            if grad_scale is not None:
+                inverse = 1.0 / float(grad_scale)
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(inverse)
+            self.runner.step()
+        finally:
+            for p in params:
+                p.grad = before[p]
+        for p, copy in (self.copies_to or {}).items():
+            if grads.get(p) is not None:
+                copy.copy_(p)
+        return False
