@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from typing_extensions import override
 
-from lightning_fastopt.precision_core import SUPPORTED_PRECISIONS, PrecisionCore
+from lightning_fastopt.precision_core import SUPPORTED_PRECISIONS, PrecisionCore, needs_closure
 
 __all__ = ["SUPPORTED_PRECISIONS", "FastOptPrecision", "to_fastopt_precision"]
 
@@ -65,6 +65,11 @@ class FastOptPrecision(PrecisionCore, Precision):
 
     @override
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if needs_closure(optimizer):
+            if self.scaler is not None:
+                raise TypeError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights: "
+                                "it cannot run with fp16 loss scaling (as with Lightning's own 16-mixed)")
+            return Precision.optimizer_step(self, optimizer, model, closure, **kwargs)  # its step runs the closure
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: Lightning skipped backward

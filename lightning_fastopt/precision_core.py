@@ -44,6 +44,12 @@ def optimizer_gradients(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step evaluates the closure itself, again after changing the
+    weights (LBFGS): it gets the closure, and runs as torch runs it."""
+    return isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.LBFGS)
+
+
 class PrecisionCore:
     """The shared part of the fastopt precision plugins (see the module's documentation)."""
 

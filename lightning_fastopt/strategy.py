@@ -67,6 +67,7 @@ from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
+from lightning_fastopt.precision_core import needs_closure
 from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
 from lightning_fastopt.zero import ZeroOptimizer
 
@@ -598,7 +599,7 @@ def runs_in_engine(optimizer: torch.optim.Optimizer) -> bool:
     again after changing the weights (the weights it changes must be the model's)."""
     if isinstance(optimizer, _MockOptimizer):
         return False
-    if isinstance(optimizer, torch.optim.LBFGS):
+    if needs_closure(optimizer):
         rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
                        "weights, not offloaded: its step evaluates the closure again after changing them")
         return False

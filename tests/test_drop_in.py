@@ -1,0 +1,386 @@
+"""A Lightning project changes one line and works as before (issue: drop-in for real
+Lightning projects).  Each test runs a project pattern under a fastopt strategy and under
+``Trainer()`` with the same model and data, and compares element by element: bit for bit
+(``torch.equal``) everywhere here, since the optimizers the kernels do not cover run
+torch's own ``step`` on the master weights, and the SGD kernels round as torch does.
+
+Strategies: the accelerator code path on the CPU (``copy_on_cpu=True``, half offloaded
+and all offloaded) and the plain CPU path (``fastopt_offload``: offloaded masters are
+the parameters themselves)."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_fastopt  # noqa: F401  (registers the strategy names)
+from lightning_fastopt import FastOptStrategy, OffloadOptimizer
+from lightning_fastopt.optim import FusedSGD
+from lightning_fastopt.optim.takeover import engine_of
+from lightning_fastopt.optim.user_step import UserStepOptimizer
+
+STRATEGIES = {
+    "half-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002,
+                                                               copy_on_cpu=True),
+    "offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True),
+    "offload-cpu-path": lambda: "fastopt_offload",
+}
+
+
+def _data(n=32):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=8)
+
+
+class Net(L.LightningModule):
+    def __init__(self, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), scheduler=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 1)
+        self.make_opt, self.scheduler = make_opt, scheduler
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def test_step(self, batch, _):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y))
+
+    def predict_step(self, batch, _):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        opt = self.make_opt(self.parameters())
+        if not self.scheduler:
+            return opt
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+def _trainer(strategy, tmp_path=None, **kw):
+    args = dict(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+    if tmp_path is not None:
+        args["default_root_dir"] = tmp_path
+    args.update(kw)
+    return L.Trainer(strategy=strategy, **args)
+
+
+def _assert_equal(ours, ref):
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"
+
+
+# ---------------------------------------------------------------------------- entry points
+ORDERS = {
+    "fit-validate-test-predict": ("fit", "validate", "test", "predict"),
+    "predict-test-validate-fit": ("predict", "test", "validate", "fit"),
+    "validate-fit-predict-fit": ("validate", "fit", "predict", "fit"),
+}
+
+
+def _run(strategy, order, tmp_path):
+    model = Net()
+    trainer = _trainer(strategy, tmp_path, enable_checkpointing=True, limit_val_batches=2)
+    results = []
+    for stage in order:
+        if stage == "fit":
+            trainer.fit(model, _data(), _data(16))
+            trainer.fit_loop.max_epochs += 1  # a second fit trains one epoch more
+        elif stage == "predict":
+            results.append(torch.cat(trainer.predict(model, _data(16))))
+        else:
+            out = getattr(trainer, stage)(model, _data(16), verbose=False)
+            results.append(torch.tensor(list(out[0].values())))
+    return model, results
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_entry_point_in_any_order(strategy, order, tmp_path):
+    """fit, validate, test and predict on one Trainer, in several orders (validate, test
+    and predict crashed at one process: DDP's set-up synchronised the module over a
+    process group that one process does not start): the same numbers as ``Trainer()``."""
+    ours, ours_out = _run(STRATEGIES[strategy](), ORDERS[order], tmp_path / "ours")
+    ref, ref_out = _run("auto", ORDERS[order], tmp_path / "ref")
+    _assert_equal(ours, ref)
+    assert len(ours_out) == len(ref_out) == sum(s != "fit" for s in ORDERS[order])
+    for a, b in zip(ours_out, ref_out):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ckpt_path", ["best", "last", "path"])
+def test_evaluation_from_a_checkpoint_after_fit(ckpt_path, tmp_path):
+    """``trainer.test(ckpt_path="best"/"last"/a path)`` after fit reads the checkpoint our
+    strategy wrote: the metrics equal ``Trainer()``'s."""
+    def run(strategy, root):
+        model = Net()
+        checkpoint = ModelCheckpoint(dirpath=root, monitor="val_loss", save_last=True)
+        trainer = _trainer(strategy, root, enable_checkpointing=True, callbacks=[checkpoint], limit_val_batches=2)
+        trainer.fit(model, _data(), _data(16))
+        path = checkpoint.best_model_path if ckpt_path == "path" else ckpt_path
+        tested = trainer.test(model, _data(16), ckpt_path=path, verbose=False)
+        predicted = torch.cat(trainer.predict(model, _data(16), ckpt_path=path))
+        return tested[0]["test_loss"], predicted
+
+    ours = run(STRATEGIES["half-offloaded-accelerator-path"](), tmp_path / "ours")
+    ref = run("auto", tmp_path / "ref")
+    assert ours[0] == ref[0] and torch.equal(ours[1], ref[1])
+
+
+# ---------------------------------------------------------------------------- the user's optimizer
+class _TypeDispatch(Callback):
+    """Does something only for SGD optimizers (as callbacks that dispatch on the type do)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen.append((type(optimizer).__name__, isinstance(optimizer, torch.optim.SGD), optimizer))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_lightning_and_callbacks_see_the_users_optimizer(strategy, tmp_path):
+    """``trainer.optimizers``, the optimizer hooks get and ``self.optimizers()`` are the
+    user's object (``isinstance``, class name, ``repr``, its ``param_groups`` dicts and
+    ``defaults``); LearningRateMonitor logs under the names it uses under ``Trainer()``:
+    ``lr-SGD`` and ``lr-SGD-momentum``, once each with a scheduler (it counted a second
+    optimizer, ``lr-FusedSGD``)."""
+    made = {}
+
+    def make(ps):
+        made["opt"] = torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+        made["groups"] = list(made["opt"].param_groups)
+        return made["opt"]
+
+    class Model(Net):
+        def on_train_batch_start(self, batch, batch_idx):
+            assert self.optimizers().optimizer is made["opt"]
+
+    model, dispatch = Model(make, scheduler=True), _TypeDispatch()
+    monitor = LearningRateMonitor(log_momentum=True)
+    trainer = _trainer(STRATEGIES[strategy](), tmp_path, logger=CSVLogger(tmp_path), callbacks=[monitor, dispatch])
+    trainer.fit(model, _data())
+    opt = made["opt"]
+    assert trainer.optimizers == [opt] and type(opt) is torch.optim.SGD  # its own class again after fit
+    assert {name for name, _, _ in dispatch.seen} == {"SGD"} and all(sgd for _, sgd, _ in dispatch.seen)
+    assert all(o is opt for _, _, o in dispatch.seen)
+    ref_monitor = LearningRateMonitor(log_momentum=True)
+    _trainer("auto", tmp_path / "ref", logger=CSVLogger(tmp_path / "ref"), callbacks=[ref_monitor]).fit(
+        Net(scheduler=True), _data())
+    assert list(monitor.lrs) == list(ref_monitor.lrs) == ["lr-SGD"]
+    assert list(monitor.last_momentum_values) == list(ref_monitor.last_momentum_values) == ["lr-SGD-momentum"]
+    assert [g["lr"] for g in opt.param_groups] == [0.05 * 0.5 ** 2]
+    assert opt.param_groups[0] is made["groups"][0]
+    torch_keys = set(torch.optim.SGD([nn.Parameter(torch.zeros(1))]).param_groups[0]) | {"initial_lr"}  # StepLR's
+    assert set(opt.param_groups[0]) == torch_keys  # none of ours added
+    assert opt.state and all(set(st) == {"momentum_buffer"} for st in opt.state.values())  # handed back
+
+
+def test_the_optimizer_reads_as_the_users_during_training(tmp_path):
+    """While training, ``repr`` and the class name are the user's, and the offload
+    optimizer behind it is ``engine_of(optimizer)``."""
+    seen = {}
+
+    class Model(Net):
+        def on_train_batch_start(self, batch, batch_idx):
+            opt = self.trainer.optimizers[0]
+            seen.update(name=type(opt).__name__, repr=repr(opt), engine=engine_of(opt),
+                        lightning=repr(self.optimizers()), adam=isinstance(opt, torch.optim.Adam))
+
+    trainer = _trainer(STRATEGIES["offloaded-accelerator-path"](), tmp_path)
+    trainer.fit(Model(lambda ps: torch.optim.Adam(ps, lr=1e-3)), _data())
+    assert seen["name"] == "Adam" and seen["adam"] and seen["repr"].startswith("Adam (")
+    assert seen["lightning"] == "Lightning" + seen["repr"]
+    assert isinstance(seen["engine"], OffloadOptimizer) and seen["engine"] is trainer.strategy.engines[0]
+
+
+# ---------------------------------------------------------------------------- any optimizer
+class MySGD(torch.optim.SGD):
+    """A subclass that only adds an attribute: torch's SGD step, so the kernels run it."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.created_by = "the user"
+
+
+class LoggedSGD(torch.optim.SGD):
+    """A subclass with its own step: that step runs (on the masters)."""
+
+    calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        type(self).calls += 1
+        return super().step(closure)
+
+
+class SignDescent(torch.optim.Optimizer):
+    """A third-party-style optimizer: a decaying sign step with a per-parameter counter."""
+
+    def __init__(self, params, lr=1e-2, decay=0.9):
+        super().__init__(params, dict(lr=lr, decay=decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["k"] = st.get("k", 0) + 1
+                p.add_(p.grad.sign(), alpha=-group["lr"] * group["decay"] ** st["k"])
+        return loss
+
+
+OPTIMIZERS = {
+    "RAdam": (lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.01), UserStepOptimizer),
+    "RMSprop": (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5), UserStepOptimizer),
+    "NAdam": (lambda ps: torch.optim.NAdam(ps, lr=1e-2), UserStepOptimizer),
+    "Adamax": (lambda ps: torch.optim.Adamax(ps, lr=1e-2), UserStepOptimizer),
+    "subclass-of-SGD": (lambda ps: MySGD(ps, lr=0.05, momentum=0.9), FusedSGD),
+    "subclass-with-its-own-step": (lambda ps: LoggedSGD(ps, lr=0.05, momentum=0.9), UserStepOptimizer),
+    "third-party": (lambda ps: SignDescent(ps), UserStepOptimizer),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_any_optimizer_ends_where_trainer_ends(strategy, optimizer):
+    """Optimizers the kernels do not cover run their own class's step on the masters
+    where they live (one log line says so), with a scheduler: bit for bit ``Trainer()``."""
+    make, runs_as = OPTIMIZERS[optimizer]
+    LoggedSGD.calls = 0
+    ours, ref = Net(make, scheduler=True), Net(make, scheduler=True)
+    trainer = _trainer(STRATEGIES[strategy]())
+    trainer.fit(ours, _data())
+    calls = LoggedSGD.calls
+    _trainer("auto").fit(ref, _data())
+    _assert_equal(ours, ref)
+    assert type(trainer.strategy.engines[0].optimizer) is runs_as
+    assert type(trainer.optimizers[0]).__name__ == type(ref.optimizers().optimizer).__name__
+    if optimizer == "subclass-with-its-own-step":  # its step ran: on each share (device, host buckets) every step
+        assert calls >= LoggedSGD.calls - calls > 0
+    if optimizer == "subclass-of-SGD":
+        assert trainer.optimizers[0].created_by == "the user"
+
+
+def _said(caplog, monkeypatch):
+    """Capture Lightning's info lines (``lightning.pytorch`` does not propagate them to the
+    root logger when that had no handler at import)."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    return caplog.at_level(logging.INFO)
+
+
+def test_the_log_says_which_optimizers_are_fused(caplog, monkeypatch):
+    with _said(caplog, monkeypatch):
+        _trainer(STRATEGIES["half-offloaded-accelerator-path"](), max_epochs=1).fit(
+            Net(lambda ps: torch.optim.RMSprop(ps, lr=1e-3)), _data())
+        _trainer(STRATEGIES["half-offloaded-accelerator-path"](), max_epochs=1).fit(
+            Net(lambda ps: LoggedSGD(ps, lr=1e-3)), _data())
+    text = caplog.text
+    assert "RMSprop runs its own step on the master weights, where they live (not fused: no kernel for its " \
+           "algorithm)" in text
+    assert "LoggedSGD runs its own step on the master weights, where they live (not fused: it has its own step " \
+           "(not SGD's))" in text
+
+
+def test_lbfgs_runs_as_torch_runs_it(caplog, monkeypatch):
+    """LBFGS evaluates the closure again after changing the weights: it runs on the
+    model's weights, not offloaded, and says so; bit for bit ``Trainer()``."""
+    make = lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=3)  # noqa: E731
+    ours, ref = Net(make), Net(make)
+    with _said(caplog, monkeypatch):
+        trainer = _trainer(STRATEGIES["offloaded-accelerator-path"]())
+        trainer.fit(ours, _data())
+    _trainer("auto").fit(ref, _data())
+    _assert_equal(ours, ref)
+    assert trainer.strategy.engines == []
+    assert "LBFGS runs as torch runs it, on the model's weights, not offloaded" in caplog.text
+
+
+def test_no_optimizer_trains_nothing_as_in_lightning():
+    """``configure_optimizers`` returning None: Lightning warns and steps nothing."""
+    class NoOptimizer(Net):
+        def configure_optimizers(self):
+            return None
+
+    model = NoOptimizer()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="`LightningModule.configure_optimizers` returned `None`"):
+        _trainer(STRATEGIES["offloaded-accelerator-path"]()).fit(model, _data())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_64_true(strategy):
+    """``precision="64-true"``: float64 weights, masters and state (AdamW's own step, the
+    kernels being float32/half), as under Lightning's own strategy."""
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    ours, ref = Net(make), Net(make)
+    trainer = _trainer(STRATEGIES[strategy](), precision="64-true")
+    trainer.fit(ours, _data())
+    _trainer("auto", precision="64-true").fit(ref, _data())
+    assert ours.head.weight.dtype == torch.float64
+    _assert_equal(ours, ref)
+    assert all(st["exp_avg"].dtype == torch.float64 for st in trainer.optimizers[0].state.values())
+
+
+# ---------------------------------------------------------------------------- param_groups replaced
+class Finetuned(Net):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+def _finetuning():
+    return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda _: 1.0)
+
+
+@pytest.mark.parametrize("strategy", ["half-offloaded-accelerator-path", "offloaded-accelerator-path",
+                                      "zero1-one-process"])
+def test_backbone_finetuning_resumed_from_its_checkpoint(strategy, tmp_path):
+    """``BackboneFinetuning`` adds the backbone's group at epoch 1; resumed from a
+    checkpoint of epoch 2 it assigns ``optimizer.param_groups = [...]`` with that group
+    (the offload optimizer raised KeyError): the resumed run ends where the same resumed
+    run under ``Trainer()`` ends (which is not where an uninterrupted one ends)."""
+    make = {**STRATEGIES, "auto": lambda: "auto",
+            "zero1-one-process": lambda: FastOptStrategy(zero_stage=1, offload_fraction=0.5, copy_on_cpu=True)}
+
+    def resumed(name):
+        root = tmp_path / name
+        first = ModelCheckpoint(dirpath=root, save_last=True)
+        _trainer(make[name](), root, max_epochs=2, enable_checkpointing=True, callbacks=[_finetuning(), first]).fit(
+            Finetuned(), _data())
+        model = Finetuned()
+        trainer = _trainer(make[name](), root, max_epochs=4, callbacks=[_finetuning()])
+        trainer.fit(model, _data(), ckpt_path=str(root / "last.ckpt"))
+        assert len(trainer.optimizers[0].param_groups) == 2
+        return model
+
+    _assert_equal(resumed(strategy), resumed("auto"))
+
+
+def test_param_groups_that_move_parameters_are_refused():
+    engine = OffloadOptimizer(FusedSGD([nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))], lr=0.1))
+    a, b = engine.param_groups[0]["params"]
+    with pytest.raises(ValueError, match=r"keep each of its 1 group\(s\) with the same parameters, in order"):
+        engine.replace_param_groups([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.1}])
