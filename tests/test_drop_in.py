@@ -249,6 +249,16 @@ class SignDescent(torch.optim.Optimizer):
         return loss
 
 
+class NoGradAdamW(torch.optim.AdamW):
+    """As some third-party AdamW classes: ``step`` under no_grad, with a required closure."""
+
+    @torch.no_grad()
+    def step(self, closure):
+        if closure is not None:
+            closure()
+        return super().step()
+
+
 OPTIMIZERS = {
     "RAdam": (lambda ps: torch.optim.RAdam(ps, lr=1e-2, weight_decay=0.01), UserStepOptimizer),
     "RMSprop": (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5), UserStepOptimizer),
@@ -257,6 +267,7 @@ OPTIMIZERS = {
     "subclass-of-SGD": (lambda ps: MySGD(ps, lr=0.05, momentum=0.9), FusedSGD),
     "subclass-with-its-own-step": (lambda ps: LoggedSGD(ps, lr=0.05, momentum=0.9), UserStepOptimizer),
     "third-party": (lambda ps: SignDescent(ps), UserStepOptimizer),
+    "step-requiring-a-closure": (lambda ps: NoGradAdamW(ps, lr=1e-2), UserStepOptimizer),
 }
 
 
@@ -384,3 +395,36 @@ def test_param_groups_that_move_parameters_are_refused():
     a, b = engine.param_groups[0]["params"]
     with pytest.raises(ValueError, match=r"keep each of its 1 group\(s\) with the same parameters, in order"):
         engine.replace_param_groups([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.1}])
+
+
+# ---------------------------------------------------------------------------- Fabric
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.RAdam(ps, lr=1e-2), lambda ps: MySGD(ps, lr=0.05, momentum=0.9)],
+                         ids=["RAdam", "subclass-of-SGD"])
+def test_fabric_keeps_the_users_optimizer(make):
+    """Under Fabric too: ``fabric.setup`` hands back the user's optimizer (stepped by the
+    offload optimizer), any optimizer runs, and the loop ends where Fabric's own ends."""
+    from lightning.fabric import Fabric
+
+    from lightning_fastopt import FastOptFabricStrategy
+
+    def loop(strategy):
+        model = Net()
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        fabric.launch()
+        opt = make(model.parameters())
+        cls = type(opt)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        fmodel, fopt = fabric.setup(model, opt)
+        assert fopt.optimizer is opt and isinstance(opt, cls) and type(opt).__name__ == cls.__name__
+        for x, y in _data():
+            fopt.zero_grad()
+            fabric.backward(nn.functional.mse_loss(fmodel(x), y))
+            fopt.step()
+            scheduler.step()
+        fabric.strategy.teardown()
+        return model, opt
+
+    ours, opt = loop(FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True))
+    ref, _ = loop("auto")
+    _assert_equal(ours, ref)
+    assert type(opt) is type(make([nn.Parameter(torch.zeros(1))])) and opt.state  # given back, with its state

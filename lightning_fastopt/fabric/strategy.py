@@ -11,9 +11,9 @@ Fabric drives a step:
 
 - ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``): the
   model is wrapped in DistributedDataParallel only with several processes (ZeRO stage 2:
-  never; it reduces the gradients itself), and the optimizer becomes the fused one inside
-  the offload (or ZeRO) optimizer; an LR scheduler made on the torch optimizer keeps
-  working (the same ``param_groups`` dicts);
+  never; it reduces the gradients itself), and the optimizer stays the user's object,
+  stepped by the offload (or ZeRO) optimizer behind it (as for the Trainer,
+  :mod:`lightning_fastopt.optim.takeover`); an LR scheduler made on it keeps working;
 - gradients stay in ``p.grad`` until the step (``keep_gradients=True``, the default here):
   Fabric cannot tell which code of the loop reads them.  ``keep_gradients=False`` copies
   the offloaded ones to the host during backward and frees them on the device (the memory
@@ -54,7 +54,8 @@ from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.strategy import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
 
@@ -92,8 +93,8 @@ class FastOptFabricStrategy(DDPStrategy):
                              "stay one update behind); with Fabric leave it False")
         self.options = options
         self._module: Module | None = None  # the user's module (names of parameters)
-        self._user_optimizers: dict[int, torch.optim.Optimizer] = {}  # by id of our optimizer
-        self._wrappers: list[OptimizerWrapper] = []  # the optimizers set up, closed at teardown
+        self._wrappers: list[OptimizerWrapper] = []  # the engines of the optimizers set up, closed at teardown
+        self._users: list[torch.optim.Optimizer] = []  # those optimizers (the user's), given back at teardown
         self._threads = TorchThreads()
         if kwargs.get("checkpoint_io") is None:
             kwargs["checkpoint_io"] = AtomicCheckpointIO()
@@ -144,8 +145,9 @@ class FastOptFabricStrategy(DDPStrategy):
         return super().setup_module(module)
 
     @override
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerWrapper:
-        """The fused equivalent of ``optimizer`` inside the offload (or ZeRO) optimizer."""
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` itself, stepped by an offload (or ZeRO) optimizer over the optimizer
+        that runs it (:mod:`lightning_fastopt.optim.takeover`)."""
         if self._module is None:
             raise RuntimeError("set up the model before its optimizer: fabric.setup(model, optimizer), or "
                                "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)")
@@ -155,9 +157,9 @@ class FastOptFabricStrategy(DDPStrategy):
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
                                        device_grads=self._device_grads(), **offload_arguments(self.options))
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
-        self._user_optimizers[id(wrapper)] = optimizer
         self._wrappers.append(wrapper)
-        return wrapper
+        self._users.append(optimizer)
+        return take_over(optimizer, wrapper)
 
     @property
     def _effective_stage(self) -> int:
@@ -172,14 +174,6 @@ class FastOptFabricStrategy(DDPStrategy):
         return "copy_at_step" if ddp else "copy_in_backward"
 
     # ------------------------------------------------------------------ steps
-    @override
-    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, **kwargs)
-        user = self._user_optimizers.get(id(unwrapped(optimizer)))
-        if user is not None:
-            user._opt_called = True  # LR schedulers made on the user's optimizer check this
-        return out
-
     @override
     def clip_gradients_norm(self, module: Module, optimizer, max_norm: float | int, norm_type: float | int = 2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
@@ -208,7 +202,8 @@ class FastOptFabricStrategy(DDPStrategy):
         writes; ``fabric.load`` merges it and re-shards for any number of processes)."""
         if self.precision.scaler is not None:
             state = {**state, SCALER_KEY: self.precision.state_dict()}
-        zero = {key: o for key, o in state.items() for z in self._wrappers if o is z and z.partition() is not None}
+        zero = {key: engine_of(o) for key, o in state.items() for z in self._wrappers
+                if isinstance(o, torch.optim.Optimizer) and engine_of(o) is z and z.partition() is not None}
         if self.world_size == 1 or not zero:  # nothing sharded to save
             return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         self._save_sharded(path, state, zero, storage_options, filter or {})
@@ -243,6 +238,8 @@ class FastOptFabricStrategy(DDPStrategy):
     def teardown(self) -> None:
         for o in self._wrappers:
             o.close()
+        for o in self._users:
+            give_back(o)
         self._threads.restore()
         super().teardown()
 

@@ -89,7 +89,7 @@ class UserStepOptimizer(FusedOptimizer):
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(inverse)
-            self.runner.step()
+            self.runner.step(None)  # the closure ran before (the engine's step): some steps require the argument
         finally:
             for p in params:
                 p.grad = before[p]

@@ -130,13 +130,6 @@ class OptimizerWrapper(torch.optim.Optimizer):
         work in flight."""
 
 
-def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer itself, not Lightning's ``LightningOptimizer`` around it (manual
-    optimization hands that one over): it holds a copy of the optimizer's attributes, so
-    state an optimizer keeps while reading its gradients would be set on the copy."""
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
 def unscales_in_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``step(grad_scale=...)`` unscales the gradients inside the kernels (ours
     do; any other optimizer needs its gradients unscaled before it steps)."""
