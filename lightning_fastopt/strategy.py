@@ -185,6 +185,7 @@ class FastOptStrategy(DDPStrategy):
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
         self._engines: list[OptimizerWrapper] = []
+        self._engine_after_fit: dict[int, OptimizerWrapper] = {}  # by position in self.optimizers
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._threads = TorchThreads()
         if kwargs.get("checkpoint_io") is None:
@@ -278,7 +279,7 @@ class FastOptStrategy(DDPStrategy):
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
         by_module = self._waits_by_module(trainer)
-        self._engines = []
+        self._engines, self._engine_after_fit = [], {}
         for opt in self.optimizers:
             if not runs_in_engine(opt):
                 continue
@@ -467,10 +468,29 @@ class FastOptStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """ZeRO: every rank writes its optimizer shard into a directory (see
         :mod:`lightning_fastopt.checkpoint.sharded`); otherwise one file, written atomically."""
-        partitions = [p for p in (o.partition() for o in _engines(self.optimizers)) if p is not None]
+        partitions = [p for p in (e.partition() for e in map(self._engine_for, self.optimizers) if e is not None)
+                      if p is not None]
         if not partitions:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         save_sharded(checkpoint, filepath, self, zero_stage=self.zero_stage, partitions=partitions)
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The state dict of the engine that steps (or stepped, in the last fit) the user's
+        optimizer: a checkpoint written after fit holds the same as one written during it
+        (with ZeRO, each rank's shard, saved as shards)."""
+        engine = self._engine_for(optimizer)
+        return engine.state_dict() if engine is not None else super().optimizer_state(optimizer)
+
+    def _engine_for(self, optimizer) -> OptimizerWrapper | None:
+        """The engine of one of ``self.optimizers``, also after fit gave the optimizer back."""
+        for i, opt in enumerate(self.optimizers):
+            if opt is optimizer or opt is getattr(optimizer, "_optimizer", None):
+                engine = engine_of(opt)
+                if isinstance(engine, OptimizerWrapper):
+                    return engine
+                return self._engine_after_fit.get(i)
+        return None
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -495,11 +515,13 @@ class FastOptStrategy(DDPStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        for opt in self.optimizers:
+        self._engine_after_fit = {}
+        for i, opt in enumerate(self.optimizers):
             engine = engine_of(opt)
             if isinstance(engine, OptimizerWrapper):
                 engine.close()
                 give_back(opt)
+                self._engine_after_fit[i] = engine  # trainer.save_checkpoint after fit saves its state
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None

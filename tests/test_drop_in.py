@@ -428,3 +428,18 @@ def test_fabric_keeps_the_users_optimizer(make):
     ref, _ = loop("auto")
     _assert_equal(ours, ref)
     assert type(opt) is type(make([nn.Parameter(torch.zeros(1))])) and opt.state  # given back, with its state
+
+
+def test_a_checkpoint_saved_after_fit_holds_the_engines_state(tmp_path):
+    """``trainer.save_checkpoint`` after fit (the optimizer given back to its class) saves
+    what a checkpoint at the last step held: the offload optimizer's state, by name."""
+    last = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = _trainer(STRATEGIES["half-offloaded-accelerator-path"](), tmp_path, enable_checkpointing=True,
+                       callbacks=[last])
+    trainer.fit(Net(lambda ps: torch.optim.AdamW(ps, lr=1e-2)), _data())
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    during = torch.load(tmp_path / "last.ckpt", weights_only=True)["optimizer_states"][0]
+    after = torch.load(tmp_path / "after.ckpt", weights_only=True)["optimizer_states"][0]
+    assert set(after["state"]) == {n for n, _ in Net().named_parameters()}
+    for name, st in during["state"].items():
+        assert all(torch.equal(v, after["state"][name][k]) for k, v in st.items())

@@ -219,7 +219,7 @@ def test_bad_arguments():
         OffloadOptimizer(FusedAdam(p), offload_fraction=-0.1)
     with pytest.raises(ValueError, match=r"bucket_size_mb must be in \(0.0, inf\), got 0"):
         OffloadOptimizer(FusedAdam(p), bucket_size_mb=0)
-    with pytest.raises(TypeError, match="runs lightning_fastopt's fused optimizers, got AdamW"):
+    with pytest.raises(TypeError, match="runs lightning_fastopt's fused optimizers .*, got AdamW"):
         OffloadOptimizer(torch.optim.AdamW(p))
     with pytest.raises(ValueError, match=r"device_grads must be one of \('copy_in_backward', 'copy_at_step', "
                                          r"'keep'\), got 'free'"):
