@@ -61,8 +61,9 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       in host memory (plus a buffer for the model-dtype copy of a half-precision weight);
       their device gradients are freed as soon as they are copied out, so they are not
       counted on the accelerator;
-    - optimizer state: float32 (float64 for float64 parameters, ``"64-true"``), 2 tensors per element for adam/adamw/lamb (3 with
-      ``amsgrad``), 1 for sgd (with momentum)/lars/lion/adagrad.
+    - optimizer state: float32 (float64 for float64 parameters, ``"64-true"``), 2 tensors
+      per element for adam/adamw/lamb (3 with ``amsgrad``), 1 for sgd (with
+      momentum)/lars/lion/adagrad.
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")

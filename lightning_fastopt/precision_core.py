@@ -26,7 +26,7 @@ from lightning_fastopt.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
 from lightning_fastopt.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim.takeover import engine_of
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
 
 SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true", "64-true")
 PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true", "64-true"]
@@ -47,7 +47,7 @@ def optimizer_gradients(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step evaluates the closure itself, again after changing the
     weights (LBFGS): it gets the closure, and runs as torch runs it."""
-    return isinstance(getattr(optimizer, "_optimizer", optimizer), torch.optim.LBFGS)
+    return isinstance(unwrapped(optimizer), torch.optim.LBFGS)
 
 
 class PrecisionCore:

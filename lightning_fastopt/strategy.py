@@ -64,7 +64,7 @@ from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.param_checks import check_parameters
 from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
 from lightning_fastopt.precision_core import needs_closure
@@ -184,8 +184,8 @@ class FastOptStrategy(DDPStrategy):
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
-        self._engines: list[OptimizerWrapper] = []
-        self._engine_after_fit: dict[int, OptimizerWrapper] = {}  # by position in self.optimizers
+        # the engine of each of self.optimizers that has one, by position (kept after fit)
+        self._engine_at: dict[int, OptimizerWrapper] = {}
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._threads = TorchThreads()
         if kwargs.get("checkpoint_io") is None:
@@ -279,8 +279,8 @@ class FastOptStrategy(DDPStrategy):
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
         by_module = self._waits_by_module(trainer)
-        self._engines, self._engine_after_fit = [], {}
-        for opt in self.optimizers:
+        self._engine_at = {}
+        for i, opt in enumerate(self.optimizers):
             if not runs_in_engine(opt):
                 continue
             fused = fused_for(opt, self.lightning_module)
@@ -291,8 +291,8 @@ class FastOptStrategy(DDPStrategy):
                                           **offload_arguments(self), **extra)
             rank_zero_info(f"lightning_fastopt: {engine!r}")
             self._say_delays()
+            self._engine_at[i] = engine
             take_over(opt, engine)
-            self._engines.append(engine)
         self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew for the new classes
         if by_module:
             self._forward_waits = ForwardWaits(self.lightning_module, self._offload_optimizers)
@@ -361,10 +361,10 @@ class FastOptStrategy(DDPStrategy):
         ``trainer.optimizers``, which stay the user's), from the last set-up of a fit on:
         kept after the fit, to read (``offloaded_numel``, ``skipped_steps``,
         ``last_step_times``, ...)."""
-        return list(self._engines)
+        return list(self._engine_at.values())
 
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
-        return [o for o in _engines(self.optimizers) if isinstance(o, OffloadOptimizer)]
+        return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]
 
     def _wait_for_weights(self) -> None:
         """Every new weight is on the device before anything but a module's forward reads it."""
@@ -421,7 +421,7 @@ class FastOptStrategy(DDPStrategy):
         """Lightning enters this for the micro-batches of an accumulation window that do
         not step: gradients are not final, so nothing is copied to the host or (ZeRO stage
         2) sent to its owner yet."""
-        wrappers = _engines(self.optimizers)
+        wrappers = self.engines
         for o in wrappers:
             o.accumulating = True
         try:
@@ -450,10 +450,10 @@ class FastOptStrategy(DDPStrategy):
             return
         new, why = settled
         rank_zero_info(f"lightning_fastopt: {why}")
-        for opt in self.optimizers:
-            if engine_of(opt) is old:
-                take_over(opt, new)
-        self._engines = [new if e is old else e for e in self._engines]
+        for i, engine in self._engine_at.items():
+            if engine is old:
+                self._engine_at[i] = new
+                take_over(self.optimizers[i], new)
 
     def _log_step_times(self, step_times: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer
@@ -468,8 +468,7 @@ class FastOptStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """ZeRO: every rank writes its optimizer shard into a directory (see
         :mod:`lightning_fastopt.checkpoint.sharded`); otherwise one file, written atomically."""
-        partitions = [p for p in (e.partition() for e in map(self._engine_for, self.optimizers) if e is not None)
-                      if p is not None]
+        partitions = [p for p in (e.partition() for e in self._engine_at.values()) if p is not None]
         if not partitions:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         save_sharded(checkpoint, filepath, self, zero_stage=self.zero_stage, partitions=partitions)
@@ -483,14 +482,10 @@ class FastOptStrategy(DDPStrategy):
         return engine.state_dict() if engine is not None else super().optimizer_state(optimizer)
 
     def _engine_for(self, optimizer) -> OptimizerWrapper | None:
-        """The engine of one of ``self.optimizers``, also after fit gave the optimizer back."""
-        for i, opt in enumerate(self.optimizers):
-            if opt is optimizer or opt is getattr(optimizer, "_optimizer", None):
-                engine = engine_of(opt)
-                if isinstance(engine, OptimizerWrapper):
-                    return engine
-                return self._engine_after_fit.get(i)
-        return None
+        """The engine of one of ``self.optimizers`` (or of Lightning's wrapper around it),
+        also after fit gave the optimizer back."""
+        optimizer = unwrapped(optimizer)
+        return next((self._engine_at.get(i) for i, opt in enumerate(self.optimizers) if opt is optimizer), None)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -515,13 +510,10 @@ class FastOptStrategy(DDPStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        self._engine_after_fit = {}
-        for i, opt in enumerate(self.optimizers):
-            engine = engine_of(opt)
-            if isinstance(engine, OptimizerWrapper):
-                engine.close()
-                give_back(opt)
-                self._engine_after_fit[i] = engine  # trainer.save_checkpoint after fit saves its state
+        for engine in self._engine_at.values():  # kept: trainer.save_checkpoint after fit saves their state
+            engine.close()
+        for opt in self.optimizers:
+            give_back(opt)
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None
@@ -607,11 +599,6 @@ def _compiled(module: torch.nn.Module) -> bool:
 
     return getattr(module, "_compiler_ctx", None) is not None or any(
         isinstance(m, OptimizedModule) for m in module.modules())
-
-
-def _engines(optimizers) -> list[OptimizerWrapper]:
-    """The offload or ZeRO optimizers that step ``optimizers`` (the user's)."""
-    return [e for e in map(engine_of, optimizers) if isinstance(e, OptimizerWrapper)]
 
 
 def runs_in_engine(optimizer: torch.optim.Optimizer) -> bool:

@@ -328,6 +328,17 @@ def test_lbfgs_runs_as_torch_runs_it(caplog, monkeypatch):
     assert "LBFGS runs as torch runs it, on the model's weights, not offloaded" in caplog.text
 
 
+def test_lbfgs_with_fp16_loss_scaling_is_refused_by_name():
+    """As Lightning's own 16-mixed refuses LBFGS: its step evaluates the closure again on
+    weights it changed, which a skipped (overflowing) step cannot undo."""
+    from lightning_fastopt import FastOptPrecision
+
+    trainer = _trainer(STRATEGIES["offloaded-accelerator-path"](), plugins=[FastOptPrecision("16-mixed")])
+    with pytest.raises(TypeError, match="LBFGS evaluates the closure again after changing the weights: it cannot "
+                                        "run with fp16 loss scaling"):
+        trainer.fit(Net(lambda ps: torch.optim.LBFGS(ps, lr=0.1)), _data())
+
+
 def test_no_optimizer_trains_nothing_as_in_lightning():
     """``configure_optimizers`` returning None: Lightning warns and steps nothing."""
     class NoOptimizer(Net):

@@ -202,8 +202,8 @@ class FastOptFabricStrategy(DDPStrategy):
         writes; ``fabric.load`` merges it and re-shards for any number of processes)."""
         if self.precision.scaler is not None:
             state = {**state, SCALER_KEY: self.precision.state_dict()}
-        zero = {key: engine_of(o) for key, o in state.items() for z in self._wrappers
-                if isinstance(o, torch.optim.Optimizer) and engine_of(o) is z and z.partition() is not None}
+        engines = {key: engine_of(o) for key, o in state.items() if isinstance(o, torch.optim.Optimizer)}
+        zero = {key: e for key, e in engines.items() if e in self._wrappers and e.partition() is not None}
         if self.world_size == 1 or not zero:  # nothing sharded to save
             return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         self._save_sharded(path, state, zero, storage_options, filter or {})

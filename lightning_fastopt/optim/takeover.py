@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 
 _ENGINE = "_fastopt_engine"
 _SAVED = "_fastopt_set_aside"  # the user's class and the instance attributes the take-over shadows
@@ -103,15 +103,16 @@ def give_back(optimizer: torch.optim.Optimizer) -> None:
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     for group in engine.param_groups:
         for p in group["params"]:
-            if engine.owns(p) and engine.state_of(p):
-                state[p] = {k: v for k, v in engine.state_of(p).items()}
+            held = engine.state_of(p) if engine.owns(p) else None
+            if held:
+                state[p] = dict(held)
     optimizer.state = state
 
 
 def engine_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The engine stepping ``optimizer`` (Lightning's ``LightningOptimizer`` around it
     unwrapped first), or the optimizer itself when no engine does."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    optimizer = unwrapped(optimizer)
     return optimizer.__dict__.get(_ENGINE, optimizer)
 
 

@@ -130,6 +130,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
         work in flight."""
 
 
+def unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer itself, not Lightning's ``LightningOptimizer`` around it (manual
+    optimization and some hooks hand that one over)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
 def unscales_in_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``step(grad_scale=...)`` unscales the gradients inside the kernels (ours
     do; any other optimizer needs its gradients unscaled before it steps)."""
