@@ -3,38 +3,47 @@
 Importing the package never builds anything: the compiled kernels are built (or loaded
 from the cache) on first use, and if that is impossible a warning says why and a
 pure-PyTorch path computes the same results.
+
+Three front-ends over one core (:mod:`lightning_fastopt.core`): the Trainer of
+``lightning.pytorch`` (:class:`FastOptStrategy`, :class:`FastOptPrecision`), the Trainer
+of the standalone ``pytorch_lightning`` (the same names in
+:mod:`lightning_fastopt.trainer.pytorch_lightning`), and Fabric
+(:class:`FastOptFabricStrategy`, :class:`FastOptFabricPrecision`).  Importing the package
+registers the strategy names (``"fastopt_offload"``, ...) with each of them.
 """
 
-from lightning_fastopt import functional
-from lightning_fastopt.checkpoint import load_guard
-from lightning_fastopt.fabric import FastOptFabricPrecision, FastOptFabricStrategy
-from lightning_fastopt.loss_scaler import DynamicLossScaler
-from lightning_fastopt.memory import MemoryEstimate, estimate_memory
-from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.precision import FastOptPrecision
-from lightning_fastopt.strategy import FastOptStrategy
-from lightning_fastopt.optim import (
-    CPUAdam,
-    FusedAdagrad,
-    FusedAdam,
-    FusedLAMB,
-    FusedLars,
-    FusedLion,
-    FusedOptimizer,
-    FusedSGD,
-)
+import importlib.util
+
+from lightning_fastopt.core.lightning_logging import lightnings_logging_kept
+
+with lightnings_logging_kept():  # importing lightning.pytorch here does not move a project's messages
+    from lightning_fastopt import functional
+    from lightning_fastopt.checkpoint import load_guard
+    from lightning_fastopt.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
+    from lightning_fastopt.fabric import FastOptFabricPrecision, FastOptFabricStrategy
+    from lightning_fastopt.memory import MemoryEstimate, estimate_memory
+    from lightning_fastopt.offload import OffloadOptimizer
+    from lightning_fastopt.optim import (
+        CPUAdam, FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, FusedLion, FusedOptimizer, FusedSGD,
+    )
+    from lightning_fastopt.trainer import FastOptPrecision, FastOptStrategy
 
 __version__ = "0.1.0"
 
 
 def _register_strategies() -> None:
     """Make ``Trainer(strategy="fastopt_offload")`` and ``Fabric(strategy="fastopt_offload")``
-    work after ``import lightning_fastopt`` (idempotent)."""
+    work after ``import lightning_fastopt``, and ``pytorch_lightning.Trainer(...)`` where
+    that package is installed (idempotent)."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
 
-    FastOptStrategy.register_strategies(StrategyRegistry)
+    FastOptStrategy.register_strategies(FastOptStrategy.package.StrategyRegistry)
     FastOptFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        with lightnings_logging_kept():  # Lightning's messages stay where they went
+            from lightning_fastopt.trainer import pytorch_lightning
+
+        pytorch_lightning.FastOptStrategy.register_strategies(pytorch_lightning.PACKAGE.StrategyRegistry)
 
 
 _register_strategies()
@@ -43,6 +52,7 @@ load_guard.install()  # a sharded checkpoint given to Lightning's own loaders: a
 __all__ = [
     "CPUAdam", "DynamicLossScaler", "FastOptFabricPrecision", "FastOptFabricStrategy", "FastOptPrecision",
     "FastOptStrategy", "FusedAdagrad", "FusedAdam",
-    "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "MemoryEstimate", "OffloadOptimizer",
+    "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "LossScaleAtMinimumError", "MemoryEstimate",
+    "OffloadOptimizer",
     "estimate_memory", "functional", "__version__",
 ]

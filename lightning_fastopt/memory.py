@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_fastopt.offload.partition import choose_offloaded
-from lightning_fastopt.precision import SUPPORTED_PRECISIONS
+from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
 
 # float32 state tensors per parameter element, per optimizer
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "lion": 1, "adagrad": 1}

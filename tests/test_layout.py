@@ -81,10 +81,43 @@ def test_ops_is_the_ground_floor():
             assert not above, f"{name} imports {sorted(above)}"
 
 
+FRONT_ENDS = ("lightning_fastopt.trainer", "lightning_fastopt.fabric")
+
+
+def test_only_the_package_imports_a_front_end():
+    """The core and the engines serve every front-end (the Trainer of either Lightning
+    package, Fabric): none of them imports one, and no front-end imports another."""
+    def front_end(name):
+        return next((f for f in FRONT_ENDS if name == f or name.startswith(f + ".")), None)
+
+    for name, deps in _graph().items():
+        if name == "lightning_fastopt":
+            continue
+        crossing = {d for d in deps if front_end(d) not in (None, front_end(name))}
+        assert not crossing, f"{name} imports {sorted(crossing)}"
+
+
+def test_the_package_root_holds_only_public_modules():
+    """At the root: the public names (``__init__``) and the public modules; the rest lives
+    in the subpackage of what it is part of."""
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "functional.py", "memory.py"]
+
+
 def test_the_graph_is_read_right():
     """The reader sees the imports that exist (a test that finds nothing proves nothing)."""
     graph = _graph()
     assert "lightning_fastopt.optim.wrapper" in graph["lightning_fastopt.offload.optimizer"]
-    assert "lightning_fastopt.checkpoint.sharded" in graph["lightning_fastopt.strategy"]
+    assert "lightning_fastopt.checkpoint.sharded" in graph["lightning_fastopt.trainer.strategy"]
+    assert "lightning_fastopt.core.engines" in graph["lightning_fastopt.fabric.strategy"]
     assert "lightning_fastopt.ops" in graph["lightning_fastopt.functional"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """pyproject.toml lists the packages a wheel holds: every folder of the package is one
+    (an editable install hides a missing one; ``lightning_fastopt.fabric`` was)."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set()

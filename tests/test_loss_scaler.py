@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_fastopt import FusedAdam
-from lightning_fastopt.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
+from lightning_fastopt.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
 
 
 def test_starts_at_two_to_the_initial_power():

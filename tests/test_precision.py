@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt import FastOptStrategy, FusedAdam
-from lightning_fastopt.precision import FastOptPrecision
+from lightning_fastopt import FastOptPrecision
 from tests.helpers import ACCELERATOR
 
 
@@ -191,7 +191,7 @@ class NanLoss(Regressor):
 def test_fp16_training_whose_every_step_overflows_stops_with_a_clear_error(strategy):
     """A NaN loss overflows at every scale: once the scale is at its minimum the run stops
     (at_min_loss_scale="raise", the default) instead of skipping every step in silence."""
-    from lightning_fastopt.loss_scaler import LossScaleAtMinimumError
+    from lightning_fastopt.core.loss_scaler import LossScaleAtMinimumError
 
     model = NanLoss()
     trainer = _trainer(FastOptPrecision("16-mixed", initial_scale_power=2, hysteresis=1), strategy=strategy)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
+from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent

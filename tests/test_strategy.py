@@ -217,7 +217,7 @@ def test_wall_clock_breakdown_and_cpu_threads(backend):
 def test_default_cpu_threads_share_the_cores():
     import os
 
-    from lightning_fastopt.strategy import default_cpu_threads
+    from lightning_fastopt.core.cpu_threads import default_cpu_threads
 
     cores = len(os.sched_getaffinity(0))
     assert default_cpu_threads(1) == cores

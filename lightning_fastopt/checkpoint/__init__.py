@@ -10,7 +10,7 @@
   damaged one.
 
 The Lightning plugin that writes single files atomically is
-:class:`lightning_fastopt.checkpoint_io.AtomicCheckpointIO`.
+:class:`lightning_fastopt.core.checkpoint_io.AtomicCheckpointIO`.
 """
 
 from lightning_fastopt.checkpoint.atomic import save_atomically, save_synced

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any
 
 from lightning_fastopt.checkpoint.sharded import MAIN_FILE, is_sharded
 
 # the modules of Lightning that read a checkpoint file through their own ``pl_load`` binding
-_LOADERS = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io")
+# (in both packages: ``lightning`` and the standalone ``pytorch_lightning``/``lightning_fabric``)
+_LOADERS = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io",
+            "pytorch_lightning.core.saving", "lightning_fabric.plugins.io.torch_io")
 
 
 class ShardedCheckpointError(IsADirectoryError):
@@ -49,8 +52,10 @@ def _guarded(load):
 
 def install() -> None:
     """Wrap the ``pl_load`` of each of Lightning's loading modules (idempotent; a module or
-    name that a Lightning version lacks is left alone)."""
+    name that a Lightning version lacks, or a package that is not imported, is left alone)."""
     for name in _LOADERS:
+        if name.partition(".")[0] not in sys.modules:
+            continue  # not imported by the project nor by lightning_fastopt: nothing can call it
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -2,10 +2,10 @@
 
 ``import lightning_fastopt`` registers the Trainer's names in Fabric's registry too
 (``Fabric(strategy="fastopt_offload")``).  The work is shared with the Trainer's
-:class:`~lightning_fastopt.strategy.FastOptStrategy`: the same arguments, checked by
-:class:`~lightning_fastopt.strategy_options.StrategyOptions`; the same optimizers
-(:func:`~lightning_fastopt.strategy.fused_for`, then
-:func:`~lightning_fastopt.strategy.wrap_fused_optimizer`: offload or ZeRO); the same
+:class:`~lightning_fastopt.trainer.strategy.FastOptStrategy`: the same arguments, checked by
+:class:`~lightning_fastopt.core.options.StrategyOptions`; the same optimizers
+(:func:`~lightning_fastopt.trainer.strategy.fused_for`, then
+:func:`~lightning_fastopt.trainer.strategy.wrap_fused_optimizer`: offload or ZeRO); the same
 precision core; the same name-keyed, atomically written checkpoints.  What differs is how
 Fabric drives a step:
 
@@ -51,19 +51,19 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
-from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
-from lightning_fastopt.cpu_threads import TorchThreads
+from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
+from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
-from lightning_fastopt.strategy import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
-from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
+from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
+from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
 
 
 class FastOptFabricStrategy(DDPStrategy):
-    """The arguments are :class:`~lightning_fastopt.strategy.FastOptStrategy`'s, with
+    """The arguments are :class:`~lightning_fastopt.trainer.strategy.FastOptStrategy`'s, with
     ``keep_gradients=True`` by default (see the module's documentation); ``**kwargs`` go
     to Fabric's ``DDPStrategy``."""
 

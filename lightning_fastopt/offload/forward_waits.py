@@ -24,7 +24,7 @@ weight is read only by the forward of a module that owns it (or after that forwa
 What it cannot see is user code reading a weight directly before its module runs (a
 weight used through ``torch.nn.functional`` by a module that never runs its own
 forward); FastOptStrategy falls back to ``"step"`` when a hook between steps is
-overridden (:func:`~lightning_fastopt.grad_readers.weight_readers`).
+overridden (:func:`~lightning_fastopt.trainer.grad_readers.weight_readers`).
 """
 
 from __future__ import annotations

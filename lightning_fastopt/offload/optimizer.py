@@ -68,13 +68,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.grad_hooks import GradReadyHooks
+from lightning_fastopt.core.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.distributed import all_reduce_scalar, global_rank, world_size
+from lightning_fastopt.core.distributed import all_reduce_scalar, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
                                           needs_step_context)

@@ -1,5 +1,5 @@
 """What the fastopt precision plugins share, for Lightning's Trainer
-(:class:`~lightning_fastopt.precision.FastOptPrecision`) and for Fabric
+(:class:`~lightning_fastopt.trainer.precision.FastOptPrecision`) and for Fabric
 (:class:`~lightning_fastopt.fabric.FastOptFabricPrecision`): the precision flags, the
 dtype of "-true" weights, autocast, the fp16 loss scaler, the overflow check that skips a
 step, the step itself (our optimizers unscale inside the kernels, any other gets its
@@ -18,13 +18,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 
-from lightning_fastopt.distributed import all_reduce_scalar
+from lightning_fastopt.core.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
-from lightning_fastopt.loss_scaler import DynamicLossScaler
+from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_fastopt.checkpoint.atomic import save_atomically

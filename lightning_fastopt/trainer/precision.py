@@ -1,4 +1,7 @@
-"""FastOptPrecision: Lightning precision plugin with DeepSpeed-style fp16 loss scaling.
+"""The Trainer's precision plugin with DeepSpeed-style fp16 loss scaling, written once for
+both Lightning packages (:class:`TrainerPrecision`; the classes users name,
+``FastOptPrecision``, are in :mod:`~lightning_fastopt.trainer.lightning_pytorch` and
+:mod:`~lightning_fastopt.trainer.pytorch_lightning`).
 
 Usable on its own, ``Trainer(plugins=[FastOptPrecision("16-mixed")])`` (on the CPU, where
 Lightning turns ``precision="16-mixed"`` into bf16, this is the way to get fp16), and by
@@ -8,13 +11,13 @@ One optimizer step, in fp16:
 1. forward under fp16 autocast, the loss multiplied by the current scale, backward;
 2. the gradients are checked for inf/NaN; on overflow, clipping and the whole step are
    skipped (no parameter or optimizer state changes), ``skipped_steps`` grows, and the
-   scale follows the rule of :class:`~lightning_fastopt.loss_scaler.DynamicLossScaler`;
+   scale follows the rule of :class:`~lightning_fastopt.core.loss_scaler.DynamicLossScaler`;
 3. otherwise Lightning's hooks and gradient clipping run on the (still scaled) gradients,
    with the scale taken out of the arithmetic so that the clipping thresholds mean what
    they mean in fp32, and the optimizer steps: our fused optimizers unscale inside the
    kernel, any other optimizer gets its gradients unscaled in place first.
 
-What is not Trainer-specific is :class:`~lightning_fastopt.precision_core.PrecisionCore`,
+What is not Trainer-specific is :class:`~lightning_fastopt.core.precision.PrecisionCore`,
 shared with Fabric's plugin.
 """
 
@@ -23,16 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from typing_extensions import override
 
-from lightning_fastopt.precision_core import SUPPORTED_PRECISIONS, PrecisionCore, needs_closure
+from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS, PrecisionCore, needs_closure
+from lightning_fastopt.trainer.package import TrainerPackage
 
-__all__ = ["SUPPORTED_PRECISIONS", "FastOptPrecision", "to_fastopt_precision"]
+__all__ = ["SUPPORTED_PRECISIONS", "TrainerPrecision"]
 
 
-class FastOptPrecision(PrecisionCore, Precision):
+class TrainerPrecision(PrecisionCore):
     """Precision plugin: ``"16-mixed"`` (fp16 autocast, dynamic loss scaling with DeepSpeed's
     knobs), ``"bf16-mixed"`` (bf16 autocast), ``"32-true"``, or the half weights of
     ``"bf16-true"`` and ``"16-true"`` (fp16, with the same loss scaling): the model holds
@@ -49,12 +51,17 @@ class FastOptPrecision(PrecisionCore, Precision):
         hysteresis: overflows tolerated before the scale halves.
         min_loss_scale: the scale never goes below this.
         at_min_loss_scale: when a step overflows with the scale at its minimum: ``"raise"``
-            (default), ``"warn"`` or ``"skip"`` (see :mod:`~lightning_fastopt.loss_scaler`).
+            (default), ``"warn"`` or ``"skip"`` (see :mod:`~lightning_fastopt.core.loss_scaler`).
         device: autocast device type; by default the device of the model's parameters.
 
     After construction ``loss_scale`` is the current scale (1.0 unless fp16) and
     ``skipped_steps`` the number of optimizer steps skipped for overflow.
+
+    A mixin: each front-end's ``FastOptPrecision`` puts it before its package's
+    ``Precision`` class and names the package (``package``).
     """
+
+    package: TrainerPackage
 
     @override
     def connect(self, model, optimizers, lr_schedulers):
@@ -69,7 +76,7 @@ class FastOptPrecision(PrecisionCore, Precision):
             if self.scaler is not None:
                 raise TypeError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights: "
                                 "it cannot run with fp16 loss scaling (as with Lightning's own 16-mixed)")
-            return Precision.optimizer_step(self, optimizer, model, closure, **kwargs)  # its step runs the closure
+            return super().optimizer_step(optimizer, model, closure, **kwargs)  # its step runs the closure
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: Lightning skipped backward
@@ -88,25 +95,25 @@ class FastOptPrecision(PrecisionCore, Precision):
         super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
 
     @override
-    def clip_gradients(self, optimizer, clip_val: float | int = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Clip the (possibly still scaled) gradients as if they were unscaled."""
-        self.clip_scaled_gradients(optimizer, clip_val, by_value=gradient_clip_algorithm == GradClipAlgorithmType.VALUE)
+    def clip_gradients(self, optimizer, clip_val: float | int = 0.0, gradient_clip_algorithm="norm") -> None:
+        """Clip the (possibly still scaled) gradients as if they were unscaled
+        (``gradient_clip_algorithm``: Lightning's ``GradClipAlgorithmType``, a string)."""
+        self.clip_scaled_gradients(optimizer, clip_val, by_value=gradient_clip_algorithm == "value")
 
-
-def to_fastopt_precision(plugin: Precision, **scale_knobs: Any) -> FastOptPrecision:
-    """The FastOptPrecision for the plugin Lightning built from the ``precision`` flag
-    (``scale_knobs``: the loss-scaling arguments of :class:`FastOptPrecision`); a
-    TypeError naming the supported precisions for anything else."""
-    if isinstance(plugin, FastOptPrecision):
-        return plugin
-    if isinstance(plugin, MixedPrecision):
-        device = getattr(plugin, "device", None)
-        return FastOptPrecision(plugin.precision, device=device, **scale_knobs)
-    if isinstance(plugin, (HalfPrecision, DoublePrecision)):
-        return FastOptPrecision(plugin.precision, **scale_knobs)
-    if type(plugin) is Precision:
-        return FastOptPrecision("32-true")
-    raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "
-                    f"(or plugins=[FastOptPrecision(...)]), got {type(plugin).__name__}"
-                    f"({getattr(plugin, 'precision', '?')!r})")
+    @classmethod
+    def from_lightning(cls, plugin, **scale_knobs: Any) -> TrainerPrecision:
+        """This class's plugin for the one Lightning built from the ``precision`` flag
+        (``scale_knobs``: the loss-scaling arguments); a TypeError naming the supported
+        precisions for anything else."""
+        package = cls.package
+        if isinstance(plugin, cls):
+            return plugin
+        if isinstance(plugin, package.MixedPrecision):
+            return cls(plugin.precision, device=getattr(plugin, "device", None), **scale_knobs)
+        if isinstance(plugin, (package.HalfPrecision, package.DoublePrecision)):
+            return cls(plugin.precision, **scale_knobs)
+        if type(plugin) is package.Precision:
+            return cls("32-true")
+        raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "
+                        f"(or plugins=[FastOptPrecision(...)]), got {type(plugin).__name__}"
+                        f"({getattr(plugin, 'precision', '?')!r})")

@@ -1,5 +1,8 @@
-"""FastOptStrategy: Lightning's DDP strategy with lightning_fastopt's fused optimizers,
-CPU offload of the optimizer, and its precision plugin.
+"""The Trainer's strategy: Lightning's DDP strategy with lightning_fastopt's fused
+optimizers, CPU offload of the optimizer, and its precision plugin; written once for both
+Lightning packages (:class:`TrainerStrategy`; the classes users name, ``FastOptStrategy``,
+are in :mod:`~lightning_fastopt.trainer.lightning_pytorch` and
+:mod:`~lightning_fastopt.trainer.pytorch_lightning`).
 
 ``import lightning_fastopt`` registers the names of :data:`STRATEGY_NAMES` (``fastopt``:
 fused kernels, no offload; ``fastopt_offload``: every master weight and all optimizer
@@ -8,7 +11,7 @@ state in CPU memory; ``fastopt_zero1``/``fastopt_zero2``/``fastopt_zero2_offload
 to a Lightning project.  What the strategy adds to ``DDPStrategy`` (so devices,
 launchers, cluster environments and torchrun work as in Lightning):
 
-- the precision flag becomes :class:`~lightning_fastopt.precision.FastOptPrecision`
+- the precision flag becomes the front-end's ``FastOptPrecision``
   with the strategy's loss-scale knobs (``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"``;
   anything else is a TypeError naming those);
 - the optimizer from ``configure_optimizers`` (or the CLI) is mapped to the fused
@@ -24,7 +27,7 @@ launchers, cluster environments and torchrun work as in Lightning):
   :func:`~lightning_fastopt.checkpoint.sharded.save_sharded`), checkpoints are written
   atomically;
 - gradients stay in ``p.grad`` until the step, as in torch, when user code can read them
-  (:func:`~lightning_fastopt.grad_readers.gradient_readers`); otherwise the offloaded
+  (:func:`~lightning_fastopt.trainer.grad_readers.gradient_readers`); otherwise the offloaded
   ones are copied to the host during backward and freed on the device (one log line
   says which and why);
 - with one process it behaves like ``Trainer()``: no process group, no
@@ -36,54 +39,37 @@ The work is done in those modules; the hooks here call them.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.core.optimizer import _MockOptimizer
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.reading import read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
-from lightning_fastopt.checkpoint_io import AtomicCheckpointIO
-from lightning_fastopt.cpu_threads import TorchThreads, default_cpu_threads
-from lightning_fastopt.grad_readers import gradient_readers, weight_readers
+from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
+from lightning_fastopt.core.cpu_threads import TorchThreads
+from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
+from lightning_fastopt.core.options import StrategyOptions, offload_arguments
+from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
-from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
-from lightning_fastopt.param_checks import check_parameters
-from lightning_fastopt.precision import FastOptPrecision, to_fastopt_precision
-from lightning_fastopt.precision_core import needs_closure
-from lightning_fastopt.strategy_options import StrategyOptions, offload_arguments
-from lightning_fastopt.zero import ZeroOptimizer
+from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
+from lightning_fastopt.trainer.package import TrainerPackage
+from lightning_fastopt.trainer.precision import TrainerPrecision
 
-__all__ = ["STRATEGY_NAMES", "FastOptStrategy", "default_cpu_threads", "to_fused_optimizer"]
-
-# The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
-STRATEGY_NAMES = (
-    ("fastopt", "DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0, 0),
-    ("fastopt_offload", "fastopt with every master weight and all optimizer state in CPU memory", 1.0, 0),
-    ("fastopt_zero1", "fastopt with masters and optimizer state sharded across ranks (ZeRO stage 1)", 0.0, 1),
-    ("fastopt_zero2", "fastopt_zero1 with gradients sharded too (ZeRO stage 2)", 0.0, 2),
-    ("fastopt_zero2_offload", "fastopt_zero2 with every rank's shard in CPU memory", 1.0, 2),
-)
+__all__ = ["TrainerStrategy"]
 
 
-class FastOptStrategy(DDPStrategy):
+class TrainerStrategy:
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -159,10 +145,16 @@ class FastOptStrategy(DDPStrategy):
             (automatic optimization, no hook between steps overridden beyond Lightning's
             own callbacks that do not read weights, no torch.compile); otherwise one log
             line says why not.  Not with ZeRO.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        **kwargs: passed to Lightning's ``DDPStrategy``.
+
+    A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
+    ``DDPStrategy`` and names the package (``package``) and its precision plugin
+    (``precision_type``).
     """
 
     strategy_name = "fastopt_offload"
+    package: TrainerPackage
+    precision_type: type[TrainerPrecision]
 
     def __init__(self, offload_fraction: float | str = 1.0, overlap: bool = True, pin_memory: bool = True,
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
@@ -173,7 +165,7 @@ class FastOptStrategy(DDPStrategy):
                  delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  forward_waits: str = "step", **kwargs: Any) -> None:
-        check_ddp_kwargs(kwargs, DDPStrategy, FastOptStrategy)
+        check_ddp_kwargs(kwargs, self.package.DDPStrategy, type(self))
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
         # the checked values as attributes (self.offload_fraction, ...): the hooks below read them
@@ -195,15 +187,16 @@ class FastOptStrategy(DDPStrategy):
     # ------------------------------------------------------------------ precision
     @property
     @override
-    def precision_plugin(self) -> FastOptPrecision:
+    def precision_plugin(self) -> TrainerPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = FastOptPrecision("32-true")
+            self._precision_plugin = self.precision_type("32-true")
         return self._precision_plugin
 
     @precision_plugin.setter
     @override
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else to_fastopt_precision(plugin, **self._scale_knobs)
+    def precision_plugin(self, plugin) -> None:
+        self._precision_plugin = None if plugin is None else self.precision_type.from_lightning(
+            plugin, **self._scale_knobs)
 
     # ------------------------------------------------------------------ environment
     @property
@@ -240,7 +233,7 @@ class FastOptStrategy(DDPStrategy):
         """Fitting: DDP's set-up (below, the hooks it calls).  Validating, testing or
         predicting with one process: what ``Trainer()`` does (DDPStrategy would synchronise
         the module's states over a process group that one process does not start)."""
-        if not self._one_process or trainer.state.fn == TrainerFn.FITTING:
+        if not self._one_process or trainer.state.fn == "fit":
             return super().setup(trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
@@ -256,7 +249,7 @@ class FastOptStrategy(DDPStrategy):
     def _readers(self) -> list[str]:
         if self._grad_readers is None:
             module = self.lightning_module
-            self._grad_readers = gradient_readers(module, module.trainer.callbacks)
+            self._grad_readers = gradient_readers(module, module.trainer.callbacks, self.package)
             if self.keep_gradients:
                 self._grad_readers.insert(0, "code anywhere (keep_gradients=True)")
         return self._grad_readers
@@ -267,7 +260,7 @@ class FastOptStrategy(DDPStrategy):
         if self.world_size > 1 and self._effective_stage < 2:
             super().configure_ddp()
         elif self.world_size > 1:  # ZeRO stage 2 reduces the gradients itself: start from rank 0's weights
-            _sync_module_states(self.model)
+            self.package.sync_module_states(self.model)
         # one process: nothing to all-reduce, and the backward hooks see final gradients
 
     # ------------------------------------------------------------------ optimizers
@@ -281,7 +274,7 @@ class FastOptStrategy(DDPStrategy):
         by_module = self._waits_by_module(trainer)
         self._engine_at = {}
         for i, opt in enumerate(self.optimizers):
-            if not runs_in_engine(opt):
+            if not self._runs_in_engine(opt):
                 continue
             fused = fused_for(opt, self.lightning_module)
             extra = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
@@ -312,6 +305,19 @@ class FastOptStrategy(DDPStrategy):
             self._auto = AutoFraction(self.root_device, self.gpu_memory_budget_gb, trainer.accumulate_grad_batches,
                                       agree=lambda f: float(self.broadcast(f)))
 
+    def _runs_in_engine(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether an offload or ZeRO optimizer can step ``optimizer``, else it runs as under
+        Lightning's own strategy (said in one line): Lightning's stand-in when
+        ``configure_optimizers`` returns None, and LBFGS, whose step evaluates the closure
+        again after changing the weights (the weights it changes must be the model's)."""
+        if isinstance(optimizer, self.package.MockOptimizer):
+            return False
+        if needs_closure(optimizer):
+            rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
+                           "weights, not offloaded: its step evaluates the closure again after changing them")
+            return False
+        return True
+
     def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> bool:
         """Whether the CPU step streams into backward (``stream_cpu_step``), said in one line."""
         if not self.stream_cpu_step:
@@ -338,7 +344,7 @@ class FastOptStrategy(DDPStrategy):
         (``forward_waits="module"``), said in one line."""
         if self.forward_waits == "step":
             return False
-        why_not = weight_readers(self.lightning_module, trainer.callbacks)
+        why_not = weight_readers(self.lightning_module, trainer.callbacks, self.package)
         if why_not:
             why_not = [f"{', '.join(why_not)} can read the weights between steps"]
         why_not += [reason for reason, applies in (
@@ -493,7 +499,7 @@ class FastOptStrategy(DDPStrategy):
         damaged file or directory is one message naming it (BrokenCheckpointError)."""
         if _is_local_dir(checkpoint_path):
             return load_sharded(checkpoint_path, weights_only)
-        return read_checkpoint_file(checkpoint_path, lambda path: super(FastOptStrategy, self).load_checkpoint(
+        return read_checkpoint_file(checkpoint_path, lambda path: super(TrainerStrategy, self).load_checkpoint(
             path, weights_only))
 
     @override
@@ -531,65 +537,12 @@ class FastOptStrategy(DDPStrategy):
         register_names(cls, strategy_registry)
 
 
-def register_names(cls, strategy_registry) -> None:
-    """Register :data:`STRATEGY_NAMES` for ``cls`` (the Trainer's strategy or Fabric's) in a
-    registry that lacks them."""
-    for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
-        if name not in strategy_registry:
-            strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
-                                       zero_stage=zero_stage)
-
-
 def _is_local_dir(path) -> bool:
     """A directory on this machine (a sharded checkpoint, or something that should be one)."""
     try:
         return os.path.isdir(path)
     except TypeError:
         return False
-
-
-def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
-    """``**kwargs`` go to ``base`` (Lightning's or Fabric's DDPStrategy) and from there to
-    DistributedDataParallel, which is not built with one process: a misspelt argument
-    would be silently ignored there.  Refuse anything neither accepts, suggesting the
-    nearest name (among ``ours``'s arguments too)."""
-    def names(fn) -> set[str]:
-        return {n for n, p in inspect.signature(fn).parameters.items()
-                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}
-
-    forwarded = names(base.__init__) | names(DistributedDataParallel.__init__)
-    unknown = sorted(set(kwargs) - forwarded)
-    if unknown:
-        known = names(ours.__init__) | forwarded
-        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1))
-                             else "") for k in unknown]
-        raise TypeError(f"{ours.__name__} got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
-                        "own arguments, DDPStrategy's and DistributedDataParallel's")
-
-
-def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> FusedOptimizer:
-    """The user's optimizer checked against ``module``'s parameters and mapped to the
-    optimizer that runs it (the same ``param_groups`` dicts), said in one line: fused, or
-    its own step and why."""
-    check_parameters(optimizer, module)
-    fused = to_fused_optimizer(optimizer)
-    name = type(optimizer).__name__
-    why_not = why_not_fused(optimizer)
-    if why_not is not None:
-        rank_zero_info(f"lightning_fastopt: {name} runs its own step on the master weights, where they live "
-                       f"(not fused: {why_not})")
-    elif fused is not optimizer:
-        rank_zero_info(f"lightning_fastopt: running {name} as {type(fused).__name__} with the same hyperparameters")
-    return fused
-
-
-def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], *, zero_stage: int,
-                         **offload_args: Any) -> OptimizerWrapper:
-    """The optimizer the strategy steps: ZeRO at ``zero_stage`` 1 or 2, else offload
-    (``offload_args``: the shared arguments of both)."""
-    if zero_stage:
-        return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
-    return OffloadOptimizer(fused, names, **offload_args)
 
 
 def _compiled(module: torch.nn.Module) -> bool:
@@ -599,17 +552,3 @@ def _compiled(module: torch.nn.Module) -> bool:
 
     return getattr(module, "_compiler_ctx", None) is not None or any(
         isinstance(m, OptimizedModule) for m in module.modules())
-
-
-def runs_in_engine(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether an offload or ZeRO optimizer can step ``optimizer``, else it runs as under
-    Lightning's own strategy (said in one line): Lightning's stand-in when
-    ``configure_optimizers`` returns None, and LBFGS, whose step evaluates the closure
-    again after changing the weights (the weights it changes must be the model's)."""
-    if isinstance(optimizer, _MockOptimizer):
-        return False
-    if needs_closure(optimizer):
-        rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
-                       "weights, not offloaded: its step evaluates the closure again after changing them")
-        return False
-    return True

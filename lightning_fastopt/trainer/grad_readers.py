@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import (
-    BatchSizeFinder, DeviceStatsMonitor, EarlyStopping, GradientAccumulationScheduler, LearningRateMonitor,
-    ModelCheckpoint, ProgressBar, SpikeDetection, ThroughputMonitor, Timer,
-)
 from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_fastopt.trainer.package import TrainerPackage
 
 # hooks that run after backward and before the optimizer step (or between steps, with the
 # gradients still in place), where user code reads or edits p.grad
@@ -33,15 +30,16 @@ CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_ze
 MODULE_HOOKS = CALLBACK_HOOKS + ("configure_gradient_clipping", "optimizer_step")
 
 
-def gradient_readers(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:
+def gradient_readers(module, callbacks: Iterable, package: TrainerPackage) -> list[str]:
     """Why gradients must stay in ``p.grad`` until the step: each overridden hook as
-    ``Class.hook``, and ``manual optimization``; empty when nothing reads them."""
+    ``Class.hook``, and ``manual optimization``; empty when nothing reads them
+    (``module`` and ``callbacks``: of ``package``)."""
     readers = [] if module.automatic_optimization else ["manual optimization"]
     readers += [f"{type(module).__name__}.{hook}" for hook in MODULE_HOOKS
-                if is_overridden(hook, module, LightningModule)]
+                if is_overridden(hook, module, package.LightningModule)]
     for callback in callbacks:
         readers += [f"{type(callback).__name__}.{hook}" for hook in CALLBACK_HOOKS
-                    if is_overridden(hook, callback, Callback)]
+                    if is_overridden(hook, callback, package.Callback)]
     return readers
 
 
@@ -49,26 +47,25 @@ def gradient_readers(module: LightningModule, callbacks: Iterable[Callback]) -> 
 # the strategy's own hooks at the start of validation), where user code may read weights
 BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end", "on_train_epoch_start",
                       "on_validation_start", "on_before_zero_grad")
-# Lightning's callbacks that override some of those without reading weights (checkpoints
-# read them through the strategy, which waits for every weight first), with their
-# subclasses in Lightning (TQDMProgressBar); what a user's subclass overrides still counts
-QUIET_CALLBACKS = (ProgressBar, ModelCheckpoint, LearningRateMonitor, Timer, EarlyStopping, ThroughputMonitor,
-                   DeviceStatsMonitor, GradientAccumulationScheduler, SpikeDetection, BatchSizeFinder)
 
 
-def weight_readers(module: LightningModule, callbacks: Iterable[Callback]) -> list[str]:
+def weight_readers(module, callbacks: Iterable, package: TrainerPackage) -> list[str]:
     """Why the next forward must wait for every new weight: each overridden hook of
     :data:`BETWEEN_STEP_HOOKS` as ``Class.hook``, and ``manual optimization`` (user code
     runs after the step inside ``training_step``); empty when nothing reads them.  A
-    callback with ``reads_weights_between_steps = False`` does not count."""
+    callback with ``reads_weights_between_steps = False`` does not count, nor what
+    Lightning's callbacks that read no weights override (``package.quiet_callbacks``:
+    checkpoints read weights through the strategy, which waits for every weight first;
+    with their subclasses in Lightning, TQDMProgressBar; what a user's subclass
+    overrides still counts)."""
     readers = [] if module.automatic_optimization else ["manual optimization"]
     readers += [f"{type(module).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
-                if is_overridden(hook, module, LightningModule)]
+                if is_overridden(hook, module, package.LightningModule)]
     for callback in callbacks:
         if getattr(callback, "reads_weights_between_steps", True) is False:
             continue  # the callback says so (a timer, a logger of metrics)
-        lightnings = next(c for c in type(callback).__mro__ if c.__module__.startswith("lightning.pytorch."))
-        base = lightnings if issubclass(lightnings, QUIET_CALLBACKS) else Callback
+        lightnings = next(c for c in type(callback).__mro__ if c.__module__.startswith(package.name + "."))
+        base = lightnings if issubclass(lightnings, package.quiet_callbacks) else package.Callback
         readers += [f"{type(callback).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
                     if is_overridden(hook, callback, base)]
     return readers

@@ -1,0 +1,84 @@
+"""What the strategies of every front-end share: the names they are registered under, the
+check of the arguments they pass on to ``DDPStrategy``, and the engine built for each of
+the user's optimizers (the optimizer that runs it, inside an offload or ZeRO optimizer)."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_fastopt.core.param_checks import check_parameters
+from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.optim.base import FusedOptimizer
+from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.zero import ZeroOptimizer
+
+__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "fused_for", "register_names", "wrap_fused_optimizer"]
+
+# The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
+STRATEGY_NAMES = (
+    ("fastopt", "DDP with lightning_fastopt's fused optimizers and fp16 loss scaling", 0.0, 0),
+    ("fastopt_offload", "fastopt with every master weight and all optimizer state in CPU memory", 1.0, 0),
+    ("fastopt_zero1", "fastopt with masters and optimizer state sharded across ranks (ZeRO stage 1)", 0.0, 1),
+    ("fastopt_zero2", "fastopt_zero1 with gradients sharded too (ZeRO stage 2)", 0.0, 2),
+    ("fastopt_zero2_offload", "fastopt_zero2 with every rank's shard in CPU memory", 1.0, 2),
+)
+
+
+def register_names(cls, strategy_registry) -> None:
+    """Register :data:`STRATEGY_NAMES` for ``cls`` (a Trainer's strategy or Fabric's) in a
+    registry that lacks them."""
+    for name, description, offload_fraction, zero_stage in STRATEGY_NAMES:
+        if name not in strategy_registry:
+            strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
+                                       zero_stage=zero_stage)
+
+
+def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
+    """``**kwargs`` go to ``base`` (Lightning's or Fabric's DDPStrategy) and from there to
+    DistributedDataParallel, which is not built with one process: a misspelt argument
+    would be silently ignored there.  Refuse anything neither accepts, suggesting the
+    nearest name (among ``ours``'s arguments too)."""
+    def names(fn) -> set[str]:
+        return {n for n, p in inspect.signature(fn).parameters.items()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}
+
+    forwarded = names(base.__init__) | names(DistributedDataParallel.__init__)
+    unknown = sorted(set(kwargs) - forwarded)
+    if unknown:
+        known = names(ours.__init__) | forwarded
+        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1))
+                             else "") for k in unknown]
+        raise TypeError(f"{ours.__name__} got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
+                        "own arguments, DDPStrategy's and DistributedDataParallel's")
+
+
+def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> FusedOptimizer:
+    """The user's optimizer checked against ``module``'s parameters and mapped to the
+    optimizer that runs it (the same ``param_groups`` dicts), said in one line: fused, or
+    its own step and why."""
+    check_parameters(optimizer, module)
+    fused = to_fused_optimizer(optimizer)
+    name = type(optimizer).__name__
+    why_not = why_not_fused(optimizer)
+    if why_not is not None:
+        rank_zero_info(f"lightning_fastopt: {name} runs its own step on the master weights, where they live "
+                       f"(not fused: {why_not})")
+    elif fused is not optimizer:
+        rank_zero_info(f"lightning_fastopt: running {name} as {type(fused).__name__} with the same hyperparameters")
+    return fused
+
+
+def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], *, zero_stage: int,
+                         **offload_args: Any) -> OptimizerWrapper:
+    """The optimizer the strategy steps: ZeRO at ``zero_stage`` 1 or 2, else offload
+    (``offload_args``: the shared arguments of both)."""
+    if zero_stage:
+        return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
+    return OffloadOptimizer(fused, names, **offload_args)

@@ -1,0 +1,38 @@
+"""fit, validate, test and predict on one Trainer with 2 real processes (gloo), in two
+orders (issue: drop-in for real Lightning projects): every rank ends with the weights,
+the metrics and the predictions of Lightning's own ``ddp``, bit for bit (SGD with
+momentum and weight decay rounds as torch does; the script: tests/scripts/entry_points_run.py)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import subprocess_env
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "scripts" / "entry_points_run.py"
+
+
+def _run(strategy, out):
+    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out)], cwd=REPO, env=subprocess_env(REPO),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return _run("ddp", tmp_path_factory.mktemp("ddp") / "ddp.pt")
+
+
+@pytest.mark.parametrize("strategy", ["half_offloaded", "fastopt_offload", "zero2_offload"])
+def test_two_processes_end_where_ddp_ends(strategy, ddp, tmp_path):
+    ours = _run(strategy, tmp_path / "ours.pt")
+    for rank, (a, b) in enumerate(zip(ours, ddp)):
+        assert a.keys() == b.keys()
+        assert any(k.endswith("/predict") for k in a) and any("test/test_loss" in k for k in a)
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"rank {rank} {k}: {(a[k].double() - b[k].double()).abs().max()}"
