@@ -138,6 +138,47 @@ def test_atomic_write_leaves_the_old_checkpoint_whole(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
 
 
+def test_a_full_disk_is_said_as_such_naming_the_checkpoint(tmp_path, monkeypatch):
+    """torch.save's writer replaces the system's ENOSPC with ``unexpected pos ...`` (issue:
+    sharp edges): the error is the OSError, naming the checkpoint, as under plain
+    Lightning; the old checkpoint stays whole and nothing is left behind."""
+    import builtins
+    import errno
+
+    from lightning_fastopt.checkpoint import atomic
+
+    path = tmp_path / "last.ckpt"
+    atomic.save_atomically({"step": 1}, path)
+
+    class FillsUp:  # a file on a disk with 100 kB free
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, b):
+            if self.written + len(b) > 100_000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(b)
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(atomic, "open", lambda p, mode: FillsUp(builtins.open(p, mode)), raising=False)
+    with pytest.raises(OSError) as raised:
+        atomic.save_atomically({"step": 2, "w": torch.zeros(2_000_000)}, path)
+    monkeypatch.undo()
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert "No space left on device" in str(raised.value)
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_checkpoint_files_honour_the_umask(tmp_path, umask, mode):
     """As Lightning's own writer (open()): 0666 less the umask (mkstemp's 0600 was not)."""

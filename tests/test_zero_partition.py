@@ -75,3 +75,13 @@ def test_owner_buckets_keep_order_split_dtypes_and_sizes():
     assert got == [(0, [1]), (0, [0, 2]), (1, [3]), (1, [4])]  # 9 floats exceed 32 bytes: alone
     backward = [(o, [index[id(p)] for p in chunk]) for o, chunk in owner_buckets(ps[::-1], owners[::-1], 32)]
     assert backward == [(1, [4]), (1, [3]), (0, [1]), (0, [2, 0])]
+
+
+def test_one_process_says_zero_has_nothing_to_shard(caplog, monkeypatch):
+    """``fastopt_zero2`` with one process ran without a word (issue: sharp edges)."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    with caplog.at_level(logging.INFO):
+        ZeroOptimizer(FusedAdam([torch.nn.Parameter(torch.zeros(4))], lr=0.1), stage=2)
+    assert "ZeRO stage 2 has nothing to shard with one process" in caplog.text

@@ -30,17 +30,40 @@ from typing import IO, Any
 import torch
 
 
-def write_synced(path, write: Callable[[IO[bytes]], None]) -> None:
-    """``write(file)`` into ``path``, flushed to the disk before returning."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+def write_synced(path, write: Callable[[IO[bytes]], None], target=None) -> None:
+    """``write(file)`` into ``path``, flushed to the disk before returning.  A system error
+    while writing (a full disk, a quota) is raised as that ``OSError``, naming ``target``
+    (what ``path`` will become; default ``path``), even where the writer replaced it with
+    its own error (``torch.save``'s says ``unexpected pos ...``)."""
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        raise
+    except Exception as e:
+        cause = _system_error_in(e)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, cause.strerror, os.fspath(target if target is not None else path)) from e
 
 
-def save_synced(obj: Any, path) -> None:
-    """``torch.save`` into ``path``, flushed to the disk before returning."""
-    write_synced(path, lambda f: torch.save(obj, f))
+def _system_error_in(exc: BaseException) -> OSError | None:
+    """The OSError that ``exc`` was raised during or from, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def save_synced(obj: Any, path, target=None) -> None:
+    """``torch.save`` into ``path``, flushed to the disk before returning (errors name
+    ``target``, see :func:`write_synced`)."""
+    write_synced(path, lambda f: torch.save(obj, f), target)
 
 
 def _host() -> str:
@@ -99,7 +122,7 @@ def save_atomically(obj: Any, path) -> None:
     tmp = temp_path(path)
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask applies, as for open()
     try:
-        save_synced(obj, tmp)
+        save_synced(obj, tmp, target=path)
         replace_path(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -19,7 +19,8 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
-__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "fused_for", "register_names", "wrap_fused_optimizer"]
+__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "fused_for", "register_names", "say_half_masters",
+           "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -82,3 +83,17 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     if zero_stage:
         return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
     return OffloadOptimizer(fused, names, **offload_args)
+
+
+def say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:
+    """One line when half-precision parameters train under a precision that keeps the
+    weights as they are (``"32-true"``): they get float32 master weights and state here,
+    where plain Lightning would update them in their own dtype."""
+    if precision != "32-true":
+        return  # "-true" halves are the precision's own weights; mixed precision keeps float32 ones
+    halves = sorted({str(p.dtype).removeprefix("torch.") for g in optimizer.param_groups for p in g["params"]
+                     if p.dtype in (torch.float16, torch.bfloat16)})
+    if halves:
+        rank_zero_info(f"lightning_fastopt: {' and '.join(halves)} parameters under precision '32-true' are updated "
+                       "through float32 master weights and state (plain Lightning would update them in "
+                       f"{' and '.join(halves)}, where small updates round away)")

@@ -138,7 +138,17 @@ class PrecisionCore:
 
     def clip_scaled_gradients(self, optimizer, clip_val: float, by_value: bool = False) -> Tensor | None:
         """Clip the (possibly still scaled) gradients as if they were unscaled; by norm
-        returns the unscaled total norm (before clipping)."""
+        returns the unscaled total norm (before clipping).
+
+        By norm, as ``torch.nn.utils.clip_grad_norm_`` (which Lightning calls) computes it:
+        the total norm by torch's own ``get_total_norm`` over the gradients in the order of
+        the optimizer's parameters, the coefficient ``max_norm / (total + 1e-6)`` clamped to
+        1 as a float32 tensor, one multiplication of each gradient.  Unscaled, on the CPU,
+        the same bits as Lightning's own clipping; on a GPU the offloaded gradients' norms
+        are taken on the host, where they were copied.  With ZeRO each rank holds its
+        shard of the gradients: the squares of the shards' norms are summed over the ranks
+        (another order of summation).  With fp16 loss scaling the total is the scaled
+        gradients' norm divided by the scale (Lightning unscales first)."""
         if clip_val <= 0:
             return None
         grads = optimizer_gradients(optimizer)
@@ -150,17 +160,18 @@ class PrecisionCore:
             for g in grads:
                 g.clamp_(-bound, bound)
             return None
-        # the multi-tensor L2 kernels, on every device (an offload optimizer has gradients on two)
-        squares = sum_of_squares(grads)
         optimizer = engine_of(optimizer)
         if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
-            squares = all_reduce_scalar(squares)
-        total = math.sqrt(squares) / scale
-        coef = float(clip_val) / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-        if coef < 1.0 and math.isfinite(coef):
+            total = torch.tensor(math.sqrt(all_reduce_scalar(sum_of_squares(grads))), dtype=torch.float32)
+        else:
+            total = torch.nn.utils.get_total_norm(grads, 2.0)
+        if scale != 1.0:
+            total = total / scale
+        coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
+        if coef != 1.0:  # a multiplication by exactly 1 changes no bit: skipped (a NaN norm spreads, as in torch)
             for same in by_device(grads):
-                torch._foreach_mul_(same, coef)
-        return torch.tensor(total)
+                torch._foreach_mul_(same, coef.to(same[0].device))
+        return total
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

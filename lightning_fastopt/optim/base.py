@@ -215,6 +215,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         lists: dict[str, list[Tensor]] = {k: [] for k in keys}
         shared = None
         device = None
+        copy_kinds = set()
         uniform = True
         for p in _once_each(group["params"]):
             g = p.grad if source is None else source.get(p)
@@ -240,6 +241,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 device = d
             elif d != device:
                 uniform = False
+            copy_kinds.add(self._copy_kind(p))
+            if len(copy_kinds) > 1:
+                uniform = False  # one kernel call writes one kind of copy, or none
             params.append(p)
             grads.append(g)
             for k in keys:
@@ -269,9 +273,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             if self.counts_steps:
                 step_t = st["step"]
                 value = float(step_t)
-                key = (p.device, value)
+                key = (p.device, value, self._copy_kind(p))
             else:
-                key = (p.device, id(st) in fresh_ids)
+                key = (p.device, id(st) in fresh_ids, self._copy_kind(p))
             b = buckets.get(key)
             if b is None:
                 b = buckets[key] = Bucket([], [], {k: [] for k in keys}, first=not self.counts_steps and key[1])
@@ -288,6 +292,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         for b in out:
             b.copies = self._copies(b.params)
         return out
+
+    def _copy_kind(self, param: Tensor) -> torch.dtype | None:
+        """The dtype of the copy a step writes for ``param`` (``copies_to``), or None."""
+        copy = (self.copies_to or {}).get(param)
+        return None if copy is None else copy.dtype
 
     def _copies(self, params: list[Tensor]) -> list[Tensor] | None:
         targets = self.copies_to

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
@@ -73,6 +74,9 @@ class ZeroOptimizer(OptimizerWrapper):
         self.group = process_group
         self.world_size = world_size(process_group)
         self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
+        if self.world_size == 1:
+            rank_zero_info(f"lightning_fastopt: ZeRO stage {stage} has nothing to shard with one process: this rank "
+                           "keeps every master and all optimizer state (as without ZeRO)")
         # each parameter once (torch warns about one listed twice in a group; the owner's
         # offload optimizer steps it once per listing)
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
