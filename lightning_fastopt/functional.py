@@ -248,8 +248,10 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
 @_routed
 def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
-                grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
-    """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula.
+                grad_scale=None, check_finite=False, found_inf=None, param_copies=None, torch_sqrt=False) -> bool:
+    """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula,
+    each operation rounded as torch's default CPU step rounds it, with the IEEE square root
+    (``torch_sqrt``: torch's CPU square root, see :class:`~lightning_fastopt.optim.adam.FusedAdam`).
 
     ``exp_avgs`` and ``exp_avg_sqs`` are float32, or (CPU, float32 params, no amsgrad)
     bfloat16, stored with stochastic rounding seeded by the step count
@@ -279,7 +281,8 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
                 max_exp_avg_sqs=_list(maxes), copies=_list(param_copies), lr=sc.lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, step_size=sc.lr / bc1, bias_correction2_sqrt=bc2 ** 0.5,
                 inv_grad_scale=sc.inv_scale, amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
-                check_finite=check_finite, state_seed=sc.step & 0xFFFFFFFF)
+                check_finite=check_finite, state_seed=sc.step & 0xFFFFFFFF, decay=1 - sc.lr * weight_decay,
+                torch_sqrt=torch_sqrt)
 
 
 @_routed

@@ -1,6 +1,7 @@
 """A run under a fastopt strategy ends where the same run under ``Trainer()`` ends, bit for
-bit (issue: bit for bit with the user's optimizer), for what already rounds as torch
-does: SGD (the kernels) and any optimizer that runs its own step (RAdam here), with
+bit (issue: bit for bit with the user's optimizer): Adam, AdamW (amsgrad too) and SGD in
+the kernels, which round as torch's default CPU step does, and any optimizer that runs
+its own step (RAdam here), with
 gradient clipping by norm and by value, gradient accumulation and a per-step LR
 scheduler, at offload fractions 0, 0.5 and 1 through the accelerator code path
 (``copy_on_cpu``) and on the plain CPU path."""
@@ -20,6 +21,8 @@ STRATEGIES = {
     "cpu-path": lambda: "fastopt_offload",
 }
 OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05),
+    "adam-l2-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01, amsgrad=True),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
     "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01, weight_decay=0.01),
 }

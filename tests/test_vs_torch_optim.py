@@ -1,10 +1,11 @@
 """FusedAdam, FusedSGD and FusedAdagrad against torch.optim, element by element.
 
 50 steps, three parameter groups with different hyperparameters, sizes 0, 1, 7, 1023
-(and 1,000,003 once per optimizer), on every CPU backend.  Tolerances:
-- Adam/AdamW: torch.testing's float32 defaults, rtol 1.3e-6 and atol 1e-5 (the same
-  formula, evaluated with fused multiply-adds; differences stay at a few ulps per step);
-- SGD and Adagrad: rtol 1e-6, atol 1e-6.
+(and 1,000,003 once per optimizer), on every CPU backend.  Adam/AdamW: bit for bit
+(``torch.equal``) with torch's default CPU step (``torch_sqrt=True``: torch's square
+root), at 1 and 2 threads; by default (the IEEE square root) every backend gives the same
+bits.  SGD and Adagrad:
+rtol 1e-6, atol 1e-6 (the Trainer-level tests hold SGD to torch.equal).
 """
 
 import itertools
@@ -15,8 +16,8 @@ import torch
 from lightning_fastopt import FusedAdagrad, FusedAdam, FusedSGD
 from tests.helpers import BIG, SIZES, assert_params_close, run_twins
 
-ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
 TIGHT = dict(rtol=1e-6, atol=1e-6)
+EXACT = dict(rtol=0.0, atol=0.0)  # Adam/AdamW: torch's bits
 
 
 @pytest.mark.parametrize("adamw,amsgrad,maximize", list(itertools.product([True, False], repeat=3)))
@@ -24,22 +25,59 @@ def test_adam_matches_torch(backend, adamw, amsgrad, maximize):
     overrides = [dict(), dict(lr=0.05, weight_decay=0.1), dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
     torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     a, b, oa, ob = run_twins(
-        lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad, maximize=maximize),
+        lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad, maximize=maximize,
+                            torch_sqrt=True),
         lambda g: torch_cls(g, lr=1e-2, weight_decay=0.01, amsgrad=amsgrad, maximize=maximize),
         SIZES, overrides)
-    assert_params_close(a, b, **ADAM_TOL)
+    assert_params_equal(a, b)
     for x, y in zip(a, b):
         if x.numel():
             sa, sb = oa.state[x], ob.state[y]
-            torch.testing.assert_close(sa["exp_avg"], sb["exp_avg"], **ADAM_TOL)
-            torch.testing.assert_close(sa["exp_avg_sq"], sb["exp_avg_sq"], **ADAM_TOL)
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+            if amsgrad:
+                assert torch.equal(sa["max_exp_avg_sq"], sb["max_exp_avg_sq"])
             assert float(sa["step"]) == float(sb["step"]) == 50
 
 
-def test_adam_big_tensor(backend):
-    a, b, _, _ = run_twins(lambda g: FusedAdam(g, lr=1e-3, weight_decay=0.01),
-                           lambda g: torch.optim.AdamW(g, lr=1e-3, weight_decay=0.01), (BIG, 5), [dict()], steps=20)
-    assert_params_close(a, b, **ADAM_TOL)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("adamw,amsgrad", [(True, False), (False, True)])
+def test_adam_big_tensor(backend, threads, adamw, amsgrad):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        a, b, _, _ = run_twins(lambda g: FusedAdam(g, lr=1e-3, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad,
+                                                   torch_sqrt=True),
+                               lambda g: torch_cls(g, lr=1e-3, weight_decay=0.01, amsgrad=amsgrad), (BIG, 5),
+                               [dict()], steps=20)
+    finally:
+        torch.set_num_threads(before)
+    assert_params_equal(a, b)
+
+
+@pytest.mark.parametrize("adamw,amsgrad", [(True, False), (False, True)])
+def test_adam_with_the_ieee_square_root_is_the_same_on_every_backend(backend, adamw, amsgrad):
+    """FusedAdam's default: the kernels of every ISA and the pure-PyTorch backend, which
+    applies torch's operations with the IEEE square root, agree bit for bit."""
+    import lightning_fastopt.ops as ops
+    from lightning_fastopt.ops import torch_backend
+
+    def run(module):
+        real = ops.cpu_backend
+        ops.cpu_backend = lambda: module
+        torch.manual_seed(0)
+        try:
+            return run_twins(lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad),
+                             lambda g: torch.optim.SGD(g, lr=0.0), SIZES, [dict(), dict(lr=0.05)])[0]
+        finally:
+            ops.cpu_backend = real
+
+    assert_params_equal(run(backend), run(torch_backend))
+
+
+def assert_params_equal(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"param {i} (numel {x.numel()}): {(x.double() - y.double()).abs().max().item()} away"
 
 
 @pytest.mark.parametrize("momentum,dampening,nesterov,maximize,weight_decay", [
@@ -105,7 +143,7 @@ def test_adagrad_big_tensor(backend):
 def test_params_without_grad_are_untouched(backend):
     p1, p2 = torch.randn(10, requires_grad=True), torch.randn(10, requires_grad=True)
     before = p2.detach().clone()
-    opt = FusedAdam([p1, p2], weight_decay=0.01)
+    opt = FusedAdam([p1, p2], weight_decay=0.01, torch_sqrt=True)
     p1.grad = torch.randn(10)
     opt.step()
     assert torch.equal(p2.detach(), before)
@@ -119,7 +157,7 @@ def test_params_without_grad_are_untouched(backend):
         p1.grad, p2.grad, ref1.grad, ref2.grad = g1, g2, g1.clone(), g2.clone()
         opt.step()
         ropt.step()
-    assert_params_close([p1, p2], [ref1, ref2], **ADAM_TOL)
+    assert_params_close([p1, p2], [ref1, ref2], **EXACT)
     assert float(opt.state[p1]["step"]) == 6 and float(opt.state[p2]["step"]) == 5
 
 
@@ -138,8 +176,8 @@ def _step_with_gaps(opt, ref, ps, rs, every, steps=12):
 
 
 @pytest.mark.parametrize("make,make_ref,tol", [
-    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01), lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
-     ADAM_TOL),
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, torch_sqrt=True),
+     lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01), EXACT),
     (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9), lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9), TIGHT),
     (lambda g: FusedAdagrad(g, lr=1e-2), lambda g: torch.optim.Adagrad(g, lr=1e-2), TIGHT),
 ], ids=["adamw", "sgd", "adagrad"])
@@ -169,10 +207,10 @@ def _wrap_zero(opt, names):
 
 
 LISTED_TWICE = [
-    ("adamw-amsgrad", lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, amsgrad=True),
-     lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01, amsgrad=True, foreach=False), ADAM_TOL),
-    ("adam", lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=False),
-     lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.01, foreach=False), ADAM_TOL),
+    ("adamw-amsgrad", lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, amsgrad=True, torch_sqrt=True),
+     lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01, amsgrad=True, foreach=False), EXACT),
+    ("adam", lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=False, torch_sqrt=True),
+     lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.01, foreach=False), EXACT),
     ("sgd-nesterov", lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
      lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1, foreach=False), TIGHT),
     ("sgd-dampening", lambda g: FusedSGD(g, lr=1e-2, momentum=0.5, dampening=0.3),

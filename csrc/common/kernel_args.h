@@ -13,6 +13,8 @@ struct AdamArgs {
   float inv_grad_scale;         // 1 / loss scale (1 when unscaled)
   bool amsgrad, adamw, maximize;
   double beta1_exact, beta2_exact;  // the betas as given: bias corrections computed on the device (capturable)
+  float decay;                  // AdamW's factor 1 - lr * weight_decay, computed in double (as torch)
+  bool torch_sqrt;              // CPU: the square root torch's CPU ops compute (MKL's), not the IEEE one
 };
 // state: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only)
 

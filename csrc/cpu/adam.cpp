@@ -1,49 +1,138 @@
-// Adam / AdamW (with amsgrad), torch.optim.Adam's formula in float:
-//   g  = -g if maximize (after unscaling);  L2 mode: g += wd * p;  AdamW: p *= 1 - lr * wd
-//   m  = lerp(m, g, 1 - beta1);  v = v * beta2 + (1 - beta2) * g * g;  vmax = max(vmax, v)
-//   p -= step_size * m / (sqrt(v or vmax) / sqrt(bias_correction2) + eps)
-// m and v are float32, or bfloat16 stored with stochastic rounding (vec.h; no amsgrad).
+// Adam / AdamW (with amsgrad), rounded exactly as torch.optim.Adam/AdamW's default step on
+// the CPU rounds (its for-loop implementation: one ATen op after another, each rounding
+// once, the vectorized ones with the fused multiply-adds ATen's kernels use), so that the
+// results are torch's bits at every ISA we build and every thread count:
+//   g  = -g if maximize (after unscaling)
+//   L2:    g = fma(p, wd, g)                        grad.add(param, alpha=wd)
+//   AdamW: p = p * float(1 - lr * wd)               param.mul_(1 - lr * wd), the factor in double
+//   m  = lerp(m, g, float(1 - beta1))               exp_avg.lerp_(grad, 1 - beta1)
+//   v  = fma(float(1 - beta2) * g, g, v * beta2)    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+//   vmax = max(vmax, v)                             amsgrad
+//   d  = sqrt(v or vmax) / bc2_sqrt + eps           (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+//   p  = p + (-step_size * m) / d                   param.addcdiv_(exp_avg, denom, value=-step_size)
+// The scalars come from Python as doubles (step_size, bias_correction2_sqrt, the decay
+// factor, the betas) and are rounded to float once, as ATen rounds a Python scalar.
+//
+// The square root: the IEEE one (correctly rounded) by default, in one pass.  With
+// `torch_sqrt`, torch's: ATen's CPU sqrt is MKL's vsSqrt where torch was built with MKL,
+// which is not correctly rounded (about 1 result in 6 differs by one ulp), so the step
+// goes block by block: a first pass updates m and v and collects the v (or vmax) of the
+// block, MKL's routine (the one libtorch_cpu exports) takes their roots, and a second
+// pass updates the parameters.  The block stays in the first-level cache (the memory
+// traffic of one pass), but MKL's careful square root costs about as much as the rest
+// of the step (measured: 1.7x the one-pass step, 50M parameters on 2 AVX2 cores).  Without MKL
+// ATen's square root is the IEEE one, and so is ours.
+// m and v are float32, or bfloat16 stored with stochastic rounding (vec.h; no amsgrad;
+// one pass, the IEEE square root: torch has no such algorithm to follow).
+#include <algorithm>
+
 #include "tensor_walk.h"
+
+// MKL's single-precision square root (Fortran interface), exported by libtorch_cpu when
+// torch was built with MKL; null otherwise (a weak reference).
+extern "C" void VSSQRT_(const int* n, const float* a, float* r) __attribute__((weak));
 
 namespace fastopt {
 namespace {
 
-// torch's lerp(a, b, w) for a scalar weight, evaluated the way ATen does.
+// ATen's vectorized lerp(a, b, w) for a scalar weight (LerpKernel.cpp): one fused
+// multiply-add from the nearer end.
 struct Lerp {
-  VecF w, one_minus_w;
+  VecF coeff;
   bool small;
-  explicit Lerp(float weight)
-      : w(VecF::set1(weight)), one_minus_w(VecF::set1(1.0f - weight)), small(weight < 0.5f) {}
-  VecF operator()(VecF a, VecF b) const {
-    return small ? VecF::fmadd(w, b - a, a) : b - (b - a) * one_minus_w;
+  explicit Lerp(float weight) : coeff(VecF::set1(weight < 0.5f ? weight : weight - 1.0f)), small(weight < 0.5f) {}
+  VecF operator()(VecF a, VecF b) const { return VecF::fmadd(coeff, b - a, small ? a : b); }
+};
+
+// The constants of one step, as torch rounds them.
+struct AdamConstants {
+  VecF gs, wd, decay, b2, w2, bc2s, eps, neg_step;
+  Lerp lerp1;
+  explicit AdamConstants(const AdamArgs& a)
+      : gs(VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale)),
+        wd(VecF::set1(a.weight_decay)),
+        decay(VecF::set1(a.decay)),
+        b2(VecF::set1(a.beta2)),
+        w2(VecF::set1(static_cast<float>(1.0 - a.beta2_exact))),
+        bc2s(VecF::set1(a.bias_correction2_sqrt)),
+        eps(VecF::set1(a.eps)),
+        neg_step(VecF::set1(-a.step_size)),
+        lerp1(static_cast<float>(1.0 - a.beta1_exact)) {}
+
+  // m, v (and vmax) from the gradient; returns what the square root is taken of.
+  template <bool kAmsgrad, bool kL2, int NS>
+  FASTOPT_ALWAYS_INLINE VecF moments(const VecF& p, VecF g, std::array<VecF, NS>& st) const {
+    g = g * gs;
+    if constexpr (kL2) g = VecF::fmadd(p, wd, g);
+    st[0] = lerp1(st[0], g);
+    st[1] = VecF::fmadd(w2 * g, g, st[1] * b2);
+    if constexpr (kAmsgrad) {
+      st[2] = VecF::max(st[2], st[1]);
+      return st[2];
+    }
+    return st[1];
+  }
+
+  // The parameter from m and the square root.
+  template <bool kDecoupled>
+  FASTOPT_ALWAYS_INLINE VecF param(VecF p, const VecF& m, const VecF& root) const {
+    if constexpr (kDecoupled) p = p * decay;
+    return p + (neg_step * m) / (root / bc2s + eps);
   }
 };
 
+// One pass, the IEEE square root (bfloat16 state; a torch without MKL).
+template <bool kAmsgrad, bool kDecoupled, bool kL2>
+void run_one_pass(const Slots& slots, const AdamArgs& a) {
+  const AdamConstants c(a);
+  constexpr int NS = kAmsgrad ? 3 : 2;
+  elementwise_step<NS, !kAmsgrad>(slots, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
+    const VecF v = c.moments<kAmsgrad, kL2, NS>(p, g, st);
+    p = c.param<kDecoupled>(p, st[0], VecF::sqrt(v));
+  });
+}
+
+constexpr int64_t kRootBlock = 2048;  // elements per block: its p, g, m, v and roots take 40 KiB, about L1
+
+// Block by block, MKL's square root between the two passes (see the top of the file).
+template <bool kAmsgrad, bool kDecoupled, bool kL2>
+void run_mkl_roots(const Slots& slots, const AdamArgs& a) {
+  const AdamConstants c(a);
+  constexpr int NS = kAmsgrad ? 3 : 2;
+  constexpr int W = VecF::W;
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    const TensorSlot& s = slots[t];
+    dispatch_dtypes(s, [&](auto pt, auto gt, auto ct) {
+      using P = decltype(pt);
+      using G = decltype(gt);
+      using C = decltype(ct);
+      alignas(64) float roots[kRootBlock];
+      for (int64_t bb = b; bb < e; bb += kRootBlock) {
+        const int64_t be = std::min(e, bb + kRootBlock);
+        float* out = roots;
+        for_each_vec<NS, false, P, G, C, F32>(s, bb, be, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
+          c.moments<kAmsgrad, kL2, NS>(p, g, st).store(out);
+          out += W;
+        });
+        const int n = static_cast<int>(out - roots);
+        VSSQRT_(&n, roots, roots);
+        const float* root = roots;
+        for_each_vec<1, true, P, None, C, F32>(s, bb, be, [&](VecF& p, VecF, std::array<VecF, 1>& st) {
+          p = c.param<kDecoupled>(p, st[0], VecF::load(root));
+          root += W;
+        });
+      }
+    });
+  });
+}
+
 template <bool kAmsgrad, bool kDecoupled, bool kL2>
 void run(const Slots& slots, const AdamArgs& a) {
-  const VecF gs = VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale);
-  const VecF wd = VecF::set1(a.weight_decay);
-  const VecF decay = VecF::set1(static_cast<float>(1.0 - static_cast<double>(a.lr) * a.weight_decay));
-  const Lerp lerp1(1.0f - a.beta1);
-  const VecF b2 = VecF::set1(a.beta2), w2 = VecF::set1(1.0f - a.beta2);
-  const VecF bc2s = VecF::set1(a.bias_correction2_sqrt), eps = VecF::set1(a.eps);
-  const VecF neg_step = VecF::set1(-a.step_size);
-  constexpr int NS = kAmsgrad ? 3 : 2;
-  // bfloat16 state (stochastic rounding) for float32 params without amsgrad
-  elementwise_step<NS, !kAmsgrad>(slots, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
-    g = g * gs;
-    if constexpr (kL2) g = VecF::fmadd(wd, p, g);
-    if constexpr (kDecoupled) p = p * decay;
-    st[0] = lerp1(st[0], g);
-    st[1] = VecF::fmadd(w2, g * g, st[1] * b2);
-    VecF v = st[1];
-    if constexpr (kAmsgrad) {
-      st[2] = VecF::max(st[2], st[1]);
-      v = st[2];
-    }
-    const VecF denom = VecF::sqrt(v) / bc2s + eps;
-    p = VecF::fmadd(neg_step, st[0] / denom, p);
-  });
+  const bool bf16_state = std::any_of(slots.begin(), slots.end(),
+                                      [](const TensorSlot& s) { return s.state_dtype == DType::kBFloat16; });
+  if (!a.torch_sqrt || VSSQRT_ == nullptr || (!kAmsgrad && bf16_state))
+    return run_one_pass<kAmsgrad, kDecoupled, kL2>(slots, a);
+  run_mkl_roots<kAmsgrad, kDecoupled, kL2>(slots, a);
 }
 
 }  // namespace

@@ -36,12 +36,13 @@ struct AdamMath {
   AdamArgs a;
   bool bias_correction;
   bool decoupled, l2, small1;
-  float gs, decay, w1, w1c, w2, bc2s, neg_step;
+  float gs, decay, w1, lerp_coeff, w2, bc2s, neg_step;
 
   FASTOPT_HOST_DEVICE void prepare(const DeviceScalars& d) {
     gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     float lr = a.lr, step_size = a.step_size;
     bc2s = a.bias_correction2_sqrt;
+    decay = a.decay;  // from the exact lr, computed by the caller
     if (d.step != nullptr) {  // the bias corrections of a device-resident step count
       lr = d.lr != nullptr ? *d.lr : a.lr;
       const double step = static_cast<double>(*d.step);
@@ -49,28 +50,28 @@ struct AdamMath {
       const double bc2 = bias_correction ? 1.0 - pow(a.beta2_exact, step) : 1.0;
       step_size = static_cast<float>(static_cast<double>(lr) / bc1);
       bc2s = static_cast<float>(sqrt(bc2));
+      decay = decoupled_decay(lr, a.weight_decay);
     }
-    decay = decoupled_decay(lr, a.weight_decay);
-    w1 = 1.0f - a.beta1;
-    w1c = 1.0f - w1;
+    w1 = static_cast<float>(1.0 - a.beta1_exact);
     small1 = w1 < 0.5f;
-    w2 = 1.0f - a.beta2;
+    lerp_coeff = small1 ? w1 : w1 - 1.0f;
+    w2 = static_cast<float>(1.0 - a.beta2_exact);
     neg_step = -step_size;
   }
 
+  // torch's default CPU step, op by op, with the IEEE square root (../cpu/adam.cpp)
   FASTOPT_HOST_DEVICE inline void operator()(float& p, float g, float* s) const {
     g = g * gs;
-    if (l2) g = fmaf(a.weight_decay, p, g);
+    if (l2) g = fmaf(p, a.weight_decay, g);
     if (decoupled) p = p * decay;
-    s[0] = small1 ? fmaf(w1, g - s[0], s[0]) : g - (g - s[0]) * w1c;  // torch's lerp
-    s[1] = fmaf(w2, g * g, s[1] * a.beta2);
+    s[0] = fmaf(lerp_coeff, g - s[0], small1 ? s[0] : g);  // ATen's vectorized lerp
+    s[1] = fmaf(w2 * g, g, s[1] * a.beta2);
     float v = s[1];
     if (a.amsgrad) {
       s[2] = fmaxf(s[2], s[1]);
       v = s[2];
     }
-    const float denom = sqrtf(v) / bc2s + a.eps;
-    p = fmaf(neg_step, s[0] / denom, p);
+    p = p + (neg_step * s[0]) / (sqrtf(v) / bc2s + a.eps);
   }
 };
 

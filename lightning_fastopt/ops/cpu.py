@@ -18,7 +18,10 @@ CPU_SOURCES = ("adam.cpp", "adagrad.cpp", "lamb.cpp", "lars.cpp", "lion.cpp", "r
 CPU_HEADERS = ("kernel_api.h", "tensor_walk.h", "vec.h")
 # csrc/common: the vocabulary the CPU and CUDA kernels and bindings share
 COMMON_HEADERS = ("dtype_combinations.h", "kernel_args.h", "kernel_types.h", "optimizer_bindings.h", "tensor_slots.h")
-_BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-c++20-extensions")
+# -ffp-contract=off: a multiply and an add stay two roundings unless a kernel asks for a
+# fused multiply-add (VecF::fmadd), as ATen's kernels do, so that every ISA we build
+# rounds alike (the portable build has no FMA instruction to contract into)
+_BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wno-c++20-extensions")
 # one core's compile time for all sources (the build's time estimate): 38 s on 2 cores
 # (AVX2, g++ 13) and 14 s on 16 (AVX-512) were measured
 _CORE_SECONDS = 70.0

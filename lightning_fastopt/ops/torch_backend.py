@@ -118,7 +118,12 @@ def _lerp_(dst, src, weight: float) -> None:
 
 def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
           weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
-          check_finite, state_seed: int = 0) -> bool:
+          check_finite, state_seed: int = 0, decay: float | None = None, torch_sqrt: bool = False) -> bool:
+    """torch.optim.Adam/AdamW's default CPU step, op for op (``decay``: AdamW's factor
+    ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by default
+    from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's."""
+    if decay is None:
+        decay = 1 - lr * weight_decay
     if check_finite and not all_finite(grads):
         return True
     if not params:
@@ -128,25 +133,26 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
             raise TypeError("bfloat16 Adam state needs float32 params (masters) and amsgrad=False")
         stored = (list(exp_avgs), list(exp_avg_sqs))
         exp_avgs, exp_avg_sqs = _f32(exp_avgs), _f32(exp_avg_sqs)
-        _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
-                  weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize)
+        _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
+                  weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, False)
         for k, (kept, work) in enumerate(zip(stored, (exp_avgs, exp_avg_sqs))):
             for t, w in zip(kept, work):
                 if t is not w:
                     t.copy_(round_bf16_stochastic(w, state_seed, k))
         return False
-    _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
-              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize)
+    _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
+              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, torch_sqrt)
     return False
 
 
-def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
-              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize) -> None:
+def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
+              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
+              torch_sqrt) -> None:
     work = _f32(params)
     g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
         if adamw:
-            torch._foreach_mul_(work, 1 - lr * weight_decay)
+            torch._foreach_mul_(work, decay)
         else:
             torch._foreach_add_(g, work, alpha=weight_decay)
     _lerp_(exp_avgs, g, 1 - beta1)
@@ -156,7 +162,9 @@ def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr,
     if amsgrad:
         torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         second = max_exp_avg_sqs
-    denom = torch._foreach_sqrt(second)
+    # torch's CPU square root (MKL's where torch has it), or the IEEE one (correctly rounded
+    # from the double root: a float's square root rounds once either way)
+    denom = torch._foreach_sqrt(second) if torch_sqrt else [t.double().sqrt_().float() for t in second]
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(work, exp_avgs, denom, value=-step_size)

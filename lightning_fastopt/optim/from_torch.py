@@ -95,8 +95,11 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     d = optimizer.defaults
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or d.get("decoupled_weight_decay", False)
+        # the parameters on the CPU, torch's default step: its square root too (see FusedAdam)
+        on_cpu = all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"])
         return dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                    amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False))
+                    amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False),
+                    torch_sqrt=on_cpu and not d.get("fused"))
     if isinstance(optimizer, torch.optim.SGD):
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False))

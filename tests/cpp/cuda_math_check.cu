@@ -98,7 +98,8 @@ int main(int argc, char** argv) {
   if (algo == "adam") {
     AdamArgs a{lr, static_cast<float>(arg("beta1")), static_cast<float>(arg("beta2")), static_cast<float>(arg("eps")),
                wd, static_cast<float>(arg("step_size")), static_cast<float>(arg("bias_correction2_sqrt")), inv,
-               flag("amsgrad"), flag("adamw"), flag("maximize"), arg("beta1"), arg("beta2")};
+               flag("amsgrad"), flag("adamw"), flag("maximize"), arg("beta1"), arg("beta2"),
+               static_cast<float>(1.0 - static_cast<double>(lr) * wd), false};  // the binding's default decay
     elementwise(adam_math(a, flag("bias_correction")), d, p, g, s);
   } else if (algo == "sgd") {
     SgdArgs a{lr, static_cast<float>(arg("momentum")), static_cast<float>(arg("dampening")), wd, inv,
