@@ -159,3 +159,37 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(two_rank_run, on
     one = one_rank_run[1] if stage == "1" else _run(tmp_path / "one", "--devices", "1", "--stage", stage)
     two = two_rank_run[1] if stage == "1" else _run(tmp_path / "two", "--devices", "2", "--stage", stage)
     _assert_close(two, one)
+
+
+def test_consolidate_a_fabric_sharded_checkpoint(tmp_path, capsys):
+    """A directory ``fabric.save`` wrote with ZeRO (each optimizer's entry a marker, the
+    shards beside): the command writes the consolidated file and says what it holds (it
+    wrote the file, then died with ``KeyError: 'optimizer_states'``; issue: sharp edges)."""
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.checkpoint.__main__ import main
+    from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
+    from lightning_fastopt.zero import ZeroOptimizer
+
+    class OneRank:
+        global_rank, world_size, is_global_zero = 0, 1, True
+
+        def broadcast(self, obj, src=0):
+            return obj
+
+        def barrier(self, name=None):
+            pass
+
+    model = torch.nn.Linear(3, 2)
+    opt = ZeroOptimizer(FusedAdam(model.parameters(), lr=0.1), dict(
+        (p, n) for n, p in model.named_parameters()), stage=1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": {SHARDS_KEY: 0}, "step": 1,
+             "optimizer_states": [opt.state_dict()]}
+    save_sharded(state, tmp_path / "fabric.ckpt", OneRank(), zero_stage=1, partitions=[opt.partition()])
+    main(["consolidate", str(tmp_path / "fabric.ckpt"), str(tmp_path / "one.ckpt")])
+    assert "1 optimizer state(s) (under 'optimizer'), 2 parameter state(s)" in capsys.readouterr().out
+    one = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    assert one["step"] == 1 and "optimizer_states" not in one
+    assert len(one["optimizer"]["state"]) == 2

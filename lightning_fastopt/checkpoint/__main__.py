@@ -24,8 +24,19 @@ def main(argv=None) -> None:
         ckpt = consolidate(args.path, args.out)
     except (BrokenCheckpointError, CheckpointMismatchError) as err:
         parser.exit(2, f"error: {err}\n")
-    print(f"wrote {args.out}: {len(ckpt['optimizer_states'])} optimizer state(s), "
-          f"{sum(len(s['state']) for s in ckpt['optimizer_states'])} parameter state(s)")
+    states = optimizer_states(ckpt)
+    where = "" if "optimizer_states" in ckpt else f" (under {', '.join(repr(k) for k in states)})"
+    print(f"wrote {args.out}: {len(states)} optimizer state(s){where}, "
+          f"{sum(len(s['state']) for s in states.values())} parameter state(s)")
+
+
+def optimizer_states(checkpoint: dict) -> dict:
+    """The optimizer states of a consolidated checkpoint by where they are: a Trainer's
+    under ``optimizer_states`` (by position), a Fabric one's under the keys ``fabric.save``
+    was given."""
+    if "optimizer_states" in checkpoint:
+        return {f"optimizer_states[{i}]": s for i, s in enumerate(checkpoint["optimizer_states"])}
+    return {k: v for k, v in checkpoint.items() if isinstance(v, dict) and {"state", "param_groups"} <= set(v)}
 
 
 if __name__ == "__main__":
