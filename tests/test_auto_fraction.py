@@ -230,3 +230,22 @@ def test_manual_optimization_is_refused_at_setup():
 
     with pytest.raises(ValueError, match="offload_fraction='auto' measures the forward and backward"):
         trainer.fit(Manual(), _data())
+
+
+def test_auto_with_the_delayed_update_says_how_to_reproduce_the_run(caplog, monkeypatch):
+    """With ``delayed_update`` the fraction ``auto`` picks is part of the math (only the
+    offloaded share is delayed), and timings differ between machines: the line that says
+    the choice gives the pinned argument, and a run pinned to it ends where the ``auto``
+    run ended (issue: sharp edges)."""
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    monkeypatch.setattr(auto_fraction, "choose_fraction", lambda *a, **k: (0.1, "forced for the test"))
+    delayed = dict(delayed_update=True, delayed_update_warmup=6, bucket_size_mb=0.0002, copy_on_cpu=True)
+    with caplog.at_level(logging.INFO):
+        auto = _fit(FastOptStrategy(offload_fraction="auto", **delayed))
+    assert ("With delayed_update the fraction is part of the math (only the offloaded share is delayed) and timings "
+            "differ between machines: to reproduce this run, offload_fraction=0.1 runs at it without probing"
+            ) in caplog.text
+    pinned = _fit(FastOptStrategy(offload_fraction=0.1, **delayed))
+    other = _fit(FastOptStrategy(offload_fraction=1.0, **delayed))
+    assert all(torch.equal(a, b) for a, b in zip(auto.parameters(), pinned.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(auto.parameters(), other.parameters()))

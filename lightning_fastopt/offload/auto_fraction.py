@@ -203,7 +203,11 @@ class AutoFraction:
         fraction = self.agree(fraction)
         new = optimizer.with_fraction(fraction)
         self._probes[id(new)] = self._probes.pop(id(optimizer))  # done: the rebuilt optimizer is not probed
-        return new, f"offload_fraction='auto' chose {fraction:g}: {why}"
+        pin = f"offload_fraction={float(fraction)!r} runs at it without probing"
+        if hide == "delayed":  # only the offloaded share is delayed: the fraction changes the results
+            pin = (f"with delayed_update the fraction is part of the math (only the offloaded share is delayed) "
+                   f"and timings differ between machines: to reproduce this run, {pin}")
+        return new, f"offload_fraction='auto' chose {fraction:g}: {why}. {pin[0].upper()}{pin[1:]}"
 
 
 def _device_bytes(optimizer, param: Tensor) -> int:

@@ -204,10 +204,20 @@ def load_extension(spec: ExtensionSpec, timeout: float | None = None) -> ModuleT
     if timeout is None:
         timeout = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
     _check_writable(os.path.dirname(directory))
-    with file_lock(directory + ".lock", timeout=timeout):
+    what = spec.title or spec.name
+    waited_since = []
+
+    def say_waiting(holder: str) -> None:
+        waited_since.append(time.monotonic())
+        _say(f"waiting for {what}: another process ({holder}) holds the build lock {directory}.lock")
+
+    with file_lock(directory + ".lock", timeout=timeout, on_wait=say_waiting):
         problem = damage(spec, directory)  # another process may have built it meanwhile
         if problem is not None:
             return _build_locked(spec, directory, problem)
+    if waited_since:
+        _say(f"{what} built by another process are ready (waited {time.monotonic() - waited_since[0]:.0f} s): "
+             f"{directory}")
     return _import_built(spec, directory)
 
 
