@@ -1,5 +1,5 @@
 """The arguments the fastopt strategies take, checked once for both the Trainer's
-(:class:`~lightning_fastopt.trainer.strategy.FastOptStrategy`) and Fabric's
+(:class:`~lightning_fastopt.FastOptStrategy`) and Fabric's
 (:class:`~lightning_fastopt.fabric.FastOptFabricStrategy`): a bad value is an error
 naming the argument and what it accepts, when the strategy is built."""
 
@@ -21,7 +21,7 @@ from lightning_fastopt.optim.base import check_range
 
 @dataclass
 class StrategyOptions:
-    """Checked arguments (see :class:`~lightning_fastopt.trainer.strategy.FastOptStrategy` for
+    """Checked arguments (see :class:`~lightning_fastopt.FastOptStrategy` for
     their meaning).  ``offload_fraction`` is 1 when ``auto_fraction`` (where the probe starts)."""
 
     offload_fraction: float = 1.0

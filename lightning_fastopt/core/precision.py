@@ -1,5 +1,5 @@
 """What the fastopt precision plugins share, for Lightning's Trainer
-(:class:`~lightning_fastopt.trainer.precision.FastOptPrecision`) and for Fabric
+(:class:`~lightning_fastopt.FastOptPrecision`) and for Fabric
 (:class:`~lightning_fastopt.fabric.FastOptFabricPrecision`): the precision flags, the
 dtype of "-true" weights, autocast, the fp16 loss scaler, the overflow check that skips a
 step, the step itself (our optimizers unscale inside the kernels, any other gets its

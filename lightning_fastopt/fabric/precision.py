@@ -1,7 +1,7 @@
 """FastOptFabricPrecision: the fastopt precision plugin for Lightning Fabric.
 
 The same flags, autocast, half weights and fp16 loss scaling as the Trainer's
-:class:`~lightning_fastopt.trainer.precision.FastOptPrecision` (both are
+:class:`~lightning_fastopt.FastOptPrecision` (both are
 :class:`~lightning_fastopt.core.precision.PrecisionCore`): ``fabric.backward(loss)``
 scales the loss, ``optimizer.step()`` skips the step when a gradient overflowed (on any
 rank) and otherwise steps with the scale taken out inside our kernels, and
@@ -20,7 +20,7 @@ from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS, PrecisionCore
 
 class FastOptFabricPrecision(PrecisionCore, Precision):
     """Fabric's precision plugin of the fastopt strategies; the arguments are those of
-    :class:`~lightning_fastopt.trainer.precision.FastOptPrecision`.  ``Fabric(precision=...)``
+    :class:`~lightning_fastopt.FastOptPrecision`.  ``Fabric(precision=...)``
     gives one to a fastopt strategy; pass ``plugins=[FastOptFabricPrecision("16-mixed")]``
     for fp16 on the CPU (where Fabric turns ``"16-mixed"`` into bf16)."""
 

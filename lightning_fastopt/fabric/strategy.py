@@ -2,10 +2,10 @@
 
 ``import lightning_fastopt`` registers the Trainer's names in Fabric's registry too
 (``Fabric(strategy="fastopt_offload")``).  The work is shared with the Trainer's
-:class:`~lightning_fastopt.trainer.strategy.FastOptStrategy`: the same arguments, checked by
+:class:`~lightning_fastopt.FastOptStrategy`: the same arguments, checked by
 :class:`~lightning_fastopt.core.options.StrategyOptions`; the same optimizers
-(:func:`~lightning_fastopt.trainer.strategy.fused_for`, then
-:func:`~lightning_fastopt.trainer.strategy.wrap_fused_optimizer`: offload or ZeRO); the same
+(:func:`~lightning_fastopt.core.engines.fused_for`, then
+:func:`~lightning_fastopt.core.engines.wrap_fused_optimizer`: offload or ZeRO); the same
 precision core; the same name-keyed, atomically written checkpoints.  What differs is how
 Fabric drives a step:
 
@@ -65,7 +65,7 @@ SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric c
 
 
 class FastOptFabricStrategy(DDPStrategy):
-    """The arguments are :class:`~lightning_fastopt.trainer.strategy.FastOptStrategy`'s, with
+    """The arguments are :class:`~lightning_fastopt.FastOptStrategy`'s, with
     ``keep_gradients=True`` by default (see the module's documentation); ``**kwargs`` go
     to Fabric's ``DDPStrategy``."""
 

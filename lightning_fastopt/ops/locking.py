@@ -2,9 +2,9 @@
 
 ``fcntl.flock`` locks belong to the open file: the kernel drops them when the process
 holding them exits, however it exits (even SIGKILL), so a killed build leaves nothing
-behind that blocks the next one.  Waiting is bounded by a timeout with a clear error.  The holder writes its pid and the
-time it took the lock into the file, so that a process that has to wait can say for whom
-(:func:`holder_of`).
+behind that blocks the next one.  Waiting is bounded by a timeout with a clear error.
+The holder writes its pid and the time it took the lock into the file, so that a process
+that has to wait can say for whom (:func:`holder_of`).
 """
 
 from __future__ import annotations
