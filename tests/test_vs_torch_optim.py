@@ -56,21 +56,17 @@ def test_adam_big_tensor(backend, threads, adamw, amsgrad):
 
 
 @pytest.mark.parametrize("adamw,amsgrad", [(True, False), (False, True)])
-def test_adam_with_the_ieee_square_root_is_the_same_on_every_backend(backend, adamw, amsgrad):
+def test_adam_with_the_ieee_square_root_is_the_same_on_every_backend(backend, monkeypatch, adamw, amsgrad):
     """FusedAdam's default: the kernels of every ISA and the pure-PyTorch backend, which
     applies torch's operations with the IEEE square root, agree bit for bit."""
     import lightning_fastopt.ops as ops
     from lightning_fastopt.ops import torch_backend
 
     def run(module):
-        real = ops.cpu_backend
-        ops.cpu_backend = lambda: module
+        monkeypatch.setattr(ops, "cpu_backend", lambda: module)  # the backend fixture restores it
         torch.manual_seed(0)
-        try:
-            return run_twins(lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad),
-                             lambda g: torch.optim.SGD(g, lr=0.0), SIZES, [dict(), dict(lr=0.05)])[0]
-        finally:
-            ops.cpu_backend = real
+        return run_twins(lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad),
+                         lambda g: torch.optim.SGD(g, lr=0.0), SIZES, [dict(), dict(lr=0.05)])[0]
 
     assert_params_equal(run(backend), run(torch_backend))
 

@@ -19,8 +19,7 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
-__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "fused_for", "register_names", "say_half_masters",
-           "wrap_fused_optimizer"]
+__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "fused_for", "register_names", "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -60,11 +59,12 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
                         "own arguments, DDPStrategy's and DistributedDataParallel's")
 
 
-def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> FusedOptimizer:
+def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module, precision: str) -> FusedOptimizer:
     """The user's optimizer checked against ``module``'s parameters and mapped to the
     optimizer that runs it (the same ``param_groups`` dicts), said in one line: fused, or
-    its own step and why."""
+    its own step and why (``precision``: the run's flag, see :func:`_say_half_masters`)."""
     check_parameters(optimizer, module)
+    _say_half_masters(optimizer, precision)
     fused = to_fused_optimizer(optimizer)
     name = type(optimizer).__name__
     why_not = why_not_fused(optimizer)
@@ -85,7 +85,7 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     return OffloadOptimizer(fused, names, **offload_args)
 
 
-def say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:
+def _say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:
     """One line when half-precision parameters train under a precision that keeps the
     weights as they are (``"32-true"``): they get float32 master weights and state here,
     where plain Lightning would update them in their own dtype."""

@@ -56,9 +56,7 @@ from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
-from lightning_fastopt.core.engines import (
-    check_ddp_kwargs, fused_for, register_names, say_half_masters, wrap_fused_optimizer,
-)
+from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
@@ -154,8 +152,7 @@ class FastOptFabricStrategy(DDPStrategy):
             raise RuntimeError("set up the model before its optimizer: fabric.setup(model, optimizer), or "
                                "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)")
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
-        fused = fused_for(optimizer, self._module)
-        say_half_masters(optimizer, self.precision.precision)
+        fused = fused_for(optimizer, self._module, self.precision.precision)
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
                                        device_grads=self._device_grads(), **offload_arguments(self.options))

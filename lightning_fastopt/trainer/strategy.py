@@ -53,9 +53,7 @@ from lightning_fastopt.checkpoint.reading import read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (
-    check_ddp_kwargs, fused_for, register_names, say_half_masters, wrap_fused_optimizer,
-)
+from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.offload import OffloadOptimizer
@@ -278,8 +276,7 @@ class TrainerStrategy:
         for i, opt in enumerate(self.optimizers):
             if not self._runs_in_engine(opt):
                 continue
-            fused = fused_for(opt, self.lightning_module)
-            say_half_masters(opt, self.precision_plugin.precision)
+            fused = fused_for(opt, self.lightning_module, self.precision_plugin.precision)
             extra = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
             if by_module:
                 extra["forward_waits"] = "module"
