@@ -46,11 +46,14 @@ sys.path.insert(0, str(REPO / "examples"))
 # fastopt:F is FastOptStrategy(offload_fraction=F), F a number or "auto" (chosen after 5 probe steps, before
 # the timed ones); a ":stream" suffix adds stream_cpu_step=True, a ":delayed" suffix delayed_update=True
 # (delayed from the third step on, well before the timed steps), a ":bf16-true" suffix trains with half
-# weights (precision="bf16-true") instead of bf16-mixed, a ":module" suffix adds forward_waits="module"
+# weights (precision="bf16-true") instead of bf16-mixed, a ":module" suffix adds forward_waits="module";
+# a final ":clip" (any configuration) trains with gradient_clip_val=1.0 (streamed, the step is speculative)
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
            "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
            "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "fastopt:0.5:module",
-           "fastopt:1:delayed:bf16-true:module", "deepspeed_stage_2_offload"]
+           "fastopt:1:delayed:bf16-true:module", "plain:clip", "fastopt:1:clip", "fastopt:1:stream:clip",
+           "deepspeed_stage_2_offload"]
+CLIP = ":clip"
 DELAYED_WARMUP = 2
 
 
@@ -59,10 +62,10 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
     """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true][:module]``
     (F a number or ``auto``), and whether the configuration trains with half weights."""
     _, fraction, *mode = config.split(":")
-    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module"}
+    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module", "clip"}  # clip: the Trainer's, see child
     if unknown:
         raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' or ':delayed', "
-                         "and/or ':bf16-true', ':module'")
+                         "and/or ':bf16-true', ':module', ':clip'")
     arguments = dict(offload_fraction=fraction if fraction == "auto" else float(fraction),
                      stream_cpu_step="stream" in mode)
     if "module" in mode:
@@ -146,23 +149,27 @@ def child(config: str, args) -> dict:
         text = torch.cat([text, text])
     loader = torch.utils.data.DataLoader(ByteWindows(text, args.seq, 16), batch_size=args.batch, shuffle=True,
                                          drop_last=True)
-    if config == "plain":
+    clip = config.endswith(CLIP)
+    base = config[:-len(CLIP)] if clip else config
+    if base == "plain":
         strategy = "auto"
-    elif config.startswith("fastopt"):
-        strategy = FastOptStrategy(**fastopt_arguments(config)[0])
+    elif base.startswith("fastopt"):
+        strategy = FastOptStrategy(**fastopt_arguments(base)[0])
     else:
-        strategy = config
+        strategy = base
     measure = Measure()
-    half = config.startswith("fastopt") and fastopt_arguments(config)[1]
+    half = base.startswith("fastopt") and fastopt_arguments(base)[1]
     precision = ("bf16-true" if half else "bf16-mixed") if gpu else "32-true"
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=strategy,
                         precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[measure])
+                        enable_model_summary=False, callbacks=[measure], gradient_clip_val=1.0 if clip else None)
     trainer.fit(model, loader)
     seconds = measure.t1 - measure.t0
     opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
-    return dict(configuration=config, fraction=getattr(opt, "offload_fraction", None), params=n_params, tokens_per_s=args.steps * args.batch * args.seq / seconds,
+    speculated = dict(getattr(getattr(opt, "schedule", None), "totals", {}))  # the speculative step's bucket counts
+    return dict(configuration=config, fraction=getattr(opt, "offload_fraction", None), params=n_params,
+                tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
                 step_ms=seconds / args.steps * 1e3,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 **(measure.profile or {}))
@@ -228,14 +235,21 @@ def main() -> None:
     def pct(x):
         return "n/a" if x is None else f"{x:.0%}"
 
-    for r in rows:
-        rel = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "n/a"
+    by = {r["configuration"]: r for r in rows}
+    for r in rows:  # a configuration with clipping against plain with clipping
+        ref = by.get("plain:clip") if r["configuration"].endswith(CLIP) else plain
+        rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "n/a"
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         saved = (f"{plain['peak_gib'] - r['peak_gib']:.1f}" if plain and r["peak_gib"] is not None else "n/a")
         chosen = f" (chose {r['fraction']:g})" if ":auto" in r["configuration"] and r.get("fraction") is not None else ""
         print(f"| {r['configuration']}{chosen} | {r['tokens_per_s']:,.0f} | {rel} | {r['step_ms']:.0f} | {peak} | {saved} "
               f"| {pct(r.get('d2h_hidden'))} | {pct(r.get('h2d_hidden'))} |")
-    by = {r["configuration"]: r for r in rows}
+    for r in rows:
+        counts = r.get("speculated") or {}
+        if counts.get("speculated"):
+            print(f"\n{r['configuration']}: {counts['speculated']} bucket updates speculated (warm-up included), "
+                  f"{counts.get('committed', 0)} committed, {counts.get('redone', 0)} redone "
+                  f"({counts.get('redone', 0) / counts['speculated']:.0%}), {counts.get('dropped', 0)} dropped")
     if gpu and "fastopt:0" in by and "fastopt:1" in by:
         per_quarter = (by["fastopt:0"]["peak_gib"] - by["fastopt:1"]["peak_gib"]) / 4
         print(f"\nGPU memory saved per 25% of offload: {per_quarter:.2f} GiB")

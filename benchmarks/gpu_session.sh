@@ -36,7 +36,8 @@ case "$part" in
         # the Trainer-level comparisons with Trainer() (everyday patterns, precision, strategy) on the GPU
         FASTOPT_TEST_ACCELERATOR=gpu python3 -m pytest -q -p no:cacheprovider -rs $parallel \
             tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py \
-            tests/test_streamed_step.py tests/test_half_weights.py tests/test_delayed_update.py \
+            tests/test_streamed_step.py tests/test_speculative_step.py tests/test_half_weights.py \
+            tests/test_delayed_update.py \
             tests/test_forward_waits.py 2>&1 \
             | tee "$OUT/lightning_on_gpu.txt"
         ;;

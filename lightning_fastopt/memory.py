@@ -17,13 +17,13 @@ from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
 
 # float32 state tensors per parameter element, per optimizer
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "lion": 1, "adagrad": 1}
-_FIELDS = ("params", "grads", "master_weights", "optimizer_state")
+_FIELDS = ("params", "grads", "master_weights", "optimizer_state", "speculation")
 
 
 @dataclass
 class MemoryEstimate:
     """Bytes on each side; ``gpu`` and ``cpu`` map each of ``params``, ``grads``,
-    ``master_weights``, ``optimizer_state`` to a byte count."""
+    ``master_weights``, ``optimizer_state``, ``speculation`` to a byte count."""
 
     gpu: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_FIELDS, 0))
     cpu: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_FIELDS, 0))
@@ -48,7 +48,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, precision: str = "16-mixed",
-                    optimizer: str = "adam", amsgrad: bool = False) -> MemoryEstimate:
+                    optimizer: str = "adam", amsgrad: bool = False, speculate: bool = False) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``.
 
@@ -63,7 +63,10 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       counted on the accelerator;
     - optimizer state: float32 (float64 for float64 parameters, ``"64-true"``), 2 tensors
       per element for adam/adamw/lamb (3 with ``amsgrad``), 1 for sgd (with
-      momentum)/lars/lion/adagrad.
+      momentum)/lars/lion/adagrad;
+    - ``speculate=True`` (``stream_cpu_step`` where the step checks the gradients first):
+      the offloaded masters and state once more in host memory (``speculation``), kept
+      aside while an update is speculated (:mod:`~lightning_fastopt.offload.speculative`).
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -84,6 +87,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
             est.cpu["grads"] += n * size
             est.cpu["master_weights"] += m * n + (n * size if half else 0)
             est.cpu["optimizer_state"] += m * n * state_tensors
+            est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
         else:
             est.gpu["grads"] += n * size
             est.gpu["master_weights"] += m * n if half else 0

@@ -53,7 +53,12 @@ def test_main_job_loss_goes_down(tmp_path, capsys):
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
 
 
-def test_main_job_says_where_its_checkpoint_went_and_how_to_resume(tmp_path, capsys):
+def test_main_job_says_where_its_checkpoint_went_and_how_to_continue(tmp_path, capsys):
+    """The printed command trains further, in the same checkpoint directory, and the command
+    it prints in turn holds one --ckpt_path."""
+    import shlex
+    import warnings
+
     at = SMALL.index("--trainer.enable_checkpointing")
     small = SMALL[:at] + SMALL[at + 2:]
     sys.path.insert(0, str(REPO / "examples"))
@@ -67,10 +72,35 @@ def test_main_job_says_where_its_checkpoint_went_and_how_to_resume(tmp_path, cap
     main(args)
     out = capsys.readouterr().out.splitlines()
     saved = next(ln for ln in out if ln.startswith("checkpoint: ")).split(": ", 1)[1]
-    assert Path(saved).is_file() and saved.startswith(str(tmp_path))
-    assert f"resume with: python3 examples/train_gpt.py {' '.join(args)} --ckpt_path {saved}" in out
-    resumed = main([*args[:-1], "4", "--ckpt_path", saved])
-    assert resumed.trainer.global_step == 4
+    assert Path(saved).is_file() and Path(saved).parent == tmp_path / "checkpoints"
+    command = next(ln for ln in out if ln.startswith("continue with: ")).split(": ", 1)[1]
+    words = shlex.split(command)
+    assert words[:2] == ["python3", "examples/train_gpt.py"] and words.count("--ckpt_path") == 1
+    assert words[words.index("--trainer.max_steps") + 1] == "4" and words.count("--trainer.max_steps") == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = main(words[2:])
+    assert resumed.trainer.global_step == 4  # two more steps
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]
+    again = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("continue with: "))
+    words = shlex.split(again.split(": ", 1)[1])
+    assert words.count("--ckpt_path") == 1 and words[words.index("--trainer.max_steps") + 1] == "8"
+
+
+def test_the_continue_command_doubles_the_epochs_when_epochs_stopped_the_run():
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from train_gpt import continue_command
+    finally:
+        sys.path.pop(0)
+
+    class Stopped:
+        max_steps, global_step, max_epochs, current_epoch = -1, 120, 20, 20
+
+    command = continue_command(["fit", "--config", "c.yaml", "--trainer.max_epochs=20", "--ckpt_path", "old.ckpt"],
+                               "last.ckpt", Stopped())
+    assert command == ("python3 examples/train_gpt.py fit --config c.yaml --trainer.max_epochs 40 "
+                       "--ckpt_path last.ckpt")
 
 
 def test_class_path_config_in_a_fresh_interpreter(tmp_path):

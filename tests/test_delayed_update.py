@@ -260,7 +260,7 @@ def test_a_weight_written_between_steps_keeps_the_write():
         w.data.fill_(0.25)  # a write through .data while the update of that weight is pending
     _train_step(model, opt, x)  # sends the pending update, but not to w; w's next update starts from the write
     slot = opt._slot_of[w]
-    opt._wait_delayed()
+    opt.schedule.wait()
     grad = slot.spare_grad  # the gradient that update read (the buffers swapped when it was launched)
     expected = torch.full_like(w, 0.25) - 0.1 * grad
     torch.testing.assert_close(slot.master, expected)

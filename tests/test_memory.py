@@ -50,8 +50,11 @@ def test_estimate_arithmetic_for_a_known_model():
     model = torch.nn.Linear(1000, 1000)  # 1,001,000 float32 parameters
     full = estimate_memory(model, offload_fraction=1.0, optimizer="adamw")
     n = 1_001_000
-    assert full.gpu == {"params": 4 * n, "grads": 0, "master_weights": 0, "optimizer_state": 0}
-    assert full.cpu == {"params": 0, "grads": 4 * n, "master_weights": 4 * n, "optimizer_state": 8 * n}
+    assert full.gpu == {"params": 4 * n, "grads": 0, "master_weights": 0, "optimizer_state": 0, "speculation": 0}
+    assert full.cpu == {"params": 0, "grads": 4 * n, "master_weights": 4 * n, "optimizer_state": 8 * n,
+                        "speculation": 0}
+    speculating = estimate_memory(model, offload_fraction=1.0, optimizer="adamw", speculate=True)
+    assert speculating.cpu["speculation"] == 12 * n and speculating.cpu_total == full.cpu_total + 12 * n
     none = estimate_memory(model, offload_fraction=0.0, optimizer="adamw")
     assert none.gpu_total == 16 * n and none.cpu_total == 0
     assert "optimizer_state" in str(full) and "1,001,000 of 1,001,000 parameters offloaded" in str(full)
@@ -64,3 +67,23 @@ def test_bad_arguments():
         estimate_memory(_model(), optimizer="rmsprop")
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\]"):
         estimate_memory(_model(), offload_fraction=2)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.0])
+def test_the_speculation_estimate_matches_the_snapshots(fraction):
+    """What the speculative step keeps aside (masters and state, besides a step count per
+    parameter) is what estimate_memory(speculate=True) says and what the log line says."""
+    model = _model()
+    est = estimate_memory(model, offload_fraction=fraction, optimizer="adam", amsgrad=True, speculate=True)
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), amsgrad=True), offload_fraction=fraction,
+                           bucket_size_mb=0.001, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
+    from lightning_fastopt.offload.speculative import snapshot_bytes
+    promised = snapshot_bytes(opt._buckets)
+    for _ in range(2):  # the first step creates the state: the second keeps it aside too
+        opt.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    kept = sum(s.nbytes for s in opt.schedule.snapshots.values())
+    slots = sum(len(b.slots) for b in opt._buckets)
+    assert promised == est.cpu["speculation"] and 0 <= kept - promised <= 4 * slots
+    opt.close()

@@ -86,6 +86,8 @@ def test_the_gpt_benchmark_reads_its_configurations():
     assert fastopt_arguments("fastopt:auto:stream")[0] == dict(offload_fraction="auto", stream_cpu_step=True)
     assert fastopt_arguments("fastopt:0.5:module")[0] == dict(offload_fraction=0.5, stream_cpu_step=False,
                                                              forward_waits="module")
+    assert fastopt_arguments("fastopt:1:stream:clip")[0] == dict(offload_fraction=1.0, stream_cpu_step=True)
+    assert {"plain:clip", "fastopt:1:clip", "fastopt:1:stream:clip"} <= set(CONFIGS)
     for config in CONFIGS:
         if config.startswith("fastopt"):
             FastOptStrategy(**fastopt_arguments(config)[0])  # every default configuration is a valid strategy

@@ -118,8 +118,16 @@ class PrecisionCore:
             all_reduce_scalar(float(not grads_all_finite(optimizer_gradients(optimizer))), dist.ReduceOp.MAX))
         return self._overflow
 
+    def announce_grad_scale(self, optimizer) -> None:
+        """Tell an optimizer wrapper the ``grad_scale`` its next step will take (the loss
+        scale changes only when a step ends): before backward, and after each step."""
+        engine = engine_of(optimizer)
+        if isinstance(engine, OptimizerWrapper):
+            engine.expected_grad_scale = self.scaler.scale if self.scaler is not None else None
+
     def _skip_step(self, optimizer) -> None:
         self.scaler.update(overflow=True)
+        self.announce_grad_scale(optimizer)
         optimizer._opt_called = True  # LR schedulers check this; the skipped step still counts
         rank_zero_info(f"lightning_fastopt: gradient overflow, step skipped; loss scale now {self.scaler.scale:g}")
 
@@ -134,6 +142,7 @@ class PrecisionCore:
             out = optimizer.step(**kwargs)
         if self.scaler is not None:
             self.scaler.update(overflow=False)
+            self.announce_grad_scale(optimizer)
         return out
 
     def clip_scaled_gradients(self, optimizer, clip_val: float, by_value: bool = False) -> Tensor | None:
@@ -157,8 +166,9 @@ class PrecisionCore:
         scale = self.loss_scale
         if by_value:
             bound = float(clip_val) * scale
-            for g in grads:
-                g.clamp_(-bound, bound)
+            for g in grads:  # a host gradient within bounds is left unwritten: an update speculated on it holds
+                if g.device.type != "cpu" or _exceeds(g, bound):
+                    g.clamp_(-bound, bound)
             return None
         optimizer = engine_of(optimizer)
         if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
@@ -183,3 +193,11 @@ class PrecisionCore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision!r}, loss_scale={self.loss_scale:g})"
+
+
+def _exceeds(grad: Tensor, bound: float) -> bool:
+    """Whether some element of ``grad`` lies outside [-bound, bound] (NaN does not: clamping leaves it)."""
+    if grad.numel() == 0:
+        return False
+    low, high = torch.aminmax(grad)
+    return bool(low < -bound) or bool(high > bound)

@@ -41,7 +41,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fastopt.offload.delayed import DelayedStep
 from lightning_fastopt.offload.partition import choose_offloaded
+from lightning_fastopt.offload.speculative import SpeculativeStep
+from lightning_fastopt.offload.streamed import StreamedStep
 
 PROBE_SKIP = 2  # steps not measured
 PROBE_STEPS = 3  # steps measured
@@ -196,8 +199,8 @@ class AutoFraction:
         if self.budget_bytes is not None and peak is None:
             raise ValueError(f"gpu_memory_budget_gb needs a CUDA device to measure, this run is on {self.device}")
         params = list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
-        hide = ("delayed" if optimizer._delayed is not None else
-                "streamed" if optimizer.stream_cpu_step else "exact")
+        hide = ("delayed" if isinstance(optimizer.schedule, DelayedStep) else
+                "streamed" if isinstance(optimizer.schedule, (StreamedStep, SpeculativeStep)) else "exact")
         fraction, why = choose_fraction(probe.result(peak), params, partial(_device_bytes, optimizer), hide=hide,
                                         accumulate=self.accumulate, budget_bytes=self.budget_bytes)
         fraction = self.agree(fraction)

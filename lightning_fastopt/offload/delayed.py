@@ -33,6 +33,7 @@ update finishes); torch.optim ignores the key (the weights stay one update behin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -40,7 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others, written_in_bucket
 
 SAVED_KEY = "delayed_update"  # in the optimizer's state dict: {"steps": int, "weights": {name: float32 tensor}}
 
@@ -88,6 +90,103 @@ class DelayedUpdates:
             done: Future = Future()
             done.set_result(updated)
             self.pending[bucket] = done
+
+
+class DelayedStep(CpuStepSchedule):
+    """The schedule: after the warm-up, ``step()`` sends the last step's update to the
+    device and launches this step's on the worker thread."""
+
+    name = "delayed by one step"
+    needs_spare_grads = True  # the next step's gradients land while an update reads these
+
+    def __init__(self, optimizer, warmup: int) -> None:
+        super().__init__(optimizer)
+        self.updates = DelayedUpdates(warmup)
+        self._delays = False  # this step's update is delayed
+
+    def before_step(self) -> Sent:
+        updates = self.updates
+        self._delays = updates.delays_next_step()
+        sent: Sent = ([], [])
+        if self._delays or updates.pending:
+            sent = self._send_pending()  # the last step's update: its weights go to the device now
+        updates.steps += 1
+        return sent
+
+    def host_step(self, grad_scale, context) -> Sent:
+        if not self._delays:
+            return self.in_line(self.opt._buckets, grad_scale, context)
+        self._launch(grad_scale, context)
+        return [], []
+
+    def wait(self) -> None:
+        self.updates.wait()  # they stay pending
+
+    def _launch(self, grad_scale, context) -> None:
+        """Start every bucket's CPU update on the worker; its weights go to the device at the
+        next step.  What it reads is fixed here, on this thread: the gradients (the next
+        ones go to the spare buffers) and the hyperparameters."""
+        opt = self.opt
+        if isinstance(grad_scale, Tensor):
+            grad_scale = grad_scale.clone()
+        for b in reversed(opt._buckets):  # forward order: the first layers' weights are ready first
+            plan = opt._plan(b.inner, b.slots)
+            if plan is None:
+                continue
+            for s in b.slots:
+                s.swap_grad_buffers()
+            self.updates.pending[b] = opt._pool().submit(self._run, b, plan, grad_scale, context)
+
+    def _run(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
+        opt = self.opt
+        opt.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
+        started = time.perf_counter()
+        updated = opt._run_plan(bucket.inner, plan, grad_scale, context)
+        opt._background_ms += (time.perf_counter() - started) * 1e3
+        return updated
+
+    def _send_pending(self) -> Sent:
+        """Once backward is done: wait for each bucket's update the last step launched and
+        send its weights to the device (the next forward uses them), in forward order; a
+        master whose parameter something else wrote meanwhile takes the write instead."""
+        opt = self.opt
+        timer, sent, buckets = opt._timer, [], []
+        for b in reversed(opt._buckets):
+            with timer.phase("grad_d2h"):
+                opt.copies.wait_on_host(b.grads_ready)  # the written flags land with the gradients
+            with timer.phase("cpu_step"):
+                updated = self.updates.take(b)
+            written = written_in_bucket(b)
+            b.written_flags.zero_()  # answered: a step in line after this one must not refresh again
+            opt._refresh_written(written)
+            keep = [s for s in updated if s not in written]
+            if keep:
+                with timer.phase("param_h2d"):
+                    opt._send_weights(b, keep, opt._compute_done)
+                sent, buckets = sent + keep, buckets + [b]
+        return sent, buckets
+
+    def apply_pending(self) -> int:
+        """Send the pending update's weights to the model now (see
+        :meth:`OffloadOptimizer.apply_pending_update`); how many it sent."""
+        opt = self.opt
+        if not self.updates.pending:
+            return 0
+        opt._in_flight.wait_all()  # the checks below read the weights
+        updated = self.updates.take_all()
+        written = written_by_others(updated)
+        opt._refresh_written(written)
+        keep = [s for s in updated if s not in written]
+        opt.copies.mark_compute_done(opt._compute_done)
+        last = None
+        for b in opt._buckets:
+            mine = [s for s in keep if s.bucket is b]
+            if mine:
+                opt._send_weights(b, mine, opt._compute_done)
+                last = b.params_sent
+        opt.copies.compute_waits_for(last)
+        remember_weights(keep)
+        return len(keep)
 
 
 def check_delayed_update(delayed_update: Any, warmup: Any, stream_cpu_step: bool) -> None:

@@ -23,6 +23,11 @@ the rest are updated where they live by the same optimizer class.  On an acceler
 On a CPU-only run the same code runs with nothing to copy: an offloaded float32
 parameter is its own master.
 
+That is the synchronous schedule; when the host buckets' updates run (at the step,
+streamed into backward, speculated and checked at the step, or delayed by one step) is
+the business of the schedule classes (:mod:`~lightning_fastopt.offload.schedule`); this
+class keeps the buffers, the copies and the state.
+
 Where the gradients of offloaded parameters live (``device_grads``):
 
 - ``"copy_in_backward"`` (the memory saving): copied from backward hooks and freed on the
@@ -64,7 +69,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -76,12 +81,16 @@ from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, na
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.core.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
-from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedUpdates, check_delayed_update, put_master
+from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
+from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.slots import (
     HostBucket, ParamSlot, carve, master_dtype, remember_weights, written_by_others, written_in_bucket,
 )
+from lightning_fastopt.offload.speculative import SpeculativeStep, available_host_bytes, snapshot_bytes
+from lightning_fastopt.offload.streamed import StreamedStep
+from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
 from lightning_fastopt.offload.weight_watch import changed_flags
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
@@ -118,10 +127,18 @@ class OffloadOptimizer(OptimizerWrapper):
             copy as on an accelerator (the accelerator code path, without one; for tests).
         stream_cpu_step: start each bucket's CPU update (and its copy back) on a worker
             thread as soon as its gradients have landed, while backward goes on, instead
-            of when :meth:`step` is called; the result is the same, bit for bit.  Only for
-            steps that need no gradient before they start: no ``check_finite``, no step
-            context (clipping by norm, LAMB's global norm), no ``gradients()`` in between,
-            ``device_grads="copy_in_backward"`` (FastOptStrategy checks all this).
+            of when :meth:`step` is called; the result is the same, bit for bit
+            (:mod:`~lightning_fastopt.offload.streamed`).  Only for steps that need no
+            gradient before they start (no ``check_finite``, loss scale, step context or
+            ``gradients()`` in between) unless ``speculate``; needs
+            ``device_grads="copy_in_backward"``.
+        speculate: with ``stream_cpu_step``, keep each bucket's masters and state aside
+            while its update runs during backward, so that the step may still check and
+            clip the gradients, take a loss scale (``expected_grad_scale`` is the one
+            speculated with) or compute a step context: it commits the update where that
+            changed nothing and redoes it otherwise, bit for bit the synchronous step
+            (:mod:`~lightning_fastopt.offload.speculative`).  Costs the offloaded masters'
+            and state's size again in host memory.
         delayed_update: after ``delayed_update_warmup`` synchronous steps, run each step's
             CPU update on a worker thread while the next forward and backward compute, the
             weights they use one update old (ZeRO-Offload's delayed parameter update; the
@@ -144,7 +161,7 @@ class OffloadOptimizer(OptimizerWrapper):
                  offload_fraction: float = 1.0, bucket_size_mb: float = 64.0, overlap: bool = True,
                  pin_memory: bool = True, device_grads: str = "copy_in_backward",
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
-                 stream_cpu_step: bool = False, delayed_update: bool = False,
+                 stream_cpu_step: bool = False, speculate: bool = False, delayed_update: bool = False,
                  delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
                  forward_waits: str = "step") -> None:
         super().__init__(optimizer)
@@ -156,19 +173,23 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError(f"stream_cpu_step=True needs device_grads='copy_in_backward' (gradients that leave "
                              f"during backward), got {device_grads!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
+        if not isinstance(speculate, bool) or (speculate and not stream_cpu_step):
+            raise ValueError(f"speculate=True checks the updates stream_cpu_step=True starts during backward: it "
+                             f"needs stream_cpu_step=True, got speculate={speculate!r}, "
+                             f"stream_cpu_step={stream_cpu_step!r}")
         check_forward_waits(forward_waits)
         # every argument but the fraction, for with_fraction()
         self._settings = dict(bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
                               device_grads=device_grads, wall_clock_breakdown=wall_clock_breakdown,
-                              copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step,
+                              copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
                               delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
                               host_state_dtype=host_state_dtype, forward_waits=forward_waits)
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
-        self.stream_cpu_step = bool(stream_cpu_step)
-        self._streamed: dict[HostBucket, Future] = {}  # a bucket's CPU update, started during backward
-        self._delayed = DelayedUpdates(delayed_update_warmup) if delayed_update else None
+        self.schedule: CpuStepSchedule = (
+            DelayedStep(self, delayed_update_warmup) if delayed_update else SpeculativeStep(self) if speculate
+            else StreamedStep(self) if stream_cpu_step else SynchronousStep(self))
         self._background_ms = 0.0  # CPU time of updates on the worker (wall_clock_breakdown's cpu_step_background)
         self._worker: ThreadPoolExecutor | None = None
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
@@ -199,7 +220,23 @@ class OffloadOptimizer(OptimizerWrapper):
         self._said_refreshed = False
         self._add_slots(params)
         self._take_state(optimizer)
+        if isinstance(self.schedule, SpeculativeStep):
+            self._afford_speculation()
         self._ready = True
+
+    def _afford_speculation(self) -> None:
+        """Say what speculating keeps aside in host memory, or fall back to the step at the
+        step (one line, saying why) where the host does not have it available."""
+        needed, available = snapshot_bytes(self._buckets), available_host_bytes()
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        if available is not None and needed > available:
+            self.schedule = SynchronousStep(self)
+            rank_zero_info(f"lightning_fastopt: speculate=True not used: keeping the offloaded masters and optimizer "
+                           f"state aside takes {gib(needed)} of host memory, {gib(available)} is available; the CPU "
+                           "step runs at the step")
+            return
+        rank_zero_info(f"lightning_fastopt: speculate=True keeps the offloaded masters and optimizer state aside: "
+                       f"{gib(needed)} more host memory" + (f" ({gib(available)} available)" if available else ""))
 
     # ------------------------------------------------------------------ construction
     def _add_slots(self, params: list[Tensor]) -> None:
@@ -228,7 +265,7 @@ class OffloadOptimizer(OptimizerWrapper):
 
     @override
     def _adopt_group(self, group: dict[str, Any]) -> None:
-        self._wait_delayed()  # the worker reads the inner optimizers' groups
+        self.schedule.wait()  # the worker reads the inner optimizers' groups
         self._in_flight.wait_all()  # the new masters are copied from the weights
         for inner in self._inners():  # every inner optimizer keeps one group per user group (with its own keys)
             inner.param_groups.append(dict(self.optimizer.inner_defaults, **hyperparameters(group), params=[]))
@@ -260,7 +297,7 @@ class OffloadOptimizer(OptimizerWrapper):
             shapes = [s.param.shape for s in slots]
             masters, bufs = carve(shapes, [master_dtype(s.param) for s in slots], self._pin)
             grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
-            if self._delayed is not None:  # the next step's gradients land here while an update reads the others
+            if self.schedule.needs_spare_grads:  # the next step's gradients land here while an update reads the others
                 spares, sbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
                 gbufs += sbufs
                 for s, spare in zip(slots, spares):
@@ -355,7 +392,7 @@ class OffloadOptimizer(OptimizerWrapper):
         """The optimizer state of a model parameter (empty before its first step).  The
         state lives in inner optimizers, not in ``self.state``: Lightning moves whatever
         ``self.state`` holds to the accelerator, which would undo the offload."""
-        self._wait_delayed()
+        self.schedule.wait()
         slot = self._slot_of[param]
         return self._inner_of(slot).state.get(slot.master, {})
 
@@ -407,17 +444,9 @@ class OffloadOptimizer(OptimizerWrapper):
         self.copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
         self.copies.mark_grads_sent(bucket.grads_ready)
         bucket.recorded = True
-        if self.stream_cpu_step and self.copies.needed:
-            self._start_streamed(bucket)
+        self.schedule.grads_landed(bucket)
 
-    # ------------------------------------------------------------------ the streamed CPU step
-    def _start_streamed(self, bucket: HostBucket) -> None:
-        """Start the bucket's CPU update and copy back on the worker thread.  Its parameters'
-        copy back waits (on the device) for the compute stream as it is now: every use of
-        those weights by backward precedes the hook that sent their last gradient."""
-        self.copies.mark_compute_done(bucket.backward_done)
-        self._streamed[bucket] = self._pool().submit(self._bucket_step, bucket, None, None, bucket.backward_done)
-
+    # ------------------------------------------------------------------ a bucket's update
     def _bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
         """One bucket's share of a step, once its gradients have landed: refresh masters
         written by others, update on the CPU, send the new weights back (after ``after``).
@@ -448,81 +477,17 @@ class OffloadOptimizer(OptimizerWrapper):
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
         return self._worker
 
-    def _join_streamed(self) -> dict[HostBucket, list[ParamSlot]]:
-        """Wait for the CPU updates started during backward; their updated slots by bucket."""
-        futures, self._streamed = self._streamed, {}
-        return {b: f.result() for b, f in futures.items()}
-
-    # ------------------------------------------------------------------ the delayed update
-    def _launch_delayed(self, grad_scale, context) -> None:
-        """Start every bucket's CPU update on the worker; its weights go to the device at the
-        next step (:meth:`_send_delayed`).  What it reads is fixed here, on this thread: the
-        gradients (the next ones go to the spare buffers) and the hyperparameters."""
-        if isinstance(grad_scale, Tensor):
-            grad_scale = grad_scale.clone()
-        for b in reversed(self._buckets):  # forward order: the first layers' weights are ready first
-            plan = self._plan(b.inner, b.slots)
-            if plan is None:
-                continue
-            for s in b.slots:
-                s.swap_grad_buffers()
-            self._delayed.pending[b] = self._pool().submit(self._run_delayed, b, plan, grad_scale, context)
-
-    def _run_delayed(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
-        self.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
-        started = time.perf_counter()
-        updated = self._run_plan(bucket.inner, plan, grad_scale, context)
-        self._background_ms += (time.perf_counter() - started) * 1e3
-        return updated
-
-    def _send_delayed(self) -> tuple[list[ParamSlot], list[HostBucket]]:
-        """A delayed step, once backward is done: wait for each bucket's update the last step
-        launched and send its weights to the device (the next forward uses them), in
-        forward order; a master whose parameter something else wrote meanwhile takes the
-        write instead.  Returns the slots sent and their buckets, in the order sent."""
-        timer, sent, buckets = self._timer, [], []
-        for b in reversed(self._buckets):
-            with timer.phase("grad_d2h"):
-                self.copies.wait_on_host(b.grads_ready)  # the written flags land with the gradients
-            with timer.phase("cpu_step"):
-                updated = self._delayed.take(b)
-            written = written_in_bucket(b)
-            b.written_flags.zero_()  # answered: a step in line after this one must not refresh again
-            self._refresh_written(written)
-            keep = [s for s in updated if s not in written]
-            if keep:
-                with timer.phase("param_h2d"):
-                    self._send_weights(b, keep, self._compute_done)
-                sent, buckets = sent + keep, buckets + [b]
-        return sent, buckets
-
-    def _wait_delayed(self) -> None:
-        """Wait for the delayed updates in flight (they stay pending): their state is read or replaced."""
-        if self._delayed is not None:
-            self._delayed.wait()
-
     def apply_pending_update(self) -> int:
         """Send the weights of the delayed update still pending to the model now, so that
         the model holds the masters (the next step then starts from them, as after a
         synchronous step); :meth:`close` does it when training ends.  A weight something
         else wrote since the last step keeps the write.  Returns how many weights it sent."""
-        if self._delayed is None or not self._delayed.pending:
-            return 0
-        self._in_flight.wait_all()  # the checks below read the weights
-        updated = self._delayed.take_all()
-        written = written_by_others(updated)
-        self._refresh_written(written)
-        keep = [s for s in updated if s not in written]
-        self.copies.mark_compute_done(self._compute_done)
-        last = None
-        for b in self._buckets:
-            mine = [s for s in keep if s.bucket is b]
-            if mine:
-                self._send_weights(b, mine, self._compute_done)
-                last = b.params_sent
-        self.copies.compute_waits_for(last)
-        remember_weights(keep)
-        return len(keep)
+        return self.schedule.apply_pending()
+
+    @property
+    def _delayed(self) -> DelayedUpdates | None:
+        """The delayed updates' record (``delayed_update=True``), else None."""
+        return self.schedule.updates if isinstance(self.schedule, DelayedStep) else None
 
     def _grad_of(self, slot: ParamSlot) -> Tensor | None:
         if slot.host_grad is not None:
@@ -537,17 +502,14 @@ class OffloadOptimizer(OptimizerWrapper):
         self._in_flight.wait_all()
         if self.device_grads == "keep":
             return [s.param.grad for s in self._slots if s.param.grad is not None]
-        if self._streamed:
-            raise RuntimeError("gradients() after the streamed CPU step began: those buckets were already updated "
-                               "with their gradients (stream_cpu_step=True is for steps that need no gradient "
-                               "before they start)")
+        self.schedule.before_gradients_read()
         self._send_pending_grads()
         for b in self._buckets:
             self.copies.wait_on_host(b.grads_ready)
         return [g for g in map(self._grad_of, self._slots) if g is not None]
 
     def _new_gradients(self) -> None:
-        self._join_streamed()  # a backward that was not followed by a step (an error): let it finish
+        self.schedule.end()
         self._hooks.refresh()  # parameters unfrozen since the last step get their hook
         for b in self._buckets:
             self._reset_bucket(b)
@@ -588,26 +550,17 @@ class OffloadOptimizer(OptimizerWrapper):
         self._in_flight.wait_all()  # weights of the last step that no forward waited for
         # the offloaded parameters' check travels with their gradients (_grads_sent)
         self._refresh_written(written_by_others(self._device_slots if self.copies.needed else self._slots))
+        needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
+        self.schedule.check_step(needs_all, grad_scale, step_context)
         with timer.phase("grad_d2h"):
             self._send_pending_grads()
-        needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
-        if self.stream_cpu_step and (needs_all or grad_scale is not None or step_context not in (COMPUTE, None)):
-            self._join_streamed()
-            raise RuntimeError("stream_cpu_step=True updates buckets during backward, so the step may not need "
-                               "every gradient first (check_finite, a grad_scale or a step context): "
-                               "FastOptStrategy only streams when nothing does")
         self.copies.mark_compute_done(self._compute_done)
-        delays = self._delayed is not None and self._delayed.delays_next_step()
-        sent, sent_buckets = [], []
-        if delays or (self._delayed is not None and self._delayed.pending):
-            sent, sent_buckets = self._send_delayed()  # the last step's update: its weights go to the device now
-            self._count_background()
-        if self._delayed is not None:
-            self._delayed.steps += 1
+        sent, sent_buckets = self.schedule.before_step()
         if needs_all:
             with timer.phase("grad_d2h"):
                 grads = self.gradients()
             if check_finite and not grads_all_finite(grads):
+                self.schedule.skipped()
                 self._end_step(sent, sent_buckets)
                 return True
             context = self.optimizer.step_context(grads, grad_scale) if step_context is COMPUTE else step_context
@@ -615,25 +568,8 @@ class OffloadOptimizer(OptimizerWrapper):
             context = None if step_context is COMPUTE else step_context
         with timer.phase("gpu_step"):
             written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
-        if delays:
-            self._launch_delayed(grad_scale, context)
-            self._end_step(written + sent, sent_buckets)
-            return False
-        with timer.phase("cpu_step"):  # what is left of the CPU updates started during backward
-            streamed = self._join_streamed()
-        self._count_background()
-        for b in self._buckets:
-            if b in streamed:
-                updated = streamed[b]
-            elif not self.copies.needed:  # a CPU run: nothing to wait for or copy
-                with timer.phase("cpu_step"):
-                    updated = self._step_inner(b.inner, b.slots, grad_scale, context)
-            else:
-                updated = self._bucket_step(b, grad_scale, context, self._compute_done, timed=True)
-            written += updated
-            if self.copies.needed and updated:
-                sent_buckets.append(b)
-        self._end_step(written + sent, sent_buckets)
+        host_written, host_sent = self.schedule.host_step(grad_scale, context)
+        self._end_step(written + host_written + sent, sent_buckets + host_sent)
         return False
 
     def _count_background(self) -> None:
@@ -649,6 +585,9 @@ class OffloadOptimizer(OptimizerWrapper):
         # the others' fingerprints still hold: nothing wrote them since the check
         remember_weights([s for s in written if s.separate_master])
         self._new_gradients()
+        self._count_background()
+        for name, value in self.schedule.breakdown().items():
+            self._timer.add(name, value)
         self._timer.end_step()
 
     def _inners(self) -> list[FusedOptimizer]:
@@ -700,7 +639,7 @@ class OffloadOptimizer(OptimizerWrapper):
         master (:data:`MASTER_KEY`: a resumed run continues from all its bits); with
         ``delayed_update``, also the masters of the update not yet on the device
         (:mod:`~lightning_fastopt.offload.delayed`)."""
-        self._wait_delayed()
+        self.schedule.wait()
         state = {}
         for s in self._slots:
             st = self._inner_of(s).state.get(s.master)
@@ -719,7 +658,7 @@ class OffloadOptimizer(OptimizerWrapper):
         equivalent; raises CheckpointMismatchError when it belongs to another model.  The
         model's weights are loaded first (a delayed update's pending masters are kept apart
         from them)."""
-        self._wait_delayed()
+        self.schedule.wait()
         self._in_flight.wait_all()  # pending weights may be written into the model below
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {s.name: s.param.shape for s in self._slots}, self.param_groups)
@@ -806,12 +745,12 @@ class OffloadOptimizer(OptimizerWrapper):
         with the optimizer); ``apply_pending``: send a delayed update still pending to the
         model (training has ended)."""
         self._hooks.remove()
-        self._join_streamed()
+        self.schedule.end()
         self._in_flight.wait_all()
         if apply_pending:
             self.apply_pending_update()
         else:
-            self._wait_delayed()
+            self.schedule.wait()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
@@ -820,7 +759,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def __repr__(self) -> str:
         return (f"OffloadOptimizer({type(self.optimizer).__name__}, offload_fraction={self.offload_fraction}, "
                 f"offloaded={self.offloaded_numel} of {sum(s.param.numel() for s in self._slots)} elements, "
-                f"{len(self._buckets)} host bucket(s), device={self.device})")
+                f"{len(self._buckets)} host bucket(s), CPU step {self.schedule.name}, device={self.device})")
 
 
 def _host_state_dtype(optimizer: FusedOptimizer, asked: Any) -> torch.dtype | None:

@@ -402,6 +402,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         combines the shards' values as the root of the sum of their squares."""
         return None
 
+    def unclipped_context(self) -> Any:
+        """The step context of a step that nothing global changes (no clipping): what an
+        update speculated before every gradient is known runs with."""
+        return None
+
+    def same_update(self, speculated: Any, actual: Any) -> bool:
+        """Whether an update run with the ``speculated`` step context is, bit for bit, the
+        one the ``actual`` context gives."""
+        return speculated is None and actual is None
+
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_scale, context: Any) -> None:
         raise NotImplementedError
 

@@ -51,6 +51,17 @@ class FusedLAMB(FusedOptimizer):
                              "(or lightning_fastopt's precision plugin) to skip such steps")
         return norm
 
+    def unclipped_context(self) -> float:
+        return 0.0  # a global norm under every max_grad_norm: the gradients are not scaled down
+
+    def same_update(self, speculated, actual) -> bool:
+        """The norm enters the update only through the clipping factor, 1 unless it exceeds a
+        group's ``max_grad_norm``: two norms that clip in no group give the same bits."""
+        if speculated is None or actual is None:
+            return speculated is actual
+        return not any(g["max_grad_norm"] > 0 and norm > g["max_grad_norm"]
+                       for g in self.param_groups for norm in (float(speculated), float(actual)))
+
     def _update(self, group, b: Bucket, grad_scale, context) -> None:
         beta1, beta2 = group["betas"]
         fused_lamb_(b.params, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], step=b.step, lr=group["lr"],

@@ -21,6 +21,9 @@ What a driver may use:
   ``last_step_skipped`` count the steps skipped for overflow.
 - :attr:`accumulating`: set while gradients accumulate over micro-batches that do not
   step (nothing is copied or communicated yet).
+- :attr:`expected_grad_scale`: the ``grad_scale`` the next :meth:`step` will be given,
+  announced before backward (an offload optimizer that speculates updates during
+  backward uses it; a step given another one redoes them).
 - :meth:`state_of`, :meth:`owns`, :meth:`partition`, :attr:`last_step_times`, and
   :meth:`close` at teardown.
 - :meth:`add_param_group` at any time (``BackboneFinetuning``): the group joins the
@@ -42,6 +45,7 @@ from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, duplicates_war
 class OptimizerWrapper(torch.optim.Optimizer):
     shards_gradients = False  # gradients() holds this rank's shard only
     accumulating = False  # set by the driver while gradients accumulate without a step
+    expected_grad_scale: float | None = None  # the grad_scale the next step will be given
 
     def __init__(self, optimizer: FusedOptimizer) -> None:
         if not isinstance(optimizer, FusedOptimizer):

@@ -77,6 +77,7 @@ class TrainerPrecision(PrecisionCore):
                 raise TypeError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights: "
                                 "it cannot run with fp16 loss scaling (as with Lightning's own 16-mixed)")
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # its step runs the closure
+        self.announce_grad_scale(optimizer)  # an update speculated during backward takes it
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: Lightning skipped backward

@@ -116,11 +116,15 @@ class TrainerStrategy:
             cannot see (``p.grad`` read after the step, in ``on_train_batch_end``, or from
             outside Lightning's hooks).  Costs the device memory the early copy saves.
         stream_cpu_step: start each host bucket's CPU update during backward, as soon as
-            its gradients have landed (same results, bit for bit).  Used where the step
-            needs no gradient before it starts: automatic optimization, no hook reading
-            gradients, no fp16 loss scaling, no gradient clipping, no optimizer-wide norm
-            (LAMB's ``max_grad_norm``), no ZeRO; otherwise one log line says why not.
-            Off by default until it has been measured on a GPU.
+            its gradients have landed (same results, bit for bit).  Where the step needs
+            every gradient first (fp16 loss scaling, gradient clipping, LAMB's global norm)
+            the update is speculative: kept apart until the step has checked the gradients,
+            then committed, or redone when clipping scaled them or the loss scale moved, or
+            dropped on an overflow (:mod:`~lightning_fastopt.offload.speculative`; it keeps
+            the offloaded masters and state twice in host memory).  Not with a hook that
+            reads gradients, DDP's reduction after backward or ZeRO; one log line says
+            which schedule runs, or why none.  Off by default until it has been measured
+            on a GPU.
         delayed_update: after ``delayed_update_warmup`` synchronous steps, each step's CPU
             update runs while the next forward and backward compute, so forward and
             backward use weights one update old (ZeRO-Offload's delayed parameter update;
@@ -277,7 +281,7 @@ class TrainerStrategy:
             if not self._runs_in_engine(opt):
                 continue
             fused = fused_for(opt, self.lightning_module, self.precision_plugin.precision)
-            extra = {"stream_cpu_step": True} if self._streams(trainer, fused, device_grads) else {}
+            extra = self._streams(trainer, fused, device_grads)
             if by_module:
                 extra["forward_waits"] = "module"
             engine = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
@@ -318,26 +322,34 @@ class TrainerStrategy:
             return False
         return True
 
-    def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> bool:
-        """Whether the CPU step streams into backward (``stream_cpu_step``), said in one line."""
+    def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> dict[str, bool]:
+        """How the CPU step streams into backward (``stream_cpu_step``): the offload
+        optimizer's arguments, said in one line."""
         if not self.stream_cpu_step:
-            return False
+            return {}
         why_not = [reason for reason, applies in (
             ("user code reads gradients before the step", device_grads == "keep"),
             ("DDP reduces the gradients after backward", device_grads == "copy_at_step"),
-            ("fp16 loss scaling checks every gradient first", self.precision_plugin.scaler is not None),
-            ("gradient clipping needs every gradient first", bool(trainer.gradient_clip_val)),
-            (f"{type(fused).__name__} needs every gradient first", needs_step_context(fused)),
             ("ZeRO", self.zero_stage > 0),
             ("nothing is offloaded", self.offload_fraction == 0),
             ("a CPU run updates in place, with nothing to copy", self.root_device.type == "cpu" and not self.copy_on_cpu),
         ) if applies]
         if why_not:
             rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
-            return False
+            return {}
+        checks = [check for check, applies in (
+            ("fp16 loss scaling", self.precision_plugin.scaler is not None),
+            ("gradient clipping", bool(trainer.gradient_clip_val)),
+            (f"{type(fused).__name__}'s global norm", needs_step_context(fused)),
+        ) if applies]
+        if checks:
+            rank_zero_info(f"lightning_fastopt: each host bucket's CPU update is speculated during backward, once its "
+                           f"gradients have landed, and checked at the step ({', '.join(checks)}): committed, or "
+                           "redone where the check changed it (stream_cpu_step=True)")
+            return {"stream_cpu_step": True, "speculate": True}
         rank_zero_info("lightning_fastopt: each host bucket's CPU update starts during backward, once its "
                        "gradients have landed (stream_cpu_step=True)")
-        return True
+        return {"stream_cpu_step": True}
 
     def _waits_by_module(self, trainer) -> bool:
         """Whether each module's forward waits only for its own new weights
@@ -464,8 +476,12 @@ class TrainerStrategy:
     def _log_step_times(self, step_times: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer
         metrics = {"fastopt/loss_scale": float(self.precision_plugin.loss_scale)}
-        if not self.precision_plugin.last_step_skipped:
-            metrics.update({f"fastopt/{k}_ms": v for k, v in step_times.items()})
+        skipped = self.precision_plugin.last_step_skipped
+        for k, v in step_times.items():  # milliseconds, and the speculative step's bucket counts
+            if k.startswith("buckets_"):
+                metrics[f"fastopt/{k}"] = v
+            elif not skipped:
+                metrics[f"fastopt/{k}_ms"] = v
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -1,0 +1,69 @@
+"""What a host bucket's update changes, kept so that the update can be undone: the float32
+masters and the optimizer state (step counts included) of its parameters, copied into
+buffers of their own before a speculative update writes them in place.
+
+The buffers are allocated once, at the first snapshot, and reused every step: they cost
+the masters' and the state's size again in host memory (``estimate_memory(...,
+speculate=True)`` counts them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.offload.slots import ParamSlot
+from lightning_fastopt.optim.base import FusedOptimizer
+
+
+class BucketSnapshot:
+    """The masters and state of one bucket's slots as they were before an update."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, str], Tensor] = {}  # (slot index, state key or "") -> a copy
+        self._saved: list[tuple[ParamSlot, dict[str, Any] | None]] = []
+
+    def take(self, inner: FusedOptimizer, slots: Sequence[ParamSlot]) -> None:
+        """Copy the slots' masters and their state in ``inner`` (None where a slot has none yet)."""
+        self._saved = []
+        for s in slots:
+            self._copy(s.index, "", s.master)
+            state = inner.state.get(s.master)
+            kept = None if state is None else {k: self._copy(s.index, k, v) if isinstance(v, Tensor) else v
+                                               for k, v in state.items()}
+            self._saved.append((s, kept))
+
+    def restore(self, inner: FusedOptimizer) -> None:
+        """Put the masters and state back as :meth:`take` found them (in the same tensors:
+        the inner optimizer's buckets keep pointing at them); state the update created
+        is removed."""
+        with torch.no_grad():
+            for s, kept in self._saved:
+                s.master.copy_(self._buffers[(s.index, "")])
+                if kept is None:
+                    inner.state.pop(s.master, None)
+                    continue
+                state = inner.state[s.master]
+                for k in [k for k in state if k not in kept]:
+                    del state[k]
+                for k, v in kept.items():
+                    if isinstance(v, Tensor) and isinstance(state.get(k), Tensor) and state[k].shape == v.shape:
+                        state[k].copy_(v)
+                    else:
+                        state[k] = v.clone() if isinstance(v, Tensor) else v
+        self._saved = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def _copy(self, index: int, key: str, value: Tensor) -> Tensor:
+        buffer = self._buffers.get((index, key))
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = self._buffers[(index, key)] = torch.empty_like(value, device="cpu")
+        with torch.no_grad():
+            buffer.copy_(value)
+        return buffer

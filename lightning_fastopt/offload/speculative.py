@@ -1,0 +1,217 @@
+"""The CPU update speculated during backward, checked at the step, then committed or
+redone (``stream_cpu_step=True, speculate=True``): the streamed step for training that
+needs every gradient before it steps (clipping by norm, fp16 loss scaling, LAMB's global
+norm), and still ends where the synchronous step ends, bit for bit.
+
+1. **Speculate.** As soon as a host bucket's gradients have landed, a worker thread copies
+   its masters and optimizer state aside (:class:`~lightning_fastopt.offload.snapshot.BucketSnapshot`)
+   and updates the bucket as the step would if nothing global changed it: with the loss
+   scale the step is expected to take (``expected_grad_scale``, which the precision
+   plugin announces before backward), the optimizer's step context for "no clipping"
+   (:meth:`~lightning_fastopt.optim.base.FusedOptimizer.unclipped_context`), the
+   hyperparameters as they are.  The new weights stay in host memory.
+2. **Validate.** At ``step()`` the global facts are computed as the synchronous step
+   computes them, on the gradients as they landed (the overflow check, the clipping
+   norm, LAMB's global norm).  The speculation holds for a bucket when none of its
+   gradients was written since it landed (clipping multiplies them in place, which
+   moves their version counters), the step's loss scale and hyperparameters are the
+   ones it used, and the step context leads to the same update
+   (:meth:`~lightning_fastopt.optim.base.FusedOptimizer.same_update`).
+3. **Commit or redo.** A bucket whose speculation holds sends its staged weights to the
+   device; nothing is copied back.  One whose speculation does not (clipping scaled
+   its gradients, the loss scale moved) gets its masters and state back from the
+   snapshot and is updated again in line, as the synchronous step would update it.  A
+   step skipped for an overflow (or gradients dropped without a step) restores every
+   speculated bucket.
+
+Gradients are read by the step's checks only after every speculative update has
+finished reading them (:meth:`SpeculativeStep.before_gradients_read`).  The counts of
+speculated, committed, redone and dropped buckets and the time redoing took are in
+``last_step_times`` with ``wall_clock_breakdown=True``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
+from lightning_fastopt.offload.snapshot import BucketSnapshot
+from lightning_fastopt.optim.base import hyperparameters
+
+# buckets per step, in the breakdown as buckets_<count> (a step the precision plugin skipped
+# without calling the optimizer shows its dropped buckets in the next step's)
+COUNTS = ("speculated", "committed", "redone", "dropped")
+
+
+@dataclass(eq=False)
+class Speculation:
+    """What one bucket's speculative update assumed, and the update itself."""
+
+    grad_versions: list[int]
+    grad_scale: Any
+    context: Any
+    hyperparameters: list[dict[str, Any]]
+    future: Future = field(default_factory=Future)
+
+
+class SpeculativeStep(CpuStepSchedule):
+    name = "speculated during backward, checked at the step"
+
+    def __init__(self, optimizer) -> None:
+        super().__init__(optimizer)
+        self.running: dict[HostBucket, Speculation] = {}
+        self.snapshots: dict[HostBucket, BucketSnapshot] = {}
+        self.totals = Counter()  # over the whole run, for tests and benchmarks
+        self._counts = Counter()  # this step's
+        self._redo_ms = 0.0
+        self._open = True  # speculation starts only during backward, not once the step has begun
+
+    # ------------------------------------------------------------------ during backward
+    def grads_landed(self, bucket: HostBucket) -> None:
+        opt = self.opt
+        if not (opt.copies.needed and self._open):
+            return
+        spec = Speculation([s.host_grad._version for s in bucket.slots], _frozen(opt.expected_grad_scale),
+                           opt.optimizer.unclipped_context(), _hyperparameters(opt.param_groups))
+        spec.future = opt._pool().submit(self._speculate, bucket, spec)
+        self.running[bucket] = spec
+
+    def _speculate(self, bucket: HostBucket, spec: Speculation) -> list[ParamSlot]:
+        """On the worker: once the bucket's gradients have landed, refresh the masters
+        others wrote, keep masters and state aside, update (the weights stay on the host)."""
+        opt = self.opt
+        opt.copies.wait_on_host(bucket.grads_ready)
+        opt._refresh_written(written_in_bucket(bucket))
+        started = time.perf_counter()
+        self.snapshots.setdefault(bucket, BucketSnapshot()).take(bucket.inner, bucket.slots)
+        updated = opt._step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context)
+        opt._background_ms += (time.perf_counter() - started) * 1e3
+        return updated
+
+    # ------------------------------------------------------------------ at the step
+    def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
+        self._open = False
+
+    def before_gradients_read(self) -> None:
+        """The checks may scale the gradients in place: every speculative update has read them first."""
+        self._open = False
+        for spec in self.running.values():
+            spec.future.result()
+
+    def host_step(self, grad_scale, context) -> Sent:
+        opt = self.opt
+        with opt._timer.phase("cpu_step"):
+            done = self._join()
+        written: list[ParamSlot] = []
+        sent: list[HostBucket] = []
+        for b in opt._buckets:
+            if b not in done:
+                w, s = self.in_line([b], grad_scale, context)
+            else:
+                spec, updated = done[b]
+                if self._holds(b, spec, grad_scale, context):
+                    self._counts["committed"] += 1
+                    if updated:
+                        with opt._timer.phase("param_h2d"):
+                            opt._send_weights(b, updated, opt._compute_done)
+                    w, s = updated, [b] if updated else []
+                else:
+                    self._counts["redone"] += 1
+                    started = time.perf_counter()
+                    self.snapshots[b].restore(b.inner)
+                    w, s = self.in_line([b], grad_scale, context)
+                    self._redo_ms += (time.perf_counter() - started) * 1e3
+            written, sent = written + w, sent + s
+        return written, sent
+
+    def _holds(self, bucket: HostBucket, spec: Speculation, grad_scale, context) -> bool:
+        opt = self.opt
+        return ([s.host_grad._version for s in bucket.slots] == spec.grad_versions
+                and _same(spec.grad_scale, grad_scale)
+                and opt.optimizer.same_update(spec.context, context)
+                and _same(spec.hyperparameters, _hyperparameters(opt.param_groups)))
+
+    def skipped(self) -> None:
+        self._drop()
+
+    def end(self) -> None:
+        self._drop()  # gradients forgotten without a step that took these updates
+        self._open = True
+
+    def wait(self) -> None:
+        """The state is about to be read or replaced: updates no step has taken are undone
+        (a step redoes them), so nobody sees a speculated state."""
+        self._drop()
+
+    def breakdown(self) -> dict[str, float]:
+        counts = {f"buckets_{k}": float(self._counts[k]) for k in COUNTS}
+        counts["redo"] = self._redo_ms
+        self.totals.update(self._counts)
+        self._counts.clear()
+        self._redo_ms = 0.0
+        return counts
+
+    def _join(self) -> dict[HostBucket, tuple[Speculation, list[ParamSlot]]]:
+        running, self.running = self.running, {}
+        self._counts["speculated"] += len(running)
+        return {b: (spec, spec.future.result()) for b, spec in running.items()}
+
+    def _drop(self) -> None:
+        """Undo the speculative updates nobody took: the masters and state go back."""
+        for b in self._join():
+            self._counts["dropped"] += 1
+            self.snapshots[b].restore(b.inner)
+
+
+def snapshot_bytes(buckets: list[HostBucket]) -> int:
+    """Host bytes the snapshots of ``buckets`` take once every bucket has state: each
+    offloaded master and each of its state tensors (in the state's dtype) once more."""
+    total = 0
+    for b in buckets:
+        state_size = torch.empty((), dtype=getattr(b.inner, "state_dtype", torch.float32)).element_size()
+        for s in b.slots:
+            keys = b.inner._bucket_state_keys(b.inner.param_groups[s.group])
+            total += s.param.numel() * (s.master.element_size() + state_size * len(keys))
+    return total
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel says is available (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: _frozen(v) for k, v in hyperparameters(g).items()} for g in groups]
+
+
+def _frozen(value: Any) -> Any:
+    """A copy that later in-place writes do not change (a tensor learning rate, a tensor scale)."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, tensors by value (and never a tensor equal to a number: the kernels read them differently)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and \
+            torch.equal(a.detach().cpu(), b.detach().cpu())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+

@@ -1,0 +1,73 @@
+"""The CPU update streamed into backward (``stream_cpu_step=True``).
+
+As soon as a host bucket's gradients are on their way, a worker thread waits for them to
+land, updates the bucket on the CPU and sends its new weights back (after the compute
+stream's work as it was then: backward no longer reads them), while backward computes
+the gradients of the earlier layers.  ``step()`` only waits for what is left.  The result
+is the synchronous step's, bit for bit, provided nothing needs every gradient before the
+step starts: no overflow check, no clipping, no loss scale or step context, nobody reading
+``gradients()``; those steps are refused here (the speculative schedule takes them).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.optim.base import COMPUTE
+
+
+class StreamedStep(CpuStepSchedule):
+    name = "streamed into backward"
+
+    def __init__(self, optimizer) -> None:
+        super().__init__(optimizer)
+        self.running: dict[HostBucket, Future] = {}  # a bucket's update, started during backward
+
+    def grads_landed(self, bucket: HostBucket) -> None:
+        """Start the bucket's update and copy back on the worker.  The copy back waits (on
+        the device) for the compute stream as it is now: every use of those weights by
+        backward precedes the hook that sent their last gradient."""
+        opt = self.opt
+        if not opt.copies.needed:
+            return
+        opt.copies.mark_compute_done(bucket.backward_done)
+        self.running[bucket] = opt._pool().submit(opt._bucket_step, bucket, None, None, bucket.backward_done)
+
+    def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
+        if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None):
+            self.join()
+            raise RuntimeError("stream_cpu_step=True updates buckets during backward, so the step may not need "
+                               "every gradient first (check_finite, a grad_scale or a step context) unless "
+                               "speculate=True keeps each update apart until the step has checked it")
+
+    def before_gradients_read(self) -> None:
+        if self.running:
+            raise RuntimeError("gradients() after the streamed CPU step began: those buckets were already updated "
+                               "with their gradients (stream_cpu_step=True without speculate=True is for steps that "
+                               "need no gradient before they start)")
+
+    def host_step(self, grad_scale, context) -> Sent:
+        """What is left of the updates started during backward; the buckets none was started
+        for (a parameter without a backward hook) in line."""
+        with self.opt._timer.phase("cpu_step"):
+            done = self.join()
+        written: list[ParamSlot] = []
+        sent: list[HostBucket] = []
+        for b in self.opt._buckets:
+            if b in done:
+                written += done[b]
+                sent += [b] if done[b] else []
+            else:
+                w, s = self.in_line([b], grad_scale, context)
+                written, sent = written + w, sent + s
+        return written, sent
+
+    def end(self) -> None:
+        self.join()  # a backward that was not followed by a step (an error): let it finish
+
+    def join(self) -> dict[HostBucket, list[ParamSlot]]:
+        """Wait for the updates started during backward; the slots each one updated."""
+        futures, self.running = self.running, {}
+        return {b: f.result() for b, f in futures.items()}

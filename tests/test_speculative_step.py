@@ -1,0 +1,376 @@
+"""The speculative streamed step (``stream_cpu_step=True, speculate=True``): each host
+bucket is updated during backward, then committed, redone or dropped at the step, ending
+bit for bit where the synchronous step ends.
+
+On the accelerator code path run on the CPU (``copy_on_cpu=True``), driven the way the
+precision plugin drives a step (the loss scale announced before backward, the overflow
+check, clipping by norm, the step), over many steps at fractions 0.5 and 1 with several
+buckets: clipping that never, always and sometimes triggers, fp16 overflows (the first
+step included) with the scale rule followed, both together, accumulation, a scheduler,
+LAMB's global norm; and the counters say that each path ran.  Then under the Trainer
+against ``Trainer()``, and resuming from a checkpoint in the middle.
+"""
+
+import math
+from collections import Counter
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedLAMB, FusedSGD
+from lightning_fastopt.core.precision import PrecisionCore
+from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.speculative import SpeculativeStep
+from lightning_fastopt.optim.takeover import engine_of
+from tests.helpers import ACCELERATOR
+from tests.test_precision import _data
+from tests.test_strategy import Model
+
+
+def _net(width=24, depth=4):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+class Driver(PrecisionCore):
+    """The precision plugin's step without a Trainer: announce the scale, backward, check
+    for overflow (skip), clip by norm, step."""
+
+    def pre_backward(self, tensor, module):
+        return tensor * self.scaler.scale if self.scaler is not None else tensor
+
+    def train_step(self, opt, model, x, clip, micro_batches=1):
+        self.announce_grad_scale(opt)
+        opt.zero_grad()
+        for i, chunk in enumerate(x.chunk(micro_batches)):
+            opt.accumulating = i < micro_batches - 1
+            self.pre_backward(model(chunk).square().mean(), model).backward()
+        if self._check_overflow(opt):
+            self._skip_step(opt)
+            return
+        if clip:
+            self.clip_scaled_gradients(opt, clip)
+        self._step(opt)
+
+
+def _inputs(steps, overflow_at=(), seed=1):
+    """Batches whose size alternates (so that the gradient norm does), an inf where asked."""
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for t in range(steps):
+        x = torch.randn(16, 24, generator=g) * (4.0 if t % 3 == 0 else 0.25)
+        if t in overflow_at:
+            x[0, 0] = math.inf
+        xs.append(x)
+    return xs
+
+
+def _train(speculate, make_opt, fraction, *, clip=0.0, precision="32-true", overflow_at=(), steps=14,
+           micro_batches=1, sched=False):
+    model = _net()
+    opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
+                           stream_cpu_step=speculate, speculate=speculate)
+    driver = Driver(precision, initial_scale_power=20, loss_scale_window=4, hysteresis=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8) if sched else None
+    for x in _inputs(steps, overflow_at):
+        driver.train_step(opt, model, x, clip, micro_batches)
+        if scheduler is not None:
+            scheduler.step()
+    states = [opt.state_of(p) for p in model.parameters()]
+    totals = Counter(opt.schedule.totals) if isinstance(opt.schedule, SpeculativeStep) else Counter()
+    opt.close()
+    return model, states, totals, driver
+
+
+def _assert_same(a, b):
+    model_a, states_a, _, driver_a = a
+    model_b, states_b, _, driver_b = b
+    for x, y in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(x, y)
+    for sa, sb in zip(states_a, states_b):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert driver_a.loss_scale == driver_b.loss_scale and driver_a.skipped_steps == driver_b.skipped_steps
+
+
+ADAMW = lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01)  # noqa: E731
+SGD = lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9)  # noqa: E731
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("clip,expect", [(1e9, "committed only"), (1e-4, "redone only"), (0.06, "both")],
+                         ids=["never", "always", "sometimes"])
+@pytest.mark.parametrize("make_opt", [ADAMW, SGD], ids=["adamw", "sgd"])
+def test_clipping_commits_or_redoes_and_ends_where_the_synchronous_step_ends(backend, make_opt, clip, expect,
+                                                                              fraction):
+    speculated = _train(True, make_opt, fraction, clip=clip)
+    _assert_same(speculated, _train(False, make_opt, fraction, clip=clip))
+    totals = speculated[2]
+    assert totals["speculated"] >= 3 * 14 and totals["dropped"] == 0
+    assert totals["speculated"] == totals["committed"] + totals["redone"]
+    if expect == "committed only":
+        assert totals["redone"] == 0
+    elif expect == "redone only":
+        assert totals["committed"] == 0
+    else:
+        assert totals["committed"] > 0 and totals["redone"] > 0
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("clip", [0.0, 0.06], ids=["fp16", "fp16-and-clipping"])
+def test_fp16_overflows_drop_the_speculation_and_the_scale_rule_is_followed(backend, clip, fraction):
+    """Overflows at the first step and later ones; the scale grows every 4 clean steps
+    (the next step's speculation uses the announced scale: no redo for that)."""
+    overflow_at = (0, 5, 6, 11)
+    speculated = _train(True, ADAMW, fraction, clip=clip, precision="16-mixed", overflow_at=overflow_at, steps=16)
+    plain = _train(False, ADAMW, fraction, clip=clip, precision="16-mixed", overflow_at=overflow_at, steps=16)
+    _assert_same(speculated, plain)
+    totals, driver = speculated[2], speculated[3]
+    assert driver.skipped_steps == len(overflow_at)
+    buckets = totals["speculated"] // 16
+    assert totals["dropped"] == buckets * len(overflow_at)
+    assert totals["committed"] > 0
+    if not clip:  # the scale speculated with is always the one the step takes
+        assert totals["redone"] == 0
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_accumulation_and_a_scheduler(backend, fraction):
+    kw = dict(clip=0.06, micro_batches=2, sched=True)
+    speculated = _train(True, ADAMW, fraction, **kw)
+    _assert_same(speculated, _train(False, ADAMW, fraction, **kw))
+    assert speculated[2]["committed"] > 0 and speculated[2]["redone"] > 0
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e9, 0.06, 0.0], ids=["never-clips", "sometimes", "no-clipping"])
+def test_lamb_global_norm(backend, max_grad_norm):
+    make = lambda ps: FusedLAMB(ps, lr=1e-2, max_grad_norm=max_grad_norm)  # noqa: E731
+    speculated = _train(True, make, 0.5)
+    _assert_same(speculated, _train(False, make, 0.5))
+    totals = speculated[2]
+    if max_grad_norm == 0.06:
+        assert totals["committed"] > 0 and totals["redone"] > 0
+    else:
+        assert totals["redone"] == 0
+
+
+def test_a_step_given_another_scale_or_learning_rate_redoes_the_update(backend):
+    """What the speculation assumed is checked, whoever drives the step."""
+    runs = []
+    for speculate in (True, False):
+        model = _net()
+        opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
+                               bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=speculate, speculate=speculate)
+        for t, x in enumerate(_inputs(4)):
+            opt.expected_grad_scale = 8.0
+            opt.zero_grad()
+            (model(x).square().mean() * 8.0).backward()
+            if t == 2:
+                opt.param_groups[0]["lr"] = 3e-3  # after backward, before the step
+            opt.step(grad_scale=16.0 if t == 1 else 8.0)
+        runs.append((model, opt.schedule))
+        opt.close()
+    (a, schedule), (b, _) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    buckets = schedule.totals["speculated"] // 4
+    assert schedule.totals["redone"] == 2 * buckets and schedule.totals["committed"] == 2 * buckets
+
+
+def test_state_read_between_backward_and_the_step_is_the_state_before_it(backend):
+    model = _net()
+    opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
+    model(torch.randn(4, 24)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state_of(model[0].weight).items()}
+    opt.zero_grad()
+    model(torch.randn(4, 24)).sum().backward()
+    now = opt.state_of(model[0].weight)  # the speculative update is undone: the step redoes it
+    assert all(torch.equal(before[k], now[k]) for k in before)
+    opt.step()
+    assert opt.schedule.totals["dropped"] > 0 and not torch.equal(before["exp_avg"], opt.state_of(model[0].weight)["exp_avg"])
+    opt.close()
+
+
+def test_a_buckets_update_starts_before_backward_ends_with_clipping(compiled):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(768, 768) for _ in range(8)])
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=2.5, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
+    driver = Driver("32-true")
+    started = []
+    inner_step = opt._step_inner
+
+    def timed(inner, slots, *args):
+        if inner is not opt._device_inner:
+            started.append(time.perf_counter())
+        return inner_step(inner, slots, *args)
+
+    opt._step_inner = timed
+    x = torch.randn(1024, 768)
+    for _ in range(2):  # the second time with warm caches
+        started.clear()
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        backward_done = time.perf_counter()
+        driver.clip_scaled_gradients(opt, 1e9)
+        driver._step(opt)
+    assert min(started) < backward_done
+    assert opt.schedule.totals["committed"] > 0 and opt.schedule.totals["redone"] == 0
+    opt.close()
+
+
+def test_speculate_needs_stream_cpu_step():
+    model = _net()
+    with pytest.raises(ValueError, match="speculate=True .* needs stream_cpu_step=True"):
+        OffloadOptimizer(SGD(model.parameters()), copy_on_cpu=True, speculate=True)
+
+
+# ------------------------------------------------------------------ under the Trainer
+class Clipped(Model):
+    def __init__(self, make_opt):
+        super().__init__(make_opt, sched=True)
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x * (6.0 if i % 3 == 0 else 1.0)), y)  # the norm varies
+
+    def on_train_epoch_end(self):
+        self.engine = engine_of(self.trainer.optimizers[0])
+
+
+def _fit(strategy, precision="32-true", make_opt=None, **kw):
+    model = Clipped(make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
+    trainer = L.Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision=precision, **kw)
+    trainer.fit(model, _data())
+    return model, trainer
+
+
+def _ours(fraction=0.5):
+    return FastOptStrategy(offload_fraction=fraction, bucket_size_mb=0.0002, copy_on_cpu=True, stream_cpu_step=True)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_under_the_trainer_clipping_speculates_and_ends_where_trainer_ends(caplog, monkeypatch, fraction):
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    with caplog.at_level(logging.INFO):
+        ours, trainer = _fit(_ours(fraction), gradient_clip_val=5.0)
+    assert "speculated during backward, once its gradients have landed, and checked at the step " \
+           "(gradient clipping)" in caplog.text
+    totals = ours.engine.schedule.totals
+    assert totals["committed"] > 0 and totals["redone"] > 0  # the norm is over 5 on some steps only
+    ref, _ = _fit("auto", gradient_clip_val=5.0)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_under_the_trainer_fp16_and_clipping_end_where_the_synchronous_step_ends():
+    """fp16 on the CPU (our precision plugin; Lightning's own turns 16-mixed into bf16 on
+    the CPU): the speculative schedule against our synchronous one."""
+    runs = []
+    for stream in (True, False):
+        strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True,
+                                   stream_cpu_step=stream)
+        model = Clipped(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+        trainer = L.Trainer(strategy=strategy, plugins=[FastOptPrecision("16-mixed", initial_scale_power=30,
+                                                                         loss_scale_window=3)],
+                            accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=5.0)
+        trainer.fit(model, _data())
+        runs.append((model, trainer.precision_plugin))
+    (a, pa), (b, pb) = runs
+    assert pa.skipped_steps == pb.skipped_steps > 0  # 2**30 overflows fp16 at first
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_the_memory_kept_aside_is_said_and_speculation_falls_back_without_it(caplog, monkeypatch):
+    import logging
+
+    from lightning_fastopt.offload import optimizer as offload_optimizer
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    model = _net()
+    names = {p: n for n, p in model.named_parameters()}
+    with caplog.at_level(logging.INFO):
+        opt = OffloadOptimizer(SGD(model.parameters()), names, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
+    assert "speculate=True keeps the offloaded masters and optimizer state aside: 0.00 GiB more host memory" \
+        in caplog.text and isinstance(opt.schedule, SpeculativeStep)
+    opt.close()
+    monkeypatch.setattr(offload_optimizer, "available_host_bytes", lambda: 1000)
+    with caplog.at_level(logging.INFO):
+        opt = OffloadOptimizer(SGD(model.parameters()), names, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
+    assert "speculate=True not used: keeping the offloaded masters and optimizer state aside takes 0.00 GiB of " \
+           "host memory, 0.00 GiB is available; the CPU step runs at the step" in caplog.text
+    assert opt.schedule.name == "at the step"
+    opt.close()
+
+
+def test_the_breakdown_counts_the_buckets_and_the_redo_time(backend):
+    model = _net()
+    opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=True, speculate=True,
+                           wall_clock_breakdown=True)
+    buckets = len(opt._buckets)
+    for scale in (4.0, 8.0):  # the second step is given another scale than announced: every bucket is redone
+        opt.expected_grad_scale = 4.0
+        opt.zero_grad()
+        (model(torch.randn(4, 24)).sum() * 4.0).backward()
+        opt.step(grad_scale=scale)
+        times = opt.last_step_times
+        assert times["buckets_speculated"] == buckets and times["buckets_dropped"] == 0
+        redone = scale == 8.0
+        assert times["buckets_redone"] == (buckets if redone else 0)
+        assert times["buckets_committed"] == (0 if redone else buckets)
+        assert (times["redo"] > 0) == redone
+    opt.close()
+
+
+def test_resuming_in_the_middle_ends_where_trainer_ends(tmp_path):
+    def trainer(epochs, strategy):
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         gradient_clip_val=5.0)
+
+    first = Clipped(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    t = trainer(1, _ours())
+    t.fit(first, _data())
+    t.save_checkpoint(tmp_path / "half.ckpt")
+    resumed = Clipped(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    trainer(3, _ours()).fit(resumed, _data(), ckpt_path=tmp_path / "half.ckpt")
+    ref = Clipped(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    trainer(3, "auto").fit(ref, _data())
+    assert resumed.engine.schedule.totals["redone"] > 0
+    for a, b in zip(resumed.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_clipping_by_value_redoes_only_the_buckets_it_changed(backend):
+    """Clamping writes only the host gradients that exceed the bound: the other buckets commit."""
+    runs = []
+    for speculate in (True, False):
+        model = _net()
+        opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
+                               bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=speculate, speculate=speculate)
+        driver = Driver("32-true")
+        for x in _inputs(10):
+            driver.announce_grad_scale(opt)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            driver.clip_scaled_gradients(opt, 0.01, by_value=True)
+            driver._step(opt)
+        runs.append((model, opt.schedule))
+        opt.close()
+    (a, schedule), (b, _) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert schedule.totals["committed"] > 0 and schedule.totals["redone"] > 0
