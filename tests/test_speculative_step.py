@@ -13,7 +13,6 @@ against ``Trainer()``, and resuming from a checkpoint in the middle.
 
 import math
 from collections import Counter
-import time
 
 import lightning as L
 import pytest
@@ -27,6 +26,7 @@ from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.optim.takeover import engine_of
 from tests.helpers import ACCELERATOR
 from tests.test_precision import _data
+from tests.test_streamed_step import cpu_updates_and_backward_end
 from tests.test_strategy import Model
 
 
@@ -71,12 +71,18 @@ def _inputs(steps, overflow_at=(), seed=1):
     return xs
 
 
+def _offload(model, make_opt, speculate, fraction=1.0, **kw):
+    """The optimizer the comparisons run: several small buckets on the accelerator path,
+    speculative or synchronous."""
+    return OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
+                            offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
+                            stream_cpu_step=speculate, speculate=speculate, **kw)
+
+
 def _train(speculate, make_opt, fraction, *, clip=0.0, precision="32-true", overflow_at=(), steps=14,
            micro_batches=1, sched=False):
     model = _net()
-    opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
-                           offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
-                           stream_cpu_step=speculate, speculate=speculate)
+    opt = _offload(model, make_opt, speculate, fraction)
     driver = Driver(precision, initial_scale_power=20, loss_scale_window=4, hysteresis=1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8) if sched else None
     for x in _inputs(steps, overflow_at):
@@ -165,8 +171,7 @@ def test_a_step_given_another_scale_or_learning_rate_redoes_the_update(backend):
     runs = []
     for speculate in (True, False):
         model = _net()
-        opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
-                               bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=speculate, speculate=speculate)
+        opt = _offload(model, ADAMW, speculate)
         for t, x in enumerate(_inputs(4)):
             opt.expected_grad_scale = 8.0
             opt.zero_grad()
@@ -184,8 +189,7 @@ def test_a_step_given_another_scale_or_learning_rate_redoes_the_update(backend):
 
 def test_state_read_between_backward_and_the_step_is_the_state_before_it(backend):
     model = _net()
-    opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
+    opt = _offload(model, ADAMW, True)
     model(torch.randn(4, 24)).sum().backward()
     opt.step()
     before = {k: v.clone() for k, v in opt.state_of(model[0].weight).items()}
@@ -199,30 +203,14 @@ def test_state_read_between_backward_and_the_step_is_the_state_before_it(backend
 
 
 def test_a_buckets_update_starts_before_backward_ends_with_clipping(compiled):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(768, 768) for _ in range(8)])
-    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=2.5, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
     driver = Driver("32-true")
-    started = []
-    inner_step = opt._step_inner
 
-    def timed(inner, slots, *args):
-        if inner is not opt._device_inner:
-            started.append(time.perf_counter())
-        return inner_step(inner, slots, *args)
-
-    opt._step_inner = timed
-    x = torch.randn(1024, 768)
-    for _ in range(2):  # the second time with warm caches
-        started.clear()
-        opt.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        backward_done = time.perf_counter()
+    def clip_and_step(opt):
         driver.clip_scaled_gradients(opt, 1e9)
         driver._step(opt)
-    assert min(started) < backward_done
+
+    started, backward_ended, opt = cpu_updates_and_backward_end(clip_and_step, speculate=True)
+    assert min(started) < backward_ended
     assert opt.schedule.totals["committed"] > 0 and opt.schedule.totals["redone"] == 0
     opt.close()
 
@@ -318,9 +306,7 @@ def test_the_memory_kept_aside_is_said_and_speculation_falls_back_without_it(cap
 
 def test_the_breakdown_counts_the_buckets_and_the_redo_time(backend):
     model = _net()
-    opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=True, speculate=True,
-                           wall_clock_breakdown=True)
+    opt = _offload(model, ADAMW, True, wall_clock_breakdown=True)
     buckets = len(opt._buckets)
     for scale in (4.0, 8.0):  # the second step is given another scale than announced: every bucket is redone
         opt.expected_grad_scale = 4.0
@@ -360,8 +346,7 @@ def test_clipping_by_value_redoes_only_the_buckets_it_changed(backend):
     runs = []
     for speculate in (True, False):
         model = _net()
-        opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
-                               bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=speculate, speculate=speculate)
+        opt = _offload(model, ADAMW, speculate)
         driver = Driver("32-true")
         for x in _inputs(10):
             driver.announce_grad_scale(opt)

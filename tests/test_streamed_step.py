@@ -61,13 +61,14 @@ def test_the_streamed_step_ends_where_the_unstreamed_one_ends_bit_for_bit(backen
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_a_buckets_cpu_update_starts_before_backward_ends(compiled):
-    """Wide layers make backward long; the last layer's gradients land first, and its
-    bucket's update starts while the earlier layers' backward still runs."""
+def cpu_updates_and_backward_end(after_backward, **kw):
+    """Two steps of 8 wide layers (backward is long), each host bucket's CPU update timed;
+    ``after_backward(opt)`` takes the step.  Returns the second step's update start times
+    (warm caches), when its backward ended, and the optimizer (still open)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(768, 768) for _ in range(8)])
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=2.5, copy_on_cpu=True, stream_cpu_step=True)
+                           bucket_size_mb=2.5, copy_on_cpu=True, stream_cpu_step=True, **kw)
     started = []
     inner_step = opt._step_inner
 
@@ -78,13 +79,19 @@ def test_a_buckets_cpu_update_starts_before_backward_ends(compiled):
 
     opt._step_inner = timed
     x = torch.randn(1024, 768)
-    for _ in range(2):  # the second time with warm caches
+    for _ in range(2):
         started.clear()
         opt.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
+        model(x).square().mean().backward()
         backward_ended = time.perf_counter()
-        opt.step()
+        after_backward(opt)
+    return started, backward_ended, opt
+
+
+def test_a_buckets_cpu_update_starts_before_backward_ends(compiled):
+    """The last layer's gradients land first, and its bucket's update starts while the
+    earlier layers' backward still runs."""
+    started, backward_ended, opt = cpu_updates_and_backward_end(lambda o: o.step())
     assert len(started) == len(opt._buckets) >= 4
     assert min(started) < backward_ended, (min(started) - backward_ended)
     opt.close()
