@@ -255,7 +255,7 @@ def test_unscale_and_sum_of_squares_on_the_cpu(compiled):
 @pytest.fixture(scope="module")
 def built_cuda_ext():
     if CPU_ONLY_TORCH:
-        pytest.skip("torch has no CUDA: the CUDA kernels are compiled where it has (see README)")
+        pytest.skip("torch has no CUDA: the CUDA kernels are compiled where it has (see docs/kernels.md)")
     try:
         cuda_ops.target_archs()
     except ExtensionBuildError as err:

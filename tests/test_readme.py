@@ -1,5 +1,6 @@
 """README keeps exactly two set-up commands, CI runs the test one, the main job runs,
-and the benchmark scripts run."""
+and the benchmark scripts run; README and docs/ agree with the code and link to pages
+and headings that exist."""
 
 import re
 import subprocess
@@ -93,16 +94,16 @@ def test_the_gpt_benchmark_reads_its_configurations():
             FastOptStrategy(**fastopt_arguments(config)[0])  # every default configuration is a valid strategy
 
 
-def test_the_readme_lists_every_default_that_differs_from_torch():
-    """The table of defaults that differ from the replaced torch optimizer is complete and
-    right (computed from the signatures)."""
+def test_the_docs_list_every_default_that_differs_from_torch():
+    """The table of defaults that differ from the replaced torch optimizer
+    (docs/optimizers.md) is complete and right (computed from the signatures)."""
     import inspect
 
     import torch
 
     from lightning_fastopt import FusedAdagrad, FusedAdam, FusedSGD
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "optimizers.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \| `torch\.optim\.(\w+)` \| `(\w+)`", text, re.M))
     found = set()
     for ours, theirs in ((FusedAdam, torch.optim.AdamW), (FusedAdam, torch.optim.Adam), (FusedSGD, torch.optim.SGD),
@@ -114,3 +115,60 @@ def test_the_readme_lists_every_default_that_differs_from_torch():
                 found.add((ours.__name__, theirs.__name__, "adamw_mode" if name == "decoupled_weight_decay" else name))
     assert found == rows
     assert inspect.signature(FusedAdam).parameters["adamw_mode"].default is True
+
+
+def _markdown_pages():
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(path: Path) -> set:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_link_of_readme_and_docs_reaches_a_file_and_heading():
+    checked = 0
+    for page in _markdown_pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            assert dest.exists(), f"{page.name}: {target} does not exist"
+            if anchor:
+                assert anchor in _headings(dest), f"{page.name}: no heading #{anchor} in {dest.name}"
+            checked += 1
+    assert checked >= 20  # README's links to each page, and the pages' links to each other
+
+
+def test_readme_is_the_short_page_and_links_every_docs_page():
+    """README is what a new user reads in five minutes: the set-up, the use, the options,
+    what changes the math, and a link to every page of docs/ (the rest lives there)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    assert re.findall(r"^## (.+)$", text, re.M) == ["Set-up", "Use it", "Options",
+                                                     "What stays as it is, and what changes", "Read more"]
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in text, f"README does not link docs/{page.name}"
+
+
+def test_the_readme_option_table_names_every_argument_of_the_strategy():
+    import inspect
+
+    from lightning_fastopt import FastOptFabricStrategy
+
+    text = (REPO / "README.md").read_text()
+    table = text.split("## Options", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for first_cell in re.findall(r"^\| (`[^|]+`) \|", table, re.M):
+        named |= set(re.findall(r"`(\w+)`", first_cell))
+    for strategy in (FastOptStrategy, FastOptFabricStrategy):
+        arguments = {name for name, p in inspect.signature(strategy).parameters.items()
+                     if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        assert named == arguments, (strategy.__name__, named ^ arguments)

@@ -138,7 +138,7 @@ class TrainerStrategy:
         host_state_dtype: ``"float32"`` (default) or ``"bfloat16"``: the dtype of the
             offloaded share's Adam moments in host memory.  bfloat16 (stochastic rounding)
             cuts the CPU step's memory traffic from 28 to 20 bytes per parameter and the
-            host state by half, and changes the math (see README); Adam/AdamW only, not
+            host state by half, and changes the math (docs/strategy.md); Adam/AdamW only, not
             with ZeRO.  Checkpoints hold the moments as float32 either way.
         forward_waits: ``"step"`` (default: the next forward starts once every new weight
             is back on the device) or ``"module"``: each module's forward waits only for
