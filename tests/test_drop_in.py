@@ -8,6 +8,8 @@ Strategies: the accelerator code path on the CPU (``copy_on_cpu=True``, half off
 and all offloaded) and the plain CPU path (``fastopt_offload``: offloaded masters are
 the parameters themselves)."""
 
+from collections import Counter
+
 import lightning as L
 import pytest
 import torch
@@ -413,7 +415,8 @@ def test_param_groups_that_move_parameters_are_refused():
                          ids=["RAdam", "subclass-of-SGD"])
 def test_fabric_keeps_the_users_optimizer(make):
     """Under Fabric too: ``fabric.setup`` hands back the user's optimizer (stepped by the
-    offload optimizer), any optimizer runs, and the loop ends where Fabric's own ends."""
+    offload optimizer), any optimizer runs, and the loop ends where Fabric's own ends.
+    (Fabric's optimizer wrapper takes no keyword arguments in ``step``.)"""
     from lightning.fabric import Fabric
 
     from lightning_fastopt import FastOptFabricStrategy
@@ -481,3 +484,123 @@ def test_half_parameters_under_32_true_say_they_get_float32_masters(caplog, monk
     with _said(caplog, monkeypatch):
         _trainer(FastOptStrategy(copy_on_cpu=True), max_epochs=1).fit(Net(), _data())
     assert "float32 master weights" not in caplog.text
+
+
+# ---------------------------------------------------------------------------- keyword arguments of step
+class ScaledSGD(torch.optim.Optimizer):
+    """A third-party-style optimizer whose step takes a keyword argument of its own."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None, scale=1.0):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * scale)
+        return loss
+
+
+class ScaledSteps(Net):
+    """Manual optimization passing ``opt.step(closure, scale=...)`` on odd batches (Lightning
+    hands keyword arguments of ``LightningOptimizer.step`` to the optimizer's step)."""
+
+    def __init__(self, make_opt=ScaledSGD, scales=True):
+        super().__init__(make_opt)
+        self.automatic_optimization = False
+        self.scales = scales
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+
+        def closure():
+            self.manual_backward(super(ScaledSteps, self).training_step(batch, batch_idx))
+
+        kwargs = dict(scale=0.5) if self.scales and batch_idx % 2 else {}
+        opt.step(closure, **kwargs)
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "zero2-accelerator-path"])
+def test_step_keyword_arguments_reach_the_users_own_step(strategy):
+    """``opt.step(closure, scale=0.5)`` reaches an optimizer that runs its own step, on every
+    share of the parameters (device, host buckets; ZeRO's shard), as under ``Trainer()``;
+    bit for bit, and the argument changed the result."""
+    make = STRATEGIES.get(strategy, lambda: FastOptStrategy(zero_stage=2, offload_fraction=0.5,
+                                                            bucket_size_mb=0.0002, copy_on_cpu=True))
+    ours, ref, unscaled = ScaledSteps(), ScaledSteps(), ScaledSteps(scales=False)
+    _trainer(make()).fit(ours, _data())
+    _trainer("auto").fit(ref, _data())
+    _trainer("auto").fit(unscaled, _data())
+    _assert_equal(ours, ref)
+    assert not torch.equal(ours.head.weight, unscaled.head.weight)
+
+
+def test_step_keyword_arguments_to_a_fused_optimizer_are_a_type_error_as_in_torch():
+    """torch's SGD takes no keyword argument beyond the closure (a TypeError under
+    ``Trainer()``); run by the kernels it is the same error, naming the argument."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
+        _trainer("auto").fit(ScaledSteps(lambda ps: torch.optim.SGD(ps, lr=0.05)), _data())
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'scale'.*FusedSGD"):
+        _trainer(STRATEGIES["half-offloaded-accelerator-path"]()).fit(
+            ScaledSteps(lambda ps: torch.optim.SGD(ps, lr=0.05)), _data())
+
+
+def _scaled_offload(model, **kw):
+    return OffloadOptimizer(UserStepOptimizer(ScaledSGD(model.parameters())),
+                            {p: n for n, p in model.named_parameters()}, offload_fraction=1.0,
+                            bucket_size_mb=0.0002, copy_on_cpu=True, **kw)
+
+
+SCHEDULES = {
+    "synchronous": dict(),
+    "delayed": dict(delayed_update=True, delayed_update_warmup=2),
+    "speculative": dict(stream_cpu_step=True, speculate=True),
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_step_keyword_arguments_reach_every_cpu_step_schedule(schedule):
+    """The keyword arguments of a step reach the user's step on the host buckets whenever
+    their update runs: at the step, delayed into the next step, or speculated during
+    backward (then redone: the speculation ran without them).  Checked against the same
+    schedule given the equivalent learning rate instead (``lr * scale``: exact for 0.5)."""
+    def train(with_kwargs):
+        model = Net()
+        opt = _scaled_offload(model, **SCHEDULES[schedule])
+        for t, (x, y) in enumerate(_data()):
+            for _ in range(2):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                scale = 0.5 if t % 2 else 1.0
+                if with_kwargs:
+                    opt.step(scale=scale) if scale != 1.0 else opt.step()
+                else:
+                    opt.param_groups[0]["lr"] = 0.05 * scale
+                    opt.step()
+        totals = Counter(getattr(opt.schedule, "totals", {}))
+        opt.close()
+        return model, totals
+
+    (ours, totals), (ref, _) = train(True), train(False)
+    _assert_equal(ours, ref)
+    if schedule == "speculative":  # 8 steps, 4 of them with keyword arguments; several buckets each
+        assert totals["redone"] == totals["committed"] > 0 and totals["speculated"] == 2 * totals["redone"]
+
+
+def test_the_streamed_step_refuses_keyword_arguments_it_could_not_pass():
+    """Without speculation a bucket's update runs during backward, before the step's
+    keyword arguments exist: such a step is an error, as any step that needs every
+    gradient first."""
+    model = Net()
+    opt = _scaled_offload(model, stream_cpu_step=True)
+    x, y = next(iter(_data()))
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="keyword arguments to the optimizer's own step"):
+        opt.step(scale=0.5)
+    opt.close()

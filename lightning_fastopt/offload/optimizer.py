@@ -593,16 +593,19 @@ class OffloadOptimizer(OptimizerWrapper):
     def _inners(self) -> list[FusedOptimizer]:
         return [self._device_inner] + [b.inner for b in self._buckets]
 
-    def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context) -> list[ParamSlot]:
+    def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context,
+                    step_kwargs: dict[str, Any] | None = None) -> list[ParamSlot]:
         """Step one inner optimizer over the slots that have a gradient, with the user's
         current hyperparameters; returns them."""
-        plan = self._plan(inner, slots)
+        plan = self._plan(inner, slots, step_kwargs)
         return self._run_plan(inner, plan, grad_scale, context) if plan is not None else []
 
-    def _plan(self, inner: FusedOptimizer, slots: list[ParamSlot]):
+    def _plan(self, inner: FusedOptimizer, slots: list[ParamSlot], step_kwargs: dict[str, Any] | None = None):
         """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
         current hyperparameters (where LR schedulers write) copied in, the slots that have
-        a gradient, each one's gradient and half copy.  None when no slot has a gradient."""
+        a gradient, each one's gradient and half copy, the keyword arguments for the
+        user's own ``step`` (``step_kwargs``, by default the running step's).  None when no
+        slot has a gradient."""
         copy_hyperparameters(inner, self.param_groups)
         sources, targets, updated = {}, {}, []
         for s in slots:
@@ -613,14 +616,17 @@ class OffloadOptimizer(OptimizerWrapper):
             updated.append(s)
             if s.param.dtype != s.master.dtype:
                 targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
-        return (updated, sources, targets or None) if updated else None
+        step_kwargs = dict(self.step_kwargs if step_kwargs is None else step_kwargs)
+        return (updated, sources, targets or None, step_kwargs) if updated else None
 
     def _run_plan(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
         """Step ``inner`` as :meth:`_plan` fixed it; a host bucket's update is the profiler
         range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
-        updated, sources, targets = plan
+        updated, sources, targets, step_kwargs = plan
         inner.grad_source = sources
         inner.copies_to = targets
+        if step_kwargs:
+            inner.step_kwargs = step_kwargs
         label = "fastopt::device_update" if inner is self._device_inner else "fastopt::cpu_update"
         try:
             with torch.profiler.record_function(label):
@@ -628,6 +634,7 @@ class OffloadOptimizer(OptimizerWrapper):
         finally:
             inner.grad_source = None
             inner.copies_to = None
+            inner.__dict__.pop("step_kwargs", None)
         return updated
 
     # ------------------------------------------------------------------ state dict

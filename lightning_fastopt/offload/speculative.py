@@ -14,8 +14,9 @@ norm), and still ends where the synchronous step ends, bit for bit.
    computes them, on the gradients as they landed (the overflow check, the clipping
    norm, LAMB's global norm).  The speculation holds for a bucket when none of its
    gradients was written since it landed (clipping multiplies them in place, which
-   moves their version counters), the step's loss scale and hyperparameters are the
-   ones it used, and the step context leads to the same update
+   moves their version counters), the step's loss scale, hyperparameters and keyword
+   arguments (for the user's own step) are the ones it used, and the step context leads
+   to the same update
    (:meth:`~lightning_fastopt.optim.base.FusedOptimizer.same_update`).
 3. **Commit or redo.** A bucket whose speculation holds sends its staged weights to the
    device; nothing is copied back.  One whose speculation does not (clipping scaled
@@ -59,6 +60,7 @@ class Speculation:
     grad_scale: Any
     context: Any
     hyperparameters: list[dict[str, Any]]
+    step_kwargs: dict[str, Any]  # for the user's own step (empty unless backward ran inside a step given some)
     future: Future = field(default_factory=Future)
 
 
@@ -80,7 +82,8 @@ class SpeculativeStep(CpuStepSchedule):
         if not (opt.copies.needed and self._open):
             return
         spec = Speculation([s.host_grad._version for s in bucket.slots], _frozen(opt.expected_grad_scale),
-                           opt.optimizer.unclipped_context(), _hyperparameters(opt.param_groups))
+                           opt.optimizer.unclipped_context(), _hyperparameters(opt.param_groups),
+                           dict(opt.step_kwargs))
         spec.future = opt._pool().submit(self._speculate, bucket, spec)
         self.running[bucket] = spec
 
@@ -92,7 +95,7 @@ class SpeculativeStep(CpuStepSchedule):
         opt._refresh_written(written_in_bucket(bucket))
         started = time.perf_counter()
         self.snapshots.setdefault(bucket, BucketSnapshot()).take(bucket.inner, bucket.slots)
-        updated = opt._step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context)
+        updated = opt._step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
         opt._background_ms += (time.perf_counter() - started) * 1e3
         return updated
 
@@ -137,7 +140,8 @@ class SpeculativeStep(CpuStepSchedule):
         return ([s.host_grad._version for s in bucket.slots] == spec.grad_versions
                 and _same(spec.grad_scale, grad_scale)
                 and opt.optimizer.same_update(spec.context, context)
-                and _same(spec.hyperparameters, _hyperparameters(opt.param_groups)))
+                and _same(spec.hyperparameters, _hyperparameters(opt.param_groups))
+                and _same(spec.step_kwargs, opt.step_kwargs))
 
     def skipped(self) -> None:
         self._drop()

@@ -5,8 +5,8 @@ land, updates the bucket on the CPU and sends its new weights back (after the co
 stream's work as it was then: backward no longer reads them), while backward computes
 the gradients of the earlier layers.  ``step()`` only waits for what is left.  The result
 is the synchronous step's, bit for bit, provided nothing needs every gradient before the
-step starts: no overflow check, no clipping, no loss scale or step context, nobody reading
-``gradients()``; those steps are refused here (the speculative schedule takes them).
+step starts: no overflow check, no clipping, no loss scale or step context, no keyword
+arguments for the user's own step, nobody reading ``gradients()``; those steps are refused here (the speculative schedule takes them).
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ class StreamedStep(CpuStepSchedule):
         self.running[bucket] = opt._pool().submit(opt._bucket_step, bucket, None, None, bucket.backward_done)
 
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
-        if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None):
+        if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None) or self.opt.step_kwargs:
             self.join()
             raise RuntimeError("stream_cpu_step=True updates buckets during backward, so the step may not need "
-                               "every gradient first (check_finite, a grad_scale or a step context) unless "
-                               "speculate=True keeps each update apart until the step has checked it")
+                               "every gradient first (check_finite, a grad_scale or a step context) or give "
+                               "keyword arguments to the optimizer's own step unless speculate=True keeps each "
+                               "update apart until the step has checked it")
 
     def before_gradients_read(self) -> None:
         if self.running:

@@ -89,13 +89,17 @@ class FusedOptimizer(torch.optim.Optimizer):
     of ``p.grad`` (for example a float32 master updated from a pinned bfloat16 host
     buffer), and ``copies_to`` maps a parameter to a half-precision tensor that receives
     the updated value in the same pass.  Both default to None (plain ``p.grad``, no copy).
+    A third, ``step_kwargs``, holds the keyword arguments a wrapper's step was given for
+    the user's own ``step`` (only an optimizer with :attr:`takes_step_kwargs` gets any).
     """
 
     state_keys: tuple[str, ...] = ()
     counts_steps: bool = True
     supports_capturable = False  # capturable=True: step counts on the device, no host synchronisation
+    takes_step_kwargs = False  # step() passes keyword arguments beyond its own to the user's step
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
+    step_kwargs: dict[str, Any] = {}
 
     def __init__(self, params, defaults: dict[str, Any], *, foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, differentiable: bool = False) -> None:

@@ -10,7 +10,8 @@ the masters (host or device), made without calling its ``__init__`` again (torch
 ``Optimizer.__init__`` with the user's groups, and every other attribute the user's
 ``__init__`` set), whose ``param_groups`` and ``state`` are the sibling's.  A step sets
 each master's ``.grad`` to its gradient (unscaled first when a loss scale is given: the
-user's ``step`` knows nothing of it), calls the user's ``step``, and writes the half
+user's ``step`` knows nothing of it), calls the user's ``step`` (with the keyword
+arguments the step was given beyond the closure, ``step_kwargs``), and writes the half
 copies.  The math is torch's (or the user's), where the masters live, so the memory
 saving and the copies' overlap still apply; only the kernels' speed does not.
 """
@@ -38,6 +39,7 @@ class UserStepOptimizer(FusedOptimizer):
     """
 
     counts_steps = False
+    takes_step_kwargs = True  # the user's step may take keyword arguments (``opt.step(closure, optim="sgd")``)
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.user_class = type(optimizer)
@@ -89,7 +91,8 @@ class UserStepOptimizer(FusedOptimizer):
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(inverse)
-            self.runner.step(None)  # the closure ran before (the engine's step): some steps require the argument
+            # the closure ran before (the engine's step): some steps require the argument
+            self.runner.step(None, **self.step_kwargs)
         finally:
             for p in params:
                 p.grad = before[p]

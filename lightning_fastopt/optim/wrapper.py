@@ -17,7 +17,8 @@ What a driver may use:
   norms and overflow flags must be combined over the ranks.
 - :meth:`step` with ``grad_scale`` (unscaled inside the kernels), ``check_finite`` and
   ``step_context``, as :meth:`FusedOptimizer.step
-  <lightning_fastopt.optim.base.FusedOptimizer.step>`; ``skipped_steps`` and
+  <lightning_fastopt.optim.base.FusedOptimizer.step>`, and any other keyword arguments
+  for the user's own ``step`` (:attr:`step_kwargs` while it runs); ``skipped_steps`` and
   ``last_step_skipped`` count the steps skipped for overflow.
 - :attr:`accumulating`: set while gradients accumulate over micro-batches that do not
   step (nothing is copied or communicated yet).
@@ -46,6 +47,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
     shards_gradients = False  # gradients() holds this rank's shard only
     accumulating = False  # set by the driver while gradients accumulate without a step
     expected_grad_scale: float | None = None  # the grad_scale the next step will be given
+    step_kwargs: dict[str, Any] = {}  # during a step: the keyword arguments for the user's own step
 
     def __init__(self, optimizer: FusedOptimizer) -> None:
         if not isinstance(optimizer, FusedOptimizer):
@@ -98,10 +100,21 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, grad_scale: float | Tensor | None = None,
-             check_finite: bool = False, step_context: Any = COMPUTE):
+             check_finite: bool = False, step_context: Any = COMPUTE, **step_kwargs: Any):
         """One step of every parameter; the arguments mean what they mean for
-        :meth:`FusedOptimizer.step <lightning_fastopt.optim.base.FusedOptimizer.step>`."""
-        return run_step(self, closure, lambda: self._take_step(grad_scale, check_finite, step_context))
+        :meth:`FusedOptimizer.step <lightning_fastopt.optim.base.FusedOptimizer.step>`.
+        ``step_kwargs``: any other keyword arguments, for the user's own ``step``
+        (``opt.step(closure, optim="sgd")``), which gets them on every share of the
+        parameters; an optimizer the kernels run takes none, as torch's own step."""
+        if step_kwargs and not self.optimizer.takes_step_kwargs:
+            raise TypeError(f"step() got unexpected keyword argument(s) {', '.join(map(repr, step_kwargs))}: the "
+                            f"optimizer runs as {type(self.optimizer).__name__}, whose step (like torch's own) takes "
+                            f"none beyond the closure; keyword arguments reach an optimizer that runs its own step")
+        self.step_kwargs = step_kwargs
+        try:
+            return run_step(self, closure, lambda: self._take_step(grad_scale, check_finite, step_context))
+        finally:
+            self.step_kwargs = {}
 
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         """The step itself; returns True when it was skipped (an inf/NaN gradient)."""

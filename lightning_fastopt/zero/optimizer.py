@@ -176,7 +176,7 @@ class ZeroOptimizer(OptimizerWrapper):
             # a global norm: the root of the summed squares of the shards'
             local_norm = self.optimizer.step_context(grads, grad_scale)
             context = math.sqrt(all_reduce_scalar(local_norm ** 2, group=self.group))
-        self.local.step(grad_scale=grad_scale, step_context=context)
+        self.local.step(grad_scale=grad_scale, step_context=context, **self.step_kwargs)
         self._broadcast_params()
         return False
 
