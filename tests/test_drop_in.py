@@ -8,6 +8,8 @@ Strategies: the accelerator code path on the CPU (``copy_on_cpu=True``, half off
 and all offloaded) and the plain CPU path (``fastopt_offload``: offloaded masters are
 the parameters themselves)."""
 
+import copy
+import pickle
 from collections import Counter
 
 import lightning as L
@@ -207,6 +209,37 @@ def test_the_optimizer_reads_as_the_users_during_training(tmp_path):
     assert seen["name"] == "Adam" and seen["adam"] and seen["repr"].startswith("Adam (")
     assert seen["lightning"] == "Lightning" + seen["repr"]
     assert isinstance(seen["engine"], OffloadOptimizer) and seen["engine"] is trainer.strategy.engines[0]
+
+
+class _CopiesTheOptimizer(Callback):
+    """At the end of the first epoch: deep copies of the optimizer and of the callbacks
+    (which reach the Trainer, its strategy and model, as ``deepcopy(trainer.callbacks)``
+    in Lightning's own tests), and a pickled copy of the optimizer."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == 0:
+            opt = trainer.optimizers[0]
+            self.copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+            self.callbacks = copy.deepcopy(trainer.callbacks)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_copy_of_the_optimizer_is_the_users_with_its_state(strategy):
+    """``copy.deepcopy`` and pickling of the optimizer while it trains give an optimizer of
+    the user's class holding the state as torch keeps it (equal to ``Trainer()``'s copy at
+    the same point, bit for bit), and copying does not disturb the run."""
+    ours_cb, ref_cb = _CopiesTheOptimizer(), _CopiesTheOptimizer()
+    ours, ref = Net(), Net()
+    _trainer(STRATEGIES[strategy](), callbacks=[ours_cb]).fit(ours, _data())
+    _trainer("auto", callbacks=[ref_cb]).fit(ref, _data())
+    _assert_equal(ours, ref)
+    expected = ref_cb.copies[0]
+    for copied in ours_cb.copies:
+        assert type(copied) is torch.optim.SGD and len(copied.param_groups) == 1
+        buffers = [copied.state[p]["momentum_buffer"] for p in copied.param_groups[0]["params"]]
+        for mine, theirs in zip(buffers, [expected.state[p]["momentum_buffer"] for p in expected.param_groups[0]["params"]]):
+            assert torch.equal(mine, theirs)
+    assert len(ours_cb.callbacks) == len(ref_cb.callbacks)
 
 
 # ---------------------------------------------------------------------------- any optimizer

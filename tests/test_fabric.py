@@ -32,10 +32,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from torch import nn
 
 import lightning_fastopt  # noqa: F401  (registers the names)
 from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
 from tests.helpers import subprocess_env
 
@@ -130,6 +132,107 @@ def test_fp16_overflow_skips_the_step_and_save_load_continues_exactly(tmp_path):
         assert torch.equal(a, b)
     saved = torch.load(path, weights_only=True)
     assert set(saved["optimizer"]["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # keyed by name
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_fp16_backward_scales_the_loss_and_the_step_takes_the_scale_out(fraction):
+    """``fabric.backward(loss)`` under fp16 backpropagates the scaled loss (Fabric ignores
+    what ``pre_backward`` returns: the scale goes in ``backward``), and the step divides
+    it out: bit for bit a plain loop that does both by hand (a power of two, exact), with
+    torch's SGD under the same autocast.  Before, the loss went unscaled and every update
+    was divided by the scale."""
+    scale = 2.0 ** 8
+
+    def ours():
+        fabric = _fabric(FastOptFabricStrategy(offload_fraction=fraction, bucket_size_mb=0.0002, copy_on_cpu=True),
+                         plugins=[FastOptFabricPrecision("16-mixed", initial_scale_power=8)])
+        model = make_model()
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        return model, opt, fabric.backward, fabric
+
+    model, opt, backward, fabric = ours()
+    ref_model = make_model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        backward(nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref_model(x)
+        (nn.functional.mse_loss(out.float(), y) * scale).backward()
+        for p in ref_model.parameters():
+            p.grad.div_(scale)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert fabric.strategy.precision.loss_scale == scale and fabric.strategy.precision.skipped_steps == 0
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("precision,required", [("32-true", False), ("bf16-true", False), ("bf16-mixed", True),
+                                                ("16-true", True)])
+def test_loss_backward_is_allowed_where_fabrics_own_plugins_allow_it(precision, required):
+    """Fabric refuses ``loss.backward()`` when the precision plugin has a backward of its
+    own: as with Fabric's plugins at 32-true, bf16-true (allowed) and bf16-mixed (refused);
+    16-true scales the loss here, so it asks for ``fabric.backward`` too."""
+    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True), precision=precision)
+    model = fabric.setup(make_model())
+    dtype = next(model.parameters()).dtype
+    loss = model(torch.randn(4, 8, dtype=dtype)).float().sum()
+    if required:
+        with pytest.raises(RuntimeError, match=r"requires you to call `fabric.backward\(loss\)`"):
+            loss.backward()
+    else:
+        loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_one_process_needs_no_launch_as_fabrics_own():
+    """With one process ``fabric.launch()`` is optional, as with Fabric's single-device
+    strategy: the strategy is one to Fabric (an instance of its ``SingleDeviceStrategy``),
+    the environment is set up at ``setup`` (the CPU threads), and the loop ends where
+    Fabric's own ends."""
+    from lightning.fabric.strategies import SingleDeviceStrategy
+
+    reference = _weights(train(L.Fabric(accelerator="cpu", devices=1)))
+    threads = torch.get_num_threads()
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(offload_fraction=0.5,
+                                                                                   copy_on_cpu=True, cpu_threads=1))
+    assert isinstance(fabric.strategy, SingleDeviceStrategy) and isinstance(fabric.strategy, FastOptFabricStrategy)
+    assert type(fabric.strategy).__name__ == "FastOptFabricStrategy"
+    try:
+        torch.testing.assert_close(_weights(train(fabric)), reference, **ADAM_TOL)
+        assert torch.get_num_threads() == 1
+    finally:
+        fabric.strategy.teardown()
+    assert torch.get_num_threads() == threads
+
+
+def test_one_process_keeps_the_loaders_sampler_and_an_optimizer_set_up_twice_keeps_its_engine():
+    """As with Fabric's single-device strategy: ``setup_dataloaders`` keeps a shuffling
+    loader's own sampler (the same batches in the same order; a DistributedSampler over one
+    replica would shuffle in another order), and an optimizer set up a second time is
+    the same object, stepped by the same engine."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    def batches(strategy):
+        fabric = _fabric(strategy)
+        torch.manual_seed(5)
+        loader = fabric.setup_dataloaders(DataLoader(torch.arange(32.0), batch_size=4, shuffle=True))
+        assert isinstance(loader.sampler, RandomSampler)
+        return [b.clone() for b in loader]
+
+    assert all(torch.equal(a, b) for a, b in zip(batches(FastOptFabricStrategy(copy_on_cpu=True)), batches("auto")))
+    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True))
+    model = make_model()
+    opt = make_optimizer(model)
+    _, first = fabric.setup(model, opt)
+    engine = engine_of(opt)
+    _, second = fabric.setup(model, opt)
+    assert first.optimizer is second.optimizer is opt and engine_of(opt) is engine
+    assert isinstance(engine, OffloadOptimizer)
 
 
 def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):

@@ -402,3 +402,33 @@ def test_one_device_keeps_the_users_sampler_and_starts_no_process_group(strategy
     assert not dist.is_initialized()
     L.Trainer(**kw).fit(ref, loader())
     _assert_same(ours, ref, exact=True)
+
+
+@pytest.mark.parametrize("kw", [dict(offload_fraction=0.5, bucket_size_mb=0.0002),
+                                dict(offload_fraction=1.0, stream_cpu_step=True, bucket_size_mb=0.0002),
+                                dict(offload_fraction=1.0, delayed_update=True, delayed_update_warmup=1)],
+                         ids=["at-the-step", "speculated", "delayed"])
+def test_an_untimed_run_reads_no_clock(kw):
+    """Without ``wall_clock_breakdown`` the strategy reads no clock while it trains (the
+    CPU updates are timed only for the breakdown): ``ThroughputMonitor`` and Lightning's
+    tests mock ``time.perf_counter`` and count on every reading being theirs.  With
+    clipping, so that the streamed step speculates."""
+    from unittest import mock
+
+    readings = []
+
+    def clock():
+        readings.append(1)
+        return float(len(readings))
+
+    def fit(strategy):
+        readings.clear()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, gradient_clip_val=0.5,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        model = Net(_sgd)
+        with mock.patch("time.perf_counter", side_effect=clock):
+            trainer.fit(model, _data())
+        return len(readings)
+
+    assert fit(FastOptStrategy(copy_on_cpu=True, **kw)) == fit("auto")

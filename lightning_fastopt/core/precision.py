@@ -29,6 +29,7 @@ from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
 
 SUPPORTED_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true", "64-true")
+LOSS_SCALED = ("16-mixed", "16-true")  # the flags whose backward scales the loss (fp16)
 PrecisionFlag = Literal["16-mixed", "bf16-mixed", "32-true", "bf16-true", "16-true", "64-true"]
 # the weights' dtype in a "-true" precision ("64-true": as Lightning's DoublePrecision; the
 # optimizer's own step runs on them, see lightning_fastopt.optim.user_step)
@@ -61,7 +62,7 @@ class PrecisionCore:
         self.precision = precision
         self.scaler = (DynamicLossScaler(loss_scale, initial_scale_power, loss_scale_window, hysteresis,
                                          min_loss_scale, at_min_loss_scale)
-                       if precision in ("16-mixed", "16-true") else None)
+                       if precision in LOSS_SCALED else None)
         self._true_dtype = _TRUE_DTYPES.get(precision)  # the weights' dtype in a "-true" precision
         self.device = device
         self._overflow = False
@@ -192,7 +193,8 @@ class PrecisionCore:
             self.scaler.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.precision!r}, loss_scale={self.loss_scale:g})"
+        public = next(c for c in type(self).__mro__ if not c.__name__.startswith("_"))  # not a private subclass
+        return f"{public.__name__}({self.precision!r}, loss_scale={self.loss_scale:g})"
 
 
 def _exceeds(grad: Tensor, bound: float) -> bool:

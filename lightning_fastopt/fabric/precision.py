@@ -22,11 +22,27 @@ class FastOptFabricPrecision(PrecisionCore, Precision):
     """Fabric's precision plugin of the fastopt strategies; the arguments are those of
     :class:`~lightning_fastopt.FastOptPrecision`.  ``Fabric(precision=...)``
     gives one to a fastopt strategy; pass ``plugins=[FastOptFabricPrecision("16-mixed")]``
-    for fp16 on the CPU (where Fabric turns ``"16-mixed"`` into bf16)."""
+    for fp16 on the CPU (where Fabric turns ``"16-mixed"`` into bf16).
 
-    @override
-    def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
-        tensor.backward(*args, **kwargs)
+    Fabric asks for ``fabric.backward(loss)`` (and refuses ``loss.backward()``) exactly when
+    the plugin overrides one of its backward methods, and ignores what ``pre_backward``
+    returns.  So this class keeps Fabric's own: ``loss.backward()`` works at ``32-true``
+    and ``bf16-true``, as with Fabric's plugins.  The flags of Fabric's mixed-precision
+    plugin, which has a backward of its own (``16-mixed``, ``bf16-mixed``), and
+    ``16-true``, whose loss is scaled here, make an instance of the subclass whose
+    ``backward`` scales the loss (fp16) and which Fabric requires ``fabric.backward`` for.
+    """
+
+    def __new__(cls, precision: str = "16-mixed", *args: Any, **kwargs: Any) -> FastOptFabricPrecision:
+        if cls is FastOptFabricPrecision and precision in OWN_BACKWARD:
+            cls = _OwnBackwardFabricPrecision
+        return super().__new__(cls)
+
+    def __getnewargs_ex__(self) -> tuple[tuple[str], dict[str, Any]]:
+        return (self.precision,), {}  # a copy or an unpickled one is made as this one was
+
+    pre_backward = Precision.pre_backward
+    backward = Precision.backward
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
@@ -39,6 +55,20 @@ class FastOptFabricPrecision(PrecisionCore, Precision):
     def unscale_gradients(self, optimizer) -> None:
         """Nothing: gradients stay scaled until the kernels take the scale out (clipping
         accounts for it, see FastOptFabricStrategy.clip_gradients_norm)."""
+
+
+# the flags whose plugin has a backward of its own (Fabric then requires fabric.backward)
+OWN_BACKWARD = ("16-mixed", "bf16-mixed", "16-true")
+
+
+class _OwnBackwardFabricPrecision(FastOptFabricPrecision):
+    """``fabric.backward(loss)`` backpropagates the loss, times the loss scale with fp16."""
+
+    @override
+    def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = tensor * self.scaler.scale
+        super().backward(tensor, model, *args, **kwargs)
 
 
 def to_fabric_precision(plugin: Precision, **scale_knobs: Any) -> FastOptFabricPrecision:

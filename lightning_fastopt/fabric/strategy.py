@@ -19,8 +19,14 @@ Fabric drives a step:
   the offloaded ones to the host during backward and frees them on the device (the memory
   saving; ZeRO stage 2 only then frees other ranks' gradients, it reduces as stage 1
   does otherwise); then read them only through ``fabric.clip_gradients``;
-- ``fabric.no_backward_sync(model, enabled=...)`` marks the micro-batches that accumulate
-  (nothing is copied or reduced yet);
+- with one process the strategy is, as far as Fabric can tell, a single-device strategy
+  (an instance of Fabric's ``SingleDeviceStrategy`` too, through a class made at run time
+  that derives from both and changes nothing else): ``fabric.launch()`` is optional, as
+  with Fabric's own, and the environment (CPU threads, device) is set up at the first
+  ``setup`` when nobody launched; ``fabric.no_backward_sync`` is then Fabric's no-op
+  (accumulation is exact either way: gradients reach the host at each micro-batch);
+- with several processes ``fabric.no_backward_sync(model, enabled=...)`` marks the
+  micro-batches that accumulate (nothing is copied or reduced yet);
 - ``fabric.clip_gradients`` clips what the step reads, as if unscaled (fp16);
 - ``fabric.save`` / ``fabric.load`` keep the fp16 loss scaler's state in the checkpoint
   (key ``"fastopt_loss_scaler"``, taken out again when loading); with ZeRO at several
@@ -42,7 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
@@ -96,6 +102,7 @@ class FastOptFabricStrategy(DDPStrategy):
         self._wrappers: list[OptimizerWrapper] = []  # the engines of the optimizers set up, closed at teardown
         self._users: list[torch.optim.Optimizer] = []  # those optimizers (the user's), given back at teardown
         self._threads = TorchThreads()
+        self._environment_ready = False
         if kwargs.get("checkpoint_io") is None:
             kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(**kwargs)
@@ -120,7 +127,22 @@ class FastOptFabricStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes == 1
 
     @override
+    def _configure_launcher(self) -> None:
+        """Fabric's connector calls this once the devices are known: with one process the
+        strategy becomes a single-device one to Fabric (see the module's documentation)."""
+        super()._configure_launcher()
+        if self._one_process:
+            self._launcher = None
+            self.__class__ = _single_device_class(type(self))
+
+    def _ensure_environment(self) -> None:
+        """The environment, when nobody launched (one process: ``fabric.launch()`` is optional)."""
+        if not self._environment_ready:
+            self.setup_environment()
+
+    @override
     def setup_environment(self) -> None:
+        self._environment_ready = True
         self._threads.set(self.options.cpu_threads, self.num_processes)
         if self._one_process:  # as Fabric's single-device strategy: no process group
             self.accelerator.setup_device(self.root_device)
@@ -130,10 +152,19 @@ class FastOptFabricStrategy(DDPStrategy):
         if self.precision.device is None:
             self.precision.device = self.root_device.type
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """None with one process: Fabric keeps the loader's own sampler, as with its
+        single-device strategy (a DistributedSampler over one replica would shuffle in
+        another order)."""
+        return None if self._one_process else super().distributed_sampler_kwargs
+
     @override
     def setup_module(self, module: Module) -> Module:
         """DistributedDataParallel with several processes (not for ZeRO stage 2, which
         reduces gradients itself after one broadcast of rank 0's weights); none with one."""
+        self._ensure_environment()
         self._module = module
         if self._one_process:
             return module
@@ -151,6 +182,8 @@ class FastOptFabricStrategy(DDPStrategy):
         if self._module is None:
             raise RuntimeError("set up the model before its optimizer: fabric.setup(model, optimizer), or "
                                "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)")
+        if engine_of(optimizer) in self._wrappers:
+            return optimizer  # set up again (Fabric allows it): the engine already stepping it goes on
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
         fused = fused_for(optimizer, self._module, self.precision.precision)
         names = {p: n for n, p in self._module.named_parameters()}
@@ -271,3 +304,19 @@ class _FastOptBackwardSync(_BackwardSyncControl):
         finally:
             for o in wrappers:
                 o.accumulating = False
+
+
+_SINGLE_DEVICE: dict[type, type] = {}
+
+
+def _single_device_class(cls: type) -> type:
+    """``cls`` with Fabric's ``SingleDeviceStrategy`` among its bases (after it: every
+    member of that class is overridden by DDP's), named as ``cls``; one per class."""
+    if issubclass(cls, SingleDeviceStrategy):
+        return cls
+    if cls not in _SINGLE_DEVICE:
+        _SINGLE_DEVICE[cls] = type(cls.__name__, (cls, SingleDeviceStrategy),
+                                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                    "__doc__": cls.__doc__})
+    return _SINGLE_DEVICE[cls]
+

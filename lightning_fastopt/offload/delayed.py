@@ -33,7 +33,6 @@ update finishes); torch.optim ignores the key (the weights stay one update behin
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -140,9 +139,9 @@ class DelayedStep(CpuStepSchedule):
     def _run(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
         opt = self.opt
         opt.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
-        started = time.perf_counter()
+        started = opt._timer.now()
         updated = opt._run_plan(bucket.inner, plan, grad_scale, context)
-        opt._background_ms += (time.perf_counter() - started) * 1e3
+        opt._background_ms += (opt._timer.now() - started) * 1e3
         return updated
 
     def _send_pending(self) -> Sent:

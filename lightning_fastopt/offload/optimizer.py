@@ -66,7 +66,6 @@ offload fraction and loadable by torch.optim.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -455,11 +454,11 @@ class OffloadOptimizer(OptimizerWrapper):
         with phase("grad_d2h"):
             self.copies.wait_on_host(bucket.grads_ready)
         self._refresh_written(written_in_bucket(bucket))
-        started = time.perf_counter()
+        started = self._timer.now()
         with phase("cpu_step"):
             updated = self._step_inner(bucket.inner, bucket.slots, grad_scale, context)
         if not timed:  # on the worker: into the next step's cpu_step_background
-            self._background_ms += (time.perf_counter() - started) * 1e3
+            self._background_ms += (self._timer.now() - started) * 1e3
         if updated:
             with phase("param_h2d"):
                 self._send_weights(bucket, updated, after)

@@ -26,6 +26,11 @@ class StepTimer:
     def start_step(self) -> None:
         self._current = dict.fromkeys(PHASES, 0.0)
 
+    def now(self) -> float:
+        """The host's clock in seconds while timing is on, else 0.0: an untimed run reads no
+        clock (user code may mock ``time.perf_counter``, as Lightning's throughput tests do)."""
+        return time.perf_counter() if self.enabled else 0.0
+
     def add(self, name: str, ms: float) -> None:
         """Time measured elsewhere (the streamed updates, before the step started)."""
         if self.enabled:

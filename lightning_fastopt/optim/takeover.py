@@ -62,6 +62,13 @@ class SteppedByEngine(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         engine_of(self).load_state_dict(state_dict)
 
+    def __reduce_ex__(self, protocol):
+        """``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back: of
+        the user's class, with its groups and the state as torch keeps it.  The engine (its
+        host buffers, threads and the hooks on the model) stays with this object."""
+        cls, attributes = _given_back(self)
+        return _instance_of, (cls,), attributes
+
 
 @torch.optim.Optimizer.profile_hook_step
 def _step(self, closure=None, **kwargs: Any):
@@ -95,18 +102,33 @@ def give_back(optimizer: torch.optim.Optimizer) -> None:
     and its state keyed by the model's parameters (float32 tensors where the engine kept them)."""
     if _ENGINE not in optimizer.__dict__:
         return
-    engine = optimizer.__dict__.pop(_ENGINE)
-    cls, shadowed = optimizer.__dict__.pop(_SAVED)
+    cls, attributes = _given_back(optimizer)
+    optimizer.__dict__.clear()
+    optimizer.__dict__.update(attributes)
     optimizer.__class__ = cls
-    optimizer.__dict__.update(shadowed)
-    optimizer.__dict__["param_groups"] = engine.param_groups
+
+
+def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]:
+    """The class and the attributes :func:`give_back` would leave ``optimizer`` with (it
+    keeps its engine meanwhile)."""
+    engine = optimizer.__dict__[_ENGINE]
+    cls, shadowed = optimizer.__dict__[_SAVED]
+    attributes = {k: v for k, v in optimizer.__dict__.items() if k not in (_ENGINE, _SAVED)}
+    attributes.update(shadowed)
+    attributes["param_groups"] = engine.param_groups
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
     for group in engine.param_groups:
         for p in group["params"]:
             held = engine.state_of(p) if engine.owns(p) else None
             if held:
                 state[p] = dict(held)
-    optimizer.state = state
+    attributes["state"] = state
+    return cls, attributes
+
+
+def _instance_of(cls: type) -> torch.optim.Optimizer:
+    """A new, empty object of ``cls`` (a copy's or an unpickled one's state is set next)."""
+    return cls.__new__(cls)
 
 
 def engine_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
