@@ -171,6 +171,47 @@ def test_fp16_backward_scales_the_loss_and_the_step_takes_the_scale_out(fraction
         assert torch.equal(a, b)
 
 
+class _WithComplexBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.register_buffer("spectrum", torch.complex(torch.rand(4), torch.rand(4)), persistent=False)
+
+    def forward(self, x):
+        self.seen = x.dtype
+        return self.net(x)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "64-true"])
+def test_inputs_outputs_and_weights_as_with_fabrics_own_plugin(precision):
+    """Fabric's own plugins convert floating inputs to the autocast or weight dtype and
+    outputs back to float32 (a loss computed from them is float32), and ``64-true`` keeps
+    complex buffers complex: so do ours, and SGD ends bit for bit where Fabric's own ends
+    (Lightning's parity test, tests/parity_fabric, for a loop that computes its loss from
+    the outputs)."""
+    def run(strategy):
+        fabric = _fabric(strategy, precision=precision)
+        with fabric.init_module():
+            model = _WithComplexBuffer()
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        g = torch.Generator().manual_seed(4)
+        for _ in range(5):
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+            out = model(x)
+            fabric.backward(nn.functional.mse_loss(out, y))
+            opt.step()
+            opt.zero_grad()
+        return model, out.dtype
+
+    (ours, ours_out), (ref, ref_out) = run(FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002,
+                                                                 copy_on_cpu=True)), run("auto")
+    assert ours_out == ref_out and ours.seen == ref.seen
+    assert ours.spectrum.dtype == ref.spectrum.dtype and torch.equal(ours.spectrum, ref.spectrum)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("precision,required", [("32-true", False), ("bf16-true", False), ("bf16-mixed", True),
                                                 ("16-true", True)])
 def test_loss_backward_is_allowed_where_fabrics_own_plugins_allow_it(precision, required):

@@ -83,6 +83,10 @@ class PrecisionCore:
 
     # ------------------------------------------------------------------ dtypes and autocast
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """As Lightning's own plugins: ``module.double()`` for ``64-true`` (complex tensors
+        stay complex), ``module.to(dtype)`` for the half precisions."""
+        if self._true_dtype is torch.float64:
+            return module.double()
         return module.to(dtype=self._true_dtype) if self._true_dtype is not None else module
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:

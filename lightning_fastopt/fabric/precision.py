@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+import torch
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning_utilities import apply_to_collection
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS, PrecisionCore
@@ -45,6 +49,23 @@ class FastOptFabricPrecision(PrecisionCore, Precision):
     backward = Precision.backward
 
     @override
+    def convert_input(self, data: Any) -> Any:
+        """Floating inputs in the dtype Fabric's own plugin gives forward: the weights' under
+        ``-true`` precisions, the autocast dtype under mixed precision."""
+        dtype = _INPUT_DTYPES.get(self.precision)
+        if dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs in the default dtype (float32), as Fabric's own plugins give them
+        back (a loss computed from them is then float32, as there)."""
+        if self.precision == "32-true":
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
+
+    @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         if self._check_overflow(optimizer):
             self._skip_step(optimizer)
@@ -56,6 +77,10 @@ class FastOptFabricPrecision(PrecisionCore, Precision):
         """Nothing: gradients stay scaled until the kernels take the scale out (clipping
         accounts for it, see FastOptFabricStrategy.clip_gradients_norm)."""
 
+
+# the dtype Fabric's own plugin of each flag gives floating inputs
+_INPUT_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "16-true": torch.float16,
+                 "bf16-true": torch.bfloat16, "64-true": torch.float64}
 
 # the flags whose plugin has a backward of its own (Fabric then requires fabric.backward)
 OWN_BACKWARD = ("16-mixed", "bf16-mixed", "16-true")
@@ -76,7 +101,7 @@ def to_fabric_precision(plugin: Precision, **scale_knobs: Any) -> FastOptFabricP
     a TypeError naming the supported precisions for anything else."""
     if isinstance(plugin, FastOptFabricPrecision):
         return plugin
-    if isinstance(plugin, (MixedPrecision, HalfPrecision)) or type(plugin) is Precision:
+    if isinstance(plugin, (MixedPrecision, HalfPrecision, DoublePrecision)) or type(plugin) is Precision:
         device = getattr(plugin, "device", None)
         return FastOptFabricPrecision(getattr(plugin, "precision", "32-true"), device=device, **scale_knobs)
     raise TypeError(f"the fastopt strategies support precision in {SUPPORTED_PRECISIONS} "
