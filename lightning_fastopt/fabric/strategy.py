@@ -319,4 +319,3 @@ def _single_device_class(cls: type) -> type:
                                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                                     "__doc__": cls.__doc__})
     return _SINGLE_DEVICE[cls]
-
