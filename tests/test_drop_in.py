@@ -262,6 +262,14 @@ class LoggedSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def _loss_of(closure):
+    """What torch's optimizers do with a closure: evaluate it with gradients enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class SignDescent(torch.optim.Optimizer):
     """A third-party-style optimizer: a decaying sign step with a per-parameter counter."""
 
@@ -270,10 +278,7 @@ class SignDescent(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss_of(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -528,10 +533,7 @@ class ScaledSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, scale=1.0):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss_of(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

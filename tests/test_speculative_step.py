@@ -26,16 +26,8 @@ from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.optim.takeover import engine_of
 from tests.helpers import ACCELERATOR
 from tests.test_precision import _data
-from tests.test_streamed_step import cpu_updates_and_backward_end
+from tests.test_streamed_step import _net, cpu_updates_and_backward_end
 from tests.test_strategy import Model
-
-
-def _net(width=24, depth=4):
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
 class Driver(PrecisionCore):

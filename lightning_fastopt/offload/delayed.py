@@ -139,10 +139,8 @@ class DelayedStep(CpuStepSchedule):
     def _run(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
         opt = self.opt
         opt.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
-        started = opt._timer.now()
-        updated = opt._run_plan(bucket.inner, plan, grad_scale, context)
-        opt._background_ms += (opt._timer.now() - started) * 1e3
-        return updated
+        with opt._on_worker():
+            return opt._run_plan(bucket.inner, plan, grad_scale, context)
 
     def _send_pending(self) -> Sent:
         """Once backward is done: wait for each bucket's update the last step launched and

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -454,15 +454,20 @@ class OffloadOptimizer(OptimizerWrapper):
         with phase("grad_d2h"):
             self.copies.wait_on_host(bucket.grads_ready)
         self._refresh_written(written_in_bucket(bucket))
-        started = self._timer.now()
-        with phase("cpu_step"):
+        with phase("cpu_step"), (contextlib.nullcontext() if timed else self._on_worker()):
             updated = self._step_inner(bucket.inner, bucket.slots, grad_scale, context)
-        if not timed:  # on the worker: into the next step's cpu_step_background
-            self._background_ms += (self._timer.now() - started) * 1e3
         if updated:
             with phase("param_h2d"):
                 self._send_weights(bucket, updated, after)
         return updated
+
+    @contextlib.contextmanager
+    def _on_worker(self) -> Iterator[None]:
+        """Time an update on the worker thread into the next step's ``cpu_step_background``
+        (while timing is on: the clock is read only then)."""
+        started = self._timer.now()
+        yield
+        self._background_ms += (self._timer.now() - started) * 1e3
 
     def _send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:
         """Copy the new weights of some of the bucket's slots to the device once ``after`` has passed."""

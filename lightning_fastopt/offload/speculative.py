@@ -92,11 +92,9 @@ class SpeculativeStep(CpuStepSchedule):
         opt = self.opt
         opt.copies.wait_on_host(bucket.grads_ready)
         opt._refresh_written(written_in_bucket(bucket))
-        started = opt._timer.now()
-        self.snapshots.setdefault(bucket, BucketSnapshot()).take(bucket.inner, bucket.slots)
-        updated = opt._step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
-        opt._background_ms += (opt._timer.now() - started) * 1e3
-        return updated
+        with opt._on_worker():
+            self.snapshots.setdefault(bucket, BucketSnapshot()).take(bucket.inner, bucket.slots)
+            return opt._step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
 
     # ------------------------------------------------------------------ at the step
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:

@@ -6,7 +6,8 @@ stream's work as it was then: backward no longer reads them), while backward com
 the gradients of the earlier layers.  ``step()`` only waits for what is left.  The result
 is the synchronous step's, bit for bit, provided nothing needs every gradient before the
 step starts: no overflow check, no clipping, no loss scale or step context, no keyword
-arguments for the user's own step, nobody reading ``gradients()``; those steps are refused here (the speculative schedule takes them).
+arguments for the user's own step, nobody reading ``gradients()``; those steps are
+refused here (the speculative schedule takes them).
 """
 
 from __future__ import annotations
