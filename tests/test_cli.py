@@ -123,7 +123,7 @@ print("RESULT", type(t.strategy).__name__, t.strategy.offload_fraction, type(t.p
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
-    assert result.split()[1:] == ["FastOptStrategy", "0.5", "FastOptPrecision", "16-mixed", "FusedLAMB", "3"]
+    assert result.split()[1:] == ["FastOptSingleDeviceStrategy", "0.5", "FastOptPrecision", "16-mixed", "FusedLAMB", "3"]
 
 
 def test_strategy_by_class_path_on_the_command_line(tmp_path):

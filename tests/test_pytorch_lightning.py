@@ -68,9 +68,11 @@ def _assert_equal(ours, ref):
 
 def test_every_name_is_registered_with_pytorch_lightning():
     for name, _, fraction, stage in STRATEGY_NAMES:
-        strategy = _trainer(name).strategy
-        assert type(strategy) is front_end.FastOptStrategy, name
-        assert isinstance(strategy, pl.strategies.DDPStrategy)
+        strategy = _trainer(name).strategy  # one process: the single-device twin, this package's
+        assert type(strategy) is front_end.FastOptSingleDeviceStrategy, name
+        assert isinstance(strategy, front_end.FastOptStrategy)
+        assert isinstance(strategy, pl.strategies.SingleDeviceStrategy)
+        assert not isinstance(strategy, pl.strategies.DDPStrategy)
         assert (strategy.offload_fraction, strategy.zero_stage) == (fraction, stage)
         assert type(strategy.precision_plugin) is front_end.FastOptPrecision
     assert lightning_fastopt.FastOptStrategy is not front_end.FastOptStrategy  # lightning.pytorch's own
@@ -207,5 +209,5 @@ def test_lightning_cli_of_pytorch_lightning(strategy, tmp_path):
 
     cli = LightningCLI(CLINet, run=False, args=[*strategy, "--trainer.accelerator=cpu", "--trainer.devices=1",
                                                 f"--trainer.default_root_dir={tmp_path}"])
-    assert type(cli.trainer.strategy) is front_end.FastOptStrategy
+    assert type(cli.trainer.strategy) is front_end.FastOptSingleDeviceStrategy
     assert cli.trainer.strategy.offload_fraction == (1.0 if len(strategy) == 1 else 0.5)

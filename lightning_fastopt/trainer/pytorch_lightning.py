@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 
+from lightning_fastopt.trainer.one_process import HasOneProcessTwin, OneProcessTrainerStrategy
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision import TrainerPrecision
 from lightning_fastopt.trainer.strategy import TrainerStrategy
 
-__all__ = ["FastOptPrecision", "FastOptStrategy"]
+__all__ = ["FastOptPrecision", "FastOptSingleDeviceStrategy", "FastOptStrategy"]
 
 PACKAGE = TrainerPackage.load("pytorch_lightning")
 
@@ -23,7 +24,19 @@ class FastOptPrecision(TrainerPrecision, Precision):
     package = PACKAGE
 
 
-class FastOptStrategy(TrainerStrategy, DDPStrategy):
+class FastOptSingleDeviceStrategy(OneProcessTrainerStrategy, TrainerStrategy, SingleDeviceStrategy):
+    """What a :class:`FastOptStrategy` becomes when the Trainer runs one process: a
+    single-device strategy, as ``Trainer()``'s (see :mod:`lightning_fastopt.trainer.one_process`)."""
+
+    package = PACKAGE
+    precision_type = FastOptPrecision
+
+
+class FastOptStrategy(TrainerStrategy, DDPStrategy, metaclass=HasOneProcessTwin):
     __doc__ = TrainerStrategy.__doc__
     package = PACKAGE
     precision_type = FastOptPrecision
+    one_process_type = FastOptSingleDeviceStrategy
+
+
+FastOptSingleDeviceStrategy.processes_type = FastOptStrategy

@@ -30,8 +30,9 @@ launchers, cluster environments and torchrun work as in Lightning):
   (:func:`~lightning_fastopt.trainer.grad_readers.gradient_readers`); otherwise the offloaded
   ones are copied to the host during backward and freed on the device (one log line
   says which and why);
-- with one process it behaves like ``Trainer()``: no process group, no
-  DistributedDataParallel wrapper, the user's sampler kept, the RNG not reseeded.
+- with one process it is a single-device strategy, as ``Trainer()``'s: no process group,
+  no DistributedDataParallel wrapper, the user's sampler kept, the RNG not reseeded
+  (its twin class, :mod:`~lightning_fastopt.trainer.one_process`).
 
 The work is done in those modules; the hooks here call them.
 """
@@ -63,6 +64,7 @@ from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
+from lightning_fastopt.trainer.one_process import take_twin_class
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision import TrainerPrecision
 
@@ -152,8 +154,8 @@ class TrainerStrategy:
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
-    ``DDPStrategy`` and names the package (``package``) and its precision plugin
-    (``precision_type``).
+    ``DDPStrategy``, and its one-process twin before ``SingleDeviceStrategy``; both name the
+    package (``package``) and its precision plugin (``precision_type``).
     """
 
     strategy_name = "fastopt_offload"
@@ -179,7 +181,7 @@ class TrainerStrategy:
         self._auto: AutoFraction | None = None  # the probe of a fit with offload_fraction="auto"
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
-        self._sampler_flag_before: tuple[Any, bool] | None = None  # (the trainer's connector, its flag)
+        self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
         # the engine of each of self.optimizers that has one, by position (kept after fit)
         self._engine_at: dict[int, OptimizerWrapper] = {}
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
@@ -203,46 +205,20 @@ class TrainerStrategy:
             plugin, **self._scale_knobs)
 
     # ------------------------------------------------------------------ environment
-    @property
-    def _one_process(self) -> bool:
-        return self.num_nodes * self.num_processes == 1
-
     @override
     def _configure_launcher(self) -> None:
-        """One process started the usual way: no launcher, as under ``Trainer()`` (DDP's
-        would watch for child processes that never come, from a thread of its own)."""
+        """Lightning calls this once it knows how many processes run (the Trainer is being
+        built): the strategy takes the class for that number, ``FastOptStrategy`` with
+        several, its single-device twin with one (:mod:`~lightning_fastopt.trainer.one_process`),
+        and then its launcher (none with one process)."""
+        take_twin_class(self, self.num_nodes * self.num_processes)
         super()._configure_launcher()
-        if self._one_process and self._start_method == "popen":
-            self._launcher = None
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._threads.set(self.cpu_threads, self.num_processes)
-        if self._one_process:  # keep the user's sampler, as Trainer() does (a DDPStrategy would replace it)
-            connector = self.lightning_module.trainer._accelerator_connector
-            self._sampler_flag_before = (connector, connector.use_distributed_sampler)
-            connector.use_distributed_sampler = False
-
-    @override
-    def setup_distributed(self) -> None:
-        """Several processes: DDP's process group.  One: none, and the RNG is not reseeded
-        (as under ``Trainer()``); barrier, broadcast and reduce are then no-ops."""
-        if not self._one_process:
-            return super().setup_distributed()
-        self.set_world_ranks()
-
-    @override
-    def setup(self, trainer) -> None:
-        """Fitting: DDP's set-up (below, the hooks it calls).  Validating, testing or
-        predicting with one process: what ``Trainer()`` does (DDPStrategy would synchronise
-        the module's states over a process group that one process does not start)."""
-        if not self._one_process or trainer.state.fn == "fit":
-            return super().setup(trainer)
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.setup_precision_plugin()
+        self._grad_readers = None  # decided again for every run (the model or callbacks may differ)
 
     @property
     def _effective_stage(self) -> int:
@@ -260,12 +236,11 @@ class TrainerStrategy:
 
     @override
     def configure_ddp(self) -> None:
-        self._grad_readers = None  # decided again for every fit
         if self.world_size > 1 and self._effective_stage < 2:
             super().configure_ddp()
         elif self.world_size > 1:  # ZeRO stage 2 reduces the gradients itself: start from rank 0's weights
             self.package.sync_module_states(self.model)
-        # one process: nothing to all-reduce, and the backward hooks see final gradients
+        # one process (a subclass's, see one_process): nothing to all-reduce
 
     # ------------------------------------------------------------------ optimizers
     @override
@@ -434,20 +409,25 @@ class TrainerStrategy:
         return "copy_at_step" if isinstance(self.model, DistributedDataParallel) else "copy_in_backward"
 
     @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning enters this for the micro-batches of an accumulation window that do
-        not step: gradients are not final, so nothing is copied to the host or (ZeRO stage
-        2) sent to its owner yet."""
+    def _accumulating(self) -> Iterator[None]:
+        """A micro-batch of an accumulation window that does not step: gradients are not
+        final, so nothing is copied to the host or (ZeRO stage 2) sent to its owner yet."""
         wrappers = self.engines
         for o in wrappers:
             o.accumulating = True
         try:
-            with super().block_backward_sync():
-                yield
+            yield
         finally:
             for o in wrappers:
                 o.accumulating = False
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning enters this for the micro-batches that do not step, with several
+        processes (with one, see ``OneProcessTrainerStrategy.backward``)."""
+        with self._accumulating(), super().block_backward_sync():
+            yield
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -455,7 +435,11 @@ class TrainerStrategy:
         auto = self._auto if isinstance(raw, OffloadOptimizer) else None
         if auto is not None:
             closure = auto.closure(raw, closure)
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepping = True
+        try:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._stepping = False
         if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
             self._log_step_times(raw.last_step_times)
         if auto is not None:
@@ -539,10 +523,6 @@ class TrainerStrategy:
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None
-        if self._sampler_flag_before is not None:
-            connector, flag = self._sampler_flag_before
-            connector.use_distributed_sampler = flag
-            self._sampler_flag_before = None
         self._threads.restore()
         super().teardown()
 
