@@ -33,6 +33,23 @@ def test_one_process_is_a_single_device_strategy_to_lightning(name):
         plain.world_size, plain.global_rank, plain.num_devices, plain.distributed_sampler_kwargs)
 
 
+def test_a_detected_cluster_environment_is_not_asked_for_ranks(monkeypatch):
+    """SLURM detected (as Lightning's test_cpu_slurm_save_load mocks it) without the
+    variables of a real job: one process reads no rank from it, as ``Trainer()`` does (a
+    DDP strategy read ``SLURM_NODEID`` while the Trainer was built)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+    for var in ("SLURM_NODEID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    model, ref = Net(), Net()
+    trainer = _trainer("fastopt_offload")
+    trainer.fit(model, _data())
+    _trainer("auto").fit(ref, _data())
+    assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (0, 0, 0, 1)
+    _assert_equal(model, ref)
+
+
 class SizedNet(Net):
     """Net with the ``batch_size`` attribute the batch-size finder scales."""
 
@@ -144,9 +161,9 @@ def test_a_subclass_without_a_twin_runs_one_process_as_lightnings_ddp(caplog, mo
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     model, ref = Net(), Net()
     try:
+        trainer = _trainer(Counting(offload_fraction=0.5, copy_on_cpu=True))
         with caplog.at_level(logging.INFO):
-            trainer = _trainer(Counting(offload_fraction=0.5, copy_on_cpu=True))
-        trainer.fit(model, _data())
+            trainer.fit(model, _data())
         assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
         assert type(trainer.strategy) is Counting and trainer.strategy.train_starts == 1
         assert "Counting (a subclass of FastOptStrategy) runs one process as Lightning's ddp does" in caplog.text

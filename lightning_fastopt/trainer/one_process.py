@@ -10,8 +10,9 @@ Lightning.  Its twin for one process, each front-end's ``FastOptSingleDeviceStra
 the same shared code (:class:`~lightning_fastopt.trainer.strategy.TrainerStrategy`) over
 Lightning's ``SingleDeviceStrategy`` instead, with the few members of
 :class:`OneProcessTrainerStrategy`.  When the Trainer is built, Lightning says how many
-processes run (``_configure_launcher``); with one, the instance takes its twin's class
-(:func:`take_twin_class`).  ``isinstance(s, FastOptStrategy)`` holds for both
+processes run (``set_world_ranks``, before anything reads a rank from a cluster
+environment); with one, the instance takes its twin's class (:func:`take_twin_class`), whose
+ranks are all 0 as ``Trainer()``'s.  ``isinstance(s, FastOptStrategy)`` holds for both
 (:class:`HasOneProcessTwin`); ``isinstance(s, DDPStrategy)`` only with several processes.
 
 With one process, then, as under ``Trainer()``: no launcher, no process group, no
@@ -36,7 +37,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-__all__ = ["HasOneProcessTwin", "OneProcessTrainerStrategy", "take_twin_class"]
+__all__ = ["HasOneProcessTwin", "OneProcessTrainerStrategy", "take_twin_class", "without_twin"]
 
 
 class HasOneProcessTwin(ABCMeta):
@@ -50,19 +51,25 @@ class HasOneProcessTwin(ABCMeta):
         return super().__instancecheck__(instance) or (twin is not None and isinstance(instance, twin))
 
 
-def take_twin_class(strategy, processes: int) -> None:
+def take_twin_class(strategy, processes: int) -> bool:
     """Give ``strategy`` the class of its one-process twin when one process runs and its
-    class has a twin that names it back (see the module's documentation)."""
-    cls = type(strategy)
-    twin = getattr(cls, "one_process_type", None)
-    if processes != 1 or twin is None:
-        return  # several processes: DDP's; or already the twin
-    if twin.processes_type is not cls:
-        rank_zero_info(f"lightning_fastopt: {cls.__name__} (a subclass of {twin.processes_type.__name__}) runs one "
-                       "process as Lightning's ddp does: a process group of one and a DistributedSampler (give it "
-                       f"a twin to run as Trainer() does: see lightning_fastopt.trainer.one_process)")
-        return
+    class has a twin that names it back (see the module's documentation); True if it did."""
+    twin = getattr(type(strategy), "one_process_type", None)
+    if processes != 1 or twin is None or twin.processes_type is not type(strategy):
+        return False
     strategy.__class__ = twin
+    return True
+
+
+def without_twin(strategy) -> str | None:
+    """The log line for a one-process strategy that kept a several-process class: a user's
+    subclass without a twin (None otherwise)."""
+    twin = getattr(type(strategy), "one_process_type", None)
+    if twin is None or strategy.world_size != 1:
+        return None
+    return (f"lightning_fastopt: {type(strategy).__name__} (a subclass of {twin.processes_type.__name__}) runs one "
+            "process as Lightning's ddp does: a process group of one and a DistributedSampler (give it a twin to "
+            "run as Trainer() does: see lightning_fastopt.trainer.one_process)")
 
 
 class OneProcessTrainerStrategy:
@@ -92,6 +99,10 @@ class OneProcessTrainerStrategy:
     @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    def set_world_ranks(self) -> None:
+        """The ranks are all 0, as ``Trainer()``'s, whatever cluster environment Lightning
+        detected (it is never asked)."""
 
     @property
     @override

@@ -64,7 +64,7 @@ from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
-from lightning_fastopt.trainer.one_process import take_twin_class
+from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision import TrainerPrecision
 
@@ -206,18 +206,21 @@ class TrainerStrategy:
 
     # ------------------------------------------------------------------ environment
     @override
-    def _configure_launcher(self) -> None:
-        """Lightning calls this once it knows how many processes run (the Trainer is being
-        built): the strategy takes the class for that number, ``FastOptStrategy`` with
-        several, its single-device twin with one (:mod:`~lightning_fastopt.trainer.one_process`),
-        and then its launcher (none with one process)."""
-        take_twin_class(self, self.num_nodes * self.num_processes)
-        super()._configure_launcher()
+    def set_world_ranks(self) -> None:
+        """Lightning calls this first once it knows how many processes run (the Trainer is
+        being built, then DDP's set-up): with one, the strategy takes the class of its
+        single-device twin (:mod:`~lightning_fastopt.trainer.one_process`), whose ranks are
+        all 0; else DDP's ranks, from the cluster environment."""
+        if not take_twin_class(self, self.num_nodes * self.num_processes):
+            super().set_world_ranks()
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self._threads.set(self.cpu_threads, self.num_processes)
+        note = without_twin(self)
+        if note:
+            rank_zero_info(note)
         self._grad_readers = None  # decided again for every run (the model or callbacks may differ)
 
     @property
