@@ -113,6 +113,24 @@ def test_micro_batches_that_accumulate_copy_nothing(strategy):
     assert seen.seen == [True, False] * 4  # 4 batches an epoch, 2 epochs, a step every second batch
 
 
+def test_strategy_backward_wrapped_in_a_mock_is_called_once_per_micro_batch():
+    """Lightning's own tests wrap ``Strategy.backward`` in a mock that calls the strategy's
+    bound ``backward``; an override of ``backward`` in the twin recursed through it (it
+    uses the ``pre_backward``/``post_backward`` hooks)."""
+    from unittest import mock
+
+    from lightning.pytorch.strategies import Strategy
+
+    model = Net()
+    trainer = _trainer(STRATEGIES["offloaded-accelerator-path"](), accumulate_grad_batches=2)
+    with mock.patch.object(Strategy, "backward", wraps=trainer.strategy.backward) as backward:
+        trainer.fit(model, _data())
+    assert backward.call_count == 8
+    ref = Net()
+    _trainer("auto", accumulate_grad_batches=2).fit(ref, _data())
+    _assert_equal(model, ref)
+
+
 def test_the_twin_is_made_not_constructed():
     with pytest.raises(TypeError, match="what a FastOptStrategy becomes .* construct FastOptStrategy"):
         FastOptSingleDeviceStrategy()

@@ -29,7 +29,6 @@ from the other (``one_process_type``, ``processes_type``; tests/test_one_process
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABCMeta
 from typing import Any
 
@@ -110,11 +109,19 @@ class OneProcessTrainerStrategy:
         return self.parallel_devices[0]
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
         """A backward of automatic optimization outside the optimizer step is a micro-batch
-        that accumulates (Lightning runs its closure alone; it tells only a parallel strategy,
-        through ``block_backward_sync``): the offload optimizers copy nothing yet, as with
-        several processes, so that gradients add up on the device as torch adds them."""
+        that accumulates (Lightning runs its closure alone, and tells only a parallel
+        strategy, through ``block_backward_sync``): the offload optimizers copy nothing
+        during it, as with several processes, so that gradients add up on the device as
+        torch adds them.  (``Strategy.backward`` calls this hook and ``post_backward``.)"""
         accumulates = not self._stepping and self.lightning_module.automatic_optimization
-        with self._accumulating() if accumulates else contextlib.nullcontext():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for o in self.engines:
+            o.accumulating = accumulates
+        super().pre_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        for o in self.engines:
+            o.accumulating = False
+        super().post_backward(closure_loss)

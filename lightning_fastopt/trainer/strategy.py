@@ -428,7 +428,7 @@ class TrainerStrategy:
     @override
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning enters this for the micro-batches that do not step, with several
-        processes (with one, see ``OneProcessTrainerStrategy.backward``)."""
+        processes (with one, see ``OneProcessTrainerStrategy.pre_backward``)."""
         with self._accumulating(), super().block_backward_sync():
             yield
 
