@@ -27,7 +27,7 @@ from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.user_step import UserStepOptimizer
 
 STRATEGIES = {
-    "half-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002,
+    "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
                                                                copy_on_cpu=True),
     "offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True),
     "offload-cpu-path": lambda: "fastopt_offload",
@@ -87,6 +87,16 @@ def _assert_equal(ours, ref):
         assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"
 
 
+def test_the_part_offloaded_strategy_keeps_a_share_on_the_device():
+    """Whole tensors are offloaded from the last ones: at 0.2 Net's last three (33 of its
+    161 elements) go to the host and its first weight stays, so the tests here run both
+    shares (at 0.5 the first weight would be taken too: everything)."""
+    trainer = _trainer(STRATEGIES["part-offloaded-accelerator-path"](), max_epochs=1)
+    model = Net()
+    trainer.fit(model, _data())
+    assert trainer.strategy.engines[0].offloaded_numel == 33 < sum(p.numel() for p in model.parameters()) == 161
+
+
 # ---------------------------------------------------------------------------- entry points
 ORDERS = {
     "fit-validate-test-predict": ("fit", "validate", "test", "predict"),
@@ -139,7 +149,7 @@ def test_evaluation_from_a_checkpoint_after_fit(ckpt_path, tmp_path):
         predicted = torch.cat(trainer.predict(model, _data(16), ckpt_path=path))
         return tested[0]["test_loss"], predicted
 
-    ours = run(STRATEGIES["half-offloaded-accelerator-path"](), tmp_path / "ours")
+    ours = run(STRATEGIES["part-offloaded-accelerator-path"](), tmp_path / "ours")
     ref = run("auto", tmp_path / "ref")
     assert ours[0] == ref[0] and torch.equal(ours[1], ref[1])
 
@@ -343,9 +353,9 @@ def _said(caplog, monkeypatch):
 
 def test_the_log_says_which_optimizers_are_fused(caplog, monkeypatch):
     with _said(caplog, monkeypatch):
-        _trainer(STRATEGIES["half-offloaded-accelerator-path"](), max_epochs=1).fit(
+        _trainer(STRATEGIES["part-offloaded-accelerator-path"](), max_epochs=1).fit(
             Net(lambda ps: torch.optim.RMSprop(ps, lr=1e-3)), _data())
-        _trainer(STRATEGIES["half-offloaded-accelerator-path"](), max_epochs=1).fit(
+        _trainer(STRATEGIES["part-offloaded-accelerator-path"](), max_epochs=1).fit(
             Net(lambda ps: LoggedSGD(ps, lr=1e-3)), _data())
     text = caplog.text
     assert "RMSprop runs its own step on the master weights, where they live (not fused: no kernel for its " \
@@ -417,7 +427,7 @@ def _finetuning():
     return BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda _: 1.0)
 
 
-@pytest.mark.parametrize("strategy", ["half-offloaded-accelerator-path", "offloaded-accelerator-path",
+@pytest.mark.parametrize("strategy", ["part-offloaded-accelerator-path", "offloaded-accelerator-path",
                                       "zero1-one-process"])
 def test_backbone_finetuning_resumed_from_its_checkpoint(strategy, tmp_path):
     """``BackboneFinetuning`` adds the backbone's group at epoch 1; resumed from a
@@ -486,7 +496,7 @@ def test_a_checkpoint_saved_after_fit_holds_the_engines_state(tmp_path):
     """``trainer.save_checkpoint`` after fit (the optimizer given back to its class) saves
     what a checkpoint at the last step held: the offload optimizer's state, by name."""
     last = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer = _trainer(STRATEGIES["half-offloaded-accelerator-path"](), tmp_path, enable_checkpointing=True,
+    trainer = _trainer(STRATEGIES["part-offloaded-accelerator-path"](), tmp_path, enable_checkpointing=True,
                        callbacks=[last])
     trainer.fit(Net(lambda ps: torch.optim.AdamW(ps, lr=1e-2)), _data())
     trainer.save_checkpoint(tmp_path / "after.ckpt")
@@ -582,7 +592,7 @@ def test_step_keyword_arguments_to_a_fused_optimizer_are_a_type_error_as_in_torc
     with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
         _trainer("auto").fit(ScaledSteps(lambda ps: torch.optim.SGD(ps, lr=0.05)), _data())
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'scale'.*FusedSGD"):
-        _trainer(STRATEGIES["half-offloaded-accelerator-path"]()).fit(
+        _trainer(STRATEGIES["part-offloaded-accelerator-path"]()).fit(
             ScaledSteps(lambda ps: torch.optim.SGD(ps, lr=0.05)), _data())
 
 

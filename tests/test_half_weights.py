@@ -22,7 +22,7 @@ DEVICE = "cuda" if ACCELERATOR == "gpu" else "cpu"
 STRATEGIES = {
     "fastopt": lambda: "fastopt",
     "offload-accelerator-path": lambda: FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True),
-    "half-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002,
+    "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
                                                                copy_on_cpu=True),
 }
 OPTIMIZERS = {
@@ -80,7 +80,7 @@ class _Poisoned(Model):
 
 def test_16_true_scales_the_loss_and_skips_an_overflowing_step():
     ours = _Poisoned(OPTIMIZERS["sgd"], sched=False)
-    trainer = L.Trainer(strategy=FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True,
+    trainer = L.Trainer(strategy=FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002, copy_on_cpu=True,
                                                  initial_scale_power=8),
                         precision="16-true", accelerator=ACCELERATOR, devices=1, max_steps=6, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -162,7 +162,7 @@ CountingTwins.one_process_type = CountingOneProcess
 
 def test_a_subclass_with_a_twin_keeps_its_overrides_at_one_process():
     model, ref = Net(), Net()
-    trainer = _trainer(CountingTwins(offload_fraction=0.5, copy_on_cpu=True))
+    trainer = _trainer(CountingTwins(offload_fraction=0.2, copy_on_cpu=True))
     trainer.fit(model, _data())
     _trainer("auto").fit(ref, _data())
     assert type(trainer.strategy) is CountingOneProcess and trainer.strategy.train_starts == 1
@@ -179,7 +179,7 @@ def test_a_subclass_without_a_twin_runs_one_process_as_lightnings_ddp(caplog, mo
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     model, ref = Net(), Net()
     try:
-        trainer = _trainer(Counting(offload_fraction=0.5, copy_on_cpu=True))
+        trainer = _trainer(Counting(offload_fraction=0.2, copy_on_cpu=True))
         with caplog.at_level(logging.INFO):
             trainer.fit(model, _data())
         assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1

@@ -97,9 +97,9 @@ def test_an_unsupported_precision_plugin_is_refused_by_name():
     lambda ps: torch.optim.RAdam(ps, lr=0.01),  # the user's own step on the masters
 ], ids=["sgd", "radam"])
 @pytest.mark.parametrize("strategy", [
-    lambda: front_end.FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True),
+    lambda: front_end.FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002, copy_on_cpu=True),
     lambda: "fastopt_offload",
-], ids=["half-offloaded-accelerator-path", "offload-cpu-path"])
+], ids=["part-offloaded-accelerator-path", "offload-cpu-path"])
 def test_fit_validate_test_predict_end_where_pytorch_lightning_ends(strategy, make_opt):
     results = []
     for s in (strategy(), "auto"):
@@ -119,7 +119,7 @@ def test_fit_validate_test_predict_end_where_pytorch_lightning_ends(strategy, ma
 def test_resume_from_a_checkpoint(tmp_path):
     """Two epochs, a checkpoint, two more from it: where four uninterrupted epochs end."""
     def strategy():
-        return front_end.FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True)
+        return front_end.FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002, copy_on_cpu=True)
 
     first = Net()
     trainer = _trainer(strategy(), default_root_dir=tmp_path)
