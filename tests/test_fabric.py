@@ -276,6 +276,41 @@ def test_one_process_keeps_the_loaders_sampler_and_an_optimizer_set_up_twice_kee
     assert isinstance(engine, OffloadOptimizer)
 
 
+def _optimizer_first(strategy, steps=4):
+    """Fabric allows setting up the optimizer before its model (Lightning's
+    test_setup_optimizers does): ``setup_optimizers`` then ``setup_module``, then a loop."""
+    from torch.utils.data import DataLoader
+
+    from tests.fabric_loop import _data
+
+    fabric = _fabric(strategy)
+    model = make_model()
+    opt = fabric.setup_optimizers(make_optimizer(model))
+    model = fabric.setup_module(model)
+    for (x, y), _ in zip(DataLoader(_data(), batch_size=8), range(steps)):
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def test_an_optimizer_set_up_before_its_model_is_taken_over_with_the_model():
+    strategy = FastOptFabricStrategy(offload_fraction=0.2, copy_on_cpu=True)
+    ours = _optimizer_first(strategy)
+    assert isinstance(strategy._wrappers[0], OffloadOptimizer) and not strategy._pending
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ours), _weights(_optimizer_first("auto"))))
+
+
+def test_an_optimizer_whose_model_is_never_set_up_is_refused_at_its_step():
+    fabric = _fabric(FastOptFabricStrategy(copy_on_cpu=True))
+    model = make_model()
+    opt = fabric.setup_optimizers(make_optimizer(model))
+    model(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"the AdamW given to fabric.setup_optimizers has no model set up .*"
+                                           r"fabric.setup_module\(model\)"):
+        opt.step()
+
+
 def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):
     """The Trainer's half-weight tests' model and data (tests/test_half_weights.py) in a
     Fabric loop: inputs cast to the weights' dtype, one step per batch."""

@@ -9,7 +9,8 @@
 precision core; the same name-keyed, atomically written checkpoints.  What differs is how
 Fabric drives a step:
 
-- ``fabric.setup(model, optimizer)`` (or ``setup_module`` then ``setup_optimizers``): the
+- ``fabric.setup(model, optimizer)`` (or ``setup_module`` and ``setup_optimizers``, in either
+  order: an optimizer set up first is taken over when its model is set up): the
   model is wrapped in DistributedDataParallel only with several processes (ZeRO stage 2:
   never; it reduces the gradients itself), and the optimizer stays the user's object,
   stepped by the offload (or ZeRO) optimizer behind it (as for the Trainer,
@@ -61,7 +62,7 @@ from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 
@@ -101,6 +102,7 @@ class FastOptFabricStrategy(DDPStrategy):
         self._module: Module | None = None  # the user's module (names of parameters)
         self._wrappers: list[OptimizerWrapper] = []  # the engines of the optimizers set up, closed at teardown
         self._users: list[torch.optim.Optimizer] = []  # those optimizers (the user's), given back at teardown
+        self._pending: list[torch.optim.Optimizer] = []  # set up before the model that holds their parameters
         self._threads = TorchThreads()
         self._environment_ready = False
         if kwargs.get("checkpoint_io") is None:
@@ -163,27 +165,45 @@ class FastOptFabricStrategy(DDPStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         """DistributedDataParallel with several processes (not for ZeRO stage 2, which
-        reduces gradients itself after one broadcast of rank 0's weights); none with one."""
+        reduces gradients itself after one broadcast of rank 0's weights); none with one.
+        Optimizers set up before it whose parameters it holds are taken over now."""
         self._ensure_environment()
         self._module = module
         if self._one_process:
-            return module
-        if self._effective_stage == 2:
+            wrapped = module
+        elif self._effective_stage == 2:
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
             _sync_module_states(module)
-            return module
-        return super().setup_module(module)
+            wrapped = module
+        else:
+            wrapped = super().setup_module(module)
+        for optimizer in [o for o in self._pending if self._holds(o)]:
+            self._pending.remove(optimizer)
+            self._take_over(optimizer)
+        return wrapped
 
     @override
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer`` itself, stepped by an offload (or ZeRO) optimizer over the optimizer
-        that runs it (:mod:`lightning_fastopt.optim.takeover`)."""
-        if self._module is None:
-            raise RuntimeError("set up the model before its optimizer: fabric.setup(model, optimizer), or "
-                               "fabric.setup_module(model) then fabric.setup_optimizers(optimizer)")
-        if engine_of(optimizer) in self._wrappers:
+        that runs it (:mod:`lightning_fastopt.optim.takeover`).  Set up before the model
+        that holds its parameters (Fabric allows either order), it is taken over when that
+        model is set up: the state is keyed by the model's parameter names."""
+        if engine_of(optimizer) in self._wrappers or optimizer in self._pending:
             return optimizer  # set up again (Fabric allows it): the engine already stepping it goes on
+        if not self._holds(optimizer):
+            self._pending.append(optimizer)
+            return optimizer
+        return self._take_over(optimizer)
+
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the model set up last holds every parameter of ``optimizer``."""
+        if self._module is None:
+            return False
+        params = {id(p) for p in self._module.parameters()}
+        return all(id(p) in params for g in optimizer.param_groups for p in g["params"])
+
+    def _take_over(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
         fused = fused_for(optimizer, self._module, self.precision.precision)
         names = {p: n for n, p in self._module.named_parameters()}
@@ -193,6 +213,15 @@ class FastOptFabricStrategy(DDPStrategy):
         self._wrappers.append(wrapper)
         self._users.append(optimizer)
         return take_over(optimizer, wrapper)
+
+    @override
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if unwrapped(optimizer) in self._pending:
+            raise RuntimeError(f"the {type(unwrapped(optimizer)).__name__} given to fabric.setup_optimizers has no "
+                               "model set up that holds its parameters: set that model up too "
+                               "(fabric.setup_module(model), or fabric.setup(model, optimizer)) before stepping; "
+                               "the strategy keys the optimizer's state by the model's parameter names")
+        return super().optimizer_step(optimizer, **kwargs)
 
     @property
     def _effective_stage(self) -> int:
@@ -273,6 +302,7 @@ class FastOptFabricStrategy(DDPStrategy):
             o.close()
         for o in self._users:
             give_back(o)
+        self._pending.clear()
         self._threads.restore()
         super().teardown()
 
