@@ -208,16 +208,33 @@ def grads_all_finite(grads: TensorList) -> bool:
     return all(bool(_call(_route(same), "all_finite", tensors=list(same))) for same in by_device(grads))
 
 
+def square_sums(tensors: TensorList) -> list[float]:
+    """Each tensor's sum of the squares of its elements (double accumulation, the
+    multi-tensor L2-norm kernels on CPU and CUDA), in the tensors' order (on any devices)."""
+    at = {id(t): i for i, t in enumerate(tensors)}
+    out = [0.0] * len(tensors)
+    for same in by_device(tensors):
+        for t, v in zip(same, _call(_route(same), "sum_squares", tensors=list(same))):
+            out[at[id(t)]] = v
+    return out
+
+
 def sum_of_squares(tensors: TensorList) -> float:
-    """The sum of the squares of every element of every tensor (on any devices), with
-    double accumulation (the multi-tensor L2-norm kernels on CPU and CUDA)."""
-    return sum(sum(_call(_route(same), "sum_squares", tensors=list(same))) for same in by_device(tensors))
+    """The sum of the squares of every element of every tensor (on any devices): the
+    tensors' :func:`square_sums` added in their order."""
+    return sum(square_sums(tensors))
+
+
+def norm_of_square_sums(sums: list[float], grad_scale=None) -> float:
+    """The L2 norm of tensors whose :func:`square_sums` are ``sums`` (added in their
+    order), unscaled by grad_scale."""
+    return math.sqrt(sum(sums)) * _inv_scale(grad_scale)
 
 
 def global_grad_norm(grads: TensorList, grad_scale=None) -> float:
     """The L2 norm of all gradients together (on any devices), unscaled by grad_scale
     (double accumulation)."""
-    return math.sqrt(sum_of_squares(grads)) * _inv_scale(grad_scale)
+    return norm_of_square_sums(square_sums(grads), grad_scale)
 
 
 def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = None) -> None:

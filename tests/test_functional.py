@@ -235,6 +235,17 @@ def test_global_grad_norm_and_finite(backend):
     assert not F.grads_all_finite(grads)
 
 
+def test_square_sums_are_per_tensor_and_do_not_depend_on_the_other_tensors(backend):
+    """Each tensor's sum of squares (what a sharded step gathers from the ranks to add in the
+    parameters' order): the same bits whichever tensors are reduced with it, and the global
+    norm is their sum in order."""
+    grads = [torch.randn(n) for n in SIZES] + [torch.randn(5).half(), torch.randn(9).bfloat16()]
+    sums = F.square_sums(grads)
+    assert sums == [F.square_sums([g])[0] for g in grads] == F.square_sums(grads[:2]) + F.square_sums(grads[2:])
+    assert sums == pytest.approx([g.double().pow(2).sum().item() for g in grads], rel=1e-6)
+    assert F.global_grad_norm(grads, grad_scale=2.0) == math.sqrt(sum(sums)) / 2.0
+
+
 def test_list_length_mismatch_is_a_clear_error(backend):
     params, m, v = _adam_state(SIZES)
     with pytest.raises(ValueError, match="exp_avgs has 3 tensors but params has 4"):

@@ -22,6 +22,16 @@ def all_reduce_scalar(value: float, op=None, group=None) -> float:
     return float(t.item())
 
 
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` (on the CPU) summed over the ranks of ``group``, on the CPU; ``t`` itself with one
+    process.  Moved to CUDA and back for NCCL."""
+    if world_size(group) == 1:
+        return t
+    on = t.cuda() if dist.get_backend(group) == "nccl" else t
+    dist.all_reduce(on, op=dist.ReduceOp.SUM, group=group)
+    return on.cpu()
+
+
 def global_rank(group, rank: int) -> int:
     """The global rank of ``rank`` within ``group`` (None: the whole world)."""
     return dist.get_global_rank(group, rank) if group is not None else rank

@@ -12,7 +12,6 @@ framework calls.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Literal
 
 import torch
@@ -23,7 +22,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor
 
 from lightning_fastopt.core.distributed import all_reduce_scalar
-from lightning_fastopt.functional import by_device, grads_all_finite, sum_of_squares, unscale_grads_
+from lightning_fastopt.functional import by_device, grads_all_finite, unscale_grads_
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
@@ -160,8 +159,8 @@ class PrecisionCore:
         1 as a float32 tensor, one multiplication of each gradient.  Unscaled, on the CPU,
         the same bits as Lightning's own clipping; on a GPU the offloaded gradients' norms
         are taken on the host, where they were copied.  With ZeRO each rank holds its
-        shard of the gradients: the squares of the shards' norms are summed over the ranks
-        (another order of summation).  With fp16 loss scaling the total is the scaled
+        shard of the gradients: the ranks share the per-tensor norms, and the total is the
+        same bits (``ZeroOptimizer.gradient_norm``).  With fp16 loss scaling the total is the scaled
         gradients' norm divided by the scale (Lightning unscales first)."""
         if clip_val <= 0:
             return None
@@ -175,9 +174,9 @@ class PrecisionCore:
                 if g.device.type != "cpu" or _exceeds(g, bound):
                     g.clamp_(-bound, bound)
             return None
-        optimizer = engine_of(optimizer)
-        if isinstance(optimizer, OptimizerWrapper) and optimizer.shards_gradients:  # ZeRO: each rank's own shard
-            total = torch.tensor(math.sqrt(all_reduce_scalar(sum_of_squares(grads))), dtype=torch.float32)
+        engine = engine_of(optimizer)
+        if isinstance(engine, OptimizerWrapper):  # ZeRO: over the shards of every rank
+            total = engine.gradient_norm()
         else:
             total = torch.nn.utils.get_total_norm(grads, 2.0)
         if scale != 1.0:

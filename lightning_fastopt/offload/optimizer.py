@@ -503,14 +503,21 @@ class OffloadOptimizer(OptimizerWrapper):
         ones in host memory, once landed; with ``device_grads="keep"`` every one in
         ``p.grad``, copied when the step starts): for overflow checks and gradient
         clipping, which may scale them in place."""
+        return [g for _, g in self._gradients_read()]
+
+    def gradients_by_param(self) -> dict[Tensor, Tensor]:
+        """:meth:`gradients`, each under its parameter."""
+        return dict(self._gradients_read())
+
+    def _gradients_read(self) -> list[tuple[Tensor, Tensor]]:
         self._in_flight.wait_all()
         if self.device_grads == "keep":
-            return [s.param.grad for s in self._slots if s.param.grad is not None]
+            return [(s.param, s.param.grad) for s in self._slots if s.param.grad is not None]
         self.schedule.before_gradients_read()
         self._send_pending_grads()
         for b in self._buckets:
             self.copies.wait_on_host(b.grads_ready)
-        return [g for g in map(self._grad_of, self._slots) if g is not None]
+        return [(s.param, g) for s, g in ((s, self._grad_of(s)) for s in self._slots) if g is not None]
 
     def _new_gradients(self) -> None:
         self.schedule.end()

@@ -401,10 +401,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def step_context(self, grads: list[Tensor], grad_scale) -> Any:
         """Computed once per step from every gradient, before any update; None for
-        optimizers that need nothing.  When it is not None it is an L2 norm over the
-        gradients (FusedLAMB's global norm): a wrapper that holds the gradients in shards
-        combines the shards' values as the root of the sum of their squares."""
+        optimizers that need nothing.  When it is not None it is what
+        :meth:`step_context_of_square_sums` makes of each gradient's sum of squares
+        (FusedLAMB's global norm), so that a wrapper holding the gradients in shards gathers
+        the shards' sums, in the parameters' order, and gets the same bits."""
         return None
+
+    def step_context_of_square_sums(self, sums: list[float], grad_scale) -> Any:
+        """The step context from each gradient's sum of squares
+        (:func:`~lightning_fastopt.functional.square_sums`), in the parameters' order."""
+        raise NotImplementedError(f"{type(self).__name__} has no step context")
 
     def unclipped_context(self) -> Any:
         """The step context of a step that nothing global changes (no clipping): what an

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_fastopt.functional import fused_lamb_, global_grad_norm
+from lightning_fastopt.functional import fused_lamb_, norm_of_square_sums, square_sums
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
 
 
@@ -45,7 +45,10 @@ class FusedLAMB(FusedOptimizer):
         check_range("max_grad_norm", group["max_grad_norm"], 0.0)
 
     def step_context(self, grads, grad_scale) -> float:
-        norm = global_grad_norm(grads, grad_scale)
+        return self.step_context_of_square_sums(square_sums(grads), grad_scale)
+
+    def step_context_of_square_sums(self, sums, grad_scale) -> float:
+        norm = norm_of_square_sums(sums, grad_scale)
         if not math.isfinite(norm):
             raise ValueError(f"FusedLAMB: the global gradient norm is {norm}; use step(check_finite=True) "
                              "(or lightning_fastopt's precision plugin) to skip such steps")

@@ -15,6 +15,8 @@ What a driver may use:
   for offloaded parameters, once landed); overflow checks and clipping read and scale
   them in place.  With :attr:`shards_gradients` they are this rank's shard only, so
   norms and overflow flags must be combined over the ranks.
+- :meth:`gradient_norm`: their L2 norm as torch's ``get_total_norm`` computes it over the
+  whole model's gradients (clipping by norm), also where they are sharded.
 - :meth:`step` with ``grad_scale`` (unscaled inside the kernels), ``check_finite`` and
   ``step_context``, as :meth:`FusedOptimizer.step
   <lightning_fastopt.optim.base.FusedOptimizer.step>`, and any other keyword arguments
@@ -122,6 +124,12 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def gradients(self) -> list[Tensor]:
         raise NotImplementedError
+
+    def gradient_norm(self) -> Tensor:
+        """The L2 norm of every gradient the next step reads, as torch's ``get_total_norm``
+        computes it over the model's gradients (the norm gradient clipping takes); a
+        sharded optimizer combines the ranks' shards into the same bits."""
+        return torch.nn.utils.get_total_norm(self.gradients(), 2.0)
 
     def owns(self, param: Tensor) -> bool:
         """Whether this optimizer keeps (and updates) the state of ``param``."""

@@ -21,7 +21,6 @@ schedulers work); the state dict of a rank holds its shard, keyed by parameter n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,13 +33,25 @@ from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.core.distributed import all_reduce_scalar, global_rank, world_size
-from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.core.distributed import all_reduce_scalar, all_reduce_sum, global_rank, world_size
+from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
                                           needs_step_context)
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero.grad_reducer import GradReducer
 from lightning_fastopt.zero.partition import assign_owners, owner_buckets
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # a gradient norm's, coded by position
+
+
+def _grouped(grads: dict[Tensor, Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
+    """The parameters by their gradient's device and dtype, in order (as ``get_total_norm``
+    groups the gradients)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for p, g in grads.items():
+        groups.setdefault((g.device, g.dtype), []).append(p)
+    return groups
 
 
 class ZeroOptimizer(OptimizerWrapper):
@@ -157,6 +168,39 @@ class ZeroOptimizer(OptimizerWrapper):
             self.reducer.finish()  # once per backward
         return self.local.gradients()
 
+    @override
+    def gradient_norm(self) -> Tensor:
+        """The norm ``get_total_norm`` takes of the unsharded gradients, in the same bits:
+        each owner takes the norms of its own gradients as ``get_total_norm`` does (torch's
+        ``_foreach_norm``, by device and dtype), and the norms of every rank, stacked in the
+        parameters' order, are normed (on the CPU: a few numbers)."""
+        grads = self._owned_gradients()
+        values: dict[Tensor, tuple[float, float]] = {}
+        for (_, dtype), params in _grouped(grads).items():
+            norms = torch.stack(torch._foreach_norm([grads[p] for p in params], 2.0)).to("cpu", torch.float64)
+            code = float(_DTYPES.index(dtype))  # _foreach_norm keeps the tensors' dtype
+            values.update((p, (n, code)) for p, n in zip(params, norms.tolist()))
+        norms = [torch.tensor(n, dtype=_DTYPES[int(code)]) for n, code in self._gathered(values, 2)]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.tensor(0.0)
+
+    def _owned_gradients(self) -> dict[Tensor, Tensor]:
+        """The gradients this rank's step reads, by parameter (stage 2: once reduced)."""
+        if self.reducer is not None:
+            self.reducer.finish()  # once per backward
+        return self.local.gradients_by_param()
+
+    def _gathered(self, values: dict[Tensor, tuple[float, ...]], width: int) -> list[tuple[float, ...]]:
+        """Each rank's ``values`` (``width`` numbers for some of the parameters it owns),
+        every rank's in the parameters' order: a table with one column per parameter, each
+        column nonzero on its owner only, summed over the ranks (exactly)."""
+        column = {p: i for i, p in enumerate(self._params)}
+        table = torch.zeros(width + 1, len(self._params), dtype=torch.float64)
+        for p, row in values.items():
+            table[:, column[p]] = torch.tensor((1.0, *row), dtype=torch.float64)
+        table = all_reduce_sum(table, group=self.group)
+        present = table[0] > 0
+        return [tuple(col) for col in table[1:, present].T.tolist()]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.local.zero_grad(set_to_none)
@@ -173,9 +217,10 @@ class ZeroOptimizer(OptimizerWrapper):
                 return True
         context = None if step_context is COMPUTE else step_context
         if step_context is COMPUTE and needs_step_context(self.optimizer):
-            # a global norm: the root of the summed squares of the shards'
-            local_norm = self.optimizer.step_context(grads, grad_scale)
-            context = math.sqrt(all_reduce_scalar(local_norm ** 2, group=self.group))
+            # a global norm: from every rank's per-gradient sums of squares, in the parameters' order
+            owned = self._owned_gradients()
+            sums = dict(zip(owned, ((v,) for v in square_sums(list(owned.values())))))
+            context = self.optimizer.step_context_of_square_sums([v for (v,) in self._gathered(sums, 1)], grad_scale)
         self.local.step(grad_scale=grad_scale, step_context=context, **self.step_kwargs)
         self._broadcast_params()
         return False
