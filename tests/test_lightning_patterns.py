@@ -285,7 +285,7 @@ class Gan(L.LightningModule):
 def test_gan(strategy, toggle):
     """Without toggling, the generator's backward also leaves gradients on the
     discriminator, which its own step then adds to (torch accumulates them)."""
-    _compare(lambda: Gan(toggle), strategy, exact=False)
+    _compare(lambda: Gan(toggle), strategy)
 
 
 # ---------------------------------------------------------------------------- weights
