@@ -336,8 +336,10 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
 
 @_routed
 def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
-                   maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
-    """Adagrad, torch.optim.Adagrad's formula."""
+                   maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
+                   torch_sqrt=False) -> bool:
+    """Adagrad, torch.optim.Adagrad's formula, each operation rounded as torch's default CPU
+    step rounds it, with the IEEE square root (``torch_sqrt``: torch's CPU square root)."""
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
     if not len(params):
         return False
@@ -348,7 +350,7 @@ def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, 
     return _run(sc, route, "adagrad_", cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay},
                 params=list(params), grads=list(grads), state_sums=list(state_sums), copies=_list(param_copies),
                 clr=clr, weight_decay=weight_decay, eps=eps, inv_grad_scale=sc.inv_scale, maximize=maximize,
-                check_finite=check_finite)
+                check_finite=check_finite, torch_sqrt=torch_sqrt)
 
 
 @_routed

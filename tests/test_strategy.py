@@ -68,7 +68,7 @@ STRATEGIES = {
 def test_same_weights_as_plain_lightning(backend, make_opt, fused_cls, strategy):
     """Two param groups, a step-interval scheduler, accumulation over 2 batches and
     clipping by norm: 16 optimizer steps equal plain Lightning's with torch.optim, bit for
-    bit (Adagrad: rtol 1.3e-6, atol 1e-5)."""
+    bit."""
     kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.1)
     ours, ref = Model(make_opt), Model(make_opt)
     trainer = _fit(STRATEGIES[strategy](), ours, **kw)
@@ -82,10 +82,7 @@ def test_same_weights_as_plain_lightning(backend, make_opt, fused_cls, strategy)
     assert opt.param_groups[1]["lr"] == ref_trainer.optimizers[0].param_groups[1]["lr"] < 3e-3
     assert trainer.global_step == ref_trainer.global_step == 8
     for a, b in zip(ours.parameters(), ref.parameters()):
-        if fused_cls is FusedAdagrad:  # its kernel does not round as torch's Adagrad yet (issue: bit for bit)
-            torch.testing.assert_close(a, b, **ADAM_TOL)
-        else:
-            assert torch.equal(a, b), (a - b).abs().max().item()
+        assert torch.equal(a, b), (a - b).abs().max().item()
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

@@ -4,8 +4,8 @@
 (and 1,000,003 once per optimizer), on every CPU backend.  Adam/AdamW: bit for bit
 (``torch.equal``) with torch's default CPU step (``torch_sqrt=True``: torch's square
 root), at 1 and 2 threads; by default (the IEEE square root) every backend gives the same
-bits.  SGD and Adagrad:
-rtol 1e-6, atol 1e-6 (the Trainer-level tests hold SGD to torch.equal).
+bits.  Adagrad the same way (``torch_sqrt=True``).  SGD: rtol 1e-6, atol 1e-6 (the
+Trainer-level tests hold it to torch.equal).
 """
 
 import itertools
@@ -124,16 +124,39 @@ def test_adagrad_matches_torch(backend, lr_decay, weight_decay, init, maximize):
     kw = dict(lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=init,
               maximize=maximize, eps=1e-10)
     overrides = [dict(), dict(lr=0.05), dict(eps=1e-6)]
-    a, b, oa, ob = run_twins(lambda g: FusedAdagrad(g, **kw), lambda g: torch.optim.Adagrad(g, **kw), SIZES, overrides)
-    assert_params_close(a, b, **TIGHT)
+    a, b, oa, ob = run_twins(lambda g: FusedAdagrad(g, **kw, torch_sqrt=True), lambda g: torch.optim.Adagrad(g, **kw),
+                             SIZES, overrides)
+    assert_params_equal(a, b)
     for x, y in zip(a, b):
-        torch.testing.assert_close(oa.state[x]["sum"], ob.state[y]["sum"], **TIGHT)
+        assert torch.equal(oa.state[x]["sum"], ob.state[y]["sum"])
 
 
-def test_adagrad_big_tensor(backend):
-    a, b, _, _ = run_twins(lambda g: FusedAdagrad(g, lr=1e-2), lambda g: torch.optim.Adagrad(g, lr=1e-2), (BIG,),
-                           [dict()], steps=20)
-    assert_params_close(a, b, **TIGHT)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_adagrad_big_tensor(backend, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b, _, _ = run_twins(lambda g: FusedAdagrad(g, lr=1e-2, weight_decay=0.01, torch_sqrt=True),
+                               lambda g: torch.optim.Adagrad(g, lr=1e-2, weight_decay=0.01), (BIG, 5), [dict()],
+                               steps=20)
+    finally:
+        torch.set_num_threads(before)
+    assert_params_equal(a, b)
+
+
+def test_adagrad_with_the_ieee_square_root_is_the_same_on_every_backend(backend, monkeypatch):
+    """FusedAdagrad's default: the kernels of every ISA and the pure-PyTorch backend agree
+    bit for bit."""
+    import lightning_fastopt.ops as ops
+    from lightning_fastopt.ops import torch_backend
+
+    def run(module):
+        monkeypatch.setattr(ops, "cpu_backend", lambda: module)  # the backend fixture restores it
+        torch.manual_seed(0)
+        return run_twins(lambda g: FusedAdagrad(g, lr=1e-2, weight_decay=0.01, lr_decay=0.01),
+                         lambda g: torch.optim.SGD(g, lr=0.0), SIZES, [dict(), dict(lr=0.05)])[0]
+
+    assert_params_equal(run(backend), run(torch_backend))
 
 
 def test_params_without_grad_are_untouched(backend):
@@ -175,7 +198,7 @@ def _step_with_gaps(opt, ref, ps, rs, every, steps=12):
     (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, torch_sqrt=True),
      lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01), EXACT),
     (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9), lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9), TIGHT),
-    (lambda g: FusedAdagrad(g, lr=1e-2), lambda g: torch.optim.Adagrad(g, lr=1e-2), TIGHT),
+    (lambda g: FusedAdagrad(g, lr=1e-2, torch_sqrt=True), lambda g: torch.optim.Adagrad(g, lr=1e-2), EXACT),
 ], ids=["adamw", "sgd", "adagrad"])
 def test_gradients_missing_on_some_steps(backend, make, make_ref, tol):
     """A parameter without a gradient on a step keeps its step count, as in torch: the
@@ -212,8 +235,8 @@ LISTED_TWICE = [
     ("sgd-dampening", lambda g: FusedSGD(g, lr=1e-2, momentum=0.5, dampening=0.3),
      lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.5, dampening=0.3, foreach=False), TIGHT),
     ("sgd-plain", lambda g: FusedSGD(g, lr=1e-2), lambda g: torch.optim.SGD(g, lr=1e-2, foreach=False), TIGHT),
-    ("adagrad", lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=0.01),
-     lambda g: torch.optim.Adagrad(g, lr=1e-2, lr_decay=0.01, foreach=False), TIGHT),
+    ("adagrad", lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=0.01, torch_sqrt=True),
+     lambda g: torch.optim.Adagrad(g, lr=1e-2, lr_decay=0.01, foreach=False), EXACT),
 ]
 
 

@@ -28,6 +28,7 @@ struct SgdArgs {
 struct AdagradArgs {
   float clr, weight_decay, eps, inv_grad_scale;  // clr = lr / (1 + (step - 1) * lr_decay)
   bool maximize;
+  bool torch_sqrt;  // CPU: the square root torch's CPU ops compute (MKL's), not the IEEE one
 };
 // state: sum
 

@@ -1,20 +1,69 @@
-// Adagrad, torch.optim.Adagrad's formula in float:
-//   g = -g if maximize;  g += wd * p;  sum += g * g;  p -= clr * g / (sqrt(sum) + eps)
-#include "tensor_walk.h"
+// Adagrad, rounded exactly as torch.optim.Adagrad's default step on the CPU rounds (its
+// for-loop implementation: one ATen op after another, each rounding once, the vectorized
+// ones with the fused multiply-adds ATen's kernels use), at every ISA and thread count:
+//   g = -g if maximize (after unscaling)
+//   g = fma(p, wd, g)                 grad.add(param, alpha=weight_decay)
+//   s = fma(g, g, s)                  state_sum.addcmul_(grad, grad, value=1)
+//   d = sqrt(s) + eps                 state_sum.sqrt().add_(eps)
+//   p = p + (-clr * g) / d            param.addcdiv_(grad, std, value=-clr)
+// clr = lr / (1 + (step - 1) * lr_decay) comes from Python as a double, rounded to float
+// once, as ATen rounds a Python scalar.  The square root: the IEEE one by default, in one
+// pass; with `torch_sqrt`, torch's CPU one (MKL's, where torch has MKL), taken block by
+// block between two passes (torch_sqrt.h; the second pass forms g again from the
+// unchanged gradient and parameter).
+#include "torch_sqrt.h"
 
 namespace fastopt {
+namespace {
+
+struct AdagradConstants {
+  VecF gs, wd, eps, neg_clr;
+  bool use_wd;
+  explicit AdagradConstants(const AdagradArgs& a)
+      : gs(VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale)),
+        wd(VecF::set1(a.weight_decay)),
+        eps(VecF::set1(a.eps)),
+        neg_clr(VecF::set1(-a.clr)),
+        use_wd(a.weight_decay != 0.0f) {}
+
+  // The gradient the step uses.
+  FASTOPT_ALWAYS_INLINE VecF grad(const VecF& p, VecF g) const {
+    g = g * gs;
+    return use_wd ? VecF::fmadd(p, wd, g) : g;
+  }
+
+  // The parameter from the gradient and the square root of the new sum.
+  FASTOPT_ALWAYS_INLINE VecF param(const VecF& p, const VecF& g, const VecF& root) const {
+    return p + (neg_clr * g) / (root + eps);
+  }
+};
+
+void run_one_pass(const Slots& slots, const AdagradArgs& a) {
+  const AdagradConstants c(a);
+  elementwise_step<1>(slots, [&](VecF& p, VecF g, std::array<VecF, 1>& st) {
+    g = c.grad(p, g);
+    st[0] = VecF::fmadd(g, g, st[0]);
+    p = c.param(p, g, VecF::sqrt(st[0]));
+  });
+}
+
+void run_mkl_roots(const Slots& slots, const AdagradArgs& a) {
+  const AdagradConstants c(a);
+  two_passes_with_torch_roots<1, 0, true>(
+      slots,
+      [&](const VecF& p, const VecF& g, std::array<VecF, 1>& st) {
+        const VecF used = c.grad(p, g);
+        st[0] = VecF::fmadd(used, used, st[0]);
+        return st[0];
+      },
+      [&](VecF& p, const VecF& g, std::array<VecF, 0>&, const VecF& root) { p = c.param(p, c.grad(p, g), root); });
+}
+
+}  // namespace
 
 void adagrad_step(const Slots& slots, const AdagradArgs& a) {
-  const VecF gs = VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale);
-  const VecF wd = VecF::set1(a.weight_decay), eps = VecF::set1(a.eps);
-  const VecF neg_clr = VecF::set1(-a.clr);
-  const bool use_wd = a.weight_decay != 0.0f;
-  elementwise_step<1>(slots, [&](VecF& p, VecF g, std::array<VecF, 1>& st) {
-    g = g * gs;
-    if (use_wd) g = VecF::fmadd(wd, p, g);
-    st[0] = VecF::fmadd(g, g, st[0]);
-    p = VecF::fmadd(neg_clr, g / (VecF::sqrt(st[0]) + eps), p);
-  });
+  if (!a.torch_sqrt || !torch_sqrt_is_mkl()) return run_one_pass(slots, a);
+  run_mkl_roots(slots, a);
 }
 
 }  // namespace fastopt

@@ -14,23 +14,15 @@
 // factor, the betas) and are rounded to float once, as ATen rounds a Python scalar.
 //
 // The square root: the IEEE one (correctly rounded) by default, in one pass.  With
-// `torch_sqrt`, torch's: ATen's CPU sqrt is MKL's vsSqrt where torch was built with MKL,
-// which is not correctly rounded (about 1 result in 6 differs by one ulp), so the step
-// goes block by block: a first pass updates m and v and collects the v (or vmax) of the
-// block, MKL's routine (the one libtorch_cpu exports) takes their roots, and a second
-// pass updates the parameters.  The block stays in the first-level cache (the memory
-// traffic of one pass), but MKL's careful square root costs about as much as the rest
-// of the step (measured: 1.7x the one-pass step, 50M parameters on 2 AVX2 cores).  Without MKL
-// ATen's square root is the IEEE one, and so is ours.
+// `torch_sqrt`, torch's (MKL's, torch_sqrt.h): the first pass updates m and v, MKL takes
+// the roots of v (or vmax) block by block, the second pass updates the parameters
+// (measured: 1.7x the one-pass step, 50M parameters on 2 AVX2 cores).  Without MKL ATen's
+// square root is the IEEE one, and so is ours.
 // m and v are float32, or bfloat16 stored with stochastic rounding (vec.h; no amsgrad;
 // one pass, the IEEE square root: torch has no such algorithm to follow).
 #include <algorithm>
 
-#include "tensor_walk.h"
-
-// MKL's single-precision square root (Fortran interface), exported by libtorch_cpu when
-// torch was built with MKL; null otherwise (a weak reference).
-extern "C" void VSSQRT_(const int* n, const float* a, float* r) __attribute__((weak));
+#include "torch_sqrt.h"
 
 namespace fastopt {
 namespace {
@@ -92,45 +84,24 @@ void run_one_pass(const Slots& slots, const AdamArgs& a) {
   });
 }
 
-constexpr int64_t kRootBlock = 2048;  // elements per block: its p, g, m, v and roots take 40 KiB, about L1
-
-// Block by block, MKL's square root between the two passes (see the top of the file).
+// Block by block, MKL's square root between the two passes (torch_sqrt.h).
 template <bool kAmsgrad, bool kDecoupled, bool kL2>
 void run_mkl_roots(const Slots& slots, const AdamArgs& a) {
   const AdamConstants c(a);
   constexpr int NS = kAmsgrad ? 3 : 2;
-  constexpr int W = VecF::W;
-  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
-    const TensorSlot& s = slots[t];
-    dispatch_dtypes(s, [&](auto pt, auto gt, auto ct) {
-      using P = decltype(pt);
-      using G = decltype(gt);
-      using C = decltype(ct);
-      alignas(64) float roots[kRootBlock];
-      for (int64_t bb = b; bb < e; bb += kRootBlock) {
-        const int64_t be = std::min(e, bb + kRootBlock);
-        float* out = roots;
-        for_each_vec<NS, false, P, G, C, F32>(s, bb, be, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
-          c.moments<kAmsgrad, kL2, NS>(p, g, st).store(out);
-          out += W;
-        });
-        const int n = static_cast<int>(out - roots);
-        VSSQRT_(&n, roots, roots);
-        const float* root = roots;
-        for_each_vec<1, true, P, None, C, F32>(s, bb, be, [&](VecF& p, VecF, std::array<VecF, 1>& st) {
-          p = c.param<kDecoupled>(p, st[0], VecF::load(root));
-          root += W;
-        });
-      }
-    });
-  });
+  two_passes_with_torch_roots<NS, 1, false>(
+      slots,
+      [&](const VecF& p, const VecF& g, std::array<VecF, NS>& st) { return c.moments<kAmsgrad, kL2, NS>(p, g, st); },
+      [&](VecF& p, const VecF&, std::array<VecF, 1>& st, const VecF& root) {
+        p = c.param<kDecoupled>(p, st[0], root);
+      });
 }
 
 template <bool kAmsgrad, bool kDecoupled, bool kL2>
 void run(const Slots& slots, const AdamArgs& a) {
   const bool bf16_state = std::any_of(slots.begin(), slots.end(),
                                       [](const TensorSlot& s) { return s.state_dtype == DType::kBFloat16; });
-  if (!a.torch_sqrt || VSSQRT_ == nullptr || (!kAmsgrad && bf16_state))
+  if (!a.torch_sqrt || !torch_sqrt_is_mkl() || (!kAmsgrad && bf16_state))
     return run_one_pass<kAmsgrad, kDecoupled, kL2>(slots, a);
   run_mkl_roots<kAmsgrad, kDecoupled, kL2>(slots, a);
 }

@@ -118,7 +118,7 @@ struct AdagradMath {
     g = g * gs;
     if (use_wd) g = fmaf(a.weight_decay, p, g);
     s[0] = fmaf(g, g, s[0]);
-    p = fmaf(neg_clr, g / (sqrtf(s[0]) + a.eps), p);
+    p = p + (neg_clr * g) / (sqrtf(s[0]) + a.eps);  // param.addcdiv_(grad, std, value=-clr), as the CPU's
   }
 };
 

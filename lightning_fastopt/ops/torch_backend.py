@@ -199,7 +199,9 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
 
 
 def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,
-             check_finite) -> bool:
+             check_finite, torch_sqrt: bool = False) -> bool:
+    """torch.optim.Adagrad's default CPU step, op for op, with the IEEE square root or
+    (``torch_sqrt``) torch's."""
     if check_finite and not all_finite(grads):
         return True
     if not params:
@@ -209,7 +211,8 @@ def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad
     if weight_decay != 0:
         torch._foreach_add_(g, work, alpha=weight_decay)
     torch._foreach_addcmul_(state_sums, g, g, 1.0)
-    std = torch._foreach_sqrt(state_sums)
+    # torch's CPU square root, or the IEEE one (the float64 root of a float32 rounds to it)
+    std = torch._foreach_sqrt(state_sums) if torch_sqrt else [s.double().sqrt_().float() for s in state_sums]
     torch._foreach_add_(std, eps)
     torch._foreach_addcdiv_(work, g, std, value=-clr)
     _finish(params, work, copies)

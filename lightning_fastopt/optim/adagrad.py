@@ -13,16 +13,22 @@ class FusedAdagrad(FusedOptimizer):
 
     Every torch.optim.Adagrad keyword is accepted; ``foreach``/``fused`` have no effect and
     ``differentiable=True`` raises.  State per parameter: ``step``, ``sum`` (float32).
+
+    Rounding: every operation rounds as torch.optim.Adagrad's default CPU step rounds, with
+    the IEEE square root; ``torch_sqrt=True`` (CPU) takes torch's CPU square root (MKL's,
+    not correctly rounded), for torch's bits exactly, as :class:`FusedAdam`'s does.  The
+    fastopt strategies set it for a ``torch.optim.Adagrad`` whose parameters are on the CPU.
     """
 
     state_keys = ("sum",)
 
     def __init__(self, params, lr=1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, foreach: bool | None = None,
-                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None) -> None:
+                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
+                 torch_sqrt: bool = False) -> None:
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach,
-                        maximize=maximize, differentiable=False, fused=fused)
+                        maximize=maximize, differentiable=False, fused=fused, torch_sqrt=bool(torch_sqrt))
         self._validate_group(defaults)
         super().__init__(params, defaults, foreach=foreach, fused=fused, differentiable=differentiable)
         for group in self.param_groups:
@@ -47,5 +53,5 @@ class FusedAdagrad(FusedOptimizer):
     def _update(self, group, b: Bucket, grad_scale, context) -> None:
         fused_adagrad_(b.params, b.grads, b.states["sum"], step=b.step, lr=group["lr"], lr_decay=group["lr_decay"],
                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                       grad_scale=grad_scale,
-                       param_copies=b.copies, found_inf=b.found_inf)
+                       grad_scale=grad_scale, param_copies=b.copies, found_inf=b.found_inf,
+                       torch_sqrt=group.get("torch_sqrt", False))

@@ -103,6 +103,7 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if isinstance(optimizer, torch.optim.SGD):
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False))
+    on_cpu = all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"])
     return dict(lr=d["lr"], lr_decay=d["lr_decay"], weight_decay=d["weight_decay"],
                 initial_accumulator_value=d["initial_accumulator_value"], eps=d["eps"],
-                maximize=d.get("maximize", False))
+                maximize=d.get("maximize", False), torch_sqrt=on_cpu and not d.get("fused"))
