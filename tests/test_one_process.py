@@ -5,13 +5,12 @@ compared with ``Trainer()`` on the same model and data, bit for bit."""
 
 import logging
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.tuner import Tuner
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptStrategy

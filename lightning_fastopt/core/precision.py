@@ -175,7 +175,7 @@ class PrecisionCore:
                     g.clamp_(-bound, bound)
             return None
         engine = engine_of(optimizer)
-        if isinstance(engine, OptimizerWrapper):  # ZeRO: over the shards of every rank
+        if isinstance(engine, OptimizerWrapper):  # where its gradients are (with ZeRO: every rank's shard)
             total = engine.gradient_norm()
         else:
             total = torch.nn.utils.get_total_norm(grads, 2.0)

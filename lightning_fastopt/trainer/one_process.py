@@ -33,7 +33,6 @@ from abc import ABCMeta
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 __all__ = ["HasOneProcessTwin", "OneProcessTrainerStrategy", "take_twin_class", "without_twin"]
@@ -115,13 +114,10 @@ class OneProcessTrainerStrategy:
         strategy, through ``block_backward_sync``): the offload optimizers copy nothing
         during it, as with several processes, so that gradients add up on the device as
         torch adds them.  (``Strategy.backward`` calls this hook and ``post_backward``.)"""
-        accumulates = not self._stepping and self.lightning_module.automatic_optimization
-        for o in self.engines:
-            o.accumulating = accumulates
+        self._set_accumulating(not self._stepping and self.lightning_module.automatic_optimization)
         super().pre_backward(closure_loss)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        for o in self.engines:
-            o.accumulating = False
+        self._set_accumulating(False)
         super().post_backward(closure_loss)

@@ -415,14 +415,15 @@ class TrainerStrategy:
     def _accumulating(self) -> Iterator[None]:
         """A micro-batch of an accumulation window that does not step: gradients are not
         final, so nothing is copied to the host or (ZeRO stage 2) sent to its owner yet."""
-        wrappers = self.engines
-        for o in wrappers:
-            o.accumulating = True
+        self._set_accumulating(True)
         try:
             yield
         finally:
-            for o in wrappers:
-                o.accumulating = False
+            self._set_accumulating(False)
+
+    def _set_accumulating(self, value: bool) -> None:
+        for o in self.engines:
+            o.accumulating = value
 
     @contextlib.contextmanager
     @override

@@ -195,8 +195,10 @@ class ZeroOptimizer(OptimizerWrapper):
         column nonzero on its owner only, summed over the ranks (exactly)."""
         column = {p: i for i, p in enumerate(self._params)}
         table = torch.zeros(width + 1, len(self._params), dtype=torch.float64)
-        for p, row in values.items():
-            table[:, column[p]] = torch.tensor((1.0, *row), dtype=torch.float64)
+        if values:
+            at = torch.tensor([column[p] for p in values])
+            table[0, at] = 1.0
+            table[1:, at] = torch.tensor(list(values.values()), dtype=torch.float64).T
         table = all_reduce_sum(table, group=self.group)
         present = table[0] > 0
         return [tuple(col) for col in table[1:, present].T.tolist()]
