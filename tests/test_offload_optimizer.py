@@ -222,7 +222,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="runs lightning_fastopt's fused optimizers .*, got AdamW"):
         OffloadOptimizer(torch.optim.AdamW(p))
     with pytest.raises(ValueError, match=r"device_grads must be one of \('copy_in_backward', 'copy_at_step', "
-                                         r"'keep'\), got 'free'"):
+                                         r"'copy_when_reduced', 'keep'\), got 'free'"):
         OffloadOptimizer(FusedAdam(p), device_grads="free")
     opt = OffloadOptimizer(FusedAdam(p))
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):

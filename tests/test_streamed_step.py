@@ -112,9 +112,13 @@ def test_the_breakdown_tells_streamed_from_waited_for_cpu_time():
 def test_steps_that_need_every_gradient_first_are_refused():
     model = _net()
     names = {p: n for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="stream_cpu_step=True needs device_grads='copy_in_backward'"):
+    with pytest.raises(ValueError, match=r"stream_cpu_step=True needs gradients that leave during backward, "
+                                         r"device_grads one of \('copy_in_backward', 'copy_when_reduced'\), got 'keep'"):
         OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, copy_on_cpu=True, device_grads="keep",
                          stream_cpu_step=True)
+    with pytest.raises(ValueError, match="device_grads='copy_when_reduced' and reduced_by go together"):
+        OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, copy_on_cpu=True,
+                         device_grads="copy_when_reduced")
     opt = OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, bucket_size_mb=0.002, copy_on_cpu=True,
                            stream_cpu_step=True)
     model(torch.randn(4, 24)).sum().backward()
@@ -150,3 +154,30 @@ def test_under_the_trainer_it_streams_where_it_may_and_ends_where_trainer_ends(c
     ref = _fit("auto", **kw)
     for a, b in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("zero_stage,device_grads,fraction,said,streams", [
+    (2, "copy_in_backward", 1.0, "is speculated during backward, once its gradients have landed", True),
+    (1, "copy_at_step", 1.0, "not used: DDP reduces the gradients after backward (ZeRO stage 1 runs on DDP; stage 2 "
+                             "reduces each bucket during backward)", False),
+    (0, "copy_at_step", 1.0, "not used: DDP reduces the gradients after backward\n", False),
+    (2, "keep", 1.0, "not used: user code reads gradients before the step", False),
+    (0, "copy_in_backward", 0.0, "not used: nothing is offloaded", False),
+], ids=["zero2", "zero1", "ddp", "readers", "nothing-offloaded"])
+def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch, zero_stage, device_grads, fraction,
+                                                           said, streams):
+    """The choice the strategy makes at set-up (the gradients' route is decided by then),
+    said in one line; ZeRO stage 2 streams (each bucket once its reduction has landed)."""
+    import logging
+    import types
+
+    from lightning_fastopt import FastOptPrecision
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    strategy = FastOptStrategy(zero_stage=zero_stage, offload_fraction=fraction, copy_on_cpu=True, stream_cpu_step=True,
+                               parallel_devices=[torch.device("cpu")], precision_plugin=FastOptPrecision("32-true"))
+    fused = FusedAdam([nn.Parameter(torch.zeros(3))])
+    with caplog.at_level(logging.INFO):
+        chosen = strategy._streams(types.SimpleNamespace(gradient_clip_val=1.0), fused, device_grads)
+    assert said in caplog.text
+    assert chosen == ({"stream_cpu_step": True, "speculate": True} if streams else {})

@@ -67,6 +67,15 @@ def test_bad_stage():
         ZeroOptimizer(FusedAdam([torch.zeros(2, requires_grad=True)]), stage=3)
 
 
+def test_stage_1_across_ranks_refuses_gradients_copied_before_ddp_reduced_them(monkeypatch):
+    from lightning_fastopt.zero import optimizer as zero_optimizer
+
+    monkeypatch.setattr(zero_optimizer, "world_size", lambda group=None: 2)  # refused before any collective
+    with pytest.raises(ValueError, match="device_grads='copy_in_backward' at stage 1 would copy each gradient "
+                                         "before DDP has reduced it"):
+        ZeroOptimizer(FusedAdam([torch.zeros(2, requires_grad=True)]), stage=1, device_grads="copy_in_backward")
+
+
 def test_owner_buckets_keep_order_split_dtypes_and_sizes():
     ps = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(9), torch.zeros(2)]
     owners = [0, 0, 0, 1, 1]

@@ -35,6 +35,9 @@ Where the gradients of offloaded parameters live (``device_grads``):
   read or edit it; a second backward before the step adds its gradient to the host
   copy, as torch would add it to ``p.grad``.
 - ``"copy_at_step"``: copied when the step starts (after DDP has reduced them), then freed.
+- ``"copy_when_reduced"``: copied, then freed, as something that reduces them during
+  backward hands each final one over (:meth:`grad_reduced`; ZeRO stage 2's reducer, whose
+  ``reduced_by`` says which parameters it hands over).
 - ``"keep"``: ``p.grad`` stays on the device as in torch, for user code to read and edit
   (Lightning's ``grad_norm``, hooks, manual optimization); copied when the step starts.
 
@@ -67,7 +70,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -98,7 +101,8 @@ from lightning_fastopt.optim.adam import FusedAdam, check_state_dtype
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
 # Where the gradients of offloaded parameters go, and when (OffloadOptimizer's device_grads).
-DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "keep")
+DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "copy_when_reduced", "keep")
+STREAMING_GRADS = ("copy_in_backward", "copy_when_reduced")  # gradients that leave during backward
 # In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
 # whose low bits the half weight in the model's state dict does not hold (torch.optim ignores it).
 MASTER_KEY = "fp32_master"
@@ -118,8 +122,9 @@ class OffloadOptimizer(OptimizerWrapper):
         device_grads: where gradients of offloaded parameters go and when, one of
             :data:`DEVICE_GRADS` (see the module's documentation): ``"copy_in_backward"``
             (default), ``"copy_at_step"`` (when something reduces the gradients after the
-            hooks fire: DDP across processes), or ``"keep"`` (``p.grad`` stays readable
-            and editable, as in torch).
+            hooks fire: DDP across processes), ``"copy_when_reduced"`` (handed over by
+            :meth:`grad_reduced` during backward, for the parameters ``reduced_by``
+            names), or ``"keep"`` (``p.grad`` stays readable and editable, as in torch).
         wall_clock_breakdown: time each phase of every step into :attr:`last_step_times`
             (synchronizes the device; for diagnosis).
         copy_on_cpu: on a CPU run, keep separate host masters and gradient buffers and
@@ -129,8 +134,8 @@ class OffloadOptimizer(OptimizerWrapper):
             of when :meth:`step` is called; the result is the same, bit for bit
             (:mod:`~lightning_fastopt.offload.streamed`).  Only for steps that need no
             gradient before they start (no ``check_finite``, loss scale, step context or
-            ``gradients()`` in between) unless ``speculate``; needs
-            ``device_grads="copy_in_backward"``.
+            ``gradients()`` in between) unless ``speculate``; needs gradients that
+            leave during backward (``device_grads`` in :data:`STREAMING_GRADS`).
         speculate: with ``stream_cpu_step``, keep each bucket's masters and state aside
             while its update runs during backward, so that the step may still check and
             clip the gradients, take a loss scale (``expected_grad_scale`` is the one
@@ -154,6 +159,8 @@ class OffloadOptimizer(OptimizerWrapper):
             forward of a module that owns them, once :meth:`modules_wait_for` has named
             the parameters such modules own; see
             :mod:`~lightning_fastopt.offload.forward_waits` for the contract).
+        reduced_by: with ``device_grads="copy_when_reduced"``, whether the reducer hands a
+            parameter's gradient over in each backward (it watches the parameter).
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -162,15 +169,19 @@ class OffloadOptimizer(OptimizerWrapper):
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
                  stream_cpu_step: bool = False, speculate: bool = False, delayed_update: bool = False,
                  delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
-                 forward_waits: str = "step") -> None:
+                 forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None) -> None:
         super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         if device_grads not in DEVICE_GRADS:
             raise ValueError(f"device_grads must be one of {DEVICE_GRADS}, got {device_grads!r}")
-        if stream_cpu_step and device_grads != "copy_in_backward":
-            raise ValueError(f"stream_cpu_step=True needs device_grads='copy_in_backward' (gradients that leave "
-                             f"during backward), got {device_grads!r}")
+        if stream_cpu_step and device_grads not in STREAMING_GRADS:
+            raise ValueError(f"stream_cpu_step=True needs gradients that leave during backward, device_grads one of "
+                             f"{STREAMING_GRADS}, got {device_grads!r}")
+        if (device_grads == "copy_when_reduced") != (reduced_by is not None):
+            raise ValueError(f"device_grads='copy_when_reduced' and reduced_by go together (the reducer that hands "
+                             f"the gradients over says which), got device_grads={device_grads!r}, "
+                             f"reduced_by={reduced_by!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
         if not isinstance(speculate, bool) or (speculate and not stream_cpu_step):
             raise ValueError(f"speculate=True checks the updates stream_cpu_step=True starts during backward: it "
@@ -182,7 +193,7 @@ class OffloadOptimizer(OptimizerWrapper):
                               device_grads=device_grads, wall_clock_breakdown=wall_clock_breakdown,
                               copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
                               delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
-                              host_state_dtype=host_state_dtype, forward_waits=forward_waits)
+                              host_state_dtype=host_state_dtype, forward_waits=forward_waits, reduced_by=reduced_by)
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads
@@ -215,6 +226,7 @@ class OffloadOptimizer(OptimizerWrapper):
         if self._host_state_dtype is not None and self.device.type == "cpu":  # a CPU run: the same kernels
             self._device_inner.state_dtype = self._host_state_dtype
         self._hooks = GradReadyHooks([], self._on_grad_ready)
+        self._handed_over = reduced_by or self._hooks.hooked  # whose gradients arrive during backward
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
         self._add_slots(params)
@@ -410,6 +422,13 @@ class OffloadOptimizer(OptimizerWrapper):
         if bucket.unsent <= 0 and not bucket.recorded:
             self._grads_sent(bucket)
 
+    def grad_reduced(self, param: Tensor) -> None:
+        """``device_grads="copy_when_reduced"``: ``param.grad`` holds its final gradient
+        (the reduction landed), taken as a backward hook takes one."""
+        slot = self._slot_of[param]
+        if slot.offloaded and self.copies.needed:
+            self._on_grad_ready(param)
+
     def _send_grad(self, slot: ParamSlot) -> None:
         g = slot.param.grad
         if g is None or (slot.grad_sent and self.device_grads == "keep"):
@@ -528,7 +547,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def _reset_bucket(self, bucket: HostBucket) -> None:
         """Forget the bucket's gradients; the hooks will send those of its hooked parameters
         (a frozen one has none: its bucket's gradients are awaited when the step starts)."""
-        bucket.reset(expected=sum(self._hooks.hooked(s.param) for s in bucket.slots))
+        bucket.reset(expected=sum(self._handed_over(s.param) for s in bucket.slots))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

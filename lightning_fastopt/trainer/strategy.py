@@ -123,10 +123,12 @@ class TrainerStrategy:
             the update is speculative: kept apart until the step has checked the gradients,
             then committed, or redone when clipping scaled them or the loss scale moved, or
             dropped on an overflow (:mod:`~lightning_fastopt.offload.speculative`; it keeps
-            the offloaded masters and state twice in host memory).  Not with a hook that
-            reads gradients, DDP's reduction after backward or ZeRO; one log line says
-            which schedule runs, or why none.  Off by default until it has been measured
-            on a GPU.
+            the offloaded masters and state twice in host memory).  With ZeRO stage 2 a
+            bucket's update starts once its reduction has landed on its owner, and the
+            checks span the ranks.  Not with a hook that reads gradients or DDP's
+            reduction after backward (several processes without ZeRO, or ZeRO stage 1);
+            one log line says which schedule runs, or why none.  Off by default until it
+            has been measured on a GPU.
         delayed_update: after ``delayed_update_warmup`` synchronous steps, each step's CPU
             update runs while the next forward and backward compute, so forward and
             backward use weights one update old (ZeRO-Offload's delayed parameter update;
@@ -307,8 +309,9 @@ class TrainerStrategy:
             return {}
         why_not = [reason for reason, applies in (
             ("user code reads gradients before the step", device_grads == "keep"),
-            ("DDP reduces the gradients after backward", device_grads == "copy_at_step"),
-            ("ZeRO", self.zero_stage > 0),
+            ("DDP reduces the gradients after backward" + (" (ZeRO stage 1 runs on DDP; stage 2 reduces each "
+                                                           "bucket during backward)" if self.zero_stage else ""),
+             device_grads == "copy_at_step"),
             ("nothing is offloaded", self.offload_fraction == 0),
             ("a CPU run updates in place, with nothing to copy", self.root_device.type == "cpu" and not self.copy_on_cpu),
         ) if applies]

@@ -12,16 +12,22 @@ Each buffer ends with one element per parameter saying whether this rank had a g
 for it: a parameter no rank computed a gradient for keeps ``grad = None`` on its owner
 (and is not stepped, as in torch), instead of receiving zeros.
 
+A reduction lands (the owner's averaged gradients are written into ``p.grad``, and every
+rank lets go of the bucket's buffer) as soon as it has completed: each hook looks, without
+waiting, at the reductions sent before, in order.  ``on_reduced`` then hears which of the
+owner's gradients are final, during backward (ZeRO's offload optimizer copies them to the
+host there, and may start their CPU update).
+
 While Lightning accumulates gradients (``accumulating``) the hooks do nothing: gradients
 add up locally and are communicated once per optimizer step.  :meth:`finish` sends what
-is left (in order), waits for every reduction and leaves the owner's averaged gradients
-in ``p.grad``; it does nothing more until the next backward or :meth:`reset` (the flag
-lives here, not in the optimizer, whose attributes Lightning's ``LightningOptimizer``
-copies).
+is left (in order), waits for every reduction and lands it; it does nothing more until
+the next backward or :meth:`reset` (the flag lives here, not in the optimizer, whose
+attributes Lightning's ``LightningOptimizer`` copies).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +46,7 @@ class _CommBucket:
     ready: set = field(default_factory=set)  # ids of the parameters whose gradient is final
     flat: Tensor | None = None
     work: object = None
+    sent_by_hooks: bool = False  # sent once every gradient of it was computed here (none missing)
 
     @property
     def complete(self) -> bool:
@@ -48,14 +55,16 @@ class _CommBucket:
 
 class GradReducer:
     def __init__(self, params: list[Tensor], owners: list[int], rank: int, world_size: int, bucket_bytes: int,
-                 process_group=None) -> None:
+                 process_group=None, on_reduced: Callable[[list[Tensor]], None] | None = None) -> None:
         self.rank, self.world_size, self.group = rank, world_size, process_group
+        self.on_reduced = on_reduced  # told the parameters whose averaged gradient has just been written
         self.accumulating = False
         self.finished = False  # this backward's gradients have reached their owners
         self.bucket_bytes = bucket_bytes
         self.buckets: list[_CommBucket] = []
         self._bucket_of: dict[int, _CommBucket] = {}
         self._next = 0  # the first bucket not sent yet
+        self._landed = 0  # the first bucket sent whose reduction has not landed yet
         self._hooks = GradReadyHooks([], self._on_grad_ready)  # frozen ones get theirs once trainable
         self.add_params(params, owners)
 
@@ -69,6 +78,11 @@ class GradReducer:
         self._bucket_of.update((id(p), b) for b in new for p in b.params)
         self._hooks.add(params)
 
+    def hooked(self, param: Tensor) -> bool:
+        """Whether backward tells this reducer when ``param``'s gradient is final (it
+        requires gradients: its hook is on)."""
+        return self._hooks.hooked(param)
+
     # ------------------------------------------------------------------ backward
     def _on_grad_ready(self, param: Tensor) -> None:
         if self.accumulating:
@@ -76,14 +90,16 @@ class GradReducer:
         self.finished = False  # a new backward
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
-        self._send_ready()
+        self._send_ready(by_hooks=True)
+        while self._landed < self._next and self.buckets[self._landed].work.is_completed():
+            self._land(self.buckets[self._landed])
 
-    def _send_ready(self) -> None:
+    def _send_ready(self, by_hooks: bool = False) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
-            self._send(self.buckets[self._next])
+            self._send(self.buckets[self._next], by_hooks)
             self._next += 1
 
-    def _send(self, bucket: _CommBucket) -> None:
+    def _send(self, bucket: _CommBucket, by_hooks: bool) -> None:
         p0 = bucket.params[0]
         parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                  for p in bucket.params]
@@ -91,6 +107,7 @@ class GradReducer:
         bucket.flat = torch.cat(parts + [had])
         bucket.work = dist.reduce(bucket.flat, dst=global_rank(self.group, bucket.owner), op=dist.ReduceOp.SUM,
                                   group=self.group, async_op=True)
+        bucket.sent_by_hooks = by_hooks
         if bucket.owner != self.rank:
             for p in bucket.params:
                 p.grad = None  # the owner has it now
@@ -104,28 +121,38 @@ class GradReducer:
         for b in self.buckets[self._next:]:
             b.ready = {id(p) for p in b.params}
         self._send_ready()
-        for b in self.buckets:
-            if b.work is None:
-                continue
-            b.work.wait()
-            if b.owner == self.rank:
-                n = sum(p.numel() for p in b.params)
-                values, had = b.flat[:n], b.flat[n:].tolist()  # one device sync per bucket
-                offset = 0
-                for i, p in enumerate(b.params):
-                    k = p.numel()
-                    p.grad = values[offset:offset + k].view_as(p).div_(self.world_size) if had[i] > 0 else None
-                    offset += k
-            b.flat, b.work = None, None
+        while self._landed < self._next:
+            self._land(self.buckets[self._landed])
         self.reset()
         self.finished = True
+
+    def _land(self, bucket: _CommBucket) -> None:
+        """Wait for the bucket's reduction (the next one in order); on its owner, write the
+        averaged gradients (a parameter no rank had a gradient for keeps None) and say so."""
+        bucket.work.wait()
+        if bucket.owner == self.rank:
+            n = sum(p.numel() for p in bucket.params)
+            values = bucket.flat[:n]
+            # every gradient of a bucket the hooks sent was computed here; else one device sync per bucket
+            had = [1.0] * len(bucket.params) if bucket.sent_by_hooks else bucket.flat[n:].tolist()
+            offset, landed = 0, []
+            for i, p in enumerate(bucket.params):
+                k = p.numel()
+                p.grad = values[offset:offset + k].view_as(p).div_(self.world_size) if had[i] > 0 else None
+                offset += k
+                if p.grad is not None:
+                    landed.append(p)
+            if landed and self.on_reduced is not None:
+                self.on_reduced(landed)
+        bucket.flat, bucket.work = None, None
+        self._landed += 1
 
     def reset(self) -> None:
         """Forget the marks of this step (zero_grad, and after each step)."""
         for b in self.buckets:
             b.ready = set()
             b.flat, b.work = None, None
-        self._next = 0
+        self._next = self._landed = 0
         self.finished = False
         self._hooks.refresh()
 

@@ -13,7 +13,11 @@ the update each owner broadcasts its parameters to the others, in buckets of abo
 Stage 2 (``stage=2``, no DDP wrapper) also shards the gradients: a
 :class:`~lightning_fastopt.zero.grad_reducer.GradReducer` sums each bucket of gradients
 into its owner during backward and the other ranks free theirs, so a rank keeps the
-gradients of its own shard (plus the bucket being filled).
+gradients of its own shard (plus the bucket being filled).  As each reduction lands on
+its owner, the owner's offload optimizer is told (``device_grads="copy_when_reduced"``):
+offloaded gradients leave for the host during backward, and with ``stream_cpu_step``
+their buckets' CPU updates start there (speculated with ``speculate``: the overflow flag,
+the clipping norm and LAMB's global norm, shared over the ranks, are checked at the step).
 
 The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
 schedulers work); the state dict of a rank holds its shard, keyed by parameter name.
@@ -62,28 +66,38 @@ class ZeroOptimizer(OptimizerWrapper):
             owner here, from backward hooks; the module must not be wrapped in DDP).
         process_group: the data-parallel group (default: the whole world).
         offload_fraction, bucket_size_mb, overlap, pin_memory, device_grads,
-        wall_clock_breakdown, copy_on_cpu: for this rank's
-        :class:`~lightning_fastopt.offload.OffloadOptimizer`.  At stage 2 the owned
-        gradients are copied when the step starts (they arrive then), and
-        ``device_grads="keep"`` is refused: the other ranks' gradients are freed during
-        backward (stage 1 keeps every gradient, as DDP does).
+        wall_clock_breakdown, copy_on_cpu, stream_cpu_step, speculate: for this rank's
+        :class:`~lightning_fastopt.offload.OffloadOptimizer`.  At stage 2 across ranks,
+        ``device_grads="copy_in_backward"`` copies the owned gradients as their
+        reductions land (``"copy_when_reduced"``), ``"copy_at_step"`` when the step starts,
+        and ``"keep"`` is refused: the other ranks' gradients are freed during backward
+        (stage 1 keeps every gradient, as DDP does).  None (the default):
+        ``"copy_at_step"`` at stage 1, ``"copy_in_backward"`` at stage 2.  ``stream_cpu_step`` needs stage 2
+        (stage 1's gradients are DDP's, final when backward ends) or one process.
     """
 
     shards_gradients = True  # gradients() holds this rank's shard: norms and overflow flags are reduced over ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  stage: int = 1, process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
-                 overlap: bool = True, pin_memory: bool = True, device_grads: str = "copy_at_step",
-                 wall_clock_breakdown: bool = False, copy_on_cpu: bool = False) -> None:
+                 overlap: bool = True, pin_memory: bool = True, device_grads: str | None = None,
+                 wall_clock_breakdown: bool = False, copy_on_cpu: bool = False, stream_cpu_step: bool = False,
+                 speculate: bool = False) -> None:
         super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if device_grads is None:
+            device_grads = "copy_at_step" if stage == 1 else "copy_in_backward"
         if stage == 2 and device_grads == "keep":
             raise ValueError("device_grads='keep' needs stage=1: stage 2 frees the gradients other ranks own "
                              "during backward")
         self.stage = stage
         self.group = process_group
         self.world_size = world_size(process_group)
+        if stage == 1 and self.world_size > 1 and device_grads == "copy_in_backward":
+            raise ValueError("device_grads='copy_in_backward' at stage 1 would copy each gradient before DDP has "
+                             "reduced it: give 'copy_at_step' (the default) or 'keep'; stage=2 reduces during "
+                             "backward itself (and may stream the CPU step into it)")
         self.rank = dist.get_rank(process_group) if self.world_size > 1 else 0
         if self.world_size == 1:
             rank_zero_info(f"lightning_fastopt: ZeRO stage {stage} has nothing to shard with one process: this rank "
@@ -101,14 +115,18 @@ class ZeroOptimizer(OptimizerWrapper):
             if optimizer.state.get(p):
                 shard.state[p] = optimizer.state[p]
         optimizer.state.clear()
-        self.local = OffloadOptimizer(shard, self.param_names, offload_fraction=offload_fraction,
-                                      bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
-                                      device_grads="copy_at_step" if stage == 2 else device_grads,
-                                      wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu)
         self._bucket_bytes = int(bucket_size_mb * 2**20)
         self.reducer = (GradReducer(self._params, self.owners, self.rank, self.world_size, self._bucket_bytes,
-                                    process_group)
+                                    process_group, on_reduced=self._reduced)
                         if stage == 2 and self.world_size > 1 else None)  # one rank: nothing to reduce
+        local_grads = device_grads
+        if self.reducer is not None:
+            local_grads = "copy_when_reduced" if device_grads == "copy_in_backward" else "copy_at_step"
+        self.local = OffloadOptimizer(shard, self.param_names, offload_fraction=offload_fraction,
+                                      bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
+                                      device_grads=local_grads, wall_clock_breakdown=wall_clock_breakdown,
+                                      copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
+                                      reduced_by=self.reducer.hooked if self.reducer is not None else None)
         self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
         self._ready = True
 
@@ -123,11 +141,28 @@ class ZeroOptimizer(OptimizerWrapper):
         self._params += new
         self.owners += owners
         owner_of = dict(zip(new, owners))
+        if self.reducer is not None:  # first: the local optimizer counts the gradients its hooks will hand over
+            self.reducer.add_params(new, owners)
         self.local.add_param_group(dict(hyperparameters(group),
                                         params=[p for p in group["params"] if owner_of[p] == self.rank]))
-        if self.reducer is not None:
-            self.reducer.add_params(new, owners)
         self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
+
+    def _reduced(self, params: list[Tensor]) -> None:
+        """A reduction landed on this rank, the owner, during backward or at the step: its
+        offload optimizer takes the gradients, with the hyperparameters the user's groups
+        hold now (an update it starts during backward uses them; the step checks they held)."""
+        copy_hyperparameters(self.local.optimizer, self.param_groups)
+        for p in params:
+            self.local.grad_reduced(p)
+
+    @property
+    def expected_grad_scale(self):
+        return self.local.expected_grad_scale
+
+    @expected_grad_scale.setter
+    def expected_grad_scale(self, scale) -> None:
+        """The loss scale the next step will take (the local optimizer speculates with it)."""
+        self.local.expected_grad_scale = scale
 
     @property
     def accumulating(self) -> bool:
@@ -205,15 +240,16 @@ class ZeroOptimizer(OptimizerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self.local.zero_grad(set_to_none)
         if self.reducer is not None:
-            self.reducer.reset()
+            self.reducer.reset()  # first: the local optimizer counts the gradients its hooks will hand over
+        self.local.zero_grad(set_to_none)
 
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         copy_hyperparameters(self.local.optimizer, self.param_groups)
-        grads = self.gradients()  # at stage 2 this waits for the reductions
+        if self.reducer is not None:
+            self.reducer.finish()  # the reductions still in flight land
         if check_finite:
-            finite = grads_all_finite(grads)
+            finite = grads_all_finite(self.gradients())
             if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere
                 self.local.zero_grad()
                 return True

@@ -2,7 +2,8 @@
 
     python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu] [--delayed-reference]
 
-STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``delayed_offload``
+STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``zero2_speculate`` (all offloaded through
+the accelerator code path, ``stream_cpu_step=True``: speculated, as clipping is on), ``delayed_offload``
 (``fastopt_offload`` with ``delayed_update=True`` after 2 steps), or ``module_waits`` (half
 offloaded through the accelerator code path, ``forward_waits="module"``); ``--delayed-reference``
 delays torch's update the same way (``tests.references.DelayedTorchUpdate``).
@@ -77,7 +78,10 @@ def _count_gradients_at_step(model, seen):
 
 def main():
     strategy, out = sys.argv[1], sys.argv[2]
-    if strategy.startswith("zero"):  # ZeRO stage 1 or 2, the shards kept on the device or all offloaded
+    if strategy == "zero2_speculate":  # offloaded through the accelerator code path, each update speculated
+        strategy = lightning_fastopt.FastOptStrategy(zero_stage=2, bucket_size_mb=0.0002, offload_fraction=1.0,
+                                                     copy_on_cpu=True, stream_cpu_step=True)
+    elif strategy.startswith("zero"):  # ZeRO stage 1 or 2, the shards kept on the device or all offloaded
         strategy = lightning_fastopt.FastOptStrategy(zero_stage=int(strategy[4]), bucket_size_mb=0.0002,
                                                      offload_fraction=1.0 if "offload" in strategy else 0.0)
     elif strategy == "module_waits":
@@ -112,6 +116,9 @@ def main():
         state["grad_numel"] = torch.tensor(seen["grad_numel"])
         state["state_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for p in model.parameters()
                                                 for k, t in opt.state_of(p).items() if k != "step"))
+    totals = getattr(getattr(getattr(opt, "local", opt), "schedule", None), "totals", None)
+    if totals is not None:  # the speculative schedule's bucket counts
+        state.update({f"buckets_{k}": torch.tensor(v) for k, v in totals.items()})
     torch.save(state, f"{out}.rank{trainer.global_rank}")
 
 

@@ -1,0 +1,138 @@
+"""ZeRO stage 2 with the CPU step streamed into backward, two gloo processes: each
+configuration trains twice on the same data, speculated during backward and at the step
+(synchronous), through the accelerator code path on the CPU (``copy_on_cpu=True``).
+
+    python tests/scripts/zero_stream_run.py OUT_DIR
+
+Writes OUT_DIR/rank<r>.pt: for each configuration, both runs' weights, this rank's owned
+optimizer state, the loss-scale facts and the speculative schedule's bucket counts; and,
+under ``"timing"``, when each CPU update of a step started and when its backward ended
+(a backward slowed down between layers, so that reductions land while it runs).
+"""
+
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_fastopt import FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
+from lightning_fastopt.offload.speculative import SpeculativeStep  # noqa: E402
+from lightning_fastopt.zero import ZeroOptimizer  # noqa: E402
+from tests.test_speculative_step import Driver, _inputs  # noqa: E402
+from tests.test_streamed_step import _net  # noqa: E402
+
+STEPS = 14
+ADAMW = lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01)  # noqa: E731
+# name: (optimizer, offload fraction, clipping norm, precision, steps whose batch has an inf on rank 1,
+#        micro-batches, a per-step scheduler)
+CONFIGS = {
+    "clip-never": (ADAMW, 1.0, 1e9, "32-true", (), 1, False),
+    "clip-always": (ADAMW, 1.0, 1e-4, "32-true", (), 1, False),
+    "clip-sometimes": (ADAMW, 1.0, 0.06, "32-true", (), 1, False),
+    "clip-sometimes-half": (ADAMW, 0.5, 0.06, "32-true", (), 1, False),
+    "sgd-clip-sometimes": (lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9), 0.5, 0.03, "32-true", (), 1, False),
+    "fp16": (ADAMW, 0.5, 0.0, "16-mixed", (0, 5, 6, 11), 1, False),
+    "fp16-and-clipping": (ADAMW, 1.0, 0.06, "16-mixed", (0, 5, 6, 11), 1, False),
+    "accumulation-and-scheduler": (ADAMW, 0.5, 0.06, "32-true", (), 2, True),
+    "lamb-global-norm": (lambda ps: FusedLAMB(ps, lr=1e-2, max_grad_norm=0.03), 0.5, 0.0, "32-true", (), 1, False),
+}
+
+
+def _zero(model, make_opt, fraction, speculate, **kw):
+    return ZeroOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()}, stage=2,
+                         offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
+                         stream_cpu_step=speculate, speculate=speculate, **kw)
+
+
+def _train(rank, speculate, make_opt, fraction, clip, precision, overflow_at, micro_batches, sched):
+    model = _net()
+    opt = _zero(model, make_opt, fraction, speculate)
+    driver = Driver(precision, initial_scale_power=20, loss_scale_window=4, hysteresis=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8) if sched else None
+    for x in _inputs(STEPS, overflow_at if rank == 1 else (), seed=1 + rank):
+        driver.train_step(opt, model, x, clip, micro_batches)
+        if scheduler is not None:
+            scheduler.step()
+    schedule = opt.local.schedule
+    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "state": {n: {k: v.clone() for k, v in opt.state_of(p).items()} for n, p in model.named_parameters()},
+           "loss_scale": driver.loss_scale, "skipped_steps": driver.skipped_steps,
+           "host_buckets": len(opt.local._buckets),
+           "totals": dict(schedule.totals) if isinstance(schedule, SpeculativeStep) else {}}
+    opt.close()
+    return out
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the reductions sent so far land meanwhile."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.03)
+        return g
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+def _timing():
+    """A step's CPU update start times and its backward's end, at the third step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), _Slow())])
+    opt = _zero(model, ADAMW, 1.0, True)
+    driver = Driver("32-true")
+    started, inner_step = [], opt.local._step_inner
+
+    def timed(inner, slots, *args):
+        if inner is not opt.local._device_inner:
+            started.append(time.perf_counter())
+        return inner_step(inner, slots, *args)
+
+    opt.local._step_inner = timed
+    for _ in range(3):
+        started.clear()
+        driver.announce_grad_scale(opt)
+        opt.zero_grad()
+        model(torch.randn(32, 64)).square().mean().backward()
+        ended = time.perf_counter()
+        driver.clip_scaled_gradients(opt, 1e9)
+        driver._step(opt)
+    out = {"started": list(started), "backward_ended": ended, "totals": dict(Counter(opt.local.schedule.totals)),
+           "host_buckets": len(opt.local._buckets)}
+    opt.close()
+    return out
+
+
+def _worker(rank, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results = {name: {"speculated": _train(rank, True, *config), "synchronous": _train(rank, False, *config)}
+               for name, config in CONFIGS.items()}
+    results["timing"] = _timing()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def main():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(port, sys.argv[1]), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
