@@ -111,6 +111,19 @@ def test_resume_stage_1_as_stage_2_offloaded(two_rank_run, tmp_path):
     _assert_equal(resumed, ref)
 
 
+def test_streamed_and_speculated_zero2_resumes_in_the_middle_where_the_synchronous_run_ends(tmp_path):
+    """Stage 2 half offloaded, clipping by norm on: with ``stream_cpu_step`` (each bucket's
+    update speculated as its reduction lands, committed or redone at the step) the run, and
+    the run resumed from its checkpoint at epoch 2, end where the synchronous run ends."""
+    args = ("--devices", "2", "--stage", "2", "--offload", "0.5", "--clip", "0.8")  # clips about half the steps
+    synchronous = _run(tmp_path / "sync", *args)
+    streamed = _run(tmp_path / "stream", *args, "--stream")
+    resumed = _run(tmp_path / "resumed", *args, "--stream", "--resume", str(tmp_path / "stream" / "ckpt" / EPOCH_2))
+    for run in (streamed, resumed):
+        assert run["buckets"]["committed"] > 0 and run["buckets"]["redone"] > 0
+        _assert_equal(run, synchronous)
+
+
 def test_consolidated_checkpoint_resumes_under_plain_lightning(two_rank_run, plain_resumed_on_one):
     single, resumed = plain_resumed_on_one
     plain = torch.load(single, weights_only=True)

@@ -1,7 +1,8 @@
 """A ZeRO training run for the sharded-checkpoint tests: 4 epochs over 64 samples with a
 global batch of 8 (2 ranks x 4, or 1 x 8), a checkpoint at the end of every epoch.
 
-    python tests/scripts/zero_run.py OUT --devices 2 [--resume CKPT] [--strategy zero1|ddp]
+    python tests/scripts/zero_run.py OUT --devices 2 [--resume CKPT] [--strategy zero1|ddp] [--stage 1|2]
+        [--offload F] [--clip V] [--stream]
 
 Lightning's default launcher re-runs this script for rank 1.  Writes OUT/final.pt on rank 0.
 """
@@ -66,6 +67,8 @@ def main():
     ap.add_argument("--strategy", default="zero1", choices=["zero1", "ddp"])
     ap.add_argument("--offload", type=float, default=0.0)
     ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clip_val")
+    ap.add_argument("--stream", action="store_true", help="stream_cpu_step=True through the accelerator code path")
     ap.add_argument("--kill-rank1-at-save", type=int, help="rank 1 dies half-way through its n-th shard")
     ap.add_argument("--save-to", help="also save the final state here (over whatever is there)")
     args = ap.parse_args()
@@ -74,10 +77,12 @@ def main():
     y = torch.sin(x @ torch.randn(8, 1, generator=g))
     if args.kill_rank1_at_save:
         _die_in_save(args.kill_rank1_at_save)
+    streamed = dict(copy_on_cpu=True, stream_cpu_step=True) if args.stream else {}
     strategy = (FastOptStrategy(zero_stage=args.stage, offload_fraction=args.offload, bucket_size_mb=0.0005,
-                                timeout=timedelta(seconds=20))
+                                timeout=timedelta(seconds=20), **streamed)
                 if args.strategy == "zero1" else "ddp")
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=4, logger=False,
+                        gradient_clip_val=args.clip or None,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[ModelCheckpoint(dirpath=args.out / "ckpt", every_n_epochs=1, save_top_k=-1,
                                                    save_last=True)])
@@ -89,7 +94,10 @@ def main():
     if args.save_to:
         trainer.save_checkpoint(args.save_to)
     if trainer.is_global_zero:
-        torch.save({"weights": model.state_dict(), "step": trainer.global_step}, args.out / "final.pt")
+        engine = trainer.strategy.engines[0] if hasattr(trainer.strategy, "engines") else None
+        totals = getattr(getattr(getattr(engine, "local", None), "schedule", None), "totals", {})
+        torch.save({"weights": model.state_dict(), "step": trainer.global_step, "buckets": dict(totals)},
+                   args.out / "final.pt")
 
 
 if __name__ == "__main__":
