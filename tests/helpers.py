@@ -1,4 +1,5 @@
 import os
+import time
 
 import torch
 
@@ -62,3 +63,19 @@ def subprocess_env(repo):
     env = {k: v for k, v in os.environ.items() if k not in dist_vars and not k.startswith("PL_")}
     env["PYTHONPATH"] = str(repo)
     return env
+
+
+class SlowBackward(torch.autograd.Function):
+    """The identity, whose backward sleeps ``SlowBackward.seconds``: reductions sent before
+    it complete while backward runs (tests of what happens during backward)."""
+
+    seconds = 0.03
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(SlowBackward.seconds)
+        return g

@@ -39,12 +39,14 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload", "zero1", "zero1_offload", "zero2",
-                                      "zero2_offload", "zero2_speculate"])
+                                      "zero2_offload", "zero2_speculate", "ddp_speculate"])
 def test_two_process_fastopt_matches_plain_ddp(tmp_path, reference, strategy):
     ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt")
     ref, _ = reference("ddp")
-    if strategy == "zero2_speculate":  # clipping is on: each bucket's update was speculated as its reduction landed
+    if strategy.endswith("_speculate"):  # clipping is on: each bucket's update was speculated as its reduction landed
         for r in (ours, ours_rank1):
+            if strategy == "ddp_speculate":  # DDP's buckets, handed over as their all-reduce completed
+                assert int(r.pop("handed_over_in_backward")) > 0
             counts = {k: int(r.pop(k)) for k in [k for k in r if k.startswith("buckets_")]}
             assert counts["buckets_speculated"] > 0 and counts.get("buckets_dropped", 0) == 0
             assert counts["buckets_speculated"] == counts.get("buckets_committed", 0) + counts.get("buckets_redone", 0)

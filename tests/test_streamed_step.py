@@ -113,12 +113,15 @@ def test_steps_that_need_every_gradient_first_are_refused():
     model = _net()
     names = {p: n for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"stream_cpu_step=True needs gradients that leave during backward, "
-                                         r"device_grads one of \('copy_in_backward', 'copy_when_reduced'\), got 'keep'"):
+                                         r"device_grads one of \('copy_in_backward', 'copy_when_reduced'\) \(or "
+                                         r"'copy_at_step' with a reducer .*\), got 'keep'"):
         OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, copy_on_cpu=True, device_grads="keep",
                          stream_cpu_step=True)
-    with pytest.raises(ValueError, match="device_grads='copy_when_reduced' and reduced_by go together"):
-        OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, copy_on_cpu=True,
-                         device_grads="copy_when_reduced")
+    for device_grads, reduced_by in (("copy_when_reduced", None), ("keep", lambda p: True)):
+        with pytest.raises(ValueError, match=f"reduced_by .* goes with device_grads 'copy_when_reduced' .* or "
+                                             f"'copy_at_step' .*, got device_grads='{device_grads}'"):
+            OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, copy_on_cpu=True, device_grads=device_grads,
+                             reduced_by=reduced_by)
     opt = OffloadOptimizer(FusedSGD(model.parameters(), lr=0.1), names, bucket_size_mb=0.002, copy_on_cpu=True,
                            stream_cpu_step=True)
     model(torch.randn(4, 24)).sum().backward()
@@ -158,26 +161,54 @@ def test_under_the_trainer_it_streams_where_it_may_and_ends_where_trainer_ends(c
 
 @pytest.mark.parametrize("zero_stage,device_grads,fraction,said,streams", [
     (2, "copy_in_backward", 1.0, "is speculated during backward, once its gradients have landed", True),
-    (1, "copy_at_step", 1.0, "not used: DDP reduces the gradients after backward (ZeRO stage 1 runs on DDP; stage 2 "
-                             "reduces each bucket during backward)", False),
-    (0, "copy_at_step", 1.0, "not used: DDP reduces the gradients after backward\n", False),
+    (0, "copy_at_step", 1.0, "is speculated during backward, once its gradients have been reduced and landed", True),
+    (1, "copy_at_step", 1.0, "not used: ZeRO stage 1 takes DDP's gradients when backward has ended (stage 2 reduces "
+                             "each bucket during backward)", False),
+    (0, "own-comm-hook", 1.0, "not used: a DDP communication hook of the run's own reduces the gradients", False),
+    (0, "find-unused", 1.0, "not used: DDP finds the parameters no rank used only when backward has ended "
+                            "(find_unused_parameters=True)", False),
     (2, "keep", 1.0, "not used: user code reads gradients before the step", False),
     (0, "copy_in_backward", 0.0, "not used: nothing is offloaded", False),
-], ids=["zero2", "zero1", "ddp", "readers", "nothing-offloaded"])
+], ids=["zero2", "ddp", "zero1", "ddp-own-comm-hook", "ddp-find-unused", "readers", "nothing-offloaded"])
 def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch, zero_stage, device_grads, fraction,
                                                            said, streams):
     """The choice the strategy makes at set-up (the gradients' route is decided by then),
-    said in one line; ZeRO stage 2 streams (each bucket once its reduction has landed)."""
+    said in one line: ZeRO stage 2 streams (each bucket once its reduction has landed), so
+    does DDP (its buckets handed over as each all-reduce completes, by
+    :class:`~lightning_fastopt.core.ddp_reductions.DDPReductions`, checked with two
+    processes in tests/test_streamed_step_two_ranks.py) unless the run has a communication
+    hook of its own."""
     import logging
     import types
 
     from lightning_fastopt import FastOptPrecision
+    from lightning_fastopt.trainer import strategy as trainer_strategy
 
+    class Reductions:  # DDP's, without processes: what the strategy hands the optimizer
+        def __init__(self, ddp, on_reduced):
+            self.on_reduced = on_reduced
+
+        def reduces(self, param):
+            return True
+
+    monkeypatch.setattr(trainer_strategy, "DDPReductions", Reductions)
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    own = {"ddp_comm_hook": lambda state, bucket: None} if device_grads == "own-comm-hook" else {}
     strategy = FastOptStrategy(zero_stage=zero_stage, offload_fraction=fraction, copy_on_cpu=True, stream_cpu_step=True,
-                               parallel_devices=[torch.device("cpu")], precision_plugin=FastOptPrecision("32-true"))
+                               parallel_devices=[torch.device("cpu")], precision_plugin=FastOptPrecision("32-true"),
+                               **own)
+    strategy.model = types.SimpleNamespace(find_unused_parameters=device_grads == "find-unused")  # DDP's attribute
     fused = FusedAdam([nn.Parameter(torch.zeros(3))])
     with caplog.at_level(logging.INFO):
-        chosen = strategy._streams(types.SimpleNamespace(gradient_clip_val=1.0), fused, device_grads)
+        chosen = strategy._streams(types.SimpleNamespace(gradient_clip_val=1.0), fused,
+                                   device_grads if device_grads in ("keep", "copy_in_backward") else "copy_at_step")
     assert said in caplog.text
-    assert chosen == ({"stream_cpu_step": True, "speculate": True} if streams else {})
+    if not streams:
+        assert chosen == {}
+        return
+    reduced_by = chosen.pop("reduced_by", None)
+    assert chosen == {"stream_cpu_step": True, "speculate": True}
+    assert (reduced_by is not None) == (device_grads == "copy_at_step")
+    if reduced_by is not None:
+        assert reduced_by.__self__ is strategy._ddp_reductions and strategy._ddp_reductions.on_reduced == \
+            strategy._hand_over

@@ -34,7 +34,9 @@ Where the gradients of offloaded parameters live (``device_grads``):
   device at once.  ``p.grad`` is None afterwards, so nothing outside the optimizer may
   read or edit it; a second backward before the step adds its gradient to the host
   copy, as torch would add it to ``p.grad``.
-- ``"copy_at_step"``: copied when the step starts (after DDP has reduced them), then freed.
+- ``"copy_at_step"``: copied when the step starts (after DDP has reduced them), then freed;
+  or, given ``reduced_by``, those a reducer hands over earlier (:meth:`grad_reduced`: DDP's
+  buckets whose all-reduce completed during backward) then, the rest at the step.
 - ``"copy_when_reduced"``: copied, then freed, as something that reduces them during
   backward hands each final one over (:meth:`grad_reduced`; ZeRO stage 2's reducer, whose
   ``reduced_by`` says which parameters it hands over).
@@ -159,8 +161,10 @@ class OffloadOptimizer(OptimizerWrapper):
             forward of a module that owns them, once :meth:`modules_wait_for` has named
             the parameters such modules own; see
             :mod:`~lightning_fastopt.offload.forward_waits` for the contract).
-        reduced_by: with ``device_grads="copy_when_reduced"``, whether the reducer hands a
-            parameter's gradient over in each backward (it watches the parameter).
+        reduced_by: whether a reducer hands a parameter's gradient over during each
+            backward (:meth:`grad_reduced`): with ``device_grads="copy_when_reduced"``
+            (ZeRO stage 2's reducer, every one), or ``"copy_at_step"`` (DDP's buckets whose
+            all-reduce completed during backward; the step copies the others from ``p.grad``).
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -175,13 +179,15 @@ class OffloadOptimizer(OptimizerWrapper):
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         if device_grads not in DEVICE_GRADS:
             raise ValueError(f"device_grads must be one of {DEVICE_GRADS}, got {device_grads!r}")
-        if stream_cpu_step and device_grads not in STREAMING_GRADS:
+        if stream_cpu_step and device_grads not in STREAMING_GRADS and reduced_by is None:
             raise ValueError(f"stream_cpu_step=True needs gradients that leave during backward, device_grads one of "
-                             f"{STREAMING_GRADS}, got {device_grads!r}")
-        if (device_grads == "copy_when_reduced") != (reduced_by is not None):
-            raise ValueError(f"device_grads='copy_when_reduced' and reduced_by go together (the reducer that hands "
-                             f"the gradients over says which), got device_grads={device_grads!r}, "
-                             f"reduced_by={reduced_by!r}")
+                             f"{STREAMING_GRADS} (or 'copy_at_step' with a reducer that hands them over as they are "
+                             f"reduced, reduced_by), got {device_grads!r}")
+        if (device_grads == "copy_when_reduced" and reduced_by is None) or \
+                (reduced_by is not None and device_grads not in ("copy_when_reduced", "copy_at_step")):
+            raise ValueError(f"reduced_by (which gradients a reducer hands over, grad_reduced) goes with "
+                             f"device_grads 'copy_when_reduced' (it hands over every one) or 'copy_at_step' (the "
+                             f"step copies the rest), got device_grads={device_grads!r}, reduced_by={reduced_by!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
         if not isinstance(speculate, bool) or (speculate and not stream_cpu_step):
             raise ValueError(f"speculate=True checks the updates stream_cpu_step=True starts during backward: it "
@@ -408,13 +414,13 @@ class OffloadOptimizer(OptimizerWrapper):
         return self._inner_of(slot).state.get(slot.master, {})
 
     # ------------------------------------------------------------------ gradients
-    def _on_grad_ready(self, param: Tensor) -> None:
+    def _on_grad_ready(self, param: Tensor, grad: Tensor | None = None) -> None:
         self._in_flight.wait_all()  # the weights' checks below read them: every copy first
         if self.accumulating:
             return  # Lightning is accumulating: the gradient is not final yet
         slot = self._slot_of[param]
         first = not slot.grad_sent
-        self._send_grad(slot)
+        self._send_grad(slot, grad)
         if not (first and slot.grad_sent):
             return  # a second backward's gradient was added to the host copy, in line
         bucket = slot.bucket
@@ -422,15 +428,15 @@ class OffloadOptimizer(OptimizerWrapper):
         if bucket.unsent <= 0 and not bucket.recorded:
             self._grads_sent(bucket)
 
-    def grad_reduced(self, param: Tensor) -> None:
-        """``device_grads="copy_when_reduced"``: ``param.grad`` holds its final gradient
-        (the reduction landed), taken as a backward hook takes one."""
+    def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
+        """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
+        ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
         slot = self._slot_of[param]
         if slot.offloaded and self.copies.needed:
-            self._on_grad_ready(param)
+            self._on_grad_ready(param, grad)
 
-    def _send_grad(self, slot: ParamSlot) -> None:
-        g = slot.param.grad
+    def _send_grad(self, slot: ParamSlot, grad: Tensor | None = None) -> None:
+        g = slot.param.grad if grad is None else grad
         if g is None or (slot.grad_sent and self.device_grads == "keep"):
             return
         if g.layout is not torch.strided:
@@ -444,12 +450,16 @@ class OffloadOptimizer(OptimizerWrapper):
             slot.param.grad = None  # the device no longer needs it
 
     def _send_pending_grads(self) -> None:
+        """At the step: the gradients no hook or reducer sent during backward."""
         if not self.copies.needed:
             return
         for b in self._buckets:
-            if not b.recorded:
-                for s in b.slots:
+            for s in b.slots:
+                if not s.grad_sent:
                     self._send_grad(s)
+                elif self.device_grads == "copy_at_step":
+                    s.param.grad = None  # handed over by the reducer; DDP wrote the same values there since
+            if not b.recorded:
                 self._grads_sent(b)
 
     def _grads_sent(self, bucket: HostBucket) -> None:

@@ -54,6 +54,7 @@ from lightning_fastopt.checkpoint.reading import read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
+from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
@@ -69,6 +70,11 @@ from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision import TrainerPrecision
 
 __all__ = ["TrainerStrategy"]
+
+
+def _user_comm_hook(strategy) -> bool:
+    """Whether the run registers a DDP communication hook of its own (``DDPStrategy(ddp_comm_hook=...)``)."""
+    return any(getattr(strategy, a, None) is not None for a in ("_ddp_comm_hook", "_ddp_comm_wrapper"))
 
 
 class TrainerStrategy:
@@ -123,12 +129,17 @@ class TrainerStrategy:
             the update is speculative: kept apart until the step has checked the gradients,
             then committed, or redone when clipping scaled them or the loss scale moved, or
             dropped on an overflow (:mod:`~lightning_fastopt.offload.speculative`; it keeps
-            the offloaded masters and state twice in host memory).  With ZeRO stage 2 a
-            bucket's update starts once its reduction has landed on its owner, and the
-            checks span the ranks.  Not with a hook that reads gradients or DDP's
-            reduction after backward (several processes without ZeRO, or ZeRO stage 1);
-            one log line says which schedule runs, or why none.  Off by default until it
-            has been measured on a GPU.
+            the offloaded masters and state twice in host memory).  With several
+            processes a bucket's update starts once its gradients are reduced: DDP's
+            buckets are handed over as each all-reduce completes (a communication hook
+            that reduces as DDP does without one,
+            :mod:`~lightning_fastopt.core.ddp_reductions`), ZeRO stage 2's once its
+            reduction has landed on its owner; the checks span the ranks.  Not with a
+            hook that reads gradients, a DDP communication hook of the run's own, DDP's
+            ``find_unused_parameters=True``, or ZeRO stage 1 (DDP's gradients, taken when
+            backward has ended); one log line says
+            which schedule runs, or why none.  Off by default until it has been measured
+            on a GPU.
         delayed_update: after ``delayed_update_warmup`` synchronous steps, each step's CPU
             update runs while the next forward and backward compute, so forward and
             backward use weights one update old (ZeRO-Offload's delayed parameter update;
@@ -186,6 +197,7 @@ class TrainerStrategy:
         self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
         # the engine of each of self.optimizers that has one, by position (kept after fit)
         self._engine_at: dict[int, OptimizerWrapper] = {}
+        self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._threads = TorchThreads()
         if kwargs.get("checkpoint_io") is None:
@@ -307,11 +319,15 @@ class TrainerStrategy:
         optimizer's arguments, said in one line."""
         if not self.stream_cpu_step:
             return {}
+        ddp = device_grads == "copy_at_step"
         why_not = [reason for reason, applies in (
             ("user code reads gradients before the step", device_grads == "keep"),
-            ("DDP reduces the gradients after backward" + (" (ZeRO stage 1 runs on DDP; stage 2 reduces each "
-                                                           "bucket during backward)" if self.zero_stage else ""),
-             device_grads == "copy_at_step"),
+            ("ZeRO stage 1 takes DDP's gradients when backward has ended (stage 2 reduces each bucket during "
+             "backward)", ddp and self.zero_stage > 0),
+            ("a DDP communication hook of the run's own reduces the gradients",
+             ddp and _user_comm_hook(self)),
+            ("DDP finds the parameters no rank used only when backward has ended (find_unused_parameters=True)",
+             ddp and getattr(self.model, "find_unused_parameters", False)),
             ("nothing is offloaded", self.offload_fraction == 0),
             ("a CPU run updates in place, with nothing to copy", self.root_device.type == "cpu" and not self.copy_on_cpu),
         ) if applies]
@@ -323,14 +339,27 @@ class TrainerStrategy:
             ("gradient clipping", bool(trainer.gradient_clip_val)),
             (f"{type(fused).__name__}'s global norm", needs_step_context(fused)),
         ) if applies]
+        streams = {"stream_cpu_step": True}
+        if ddp:  # DDP's buckets, each handed over once its all-reduce has completed
+            if self._ddp_reductions is None:
+                self._ddp_reductions = DDPReductions(self.model, self._hand_over)
+            streams["reduced_by"] = self._ddp_reductions.reduces
+        landed = "been reduced and landed" if ddp else "landed"
         if checks:
             rank_zero_info(f"lightning_fastopt: each host bucket's CPU update is speculated during backward, once its "
-                           f"gradients have landed, and checked at the step ({', '.join(checks)}): committed, or "
+                           f"gradients have {landed}, and checked at the step ({', '.join(checks)}): committed, or "
                            "redone where the check changed it (stream_cpu_step=True)")
-            return {"stream_cpu_step": True, "speculate": True}
-        rank_zero_info("lightning_fastopt: each host bucket's CPU update starts during backward, once its "
-                       "gradients have landed (stream_cpu_step=True)")
-        return {"stream_cpu_step": True}
+            return dict(streams, speculate=True)
+        rank_zero_info(f"lightning_fastopt: each host bucket's CPU update starts during backward, once its "
+                       f"gradients have {landed} (stream_cpu_step=True)")
+        return streams
+
+    def _hand_over(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """DDP's averaged gradients of a bucket, to the offload optimizers that own them."""
+        for engine in self._offload_optimizers():
+            for p, g in grads:
+                if engine.owns(p):
+                    engine.grad_reduced(p, g)
 
     def _waits_by_module(self, trainer) -> bool:
         """Whether each module's forward waits only for its own new weights
@@ -530,6 +559,9 @@ class TrainerStrategy:
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None
+        if self._ddp_reductions is not None:
+            self._ddp_reductions.close()
+            self._ddp_reductions = None
         self._threads.restore()
         super().teardown()
 

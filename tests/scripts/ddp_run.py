@@ -3,7 +3,8 @@
     python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu] [--delayed-reference]
 
 STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``zero2_speculate`` (all offloaded through
-the accelerator code path, ``stream_cpu_step=True``: speculated, as clipping is on), ``delayed_offload``
+the accelerator code path, ``stream_cpu_step=True``: speculated, as clipping is on), ``ddp_speculate`` (the
+same without ZeRO, half offloaded: DDP's buckets handed over as reduced), ``delayed_offload``
 (``fastopt_offload`` with ``delayed_update=True`` after 2 steps), or ``module_waits`` (half
 offloaded through the accelerator code path, ``forward_waits="module"``); ``--delayed-reference``
 delays torch's update the same way (``tests.references.DelayedTorchUpdate``).
@@ -24,12 +25,15 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_fastopt  # noqa: E402,F401  (registers "fastopt")
 from lightning_fastopt import FastOptPrecision  # noqa: E402
+from tests.helpers import SlowBackward  # noqa: E402
 from tests.references import DelayedTorchUpdate  # noqa: E402
 
 DELAYED_WARMUP = 2
 
 
 class Model(L.LightningModule):
+    slow = False
+
     def __init__(self, inject, lamb=False):
         super().__init__()
         self.lamb = lamb
@@ -39,6 +43,8 @@ class Model(L.LightningModule):
 
     def training_step(self, batch, _):
         x, y = batch
+        if self.slow:  # the same math; DDP's later buckets reduce while the first layer's backward sleeps
+            return nn.functional.mse_loss(self.net[1:](SlowBackward.apply(self.net[0](x))), y)
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
@@ -78,7 +84,11 @@ def _count_gradients_at_step(model, seen):
 
 def main():
     strategy, out = sys.argv[1], sys.argv[2]
-    if strategy == "zero2_speculate":  # offloaded through the accelerator code path, each update speculated
+    slow = strategy == "ddp_speculate"
+    if slow:  # half offloaded through the accelerator code path, DDP's buckets as reduced (both one per tensor)
+        strategy = lightning_fastopt.FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.00001, copy_on_cpu=True,
+                                                     stream_cpu_step=True, bucket_cap_mb=0.00001)
+    elif strategy == "zero2_speculate":  # offloaded through the accelerator code path, each update speculated
         strategy = lightning_fastopt.FastOptStrategy(zero_stage=2, bucket_size_mb=0.0002, offload_fraction=1.0,
                                                      copy_on_cpu=True, stream_cpu_step=True)
     elif strategy.startswith("zero"):  # ZeRO stage 1 or 2, the shards kept on the device or all offloaded
@@ -102,10 +112,16 @@ def main():
                         gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins,
                         callbacks=[DelayedTorchUpdate(DELAYED_WARMUP)] if "--delayed-reference" in sys.argv else None)
     model = (InjectingModel if inject else Model)(inject, lamb="--lamb" in sys.argv)
+    model.slow = slow
     seen = {}
     _count_gradients_at_step(model, seen)
+    handed = {}
+    if slow:  # how many gradients DDP's hook handed over during backward (read before teardown forgets it)
+        model.on_train_end = lambda: handed.update(n=trainer.strategy._ddp_reductions.handed_over)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if handed:
+        state["handed_over_in_backward"] = torch.tensor(handed["n"])
     if inject:
         state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
     opt = (getattr(trainer.strategy, "engines", None) or trainer.optimizers)[0]

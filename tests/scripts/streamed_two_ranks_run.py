@@ -1,8 +1,9 @@
-"""ZeRO stage 2 with the CPU step streamed into backward, two gloo processes: each
-configuration trains twice on the same data, speculated during backward and at the step
-(synchronous), through the accelerator code path on the CPU (``copy_on_cpu=True``).
+"""The CPU step streamed into backward across two gloo processes, under ZeRO stage 2 and
+under DDP (its buckets handed over as each all-reduce completes): each configuration
+trains twice on the same data, speculated during backward and at the step (synchronous),
+through the accelerator code path on the CPU (``copy_on_cpu=True``).
 
-    python tests/scripts/zero_stream_run.py OUT_DIR
+    python tests/scripts/streamed_two_ranks_run.py OUT_DIR
 
 Writes OUT_DIR/rank<r>.pt: for each configuration, both runs' weights, this rank's owned
 optimizer state, the loss-scale facts and the speculative schedule's bucket counts; and,
@@ -19,11 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fastopt import FusedAdam, FusedLAMB, FusedSGD  # noqa: E402
+from lightning_fastopt.core.ddp_reductions import DDPReductions  # noqa: E402
+from lightning_fastopt.offload import OffloadOptimizer  # noqa: E402
 from lightning_fastopt.offload.speculative import SpeculativeStep  # noqa: E402
 from lightning_fastopt.zero import ZeroOptimizer  # noqa: E402
+from tests.helpers import SlowBackward  # noqa: E402
 from tests.test_speculative_step import Driver, _inputs  # noqa: E402
 from tests.test_streamed_step import _net  # noqa: E402
 
@@ -69,22 +74,9 @@ def _train(rank, speculate, make_opt, fraction, clip, precision, overflow_at, mi
     return out
 
 
-class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: the reductions sent so far land meanwhile."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(0.03)
-        return g
-
-
 class _Slow(nn.Module):
     def forward(self, x):
-        return _SlowBackward.apply(x)
+        return SlowBackward.apply(x)
 
 
 def _timing():
@@ -115,12 +107,69 @@ def _timing():
     return out
 
 
+def _ddp(rank, speculate, fraction, clip, precision, overflow_at, bucket_views):
+    """DDP (buckets of one layer each) and the offload optimizer fed DDP's buckets as each
+    all-reduce completes, or DDP as it is with the step at the step; a backward slowed
+    between layers, so that reductions complete while it runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), _Slow())])
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1, gradient_as_bucket_view=bucket_views)
+    opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           offload_fraction=fraction, bucket_size_mb=1.0, copy_on_cpu=True, device_grads="copy_at_step",
+                           **({"stream_cpu_step": True, "speculate": True} if speculate else {}),
+                           **({"reduced_by": lambda p: True} if speculate else {}))
+    handed_over = []
+    if speculate:
+        def hand_over(grads):
+            handed_over.extend(time.perf_counter() for _ in grads)
+            for p, g in grads:
+                opt.grad_reduced(p, g)
+        reductions = DDPReductions(ddp, hand_over)
+    driver = Driver(precision, initial_scale_power=20, loss_scale_window=4, hysteresis=1)
+    g = torch.Generator().manual_seed(1 + rank)
+    early = 0
+    for t in range(6):
+        x = torch.randn(16, 512, generator=g) * (4.0 if t % 3 == 0 else 0.25)
+        if rank == 1 and t in overflow_at:
+            x[0, 0] = float("inf")
+        driver.announce_grad_scale(opt)
+        opt.zero_grad()
+        handed_over.clear()
+        driver.pre_backward(ddp(x).square().mean(), ddp).backward()
+        ended = time.perf_counter()
+        early += sum(h < ended for h in handed_over)
+        if driver._check_overflow(opt):
+            driver._skip_step(opt)
+            continue
+        driver.clip_scaled_gradients(opt, clip)
+        driver._step(opt)
+    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "state": {n: {k: v.clone() for k, v in opt.state_of(p).items()} for n, p in model.named_parameters()},
+           "loss_scale": driver.loss_scale, "skipped_steps": driver.skipped_steps, "handed_over_in_backward": early,
+           "host_buckets": len(opt._buckets),
+           "totals": dict(opt.schedule.totals) if isinstance(opt.schedule, SpeculativeStep) else {}}
+    opt.close()
+    if speculate:
+        reductions.close()
+    return out
+
+
+# name: (offload fraction, clipping norm, precision, steps with an inf on rank 1, gradient_as_bucket_view)
+DDP_CONFIGS = {
+    "ddp-clip-sometimes": (0.5, 2.0, "32-true", (), False),
+    "ddp-fp16-and-clipping": (1.0, 2.0, "16-mixed", (0, 4), False),
+    "ddp-gradients-as-bucket-views": (1.0, 2.0, "32-true", (), True),
+}
+
+
 def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     results = {name: {"speculated": _train(rank, True, *config), "synchronous": _train(rank, False, *config)}
                for name, config in CONFIGS.items()}
     results["timing"] = _timing()
+    results.update({name: {"speculated": _ddp(rank, True, *config), "synchronous": _ddp(rank, False, *config)}
+                    for name, config in DDP_CONFIGS.items()})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -1,11 +1,17 @@
-"""ZeRO stage 2 with the CPU step speculated during backward, two gloo processes
-(``tests/scripts/zero_stream_run.py``): each bucket's update starts once its reduction has
-landed on its owner, and the step's checks span the ranks (the overflow flag, the
-clipping norm, LAMB's global norm).  Bit for bit the synchronous ZeRO step over 14 steps
-through the accelerator code path on the CPU, at fractions 0.5 and 1 with several
-buckets: clipping that never, always and sometimes triggers, fp16 overflows on one rank
-(the first step included), both, accumulation with a scheduler, LAMB.  The Trainer-level
-run against ``ddp`` is ``tests/test_strategy_ddp.py`` (``zero2_speculate``)."""
+"""The CPU step speculated during backward across two gloo processes
+(``tests/scripts/streamed_two_ranks_run.py``).
+
+ZeRO stage 2: each bucket's update starts once its reduction has landed on its owner, and
+the step's checks span the ranks (the overflow flag, the clipping norm, LAMB's global
+norm).  Bit for bit the synchronous ZeRO step over 14 steps through the accelerator code
+path on the CPU, at fractions 0.5 and 1 with several buckets: clipping that never, always
+and sometimes triggers, fp16 overflows on one rank (the first step included), both,
+accumulation with a scheduler, LAMB.
+
+DDP: its buckets are handed over as each all-reduce completes (our communication hook
+reduces as DDP does without one): bit for bit DDP as it is with the synchronous step,
+clipping, fp16 with overflows, and ``gradient_as_bucket_view=True``.  The Trainer-level runs against ``ddp`` are in
+``tests/test_strategy_ddp.py`` (``zero2_speculate``, ``ddp_speculate``)."""
 
 import subprocess
 import sys
@@ -17,14 +23,14 @@ import torch
 from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "scripts" / "zero_stream_run.py"
+SCRIPT = REPO / "tests" / "scripts" / "streamed_two_ranks_run.py"
 CONFIGS = ["clip-never", "clip-always", "clip-sometimes", "clip-sometimes-half", "sgd-clip-sometimes", "fp16",
            "fp16-and-clipping", "accumulation-and-scheduler", "lamb-global-norm"]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero_stream")
+    out = tmp_path_factory.mktemp("streamed_two_ranks")
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=REPO, env=subprocess_env(REPO),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,3 +78,17 @@ def test_a_buckets_update_starts_once_its_reduction_landed_before_backward_ends(
     assert min(timing["started"]) < timing["backward_ended"]
     for rank in ranks:
         assert rank["timing"]["totals"]["committed"] == rank["timing"]["totals"]["speculated"] > 0
+
+
+@pytest.mark.parametrize("config", ["ddp-clip-sometimes", "ddp-fp16-and-clipping", "ddp-gradients-as-bucket-views"])
+def test_ddp_buckets_handed_over_as_reduced_end_where_ddp_with_the_synchronous_step_ends(ranks, config):
+    for rank in ranks:
+        _assert_same_run(rank[config]["speculated"], rank[config]["synchronous"])
+        run = rank[config]["speculated"]
+        totals = run["totals"]
+        assert run["handed_over_in_backward"] > 0  # gradients reached the host before backward ended
+        assert totals["committed"] > 0 and totals["redone"] > 0
+        # a bucket whose reduction completes once backward has ended is not speculated (the step takes it)
+        assert (totals.get("dropped", 0) > 0) == (run["skipped_steps"] > 0)
+        if config.startswith("ddp-fp16"):
+            assert run["skipped_steps"] == 2  # an inf on rank 1 only skips the step on both
