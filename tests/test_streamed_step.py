@@ -162,8 +162,7 @@ def test_under_the_trainer_it_streams_where_it_may_and_ends_where_trainer_ends(c
 @pytest.mark.parametrize("zero_stage,device_grads,fraction,said,streams", [
     (2, "copy_in_backward", 1.0, "is speculated during backward, once its gradients have landed", True),
     (0, "copy_at_step", 1.0, "is speculated during backward, once its gradients have been reduced and landed", True),
-    (1, "copy_at_step", 1.0, "not used: ZeRO stage 1 takes DDP's gradients when backward has ended (stage 2 reduces "
-                             "each bucket during backward)", False),
+    (1, "copy_at_step", 1.0, "is speculated during backward, once its gradients have been reduced and landed", True),
     (0, "own-comm-hook", 1.0, "not used: a DDP communication hook of the run's own reduces the gradients", False),
     (0, "find-unused", 1.0, "not used: DDP finds the parameters no rank used only when backward has ended "
                             "(find_unused_parameters=True)", False),
@@ -174,7 +173,7 @@ def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch,
                                                            said, streams):
     """The choice the strategy makes at set-up (the gradients' route is decided by then),
     said in one line: ZeRO stage 2 streams (each bucket once its reduction has landed), so
-    does DDP (its buckets handed over as each all-reduce completes, by
+    do DDP and ZeRO stage 1 (DDP's buckets handed over as each all-reduce completes, by
     :class:`~lightning_fastopt.core.ddp_reductions.DDPReductions`, checked with two
     processes in tests/test_streamed_step_two_ranks.py) unless the run has a communication
     hook of its own."""

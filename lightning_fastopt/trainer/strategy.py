@@ -131,13 +131,12 @@ class TrainerStrategy:
             dropped on an overflow (:mod:`~lightning_fastopt.offload.speculative`; it keeps
             the offloaded masters and state twice in host memory).  With several
             processes a bucket's update starts once its gradients are reduced: DDP's
-            buckets are handed over as each all-reduce completes (a communication hook
+            buckets (also ZeRO stage 1's) are handed over as each all-reduce completes (a communication hook
             that reduces as DDP does without one,
             :mod:`~lightning_fastopt.core.ddp_reductions`), ZeRO stage 2's once its
             reduction has landed on its owner; the checks span the ranks.  Not with a
-            hook that reads gradients, a DDP communication hook of the run's own, DDP's
-            ``find_unused_parameters=True``, or ZeRO stage 1 (DDP's gradients, taken when
-            backward has ended); one log line says
+            hook that reads gradients, a DDP communication hook of the run's own, or DDP's
+            ``find_unused_parameters=True``; one log line says
             which schedule runs, or why none.  Off by default until it has been measured
             on a GPU.
         delayed_update: after ``delayed_update_warmup`` synchronous steps, each step's CPU
@@ -322,8 +321,6 @@ class TrainerStrategy:
         ddp = device_grads == "copy_at_step"
         why_not = [reason for reason, applies in (
             ("user code reads gradients before the step", device_grads == "keep"),
-            ("ZeRO stage 1 takes DDP's gradients when backward has ended (stage 2 reduces each bucket during "
-             "backward)", ddp and self.zero_stage > 0),
             ("a DDP communication hook of the run's own reduces the gradients",
              ddp and _user_comm_hook(self)),
             ("DDP finds the parameters no rank used only when backward has ended (find_unused_parameters=True)",
@@ -355,8 +352,9 @@ class TrainerStrategy:
         return streams
 
     def _hand_over(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """DDP's averaged gradients of a bucket, to the offload optimizers that own them."""
-        for engine in self._offload_optimizers():
+        """DDP's averaged gradients of a bucket, to the engines that step them (with ZeRO
+        stage 1, each rank's to the shard it owns)."""
+        for engine in self.engines:
             for p, g in grads:
                 if engine.owns(p):
                     engine.grad_reduced(p, g)

@@ -66,14 +66,16 @@ class ZeroOptimizer(OptimizerWrapper):
             owner here, from backward hooks; the module must not be wrapped in DDP).
         process_group: the data-parallel group (default: the whole world).
         offload_fraction, bucket_size_mb, overlap, pin_memory, device_grads,
-        wall_clock_breakdown, copy_on_cpu, stream_cpu_step, speculate: for this rank's
+        wall_clock_breakdown, copy_on_cpu, stream_cpu_step, speculate, reduced_by: for this rank's
         :class:`~lightning_fastopt.offload.OffloadOptimizer`.  At stage 2 across ranks,
         ``device_grads="copy_in_backward"`` copies the owned gradients as their
         reductions land (``"copy_when_reduced"``), ``"copy_at_step"`` when the step starts,
         and ``"keep"`` is refused: the other ranks' gradients are freed during backward
         (stage 1 keeps every gradient, as DDP does).  None (the default):
-        ``"copy_at_step"`` at stage 1, ``"copy_in_backward"`` at stage 2.  ``stream_cpu_step`` needs stage 2
-        (stage 1's gradients are DDP's, final when backward ends) or one process.
+        ``"copy_at_step"`` at stage 1, ``"copy_in_backward"`` at stage 2.  At stage 1
+        ``reduced_by`` says which gradients DDP's reductions hand over during backward
+        (:meth:`grad_reduced`, from :class:`~lightning_fastopt.core.ddp_reductions.DDPReductions`),
+        which ``stream_cpu_step`` needs there with several processes.
     """
 
     shards_gradients = True  # gradients() holds this rank's shard: norms and overflow flags are reduced over ranks
@@ -82,7 +84,7 @@ class ZeroOptimizer(OptimizerWrapper):
                  stage: int = 1, process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
                  overlap: bool = True, pin_memory: bool = True, device_grads: str | None = None,
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False, stream_cpu_step: bool = False,
-                 speculate: bool = False) -> None:
+                 speculate: bool = False, reduced_by=None) -> None:
         super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
@@ -122,11 +124,12 @@ class ZeroOptimizer(OptimizerWrapper):
         local_grads = device_grads
         if self.reducer is not None:
             local_grads = "copy_when_reduced" if device_grads == "copy_in_backward" else "copy_at_step"
+            reduced_by = self.reducer.hooked
         self.local = OffloadOptimizer(shard, self.param_names, offload_fraction=offload_fraction,
                                       bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
                                       device_grads=local_grads, wall_clock_breakdown=wall_clock_breakdown,
                                       copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
-                                      reduced_by=self.reducer.hooked if self.reducer is not None else None)
+                                      reduced_by=reduced_by)
         self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
         self._ready = True
 
@@ -147,13 +150,19 @@ class ZeroOptimizer(OptimizerWrapper):
                                         params=[p for p in group["params"] if owner_of[p] == self.rank]))
         self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
 
-    def _reduced(self, params: list[Tensor]) -> None:
+    def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
+        """Stage 1: DDP's averaged gradient of ``param`` (handed over as its bucket's
+        all-reduce completed); this rank's offload optimizer takes those it owns."""
+        if self.local.owns(param):
+            self._reduced([param], [grad])
+
+    def _reduced(self, params: list[Tensor], grads: list[Tensor | None] | None = None) -> None:
         """A reduction landed on this rank, the owner, during backward or at the step: its
         offload optimizer takes the gradients, with the hyperparameters the user's groups
         hold now (an update it starts during backward uses them; the step checks they held)."""
         copy_hyperparameters(self.local.optimizer, self.param_groups)
-        for p in params:
-            self.local.grad_reduced(p)
+        for p, g in zip(params, grads or [None] * len(params)):
+            self.local.grad_reduced(p, g)
 
     @property
     def expected_grad_scale(self):

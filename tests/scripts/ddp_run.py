@@ -4,7 +4,8 @@
 
 STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``zero2_speculate`` (all offloaded through
 the accelerator code path, ``stream_cpu_step=True``: speculated, as clipping is on), ``ddp_speculate`` (the
-same without ZeRO, half offloaded: DDP's buckets handed over as reduced), ``delayed_offload``
+same without ZeRO, half offloaded: DDP's buckets handed over as reduced) and ``zero1_speculate`` (ZeRO stage 1,
+all offloaded, the same), ``delayed_offload``
 (``fastopt_offload`` with ``delayed_update=True`` after 2 steps), or ``module_waits`` (half
 offloaded through the accelerator code path, ``forward_waits="module"``); ``--delayed-reference``
 delays torch's update the same way (``tests.references.DelayedTorchUpdate``).
@@ -84,10 +85,12 @@ def _count_gradients_at_step(model, seen):
 
 def main():
     strategy, out = sys.argv[1], sys.argv[2]
-    slow = strategy == "ddp_speculate"
-    if slow:  # half offloaded through the accelerator code path, DDP's buckets as reduced (both one per tensor)
-        strategy = lightning_fastopt.FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.00001, copy_on_cpu=True,
-                                                     stream_cpu_step=True, bucket_cap_mb=0.00001)
+    slow = strategy in ("ddp_speculate", "zero1_speculate")
+    if slow:  # through the accelerator code path, DDP's buckets as reduced (host and DDP buckets one per tensor)
+        strategy = lightning_fastopt.FastOptStrategy(offload_fraction=0.5 if strategy == "ddp_speculate" else 1.0,
+                                                     zero_stage=int(strategy == "zero1_speculate"),
+                                                     bucket_size_mb=0.00001, copy_on_cpu=True, stream_cpu_step=True,
+                                                     bucket_cap_mb=0.00001)
     elif strategy == "zero2_speculate":  # offloaded through the accelerator code path, each update speculated
         strategy = lightning_fastopt.FastOptStrategy(zero_stage=2, bucket_size_mb=0.0002, offload_fraction=1.0,
                                                      copy_on_cpu=True, stream_cpu_step=True)

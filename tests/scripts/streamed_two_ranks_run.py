@@ -107,17 +107,19 @@ def _timing():
     return out
 
 
-def _ddp(rank, speculate, fraction, clip, precision, overflow_at, bucket_views):
-    """DDP (buckets of one layer each) and the offload optimizer fed DDP's buckets as each
-    all-reduce completes, or DDP as it is with the step at the step; a backward slowed
-    between layers, so that reductions complete while it runs."""
+def _ddp(rank, speculate, fraction, clip, precision, overflow_at, bucket_views, zero1=False):
+    """DDP (buckets of one layer each) and the offload optimizer (or ZeRO stage 1's) fed
+    DDP's buckets as each all-reduce completes, or DDP as it is with the step at the step;
+    a backward slowed between layers, so that reductions complete while it runs."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), _Slow())])
     ddp = DistributedDataParallel(model, bucket_cap_mb=1, gradient_as_bucket_view=bucket_views)
-    opt = OffloadOptimizer(ADAMW(model.parameters()), {p: n for n, p in model.named_parameters()},
-                           offload_fraction=fraction, bucket_size_mb=1.0, copy_on_cpu=True, device_grads="copy_at_step",
-                           **({"stream_cpu_step": True, "speculate": True} if speculate else {}),
-                           **({"reduced_by": lambda p: True} if speculate else {}))
+    kw = dict(offload_fraction=fraction, bucket_size_mb=1.0, copy_on_cpu=True, device_grads="copy_at_step",
+              **({"stream_cpu_step": True, "speculate": True, "reduced_by": lambda p: True} if speculate else {}))
+    names = {p: n for n, p in model.named_parameters()}
+    opt = (ZeroOptimizer(ADAMW(model.parameters()), names, stage=1, **kw) if zero1
+           else OffloadOptimizer(ADAMW(model.parameters()), names, **kw))
+    offload = opt.local if zero1 else opt
     handed_over = []
     if speculate:
         def hand_over(grads):
@@ -146,19 +148,20 @@ def _ddp(rank, speculate, fraction, clip, precision, overflow_at, bucket_views):
     out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
            "state": {n: {k: v.clone() for k, v in opt.state_of(p).items()} for n, p in model.named_parameters()},
            "loss_scale": driver.loss_scale, "skipped_steps": driver.skipped_steps, "handed_over_in_backward": early,
-           "host_buckets": len(opt._buckets),
-           "totals": dict(opt.schedule.totals) if isinstance(opt.schedule, SpeculativeStep) else {}}
+           "host_buckets": len(offload._buckets),
+           "totals": dict(offload.schedule.totals) if isinstance(offload.schedule, SpeculativeStep) else {}}
     opt.close()
     if speculate:
         reductions.close()
     return out
 
 
-# name: (offload fraction, clipping norm, precision, steps with an inf on rank 1, gradient_as_bucket_view)
+# name: (offload fraction, clipping norm, precision, steps with an inf on rank 1, gradient_as_bucket_view[, ZeRO-1])
 DDP_CONFIGS = {
     "ddp-clip-sometimes": (0.5, 2.0, "32-true", (), False),
     "ddp-fp16-and-clipping": (1.0, 2.0, "16-mixed", (0, 4), False),
     "ddp-gradients-as-bucket-views": (1.0, 2.0, "32-true", (), True),
+    "zero1-fp16-and-clipping": (1.0, 2.0, "16-mixed", (0, 4), False, True),
 }
 
 
