@@ -25,7 +25,7 @@ schedulers work); the state dict of a rank holds its shard, keyed by parameter n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ class ZeroOptimizer(OptimizerWrapper):
                  stage: int = 1, process_group=None, offload_fraction: float = 0.0, bucket_size_mb: float = 64.0,
                  overlap: bool = True, pin_memory: bool = True, device_grads: str | None = None,
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False, stream_cpu_step: bool = False,
-                 speculate: bool = False, reduced_by=None) -> None:
+                 speculate: bool = False, reduced_by: Callable[[Tensor], bool] | None = None) -> None:
         super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
