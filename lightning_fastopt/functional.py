@@ -45,6 +45,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
+from lightning_fastopt.ops.rounding import check_rounding, fused_cuda_scalars, kernel_code
 
 TensorList = Sequence[Tensor]
 
@@ -265,10 +266,12 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
 @_routed
 def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
-                grad_scale=None, check_finite=False, found_inf=None, param_copies=None, torch_sqrt=False) -> bool:
+                grad_scale=None, check_finite=False, found_inf=None, param_copies=None, torch_sqrt=False,
+                rounding="torch_cpu") -> bool:
     """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula,
-    each operation rounded as torch's default CPU step rounds it, with the IEEE square root
-    (``torch_sqrt``: torch's CPU square root, see :class:`~lightning_fastopt.optim.adam.FusedAdam`).
+    each operation rounded as the torch implementation ``rounding`` names rounds it
+    (:mod:`lightning_fastopt.ops.rounding`; by default torch's CPU step), with the IEEE square
+    root (``torch_sqrt``: torch's CPU square root, see :class:`~lightning_fastopt.optim.adam.FusedAdam`).
 
     ``exp_avgs`` and ``exp_avg_sqs`` are float32, or (CPU, float32 params, no amsgrad)
     bfloat16, stored with stochastic rounding seeded by the step count
@@ -283,23 +286,30 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
     sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
-    if sc.ext is None and bias_correction and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes,
-                                                                copies=param_copies):
+    check_rounding(rounding)
+    if torch_sqrt and rounding != "torch_cpu":
+        raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
+    if (sc.ext is None and rounding == "torch_cuda_fused" and bias_correction
+            and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
             return True
         torch_fused.adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=sc.step, lr=sc.lr,
                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                           adamw=adamw_mode, maximize=maximize, grad_scale=_grad_scale_value(grad_scale))
         return False
-    bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
-    bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
+    if rounding == "torch_cuda_fused":
+        step_size, bc2_sqrt = fused_cuda_scalars(sc.lr, beta1, beta2, sc.step, bias_correction)
+    else:
+        bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
+        bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
+        step_size, bc2_sqrt = sc.lr / bc1, bc2 ** 0.5
     return _run(sc, route, "adam_", cuda_kwargs={"bias_correction": bias_correction},
                 params=list(params), grads=list(grads), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs),
                 max_exp_avg_sqs=_list(maxes), copies=_list(param_copies), lr=sc.lr, beta1=beta1, beta2=beta2,
-                eps=eps, weight_decay=weight_decay, step_size=sc.lr / bc1, bias_correction2_sqrt=bc2 ** 0.5,
+                eps=eps, weight_decay=weight_decay, step_size=step_size, bias_correction2_sqrt=bc2_sqrt,
                 inv_grad_scale=sc.inv_scale, amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
                 check_finite=check_finite, state_seed=sc.step & 0xFFFFFFFF, decay=1 - sc.lr * weight_decay,
-                torch_sqrt=torch_sqrt)
+                torch_sqrt=torch_sqrt, rounding=kernel_code(rounding))
 
 
 @_routed

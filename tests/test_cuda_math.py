@@ -80,21 +80,24 @@ def _clone(p, g, states):
     return p.clone(), g.clone(), [s.clone() for s in states]
 
 
+@pytest.mark.parametrize("rounding", [0, 1, 2], ids=["torch_cpu", "torch_cuda_foreach", "torch_cuda_fused"])
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("amsgrad", [True, False])
 @pytest.mark.parametrize("maximize", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adam_math_is_the_cpu_kernels(compiled, host_math, tmp_path, adamw, amsgrad, maximize, weight_decay):
+def test_adam_math_is_the_cpu_kernels(compiled, host_math, tmp_path, adamw, amsgrad, maximize, weight_decay,
+                                      rounding):
+    """In each rounding (the offloaded share of a GPU run takes the one of the GPU share)."""
     p, g, states = _data(3 if amsgrad else 2, positive=(1, 2))
     lr, b1, b2, eps, step, inv = 1e-2, 0.9, 0.999, 1e-8, 3, 0.25
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
     scalars = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, step_size=lr / bc1,
                    bias_correction2_sqrt=bc2 ** 0.5, inv_grad_scale=inv, amsgrad=amsgrad, adamw=adamw,
-                   maximize=maximize, bias_correction=1)
+                   maximize=maximize, bias_correction=1, rounding=rounding)
     hp, hs = host_math("adam", tmp_path, p, g, states, **scalars)
     cp, cg, cs = _clone(p, g, states)
     compiled.adam_([cp], [cg], [cs[0]], [cs[1]], [cs[2]] if amsgrad else None, None, lr, b1, b2, eps, weight_decay,
-                   lr / bc1, bc2 ** 0.5, inv, amsgrad, adamw, maximize, False)
+                   lr / bc1, bc2 ** 0.5, inv, amsgrad, adamw, maximize, False, rounding=rounding)
     _same(hp, cp)
     for a, b in zip(hs, cs):
         _same(a, b)

@@ -1,7 +1,8 @@
 """The torch-fused path that serves CUDA tensors until our CUDA kernels land, run here on
 the CPU (torch ships the same kernels for both): FusedAdam and FusedSGD through it match
 torch.optim (Adam rtol 1.3e-6 / atol 1e-5, SGD 1e-6), with loss-scale unscaling, and
-calls it cannot compute exactly as ours go to the other backends."""
+calls it cannot compute exactly as ours go to the other backends.  It serves Adam in the
+rounding of torch's fused kernel only (``rounding="torch_cuda_fused"``)."""
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ def fused_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("make,make_ref,tol", [
-    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, amsgrad=True),
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, amsgrad=True, rounding="torch_cuda_fused"),
      lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05, amsgrad=True), dict(rtol=1.3e-6, atol=1e-5)),
-    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, adamw_mode=False, maximize=True),
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, adamw_mode=False, maximize=True,
+                         rounding="torch_cuda_fused"),
      lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.05, maximize=True), dict(rtol=1.3e-6, atol=1e-5)),
     (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3),
      lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3), dict(rtol=1e-6, atol=1e-6)),
@@ -49,7 +51,7 @@ def test_matches_torch_optim_with_unscaling(fused_on_cpu, make, make_ref, tol):
 
 def test_overflow_skips_before_the_fused_kernel(fused_on_cpu):
     p = torch.randn(5, requires_grad=True)
-    opt = FusedAdam([p])
+    opt = FusedAdam([p], rounding="torch_cuda_fused")
     p.grad = torch.full((5,), float("inf"))
     before = p.detach().clone()
     opt.step(check_finite=True)

@@ -6,6 +6,16 @@
 
 namespace fastopt {
 
+// Which implementation of torch's an algorithm reproduces, rounding for rounding: the
+// operations torch evaluates, in its order, with a fused multiply-add exactly where its
+// kernels have one.  Chosen once per optimizer (lightning_fastopt.ops.rounding) and
+// carried into the kernels as a template flag.
+enum class Rounding : int {
+  kTorchCpu = 0,          // torch's CPU step (the for-loop one; fused=True on the CPU rounds the same)
+  kTorchCudaForeach = 1,  // torch's CUDA foreach step (the default on CUDA), torch >= 2.11
+  kTorchCudaFused = 2,    // torch's CUDA fused=True kernel, torch >= 2.11
+};
+
 struct AdamArgs {
   float lr, beta1, beta2, eps, weight_decay;
   float step_size;              // lr / bias_correction1
@@ -15,6 +25,9 @@ struct AdamArgs {
   double beta1_exact, beta2_exact;  // the betas as given: bias corrections computed on the device (capturable)
   float decay;                  // AdamW's factor 1 - lr * weight_decay, computed in double (as torch)
   bool torch_sqrt;              // CPU: the square root torch's CPU ops compute (MKL's), not the IEEE one
+  // kTorchCudaFused: step_size and bias_correction2_sqrt computed in float from CUDA's powf
+  // by the caller (lightning_fastopt.ops.rounding), or on the device from a device step
+  Rounding rounding = Rounding::kTorchCpu;
 };
 // state: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only)
 

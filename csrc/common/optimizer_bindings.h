@@ -53,23 +53,28 @@ void def_optimizer_functions(pybind11::module_& m) {
                     const OptTensorList& copies, float lr, double beta1, double beta2, float eps,
                     float weight_decay, float step_size, float bias_correction2_sqrt, float inv_grad_scale,
                     bool amsgrad, bool adamw, bool maximize, bool check_finite, uint32_t state_seed,
-                    std::optional<double> decay, bool torch_sqrt, bool bias_correction, const OptTensor& grad_scale,
-                    const OptTensor& found_inf, const OptTensor& lr_tensor, const OptTensor& step_tensor) {
+                    std::optional<double> decay, bool torch_sqrt, int rounding, bool bias_correction,
+                    const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
+                    const OptTensor& step_tensor) {
     if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
+    if (rounding < 0 || rounding > static_cast<int>(Rounding::kTorchCudaFused))
+      throw py::value_error("rounding must be 0 (torch's CPU step), 1 (CUDA foreach) or 2 (CUDA fused), got " +
+                            std::to_string(rounding));
     Slots slots = Device::slots(
         params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
     for (TensorSlot& s : slots) s.state_seed = state_seed;  // the stochastic rounding of bfloat16 state
     const AdamArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), eps, weight_decay, step_size,
                      bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, beta1, beta2,
                      // AdamW's factor as the caller computed it from the exact lr (else from the float one)
-                     static_cast<float>(decay.value_or(1.0 - static_cast<double>(lr) * weight_decay)), torch_sqrt};
+                     static_cast<float>(decay.value_or(1.0 - static_cast<double>(lr) * weight_decay)), torch_sqrt,
+                     static_cast<Rounding>(rounding)};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, step_tensor},
                        [&](const auto& on) { on.adam(slots, a, bias_correction); });
   }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
      py::arg("copies"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
      py::arg("step_size"), py::arg("bias_correction2_sqrt"), py::arg("inv_grad_scale"), py::arg("amsgrad"),
      py::arg("adamw"), py::arg("maximize"), py::arg("check_finite"), py::arg("state_seed") = 0u,
-     py::arg("decay") = py::none(), py::arg("torch_sqrt") = false, py::kw_only(),
+     py::arg("decay") = py::none(), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
      py::arg("bias_correction") = true, py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
      py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
 

@@ -1,7 +1,10 @@
-// Adam / AdamW (with amsgrad), rounded exactly as torch.optim.Adam/AdamW's default step on
-// the CPU rounds (its for-loop implementation: one ATen op after another, each rounding
-// once, the vectorized ones with the fused multiply-adds ATen's kernels use), so that the
-// results are torch's bits at every ISA we build and every thread count:
+// Adam / AdamW (with amsgrad), rounded exactly as the torch implementation named by
+// AdamArgs::rounding rounds (kernel_args.h), so that the results are torch's bits at every
+// ISA we build and every thread count.
+//
+// kTorchCpu: torch.optim.Adam/AdamW's default step on the CPU (its for-loop implementation:
+// one ATen op after another, each rounding once, the vectorized ones with the fused
+// multiply-adds ATen's kernels use; fused=True on the CPU gives the same bits):
 //   g  = -g if maximize (after unscaling)
 //   L2:    g = fma(p, wd, g)                        grad.add(param, alpha=wd)
 //   AdamW: p = p * float(1 - lr * wd)               param.mul_(1 - lr * wd), the factor in double
@@ -13,11 +16,28 @@
 // The scalars come from Python as doubles (step_size, bias_correction2_sqrt, the decay
 // factor, the betas) and are rounded to float once, as ATen rounds a Python scalar.
 //
-// The square root: the IEEE one (correctly rounded) by default, in one pass.  With
-// `torch_sqrt`, torch's (MKL's, torch_sqrt.h): the first pass updates m and v, MKL takes
-// the roots of v (or vmax) block by block, the second pass updates the parameters
-// (measured: 1.7x the one-pass step, 50M parameters on 2 AVX2 cores).  Without MKL ATen's
-// square root is the IEEE one, and so is ours.
+// kTorchCudaForeach: torch's default step on CUDA, its _foreach ops (torch >= 2.11: the
+// lerp contracted as above; addcmul and addcdiv one fma of the scalar and the product or
+// quotient, ATen/native/cuda/DeviceAddCmulCdiv.cuh; scalars as for kTorchCpu):
+//   v  = fma(float(1 - beta2), g * g, v * beta2)    (fma(g, g, v * beta2) when the scalar is 1)
+//   p  = fma(-step_size, m / d, p)                  the other lines as kTorchCpu
+//
+// kTorchCudaFused: torch's fused CUDA kernel (ATen/native/cuda/fused_adam_utils.cuh, torch
+// >= 2.11), its scalars rounded to float first, the bias corrections computed in float from
+// the device's powf (lightning_fastopt.ops.rounding; step_size = lr / bc1 in float):
+//   L2:    g = fma(p, wd, g)                        grad += param * weight_decay (contracted)
+//   AdamW: p = fma(-(lr * wd), p, p)                param -= lr * weight_decay * param
+//   m  = fma(beta1, m, fma(-beta1, g, g))
+//   v  = fma(beta2, v, fma(-beta2, g * g, g * g))
+//   d and p as kTorchCpu ((-s * m) / d is -((s * m) / d) exactly: torch's param -= s * m / d)
+// A loss scale divides the gradient there and multiplies by its inverse here: the same bits
+// for a power of two (GradScaler's and our scaler's scales are).
+//
+// The square root: the IEEE one (correctly rounded) by default, in one pass (CUDA's sqrtf
+// is IEEE too).  With `torch_sqrt` (kTorchCpu only), torch's CPU one (MKL's, torch_sqrt.h):
+// the first pass updates m and v, MKL takes the roots of v (or vmax) block by block, the
+// second pass updates the parameters (measured: 1.7x the one-pass step, 50M parameters on
+// 2 AVX2 cores).  Without MKL ATen's square root is the IEEE one, and so is ours.
 // m and v are float32, or bfloat16 stored with stochastic rounding (vec.h; no amsgrad;
 // one pass, the IEEE square root: torch has no such algorithm to follow).
 #include <algorithm>
@@ -38,26 +58,41 @@ struct Lerp {
 
 // The constants of one step, as torch rounds them.
 struct AdamConstants {
-  VecF gs, wd, decay, b2, w2, bc2s, eps, neg_step;
+  VecF gs, wd, decay, b1, neg_b1, b2, neg_b2, w2, bc2s, eps, neg_step, neg_lr_wd;
+  bool w2_is_one;
   Lerp lerp1;
   explicit AdamConstants(const AdamArgs& a)
       : gs(VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale)),
         wd(VecF::set1(a.weight_decay)),
         decay(VecF::set1(a.decay)),
+        b1(VecF::set1(a.beta1)),
+        neg_b1(VecF::set1(-a.beta1)),
         b2(VecF::set1(a.beta2)),
+        neg_b2(VecF::set1(-a.beta2)),
         w2(VecF::set1(static_cast<float>(1.0 - a.beta2_exact))),
         bc2s(VecF::set1(a.bias_correction2_sqrt)),
         eps(VecF::set1(a.eps)),
         neg_step(VecF::set1(-a.step_size)),
+        neg_lr_wd(VecF::set1(-(a.lr * a.weight_decay))),
+        w2_is_one(static_cast<float>(1.0 - a.beta2_exact) == 1.0f),
         lerp1(static_cast<float>(1.0 - a.beta1_exact)) {}
 
   // m, v (and vmax) from the gradient; returns what the square root is taken of.
-  template <bool kAmsgrad, bool kL2, int NS>
+  template <Rounding R, bool kAmsgrad, bool kL2, int NS>
   FASTOPT_ALWAYS_INLINE VecF moments(const VecF& p, VecF g, std::array<VecF, NS>& st) const {
     g = g * gs;
     if constexpr (kL2) g = VecF::fmadd(p, wd, g);
-    st[0] = lerp1(st[0], g);
-    st[1] = VecF::fmadd(w2 * g, g, st[1] * b2);
+    if constexpr (R == Rounding::kTorchCudaFused) {
+      st[0] = VecF::fmadd(b1, st[0], VecF::fmadd(neg_b1, g, g));
+      const VecF gg = g * g;
+      st[1] = VecF::fmadd(b2, st[1], VecF::fmadd(neg_b2, gg, gg));
+    } else {
+      st[0] = lerp1(st[0], g);
+      if constexpr (R == Rounding::kTorchCudaForeach)
+        st[1] = w2_is_one ? VecF::fmadd(g, g, st[1] * b2) : VecF::fmadd(w2, g * g, st[1] * b2);
+      else
+        st[1] = VecF::fmadd(w2 * g, g, st[1] * b2);
+    }
     if constexpr (kAmsgrad) {
       st[2] = VecF::max(st[2], st[1]);
       return st[2];
@@ -66,43 +101,54 @@ struct AdamConstants {
   }
 
   // The parameter from m and the square root.
-  template <bool kDecoupled>
+  template <Rounding R, bool kDecoupled>
   FASTOPT_ALWAYS_INLINE VecF param(VecF p, const VecF& m, const VecF& root) const {
-    if constexpr (kDecoupled) p = p * decay;
-    return p + (neg_step * m) / (root / bc2s + eps);
+    if constexpr (kDecoupled) p = R == Rounding::kTorchCudaFused ? VecF::fmadd(neg_lr_wd, p, p) : p * decay;
+    const VecF d = root / bc2s + eps;
+    if constexpr (R == Rounding::kTorchCudaForeach) return VecF::fmadd(neg_step, m / d, p);
+    return p + (neg_step * m) / d;
   }
 };
 
-// One pass, the IEEE square root (bfloat16 state; a torch without MKL).
-template <bool kAmsgrad, bool kDecoupled, bool kL2>
+// One pass, the IEEE square root (every CUDA rounding; bfloat16 state; a torch without MKL).
+template <Rounding R, bool kAmsgrad, bool kDecoupled, bool kL2>
 void run_one_pass(const Slots& slots, const AdamArgs& a) {
   const AdamConstants c(a);
   constexpr int NS = kAmsgrad ? 3 : 2;
   elementwise_step<NS, !kAmsgrad>(slots, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
-    const VecF v = c.moments<kAmsgrad, kL2, NS>(p, g, st);
-    p = c.param<kDecoupled>(p, st[0], VecF::sqrt(v));
+    const VecF v = c.moments<R, kAmsgrad, kL2, NS>(p, g, st);
+    p = c.param<R, kDecoupled>(p, st[0], VecF::sqrt(v));
   });
 }
 
-// Block by block, MKL's square root between the two passes (torch_sqrt.h).
+// Block by block, MKL's square root between the two passes (torch_sqrt.h; torch's CPU step).
 template <bool kAmsgrad, bool kDecoupled, bool kL2>
 void run_mkl_roots(const Slots& slots, const AdamArgs& a) {
   const AdamConstants c(a);
   constexpr int NS = kAmsgrad ? 3 : 2;
+  constexpr Rounding R = Rounding::kTorchCpu;
   two_passes_with_torch_roots<NS, 1, false>(
       slots,
-      [&](const VecF& p, const VecF& g, std::array<VecF, NS>& st) { return c.moments<kAmsgrad, kL2, NS>(p, g, st); },
+      [&](const VecF& p, const VecF& g, std::array<VecF, NS>& st) { return c.moments<R, kAmsgrad, kL2, NS>(p, g, st); },
       [&](VecF& p, const VecF&, std::array<VecF, 1>& st, const VecF& root) {
-        p = c.param<kDecoupled>(p, st[0], root);
+        p = c.param<R, kDecoupled>(p, st[0], root);
       });
 }
 
 template <bool kAmsgrad, bool kDecoupled, bool kL2>
 void run(const Slots& slots, const AdamArgs& a) {
+  switch (a.rounding) {
+    case Rounding::kTorchCudaForeach:
+      return run_one_pass<Rounding::kTorchCudaForeach, kAmsgrad, kDecoupled, kL2>(slots, a);
+    case Rounding::kTorchCudaFused:
+      return run_one_pass<Rounding::kTorchCudaFused, kAmsgrad, kDecoupled, kL2>(slots, a);
+    case Rounding::kTorchCpu:
+      break;
+  }
   const bool bf16_state = std::any_of(slots.begin(), slots.end(),
                                       [](const TensorSlot& s) { return s.state_dtype == DType::kBFloat16; });
   if (!a.torch_sqrt || !torch_sqrt_is_mkl() || (!kAmsgrad && bf16_state))
-    return run_one_pass<kAmsgrad, kDecoupled, kL2>(slots, a);
+    return run_one_pass<Rounding::kTorchCpu, kAmsgrad, kDecoupled, kL2>(slots, a);
   run_mkl_roots<kAmsgrad, kDecoupled, kL2>(slots, a);
 }
 

@@ -2,7 +2,8 @@
 // it on the GPU, and tests/cpp/cuda_math_check.cu runs the very same structs on the host
 // (compiled by nvcc, no GPU needed) to compare them with the CPU kernels bit for bit.
 //
-// Each struct mirrors the vector body of its CPU kernel (../cpu/*.cpp) line by line:
+// Each struct mirrors the vector body of its CPU kernel (../cpu/*.cpp) line by line (Adam's
+// in each of its roundings, kernel_args.h):
 //   prepare(d)               resolves the scalars, reading device-resident ones (DeviceScalars)
 //   operator()(p, g, s)      one element, in float (s: the float32 states)
 // The CUDA build turns off FMA contraction, so fmaf appears exactly where the CPU code has
@@ -32,11 +33,13 @@ FASTOPT_HOST_DEVICE inline float decoupled_decay(float lr, float weight_decay) {
   return static_cast<float>(1.0 - static_cast<double>(lr) * weight_decay);
 }
 
+// Adam in the rounding R names (kernel_args.h; ../cpu/adam.cpp spells out each one).
+template <Rounding R>
 struct AdamMath {
   AdamArgs a;
   bool bias_correction;
-  bool decoupled, l2, small1;
-  float gs, decay, w1, lerp_coeff, w2, bc2s, neg_step;
+  bool decoupled, l2, small1, w2_is_one;
+  float gs, decay, w1, lerp_coeff, w2, bc2s, neg_step, neg_lr_wd;
 
   FASTOPT_HOST_DEVICE void prepare(const DeviceScalars& d) {
     gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
@@ -45,33 +48,54 @@ struct AdamMath {
     decay = a.decay;  // from the exact lr, computed by the caller
     if (d.step != nullptr) {  // the bias corrections of a device-resident step count
       lr = d.lr != nullptr ? *d.lr : a.lr;
-      const double step = static_cast<double>(*d.step);
-      const double bc1 = bias_correction ? 1.0 - pow(a.beta1_exact, step) : 1.0;
-      const double bc2 = bias_correction ? 1.0 - pow(a.beta2_exact, step) : 1.0;
-      step_size = static_cast<float>(static_cast<double>(lr) / bc1);
-      bc2s = static_cast<float>(sqrt(bc2));
+      if (R == Rounding::kTorchCudaFused) {  // in float, as torch's fused kernel
+        const float bc1 = bias_correction ? 1.0f - powf(a.beta1, *d.step) : 1.0f;
+        step_size = lr / bc1;
+        bc2s = sqrtf(bias_correction ? 1.0f - powf(a.beta2, *d.step) : 1.0f);
+      } else {
+        const double step = static_cast<double>(*d.step);
+        const double bc1 = bias_correction ? 1.0 - pow(a.beta1_exact, step) : 1.0;
+        const double bc2 = bias_correction ? 1.0 - pow(a.beta2_exact, step) : 1.0;
+        step_size = static_cast<float>(static_cast<double>(lr) / bc1);
+        bc2s = static_cast<float>(sqrt(bc2));
+      }
       decay = decoupled_decay(lr, a.weight_decay);
     }
     w1 = static_cast<float>(1.0 - a.beta1_exact);
     small1 = w1 < 0.5f;
     lerp_coeff = small1 ? w1 : w1 - 1.0f;
     w2 = static_cast<float>(1.0 - a.beta2_exact);
+    w2_is_one = w2 == 1.0f;
     neg_step = -step_size;
+    neg_lr_wd = -(lr * a.weight_decay);
   }
 
-  // torch's default CPU step, op by op, with the IEEE square root (../cpu/adam.cpp)
   FASTOPT_HOST_DEVICE inline void operator()(float& p, float g, float* s) const {
     g = g * gs;
     if (l2) g = fmaf(p, a.weight_decay, g);
-    if (decoupled) p = p * decay;
-    s[0] = fmaf(lerp_coeff, g - s[0], small1 ? s[0] : g);  // ATen's vectorized lerp
-    s[1] = fmaf(w2 * g, g, s[1] * a.beta2);
+    if (R == Rounding::kTorchCudaFused) {
+      if (decoupled) p = fmaf(neg_lr_wd, p, p);
+      s[0] = fmaf(a.beta1, s[0], fmaf(-a.beta1, g, g));
+      const float gg = g * g;
+      s[1] = fmaf(a.beta2, s[1], fmaf(-a.beta2, gg, gg));
+    } else {
+      if (decoupled) p = p * decay;
+      s[0] = fmaf(lerp_coeff, g - s[0], small1 ? s[0] : g);  // ATen's lerp, contracted
+      if (R == Rounding::kTorchCudaForeach)
+        s[1] = w2_is_one ? fmaf(g, g, s[1] * a.beta2) : fmaf(w2, g * g, s[1] * a.beta2);
+      else
+        s[1] = fmaf(w2 * g, g, s[1] * a.beta2);
+    }
     float v = s[1];
     if (a.amsgrad) {
       s[2] = fmaxf(s[2], s[1]);
       v = s[2];
     }
-    p = p + (neg_step * s[0]) / (sqrtf(v) / bc2s + a.eps);
+    const float denom = sqrtf(v) / bc2s + a.eps;
+    if (R == Rounding::kTorchCudaForeach)
+      p = fmaf(neg_step, s[0] / denom, p);
+    else
+      p = p + (neg_step * s[0]) / denom;
   }
 };
 
@@ -229,8 +253,9 @@ FASTOPT_HOST_DEVICE inline float lamb_tensor_step(float lr, bool use_trust_ratio
 
 // ---------------------------------------------------------------- construction
 // What the launchers (and the host check) build the structs with.
-inline AdamMath adam_math(const AdamArgs& a, bool bias_correction) {
-  AdamMath m{};
+template <Rounding R = Rounding::kTorchCpu>
+inline AdamMath<R> adam_math(const AdamArgs& a, bool bias_correction) {
+  AdamMath<R> m{};
   m.a = a;
   m.bias_correction = bias_correction;
   m.decoupled = a.adamw && a.weight_decay != 0.0f;

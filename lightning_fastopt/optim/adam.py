@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lightning_fastopt.functional import fused_adam_
+from lightning_fastopt.ops.rounding import check_rounding
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
 
 
@@ -44,6 +45,12 @@ class FusedAdam(FusedOptimizer):
     exactly, at about 1.7x the step time (still 4x faster than torch's default step on 2
     cores).  The fastopt strategies set it for a
     ``torch.optim.Adam``/``AdamW`` whose parameters are on the CPU.
+
+    ``rounding`` names the torch implementation whose roundings the step follows, on the
+    CPU and on the GPU alike: ``"torch_cpu"`` (default), ``"torch_cuda_foreach"`` (torch's
+    default on CUDA) or ``"torch_cuda_fused"`` (``fused=True`` on CUDA), see
+    :mod:`lightning_fastopt.ops.rounding`.  The fastopt strategies pick the one the user's
+    torch optimizer would have run, so that an offloaded run ends on its bits.
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
@@ -55,14 +62,14 @@ class FusedAdam(FusedOptimizer):
                  maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, differentiable: bool = False,
                  decoupled_weight_decay: bool | None = None, state_dtype: torch.dtype = torch.float32,
-                 torch_sqrt: bool = False) -> None:
+                 torch_sqrt: bool = False, rounding: str = "torch_cpu") -> None:
         if decoupled_weight_decay is not None:
             adamw_mode = bool(decoupled_weight_decay)
         self.state_dtype = check_state_dtype(state_dtype, amsgrad)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=check_betas(betas), eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=adamw_mode,
                         maximize=maximize, foreach=foreach, fused=fused, capturable=bool(capturable),
-                        differentiable=False, torch_sqrt=bool(torch_sqrt))
+                        differentiable=False, torch_sqrt=bool(torch_sqrt), rounding=rounding)
         self._validate_group(defaults)
         super().__init__(params, defaults, foreach=foreach, fused=fused, capturable=capturable,
                          differentiable=differentiable)
@@ -77,6 +84,9 @@ class FusedAdam(FusedOptimizer):
         check_betas(group["betas"])
         check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
+        rounding = check_rounding(group.get("rounding", "torch_cpu"))
+        if group.get("torch_sqrt") and rounding != "torch_cpu":
+            raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
 
     def _init_state(self, group, p, state) -> None:
         super()._init_state(group, p, state)
@@ -129,7 +139,8 @@ class FusedAdam(FusedOptimizer):
                     weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
                     adamw_mode=group["decoupled_weight_decay"], maximize=group["maximize"],
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
-                    param_copies=b.copies, found_inf=b.found_inf, torch_sqrt=group.get("torch_sqrt", False))
+                    param_copies=b.copies, found_inf=b.found_inf, torch_sqrt=group.get("torch_sqrt", False),
+                    rounding=group.get("rounding", "torch_cpu"))
 
 
 def check_state_dtype(state_dtype: Any, amsgrad: bool = False) -> torch.dtype:

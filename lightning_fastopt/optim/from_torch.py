@@ -18,6 +18,7 @@ from lightning_fastopt.optim.adam import FusedAdam
 from lightning_fastopt.optim.base import SUPPORTED_DTYPES, FusedOptimizer
 from lightning_fastopt.optim.sgd import FusedSGD
 from lightning_fastopt.optim.user_step import UserStepOptimizer
+from lightning_fastopt.ops.rounding import rounding_of
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -95,11 +96,12 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     d = optimizer.defaults
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or d.get("decoupled_weight_decay", False)
-        # the parameters on the CPU, torch's default step: its square root too (see FusedAdam)
-        on_cpu = all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"])
+        # the roundings of the step torch would take there; on the CPU without fused=True
+        # its square root too (see FusedAdam)
+        rounding = rounding_of(optimizer)
         return dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                     amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False),
-                    torch_sqrt=on_cpu and not d.get("fused"))
+                    torch_sqrt=rounding == "torch_cpu" and not d.get("fused"), rounding=rounding)
     if isinstance(optimizer, torch.optim.SGD):
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False))

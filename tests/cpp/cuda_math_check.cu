@@ -99,8 +99,15 @@ int main(int argc, char** argv) {
     AdamArgs a{lr, static_cast<float>(arg("beta1")), static_cast<float>(arg("beta2")), static_cast<float>(arg("eps")),
                wd, static_cast<float>(arg("step_size")), static_cast<float>(arg("bias_correction2_sqrt")), inv,
                flag("amsgrad"), flag("adamw"), flag("maximize"), arg("beta1"), arg("beta2"),
-               static_cast<float>(1.0 - static_cast<double>(lr) * wd), false};  // the binding's default decay
-    elementwise(adam_math(a, flag("bias_correction")), d, p, g, s);
+               static_cast<float>(1.0 - static_cast<double>(lr) * wd), false,  // the binding's default decay
+               static_cast<Rounding>(static_cast<int>(arg("rounding", 0.0)))};
+    const bool bc = flag("bias_correction");
+    if (a.rounding == Rounding::kTorchCudaForeach)
+      elementwise(adam_math<Rounding::kTorchCudaForeach>(a, bc), d, p, g, s);
+    else if (a.rounding == Rounding::kTorchCudaFused)
+      elementwise(adam_math<Rounding::kTorchCudaFused>(a, bc), d, p, g, s);
+    else
+      elementwise(adam_math(a, bc), d, p, g, s);
   } else if (algo == "sgd") {
     SgdArgs a{lr, static_cast<float>(arg("momentum")), static_cast<float>(arg("dampening")), wd, inv,
               flag("nesterov"), flag("maximize"), flag("wd_after_momentum"), flag("first_step")};

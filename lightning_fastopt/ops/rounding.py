@@ -1,0 +1,80 @@
+"""Which of torch's implementations an Adam step reproduces, rounding for rounding.
+
+torch computes Adam differently on each device: its CPU step (one ATen op after another),
+its CUDA ``foreach`` step (the default there) and its CUDA ``fused=True`` kernel each
+round in their own places, and their results differ in the last bits.  A fastopt run must
+end where the user's own run ends, so the kernels follow the implementation the user's
+optimizer would have run, on the CPU as on the GPU, whatever share of the parameters is
+offloaded (csrc/cpu/adam.cpp spells out each one):
+
+``"torch_cpu"``           torch's CPU step (the for-loop one; ``fused=True`` on the CPU
+                          gives the same bits).  The default of :class:`FusedAdam`.
+``"torch_cuda_foreach"``  torch's CUDA ``foreach`` step (torch >= 2.11).
+``"torch_cuda_fused"``    torch's CUDA ``fused=True`` kernel (torch >= 2.11), its scalars in
+                          float32, the bias corrections from CUDA's ``powf``.
+
+:func:`rounding_of` picks it for a torch optimizer from its parameters' device and its
+``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there divides by
+the bias correction's reciprocal) gets ``"torch_cuda_foreach"``, which differs from it in
+the last bit of some elements.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused")
+
+
+def check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+    return rounding
+
+
+def kernel_code(rounding: str) -> int:
+    """The kernels' ``Rounding`` (csrc/common/kernel_args.h) for ``rounding``."""
+    return ROUNDINGS.index(rounding)
+
+
+def rounding_of(optimizer: torch.optim.Optimizer) -> str:
+    """The rounding of the step ``optimizer`` (a torch Adam/AdamW) would take: its
+    parameters' device and its ``fused`` flag."""
+    on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+    if not on_cuda:
+        return "torch_cpu"
+    return "torch_cuda_fused" if optimizer.defaults.get("fused") else "torch_cuda_foreach"
+
+
+_POWERS_PER_BLOCK = 1024
+
+
+@lru_cache(maxsize=64)
+def _float_powers(base: float, block: int) -> np.ndarray:
+    """``powf(base, s)`` for the steps s of one block, as torch's CUDA kernels compute it
+    (torch.pow of two float32 CUDA tensors runs the same ``powf``); without CUDA, the CPU's
+    float32 pow (another implementation: no CUDA run to match here)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    steps = torch.arange(block * _POWERS_PER_BLOCK, (block + 1) * _POWERS_PER_BLOCK, dtype=torch.float32,
+                         device=device)
+    bases = torch.full_like(steps, base)
+    return torch.pow(bases, steps).cpu().numpy()
+
+
+def _powf(base: np.float32, step: int) -> np.float32:
+    block, at = divmod(int(step), _POWERS_PER_BLOCK)
+    return _float_powers(float(base), block)[at]
+
+
+def fused_cuda_scalars(lr: float, beta1: float, beta2: float, step: int,
+                       bias_correction: bool = True) -> tuple[float, float]:
+    """``(step_size, bias_correction2_sqrt)`` as torch's fused CUDA Adam computes them: in
+    float32 from float32 lr and betas and a float32 step count, ``lr / (1 - beta1**step)``
+    and ``sqrt(1 - beta2**step)`` (each operation rounded once; both are exact floats)."""
+    one = np.float32(1.0)
+    bc1 = one - _powf(np.float32(beta1), step) if bias_correction else one
+    bc2 = one - _powf(np.float32(beta2), step) if bias_correction else one
+    return float(np.float32(lr) / bc1), float(np.sqrt(bc2))

@@ -1,0 +1,191 @@
+"""Adam's roundings (lightning_fastopt.ops.rounding): the step follows the torch
+implementation the user's optimizer would have run, on the CPU as on the GPU.
+
+On the CPU: each rounding gives the same bits at every ISA we build and at 1 and 2
+threads, the three differ from each other (the choice reaches the kernels), the strategy's
+mapping picks the rounding from the device and ``fused``, the fused kernel's float32
+scalars, and bad values are refused.  The CUDA structs run on the host against these
+kernels in tests/test_cuda_math.py (each rounding bit for bit).  On a GPU (``cuda``):
+torch.equal with torch.optim.Adam/AdamW's CUDA foreach and fused steps, directly, through
+the offload optimizer at fractions 0, 0.5 and 1, and under the Trainer against Trainer().
+"""
+
+from types import SimpleNamespace
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import lightning_fastopt.ops as ops
+from lightning_fastopt import FastOptStrategy, FusedAdam, OffloadOptimizer
+from lightning_fastopt.ops.cpu import load_cpu_extension
+from lightning_fastopt.ops.isa import detect_isa
+from lightning_fastopt.ops.rounding import ROUNDINGS, fused_cuda_scalars, rounding_of
+from lightning_fastopt.optim.from_torch import to_fused_optimizer
+from tests.helpers import BIG, SIZES, run_twins
+
+ISAS = sorted({detect_isa().name, "generic"})
+
+
+def _train(rounding, adamw=True, amsgrad=False, maximize=False, sizes=SIZES, steps=20):
+    torch.manual_seed(0)
+    overrides = [dict(), dict(lr=0.05, weight_decay=0.1), dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
+    return run_twins(lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad,
+                                         maximize=maximize, rounding=rounding),
+                     lambda g: torch.optim.SGD(g, lr=0.0), sizes, overrides[:len(sizes)], steps=steps)[0]
+
+
+@pytest.mark.parametrize("rounding", ROUNDINGS)
+@pytest.mark.parametrize("adamw,amsgrad,maximize", [(True, False, False), (False, True, True), (False, False, False)])
+def test_each_rounding_is_the_same_at_every_isa_and_thread_count(monkeypatch, rounding, adamw, amsgrad, maximize):
+    results = []
+    for isa in ISAS:
+        module = load_cpu_extension(isa, warn=False)
+        monkeypatch.setattr(ops, "cpu_backend", lambda module=module: module)
+        for threads in (1, 2):
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                results.append(_train(rounding, adamw, amsgrad, maximize, sizes=SIZES + (BIG,), steps=6))
+            finally:
+                torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_the_three_roundings_differ_in_the_last_bits():
+    """The choice reaches the kernels: after 20 steps each pair differs somewhere, by
+    float32 roundings only."""
+    runs = {r: torch.cat([p.detach().flatten() for p in _train(r, adamw=False)]) for r in ROUNDINGS}
+    for i, a in enumerate(ROUNDINGS):
+        for b in ROUNDINGS[i + 1:]:
+            assert not torch.equal(runs[a], runs[b]), (a, b)
+            torch.testing.assert_close(runs[a], runs[b], rtol=1e-5, atol=1e-6)
+
+
+def _fake_optimizer(device, fused):
+    return SimpleNamespace(param_groups=[dict(params=[SimpleNamespace(device=torch.device(device))])],
+                           defaults=dict(fused=fused))
+
+
+def test_the_rounding_of_a_torch_optimizer():
+    assert rounding_of(_fake_optimizer("cpu", None)) == "torch_cpu"
+    assert rounding_of(_fake_optimizer("cpu", True)) == "torch_cpu"  # torch's CPU fused step rounds the same
+    assert rounding_of(_fake_optimizer("cuda", None)) == "torch_cuda_foreach"
+    assert rounding_of(_fake_optimizer("cuda", False)) == "torch_cuda_foreach"
+    assert rounding_of(_fake_optimizer("cuda", True)) == "torch_cuda_fused"
+    p = nn.Parameter(torch.zeros(3))
+    for fused, sqrt in [(None, True), (True, False)]:
+        inner = to_fused_optimizer(torch.optim.AdamW([p], fused=fused)).inner_defaults
+        assert (inner["rounding"], inner["torch_sqrt"]) == ("torch_cpu", sqrt)
+
+
+def test_the_fused_kernels_scalars_are_float32_arithmetic():
+    """At step 1 powf(beta, 1) is beta: the scalars are float32 operations on float32
+    values, each rounded once (a double computation gives other bits here)."""
+    f32 = np.float32
+    lr, beta1, beta2 = 3e-4, 0.9, 0.95
+    step_size, bc2s = fused_cuda_scalars(lr, beta1, beta2, 1)
+    assert step_size == float(f32(lr) / (f32(1) - f32(beta1)))
+    assert bc2s == float(np.sqrt(f32(1) - f32(beta2)))
+    assert step_size != lr / (1 - beta1)
+    later = fused_cuda_scalars(lr, beta1, beta2, 5000)  # another block of the cached powers
+    assert later[0] == pytest.approx(lr / (1 - beta1 ** 5000), rel=1e-6)
+    assert fused_cuda_scalars(lr, beta1, beta2, 7, bias_correction=False) == (float(f32(lr)), 1.0)
+
+
+def test_bad_roundings_are_refused():
+    p = [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cuda_foreach', "
+                                         "'torch_cuda_fused', got 'cuda'"):
+        FusedAdam(p, rounding="cuda")
+    with pytest.raises(ValueError, match="torch_sqrt=True is torch's CPU square root"):
+        FusedAdam(p, torch_sqrt=True, rounding="torch_cuda_fused")
+    module = load_cpu_extension(detect_isa().name, warn=False)
+    t = torch.zeros(4)
+    with pytest.raises(ValueError, match="rounding must be 0"):
+        module.adam_([t], [t.clone()], [t.clone()], [t.clone()], None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1e-3,
+                     1.0, 1.0, False, True, False, False, rounding=3)
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+def _cuda_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 7), nn.Linear(7, 300)).to("cuda")
+
+
+def _cuda_train(model, opt, steps=30):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 256, device="cuda", generator=g)
+        (model(x).square().mean() * 1e3).backward()  # gradients over many magnitudes
+        opt.step()
+    torch.cuda.synchronize()
+
+
+TORCH_ADAMS = [
+    ("adamw", lambda ps, **kw: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05, **kw)),
+    ("adam-l2-amsgrad", lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.05, amsgrad=True, **kw)),
+    ("adam-maximize", lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.95), maximize=True, **kw)),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("name,make", TORCH_ADAMS, ids=[n for n, _ in TORCH_ADAMS])
+@pytest.mark.parametrize("fraction", [None, 0.0, 0.5, 1.0], ids=["kernels", "offload0", "offload0.5", "offload1"])
+def test_torch_adam_on_cuda_bit_for_bit(fraction, name, make, fused):
+    """The user's torch optimizer on CUDA parameters, run by our kernels (directly, or
+    through the offload optimizer: at 0.5 and 1 the CPU kernels update the offloaded
+    share in the GPU's rounding), ends on the bits torch's own CUDA step ends on."""
+    ref_model, model = _cuda_model(), _cuda_model()
+    ref = make(ref_model.parameters(), fused=fused)
+    _cuda_train(ref_model, ref)
+    opt = to_fused_optimizer(make(model.parameters(), fused=fused))
+    if fraction is not None:
+        opt = OffloadOptimizer(opt, {p: n for n, p in model.named_parameters()}, offload_fraction=fraction,
+                               bucket_size_mb=0.5)
+    _cuda_train(model, opt)
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), f"{n}: {(a - b).abs().max().item()} away"
+    if fraction is not None:
+        opt.close()
+
+
+class _GPUModel(L.LightningModule):
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, fused=self.fused)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_trainer_on_gpu_with_torch_adamw_matches_plain_lightning(fraction, fused):
+    """fastopt_offload at each fraction with the user's torch.optim.AdamW (CUDA's default
+    foreach step, or fused=True), clipping by value and accumulation: Trainer()'s bits."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 64, generator=g))
+    kw = dict(accelerator="gpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+              gradient_clip_val=0.05, gradient_clip_algorithm="value")
+    ours, ref = _GPUModel(fused), _GPUModel(fused)
+    L.Trainer(strategy=FastOptStrategy(offload_fraction=fraction, bucket_size_mb=0.05), **kw).fit(
+        ours, torch.utils.data.DataLoader(data, batch_size=4))
+    L.Trainer(**kw).fit(ref, torch.utils.data.DataLoader(data, batch_size=4))
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{n}: {(a - b).abs().max().item()} away"
