@@ -32,7 +32,7 @@ case "$part" in
             tests/test_fabric.py::test_on_gpu_equals_fabric_with_torch_adamw \
             tests/test_fabric.py::test_bf16_mixed_equals_fabrics_own \
             tests/test_fabric.py::test_on_gpu_fp16_overflow_skips_the_step_and_save_load_continues_exactly \
-            tests/test_bf16_state.py 2>&1 | tee "$OUT/tests.txt"  # the last on this host's best ISA (AVX-512?)
+            tests/test_rounding.py tests/test_bf16_state.py 2>&1 | tee "$OUT/tests.txt"  # the last on this host's best ISA (AVX-512?)
         # the Trainer-level comparisons with Trainer() (everyday patterns, precision, strategy) on the GPU
         FASTOPT_TEST_ACCELERATOR=gpu python3 -m pytest -q -p no:cacheprovider -rs $parallel \
             tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py \

@@ -145,6 +145,23 @@ class FusedOptimizer(torch.optim.Optimizer):
     def inner_defaults(self, defaults: dict[str, Any]) -> None:
         self.__dict__["_inner_defaults"] = defaults
 
+    def _with_own_keys(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``group``, or for an optimizer made by ``to_fused_optimizer`` (which shares the
+        torch optimizer's groups without adding this class's keys to them) a view of it
+        with those keys from :attr:`inner_defaults`: the same dict each step, refreshed."""
+        inner = self.__dict__.get("_inner_defaults")
+        if inner is None:
+            return group
+        views = self.__dict__.setdefault("_group_views", {})
+        kept, view = views.get(id(group), (None, None))
+        if kept is not group:
+            view = {}
+            views[id(group)] = (group, view)
+        view.clear()
+        view.update(inner)
+        view.update(group)
+        return view
+
     def _new_step_tensor(self, value: float, device: torch.device) -> Tensor:
         """A step count: on the parameters' device when capturable (read by the kernels
         there), else a CPU scalar."""
@@ -348,7 +365,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                      for p in group["params"]]
             if not grads_all_finite([g for g in grads if g is not None]):
                 return True
-        plans = [(group, self._buckets(group)) for group in self.param_groups]
+        plans = [(group, self._buckets(group)) for group in map(self._with_own_keys, self.param_groups)]
         all_buckets = [b for _, buckets in plans for b in buckets]
         context = self.step_context([g for b in all_buckets for g in b.grads], grad_scale) \
             if step_context is COMPUTE else step_context
