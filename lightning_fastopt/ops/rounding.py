@@ -14,8 +14,8 @@ offloaded (csrc/cpu/adam.cpp spells out each one):
                           float32, the bias corrections from CUDA's ``powf``.
 
 :func:`rounding_of` picks it for a torch optimizer from its parameters' device and its
-``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there divides by
-the bias correction's reciprocal) gets ``"torch_cuda_foreach"``, which differs from it in
+``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there multiplies by
+the reciprocal of the bias correction) gets ``"torch_cuda_foreach"``, which differs from it in
 the last bit of some elements.
 """
 
