@@ -155,3 +155,20 @@ def test_functional_dtype_errors(compiled):
         F.fused_sgd_(p, [torch.zeros(3)], [torch.zeros(3, dtype=torch.float16)], step=2, lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="has 4 elements, expected 3"):
         F.fused_sgd_(p, [torch.zeros(4)], step=1, lr=0.1)
+
+
+def test_a_wrapper_whose_construction_failed_still_has_a_repr():
+    """A traceback or debugger shows the object whose __init__ raised: its repr must not
+    raise too (it read attributes that were never set)."""
+    from lightning_fastopt import OffloadOptimizer
+    from lightning_fastopt.zero import ZeroOptimizer
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    for cls in (OffloadOptimizer, ZeroOptimizer):
+        half_built = cls.__new__(cls)
+        with pytest.raises(TypeError, match="runs lightning_fastopt's fused optimizers"):
+            cls.__init__(half_built, torch.optim.AdamW([p]), {p: "p"})
+        assert repr(half_built) == f"{cls.__name__}(not built)"
+    built = OffloadOptimizer(FusedAdam([p]), {p: "p"}, offload_fraction=1.0)
+    assert repr(built).startswith("OffloadOptimizer(FusedAdam, offload_fraction=1.0, offloaded=3 of 3 elements")
+    built.close()

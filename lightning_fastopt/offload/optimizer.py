@@ -803,7 +803,7 @@ class OffloadOptimizer(OptimizerWrapper):
             self._worker = None
         self.copies.synchronize()
 
-    def __repr__(self) -> str:
+    def _describe(self) -> str:
         return (f"OffloadOptimizer({type(self.optimizer).__name__}, offload_fraction={self.offload_fraction}, "
                 f"offloaded={self.offloaded_numel} of {sum(s.param.numel() for s in self._slots)} elements, "
                 f"{len(self._buckets)} host bucket(s), CPU step {self.schedule.name}, device={self.device})")

@@ -61,6 +61,16 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
 
+    def __repr__(self) -> str:
+        """The subclass's description once it is built (``_ready``); before (its ``__init__``
+        raised, and a traceback or debugger shows the object), its class alone."""
+        if not self.__dict__.get("_ready", False):
+            return f"{type(self).__name__}(not built)"
+        return self._describe()
+
+    def _describe(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``.  Once the subclass is built (``_ready``), the group
         goes to the wrapped optimizer first (which validates it, fills in the defaults and,

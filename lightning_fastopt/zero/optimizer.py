@@ -316,6 +316,6 @@ class ZeroOptimizer(OptimizerWrapper):
         if self.reducer is not None:
             self.reducer.close()
 
-    def __repr__(self) -> str:
+    def _describe(self) -> str:
         return (f"ZeroOptimizer(stage {self.stage}, rank {self.rank}/{self.world_size}, owns {self.owned_numel} of "
                 f"{sum(p.numel() for p in self._params)} elements, {self.local!r})")
