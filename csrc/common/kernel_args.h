@@ -11,7 +11,7 @@ namespace fastopt {
 // kernels have one.  Chosen once per optimizer (lightning_fastopt.ops.rounding) and
 // carried into the kernels as a template flag.
 enum class Rounding : int {
-  kTorchCpu = 0,          // torch's CPU step (the for-loop one; fused=True on the CPU rounds the same)
+  kTorchCpu = 0,          // torch's CPU step (the for-loop one; fused=True there too, but for its scalar tails)
   kTorchCudaForeach = 1,  // torch's CUDA foreach step (the default on CUDA), torch >= 2.11
   kTorchCudaFused = 2,    // torch's CUDA fused=True kernel, torch >= 2.11
 };

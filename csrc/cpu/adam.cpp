@@ -4,7 +4,7 @@
 //
 // kTorchCpu: torch.optim.Adam/AdamW's default step on the CPU (its for-loop implementation:
 // one ATen op after another, each rounding once, the vectorized ones with the fused
-// multiply-adds ATen's kernels use; fused=True on the CPU gives the same bits):
+// multiply-adds ATen's kernels use; fused=True on the CPU too, but for its scalar tails):
 //   g  = -g if maximize (after unscaling)
 //   L2:    g = fma(p, wd, g)                        grad.add(param, alpha=wd)
 //   AdamW: p = p * float(1 - lr * wd)               param.mul_(1 - lr * wd), the factor in double

@@ -8,7 +8,8 @@ optimizer would have run, on the CPU as on the GPU, whatever share of the parame
 offloaded (csrc/cpu/adam.cpp spells out each one):
 
 ``"torch_cpu"``           torch's CPU step (the for-loop one; ``fused=True`` on the CPU
-                          gives the same bits).  The default of :class:`FusedAdam`.
+                          rounds so too, but for its scalar tails: docs/correctness.md).
+                          The default of :class:`FusedAdam`.
 ``"torch_cuda_foreach"``  torch's CUDA ``foreach`` step (torch >= 2.11).
 ``"torch_cuda_fused"``    torch's CUDA ``fused=True`` kernel (torch >= 2.11), its scalars in
                           float32, the bias corrections from CUDA's ``powf``.
