@@ -22,9 +22,10 @@ the last bit of some elements.
 
 from __future__ import annotations
 
+import math
+import struct
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused")
@@ -53,29 +54,34 @@ def rounding_of(optimizer: torch.optim.Optimizer) -> str:
 _POWERS_PER_BLOCK = 1024
 
 
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest, ties to even).  One +, -, *, / or square root
+    of float32 values computed in double and rounded so is the float32 operation's result
+    (double has more than twice float32's precision)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 @lru_cache(maxsize=64)
-def _float_powers(base: float, block: int) -> np.ndarray:
+def _float_powers(base: float, block: int) -> tuple[float, ...]:
     """``powf(base, s)`` for the steps s of one block, as torch's CUDA kernels compute it
     (torch.pow of two float32 CUDA tensors runs the same ``powf``); without CUDA, the CPU's
     float32 pow (another implementation: no CUDA run to match here)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     steps = torch.arange(block * _POWERS_PER_BLOCK, (block + 1) * _POWERS_PER_BLOCK, dtype=torch.float32,
                          device=device)
-    bases = torch.full_like(steps, base)
-    return torch.pow(bases, steps).cpu().numpy()
+    return tuple(torch.pow(torch.full_like(steps, base), steps).tolist())
 
 
-def _powf(base: np.float32, step: int) -> np.float32:
+def _powf(base: float, step: int) -> float:
     block, at = divmod(int(step), _POWERS_PER_BLOCK)
-    return _float_powers(float(base), block)[at]
+    return _float_powers(_f32(base), block)[at]
 
 
 def fused_cuda_scalars(lr: float, beta1: float, beta2: float, step: int,
                        bias_correction: bool = True) -> tuple[float, float]:
     """``(step_size, bias_correction2_sqrt)`` as torch's fused CUDA Adam computes them: in
     float32 from float32 lr and betas and a float32 step count, ``lr / (1 - beta1**step)``
-    and ``sqrt(1 - beta2**step)`` (each operation rounded once; both are exact floats)."""
-    one = np.float32(1.0)
-    bc1 = one - _powf(np.float32(beta1), step) if bias_correction else one
-    bc2 = one - _powf(np.float32(beta2), step) if bias_correction else one
-    return float(np.float32(lr) / bc1), float(np.sqrt(bc2))
+    and ``sqrt(1 - beta2**step)``, each operation rounded once (both are float32 values)."""
+    bc1 = _f32(1.0 - _powf(beta1, step)) if bias_correction else 1.0
+    bc2 = _f32(1.0 - _powf(beta2, step)) if bias_correction else 1.0
+    return _f32(_f32(lr) / bc1), _f32(math.sqrt(bc2))
