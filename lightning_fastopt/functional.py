@@ -45,7 +45,8 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
-from lightning_fastopt.ops.rounding import check_rounding, fused_cuda_scalars, kernel_code
+from lightning_fastopt.ops.rounding import (SGD_ROUNDINGS, check_rounding, check_rounding_device, fused_cuda_scalars,
+                                            kernel_code)
 
 TensorList = Sequence[Tensor]
 
@@ -287,6 +288,7 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
     if sc is None:
         return True
     check_rounding(rounding)
+    check_rounding_device(rounding, params)
     if torch_sqrt and rounding != "torch_cpu":
         raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
     if (sc.ext is None and rounding == "torch_cuda_fused" and bias_correction
@@ -315,11 +317,16 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
 @_routed
 def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, dampening=0.0,
                weight_decay=0.0, nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None,
-               check_finite=False, found_inf=None, param_copies=None) -> bool:
-    """SGD with momentum/Nesterov, torch.optim.SGD's formula (apex's wd_after_momentum option).
+               check_finite=False, found_inf=None, param_copies=None, rounding="torch_cpu") -> bool:
+    """SGD with momentum/Nesterov, torch.optim.SGD's formula (apex's wd_after_momentum option),
+    each operation rounded as torch's CPU step (and its CUDA foreach step) rounds it, or
+    (``rounding="torch_cpu_fused"``, CPU tensors) as its CPU fused kernel
+    (:mod:`lightning_fastopt.ops.rounding`).
 
     On ``step == 1`` the momentum buffers are initialised from the gradient, as torch does.
     """
+    check_rounding(rounding, SGD_ROUNDINGS)
+    check_rounding_device(rounding, params)
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers if momentum else None,
                    param_copies=param_copies)
     if momentum and momentum_buffers is None:
@@ -341,7 +348,8 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
     return _run(sc, route, "sgd_", params=list(params), grads=list(grads), momentum_buffers=_list(buffers),
                 copies=_list(param_copies), lr=sc.lr, momentum=momentum, dampening=dampening,
                 weight_decay=weight_decay, inv_grad_scale=sc.inv_scale, nesterov=nesterov, maximize=maximize,
-                wd_after_momentum=wd_after_momentum, first_step=step == 1, check_finite=check_finite)
+                wd_after_momentum=wd_after_momentum, first_step=step == 1, check_finite=check_finite,
+                rounding=kernel_code(rounding))
 
 
 @_routed

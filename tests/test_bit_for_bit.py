@@ -26,20 +26,24 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
     "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01, weight_decay=0.01),
 }
+FUSED_ON_THE_CPU = {  # torch's CPU fused kernels: the biases of 1 and 7 elements are their scalar loop's
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05, fused=True),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, fused=True),
+}
 
 
 class Net(L.LightningModule):
     def __init__(self, optimizer):
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 7), nn.Tanh(), nn.Linear(7, 1))
         self.optimizer = optimizer
 
     def training_step(self, batch, _):
         return nn.functional.mse_loss(self.body(batch[0]), batch[1])
 
     def configure_optimizers(self):
-        opt = OPTIMIZERS[self.optimizer](self.parameters())
+        opt = {**OPTIMIZERS, **FUSED_ON_THE_CPU}[self.optimizer](self.parameters())
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -72,5 +76,16 @@ def test_clipped_accumulated_scheduled_run_ends_where_trainer_ends(strategy, opt
     ref = _fit("auto", optimizer, **CLIPPING[clipping])
     unclipped = _fit("auto", optimizer)
     assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), unclipped.parameters()))  # it clipped
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"
+
+
+@pytest.mark.parametrize("optimizer", list(FUSED_ON_THE_CPU))
+@pytest.mark.parametrize("strategy", ["fraction-0.5", "cpu-path"])
+def test_torchs_cpu_fused_kernels_end_where_trainer_ends(strategy, optimizer):
+    """``fused=True`` on the CPU: its own rounding (each tensor's last numel % 8 elements
+    otherwise), followed through the offloaded and the device share."""
+    ours = _fit(STRATEGIES[strategy](), optimizer, **CLIPPING["by-norm"])
+    ref = _fit("auto", optimizer, **CLIPPING["by-norm"])
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"

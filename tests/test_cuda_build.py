@@ -276,7 +276,7 @@ def test_the_cuda_extension_compiles_and_takes_the_documented_arguments(built_cu
                           True, False, False, bias_correction=True, grad_scale=None, found_inf=None,
                           lr_tensor=None, step_tensor=None),
         lambda: ext.sgd_(cpu, cpu, state, None, 0.1, 0.9, 0.0, 0.0, 1.0, False, False, False, True, False,
-                         grad_scale=None, found_inf=None, lr_tensor=None),
+                         rounding=0, grad_scale=None, found_inf=None, lr_tensor=None),
         lambda: ext.adagrad_(cpu, cpu, state, None, 0.1, 0.0, 1e-10, 1.0, False, False, lr=0.1, lr_decay=0.0,
                              grad_scale=None, found_inf=None, lr_tensor=None, step_tensor=None),
         lambda: ext.lion_(cpu, cpu, state, None, 0.1, 0.9, 0.99, 0.0, 1.0, False, False, grad_scale=None,
@@ -296,6 +296,12 @@ def test_the_cuda_extension_compiles_and_takes_the_documented_arguments(built_cu
     for call in calls:  # every argument binds; CPU tensors are refused before anything is touched
         with pytest.raises(ext.UnsupportedTensor, match="is not a dense, contiguous CUDA tensor"):
             call()
+    # torch's CPU fused kernel's rounding is for CPU tensors
+    with pytest.raises(ValueError, match=r"rounding 3 \(its CPU fused kernel\) is for CPU tensors"):
+        ext.adam_(cpu, cpu, state, state, None, None, 0.1, 0.9, 0.999, 1e-8, 0.0, 0.1, 1.0, 1.0, False, True, False,
+                  False, rounding=3)
+    with pytest.raises(ValueError, match=r"rounding 3 \(its CPU fused kernel\) is for CPU tensors"):
+        ext.sgd_(cpu, cpu, state, None, 0.1, 0.9, 0.0, 0.0, 1.0, False, False, False, True, False, rounding=3)
     assert ext.adam_([], [], [], [], None, None, 0.1, 0.9, 0.999, 1e-8, 0.0, 0.1, 1.0, 1.0, False, True, False,
                      False) is False
     assert ext.sum_squares([]) == []

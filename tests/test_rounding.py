@@ -1,13 +1,15 @@
-"""Adam's roundings (lightning_fastopt.ops.rounding): the step follows the torch
+"""The roundings (lightning_fastopt.ops.rounding): the step follows the torch
 implementation the user's optimizer would have run, on the CPU as on the GPU.
 
 On the CPU: each rounding gives the same bits at every ISA we build and at 1 and 2
-threads, the three differ from each other (the choice reaches the kernels), the strategy's
-mapping picks the rounding from the device and ``fused``, the fused kernel's float32
-scalars, and bad values are refused.  The CUDA structs run on the host against these
-kernels in tests/test_cuda_math.py (each rounding bit for bit).  On a GPU (``cuda``):
-torch.equal with torch.optim.Adam/AdamW's CUDA foreach and fused steps, directly, through
-the offload optimizer at fractions 0, 0.5 and 1, and under the Trainer against Trainer().
+threads, the four differ from each other (the choice reaches the kernels), the strategy's
+mapping picks the rounding from the device and ``fused``, torch's CPU for-loop, foreach
+and fused=True steps end on torch's bits (tensors with tails included), the fused kernel's
+float32 scalars, and bad values are refused.  The CUDA structs run on the host against
+these kernels in tests/test_cuda_math.py (each CUDA rounding bit for bit).  On a GPU
+(``cuda``): torch.equal with torch.optim.Adam/AdamW's CUDA foreach and fused steps,
+directly, through the offload optimizer at fractions 0, 0.5 and 1, and under the Trainer
+against Trainer().
 """
 
 from types import SimpleNamespace
@@ -19,27 +21,41 @@ import torch
 from torch import nn
 
 import lightning_fastopt.ops as ops
-from lightning_fastopt import FastOptStrategy, FusedAdam, OffloadOptimizer
+from lightning_fastopt import FastOptStrategy, FusedAdam, FusedSGD, OffloadOptimizer
 from lightning_fastopt.ops.cpu import load_cpu_extension
 from lightning_fastopt.ops.isa import detect_isa
-from lightning_fastopt.ops.rounding import ROUNDINGS, fused_cuda_scalars, rounding_of
+from lightning_fastopt.ops.rounding import ROUNDINGS, SGD_ROUNDINGS, fused_cuda_scalars, rounding_of
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from tests.helpers import BIG, SIZES, run_twins
 
 ISAS = sorted({detect_isa().name, "generic"})
 
 
-def _train(rounding, adamw=True, amsgrad=False, maximize=False, sizes=SIZES, steps=20):
+def _adam(rounding, adamw=True, amsgrad=False, maximize=False):
+    return lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad, maximize=maximize,
+                               rounding=rounding)
+
+
+ADAM_GROUPS = [dict(), dict(lr=0.05, weight_decay=0.1), dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
+SGD_GROUPS = [dict(), dict(lr=0.05, weight_decay=0.1), dict(dampening=0.3)]
+
+
+def _sgd(rounding):
+    return lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, rounding=rounding)
+
+
+def _train(make, groups=ADAM_GROUPS, sizes=SIZES, steps=20):
     torch.manual_seed(0)
-    overrides = [dict(), dict(lr=0.05, weight_decay=0.1), dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
-    return run_twins(lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, adamw_mode=adamw, amsgrad=amsgrad,
-                                         maximize=maximize, rounding=rounding),
-                     lambda g: torch.optim.SGD(g, lr=0.0), sizes, overrides[:len(sizes)], steps=steps)[0]
+    return run_twins(make, lambda g: torch.optim.SGD(g, lr=0.0), sizes, groups[:len(sizes)], steps=steps)[0]
 
 
-@pytest.mark.parametrize("rounding", ROUNDINGS)
-@pytest.mark.parametrize("adamw,amsgrad,maximize", [(True, False, False), (False, True, True), (False, False, False)])
-def test_each_rounding_is_the_same_at_every_isa_and_thread_count(monkeypatch, rounding, adamw, amsgrad, maximize):
+ALGORITHMS = [(f"adam-{r}-{flags}", _adam(r, *(f == "1" for f in flags)), ADAM_GROUPS) for r in ROUNDINGS
+              for flags in ("100", "011", "000")]  # (adamw, amsgrad, maximize)
+ALGORITHMS += [(f"sgd-{r}", _sgd(r), SGD_GROUPS) for r in SGD_ROUNDINGS]
+
+
+@pytest.mark.parametrize("name,make,groups", ALGORITHMS, ids=[n for n, _, _ in ALGORITHMS])
+def test_each_rounding_is_the_same_at_every_isa_and_thread_count(monkeypatch, name, make, groups):
     results = []
     for isa in ISAS:
         module = load_cpu_extension(isa, warn=False)
@@ -48,7 +64,7 @@ def test_each_rounding_is_the_same_at_every_isa_and_thread_count(monkeypatch, ro
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                results.append(_train(rounding, adamw, amsgrad, maximize, sizes=SIZES + (BIG,), steps=6))
+                results.append(_train(make, groups, sizes=SIZES + (BIG,), steps=6))
             finally:
                 torch.set_num_threads(before)
     for other in results[1:]:
@@ -56,14 +72,21 @@ def test_each_rounding_is_the_same_at_every_isa_and_thread_count(monkeypatch, ro
             assert torch.equal(a, b)
 
 
-def test_the_three_roundings_differ_in_the_last_bits():
+def test_the_roundings_differ_in_the_last_bits():
     """The choice reaches the kernels: after 20 steps each pair differs somewhere, by
-    float32 roundings only."""
-    runs = {r: torch.cat([p.detach().flatten() for p in _train(r, adamw=False)]) for r in ROUNDINGS}
-    for i, a in enumerate(ROUNDINGS):
-        for b in ROUNDINGS[i + 1:]:
-            assert not torch.equal(runs[a], runs[b]), (a, b)
-            torch.testing.assert_close(runs[a], runs[b], rtol=1e-5, atol=1e-6)
+    float32 roundings only (torch_cpu and torch_cpu_fused in the tensors' tails only)."""
+    def flat(make, groups=ADAM_GROUPS):
+        return torch.cat([p.detach().flatten() for p in _train(make, groups)])
+
+    runs = {r: flat(_adam(r, adamw=False)) for r in ROUNDINGS}
+    sgd = {r: flat(_sgd(r), SGD_GROUPS) for r in SGD_ROUNDINGS}
+    pairs = [(runs[a], runs[b]) for i, a in enumerate(ROUNDINGS) for b in ROUNDINGS[i + 1:]]
+    for a, b in pairs + [tuple(sgd.values())]:
+        assert not torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    tails = torch.cat([torch.arange(n) >= n - n % 8 for n in SIZES])
+    assert torch.equal(runs["torch_cpu"][~tails], runs["torch_cpu_fused"][~tails])
+    assert torch.equal(sgd["torch_cpu"][~tails], sgd["torch_cpu_fused"][~tails])
 
 
 def _fake_optimizer(device, fused):
@@ -73,14 +96,15 @@ def _fake_optimizer(device, fused):
 
 def test_the_rounding_of_a_torch_optimizer():
     assert rounding_of(_fake_optimizer("cpu", None)) == "torch_cpu"
-    assert rounding_of(_fake_optimizer("cpu", True)) == "torch_cpu"  # its vector loop rounds the same
+    assert rounding_of(_fake_optimizer("cpu", True)) == "torch_cpu_fused"
     assert rounding_of(_fake_optimizer("cuda", None)) == "torch_cuda_foreach"
     assert rounding_of(_fake_optimizer("cuda", False)) == "torch_cuda_foreach"
     assert rounding_of(_fake_optimizer("cuda", True)) == "torch_cuda_fused"
     p = nn.Parameter(torch.zeros(3))
-    for fused, sqrt in [(None, True), (True, False)]:
+    for fused, rounding, sqrt in [(None, "torch_cpu", True), (True, "torch_cpu_fused", False)]:
         inner = to_fused_optimizer(torch.optim.AdamW([p], fused=fused)).inner_defaults
-        assert (inner["rounding"], inner["torch_sqrt"]) == ("torch_cpu", sqrt)
+        assert (inner["rounding"], inner["torch_sqrt"]) == (rounding, sqrt)
+        assert to_fused_optimizer(torch.optim.SGD([p], momentum=0.9, fused=fused)).inner_defaults["rounding"] == rounding
 
 
 TORCH_OPTIMIZERS = [
@@ -102,14 +126,9 @@ def test_a_torch_optimizer_on_the_cpu_ends_on_torchs_bits(name, make, flags, wra
     """Each of torch's CPU implementations (for-loop, foreach, fused=True) of the user's
     optimizer, run by the kernels it maps to: stepped directly (to_fused_optimizer's
     optimizer shares the user's groups, our keys come from its inner defaults) or half
-    offloaded through the accelerator's code path.  Gradients over 1e-9..1e-1.
-
-    fused=True: torch's CPU kernels update the last ``numel % vector width`` elements of
-    each thread's share of a tensor in a scalar loop that rounds otherwise (seen: SGD, one
-    element of such a tail one ulp away after 6 steps; Adam, a 7-element bias after 7
-    steps), so the tensors here are multiples of 256 (every share a multiple of 16 up to 16
-    threads: its vector loop, our bits)."""
-    sizes = (8_960, 10_240) if "fused" in flags else (9_004, 10_007)
+    offloaded through the accelerator's code path.  Gradients over 1e-9..1e-1; tensors
+    with tails (fused=True rounds each tensor's last numel % 8 elements otherwise)."""
+    sizes = (9_004, 7, 10_007, 13)
     def train(opt, ps):
         g = torch.Generator().manual_seed(1)
         for _ in range(12):
@@ -150,15 +169,28 @@ def test_the_fused_kernels_scalars_are_float32_arithmetic():
 def test_bad_roundings_are_refused():
     p = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cuda_foreach', "
-                                         "'torch_cuda_fused', got 'cuda'"):
+                                         "'torch_cuda_fused', 'torch_cpu_fused', got 'cuda'"):
         FusedAdam(p, rounding="cuda")
     with pytest.raises(ValueError, match="torch_sqrt=True is torch's CPU square root"):
         FusedAdam(p, torch_sqrt=True, rounding="torch_cuda_fused")
+    with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cpu_fused', got "
+                                         "'torch_cuda_fused'"):
+        FusedSGD(p, rounding="torch_cuda_fused")
+    elsewhere = [nn.Parameter(torch.zeros(3, device="meta"))]  # a CUDA parameter, as far as the check goes
+    for cls in (FusedAdam, FusedSGD):
+        with pytest.raises(ValueError, match="rounding='torch_cpu_fused' is torch's CPU kernel, for CPU tensors, "
+                                             "got a tensor on meta"):
+            cls(elsewhere, rounding="torch_cpu_fused")
     module = load_cpu_extension(detect_isa().name, warn=False)
     t = torch.zeros(4)
-    with pytest.raises(ValueError, match="rounding must be 0"):
+    with pytest.raises(ValueError, match=r"rounding must be one of 0 \(torch's CPU step\), 1 .*, 3 \(its CPU fused "
+                                         r"kernel\), got 4"):
         module.adam_([t], [t.clone()], [t.clone()], [t.clone()], None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1e-3,
-                     1.0, 1.0, False, True, False, False, rounding=3)
+                     1.0, 1.0, False, True, False, False, rounding=4)
+    with pytest.raises(ValueError, match=r"rounding must be one of 0 \(torch's CPU step\), 3 \(its CPU fused "
+                                         r"kernel\), got 1"):
+        module.sgd_([t], [t.clone()], [t.clone()], None, 0.1, 0.9, 0.0, 0.0, 1.0, False, False, False, False, False,
+                    rounding=1)
 
 
 # ---------------------------------------------------------------------------- on a GPU

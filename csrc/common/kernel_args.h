@@ -11,9 +11,12 @@ namespace fastopt {
 // kernels have one.  Chosen once per optimizer (lightning_fastopt.ops.rounding) and
 // carried into the kernels as a template flag.
 enum class Rounding : int {
-  kTorchCpu = 0,          // torch's CPU step (the for-loop one; fused=True there too, but for its scalar tails)
+  kTorchCpu = 0,          // torch's CPU step (the for-loop one)
   kTorchCudaForeach = 1,  // torch's CUDA foreach step (the default on CUDA), torch >= 2.11
   kTorchCudaFused = 2,    // torch's CUDA fused=True kernel, torch >= 2.11
+  kTorchCpuFused = 3,     // torch's CPU fused=True kernel: kTorchCpu's operations (the IEEE square
+                          // root) in its vector loop, others in its scalar loop over each tensor's
+                          // last numel % 8 elements (../cpu/tensor_walk.h); CPU tensors only
 };
 
 struct AdamArgs {
@@ -35,6 +38,7 @@ struct SgdArgs {
   float lr, momentum, dampening, weight_decay, inv_grad_scale;
   bool nesterov, maximize, wd_after_momentum;
   bool first_step;  // the momentum buffer is initialised from the gradient (torch semantics)
+  Rounding rounding = Rounding::kTorchCpu;  // kTorchCpu (the CPU and CUDA foreach steps) or kTorchCpuFused
 };
 // state: momentum_buffer (momentum != 0 only)
 

@@ -18,6 +18,8 @@
 // is keyword-only.
 #pragma once
 
+#include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -45,6 +47,22 @@ struct LambDeviceClip {
   float max_grad_norm, inv_grad_scale;
 };
 
+// A rounding code (kernel_args.h) among those an algorithm takes, that the module's device
+// follows (Device::follows: the CUDA kernels not kTorchCpuFused, torch's CPU kernel).
+template <typename Device>
+void check_rounding(int rounding, std::initializer_list<int> taken) {
+  static const char* const names[] = {"torch's CPU step", "its CUDA foreach step", "its CUDA fused kernel",
+                                      "its CPU fused kernel"};
+  if (std::find(taken.begin(), taken.end(), rounding) == taken.end()) {
+    std::string accepted;
+    for (int r : taken) accepted += (accepted.empty() ? "" : ", ") + std::to_string(r) + " (" + names[r] + ")";
+    throw pybind11::value_error("rounding must be one of " + accepted + ", got " + std::to_string(rounding));
+  }
+  if (!Device::follows(static_cast<Rounding>(rounding)))
+    throw pybind11::value_error("rounding " + std::to_string(rounding) + " (" + names[rounding] +
+                                ") is for CPU tensors");
+}
+
 template <typename Device>
 void def_optimizer_functions(pybind11::module_& m) {
   namespace py = pybind11;
@@ -57,9 +75,7 @@ void def_optimizer_functions(pybind11::module_& m) {
                     const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
                     const OptTensor& step_tensor) {
     if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
-    if (rounding < 0 || rounding > static_cast<int>(Rounding::kTorchCudaFused))
-      throw py::value_error("rounding must be 0 (torch's CPU step), 1 (CUDA foreach) or 2 (CUDA fused), got " +
-                            std::to_string(rounding));
+    check_rounding<Device>(rounding, {0, 1, 2, 3});
     Slots slots = Device::slots(
         params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
     for (TensorSlot& s : slots) s.state_seed = state_seed;  // the stochastic rounding of bfloat16 state
@@ -81,20 +97,21 @@ void def_optimizer_functions(pybind11::module_& m) {
   m.def("sgd_", [](const TensorList& params, const TensorList& grads, const OptTensorList& momentum_buffers,
                    const OptTensorList& copies, float lr, float momentum, float dampening, float weight_decay,
                    float inv_grad_scale, bool nesterov, bool maximize, bool wd_after_momentum, bool first_step,
-                   bool check_finite, const OptTensor& grad_scale, const OptTensor& found_inf,
+                   bool check_finite, int rounding, const OptTensor& grad_scale, const OptTensor& found_inf,
                    const OptTensor& lr_tensor) {
     if (momentum != 0.0f && !momentum_buffers) throw py::value_error("momentum needs momentum_buffers");
+    check_rounding<Device>(rounding, {0, 3});
     const Slots slots =
         Device::slots(params, &grads, {momentum != 0.0f ? opt_list(momentum_buffers) : &kNoTensors}, copies);
     const SgdArgs a{lr, momentum, dampening, weight_decay, inv_grad_scale, nesterov, maximize, wd_after_momentum,
-                    first_step};
+                    first_step, static_cast<Rounding>(rounding)};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
                        [&](const auto& on) { on.sgd(slots, a); });
   }, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("copies"), py::arg("lr"),
      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("inv_grad_scale"),
      py::arg("nesterov"), py::arg("maximize"), py::arg("wd_after_momentum"), py::arg("first_step"),
-     py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
-     py::arg("lr_tensor") = py::none());
+     py::arg("check_finite"), py::arg("rounding") = 0, py::kw_only(), py::arg("grad_scale") = py::none(),
+     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
 
   m.def("adagrad_", [](const TensorList& params, const TensorList& grads, const TensorList& state_sums,
                        const OptTensorList& copies, float clr, float weight_decay, float eps, float inv_grad_scale,

@@ -4,7 +4,7 @@
 //
 // kTorchCpu: torch.optim.Adam/AdamW's default step on the CPU (its for-loop implementation:
 // one ATen op after another, each rounding once, the vectorized ones with the fused
-// multiply-adds ATen's kernels use; fused=True on the CPU too, but for its scalar tails):
+// multiply-adds ATen's kernels use):
 //   g  = -g if maximize (after unscaling)
 //   L2:    g = fma(p, wd, g)                        grad.add(param, alpha=wd)
 //   AdamW: p = p * float(1 - lr * wd)               param.mul_(1 - lr * wd), the factor in double
@@ -15,6 +15,11 @@
 //   p  = p + (-step_size * m) / d                   param.addcdiv_(exp_avg, denom, value=-step_size)
 // The scalars come from Python as doubles (step_size, bias_correction2_sqrt, the decay
 // factor, the betas) and are rounded to float once, as ATen rounds a Python scalar.
+//
+// kTorchCpuFused: torch's CPU fused=True kernel (ATen/native/cpu/FusedAdamKernel.cpp, AVX2
+// build): its vector loop as kTorchCpu with the IEEE square root; its scalar loop over each
+// tensor's last numel % 8 elements (tensor_walk.h) contracted otherwise by GCC:
+//   v  = fma(v, beta2, (float(1 - beta2) * g) * g)
 //
 // kTorchCudaForeach: torch's default step on CUDA, its _foreach ops (torch >= 2.11: the
 // lerp contracted as above; addcmul and addcdiv one fma of the scalar and the product or
@@ -78,7 +83,8 @@ struct AdamConstants {
         lerp1(static_cast<float>(1.0 - a.beta1_exact)) {}
 
   // m, v (and vmax) from the gradient; returns what the square root is taken of.
-  template <Rounding R, bool kAmsgrad, bool kL2, int NS>
+  // kScalarLoop: the elements torch's CPU fused kernel updates in its scalar loop.
+  template <Rounding R, bool kAmsgrad, bool kL2, int NS, bool kScalarLoop = false>
   FASTOPT_ALWAYS_INLINE VecF moments(const VecF& p, VecF g, std::array<VecF, NS>& st) const {
     g = g * gs;
     if constexpr (kL2) g = VecF::fmadd(p, wd, g);
@@ -90,6 +96,8 @@ struct AdamConstants {
       st[0] = lerp1(st[0], g);
       if constexpr (R == Rounding::kTorchCudaForeach)
         st[1] = w2_is_one ? VecF::fmadd(g, g, st[1] * b2) : VecF::fmadd(w2, g * g, st[1] * b2);
+      else if constexpr (kScalarLoop)
+        st[1] = VecF::fmadd(st[1], b2, (w2 * g) * g);
       else
         st[1] = VecF::fmadd(w2 * g, g, st[1] * b2);
     }
@@ -110,15 +118,22 @@ struct AdamConstants {
   }
 };
 
-// One pass, the IEEE square root (every CUDA rounding; bfloat16 state; a torch without MKL).
+// One pass, the IEEE square root (every rounding but kTorchCpu with torch_sqrt; bfloat16
+// state; a torch without MKL).
 template <Rounding R, bool kAmsgrad, bool kDecoupled, bool kL2>
 void run_one_pass(const Slots& slots, const AdamArgs& a) {
   const AdamConstants c(a);
   constexpr int NS = kAmsgrad ? 3 : 2;
-  elementwise_step<NS, !kAmsgrad>(slots, [&](VecF& p, VecF g, std::array<VecF, NS>& st) {
-    const VecF v = c.moments<R, kAmsgrad, kL2, NS>(p, g, st);
-    p = c.param<R, kDecoupled>(p, st[0], VecF::sqrt(v));
-  });
+  auto body = [&c](auto scalar_loop) {
+    return [&c](VecF& p, VecF g, std::array<VecF, NS>& st) {
+      const VecF v = c.moments<R, kAmsgrad, kL2, NS, decltype(scalar_loop)::value>(p, g, st);
+      p = c.param<R, kDecoupled>(p, st[0], VecF::sqrt(v));
+    };
+  };
+  if constexpr (R == Rounding::kTorchCpuFused)
+    elementwise_step_with_torch_tails<NS, !kAmsgrad>(slots, body(std::false_type{}), body(std::true_type{}));
+  else
+    elementwise_step<NS, !kAmsgrad>(slots, body(std::false_type{}));
 }
 
 // Block by block, MKL's square root between the two passes (torch_sqrt.h; torch's CPU step).
@@ -142,6 +157,8 @@ void run(const Slots& slots, const AdamArgs& a) {
       return run_one_pass<Rounding::kTorchCudaForeach, kAmsgrad, kDecoupled, kL2>(slots, a);
     case Rounding::kTorchCudaFused:
       return run_one_pass<Rounding::kTorchCudaFused, kAmsgrad, kDecoupled, kL2>(slots, a);
+    case Rounding::kTorchCpuFused:
+      return run_one_pass<Rounding::kTorchCpuFused, kAmsgrad, kDecoupled, kL2>(slots, a);
     case Rounding::kTorchCpu:
       break;
   }

@@ -66,6 +66,8 @@ struct CpuKernels {
 
 // The CPU's policy for ../common/optimizer_bindings.h.
 struct CpuDevice {
+  static bool follows(Rounding) { return true; }
+
   static Slots slots(const TensorList& params, const TensorList* grads, const std::vector<const TensorList*>& states,
                      const OptTensorList& copies) {
     return make_slots(params, grads, states, copies, usable_on_cpu, kCpuKind);

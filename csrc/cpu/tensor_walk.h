@@ -198,22 +198,54 @@ inline void for_each_vec_read(const T* x, int64_t b, int64_t e, const Fn& fn) {
   }
 }
 
-// The common case: an element-wise algorithm with NS float32 states (kBf16State: or,
-// with float32 params, bfloat16 ones as the slot says).
-template <int NS, bool kBf16State = false, typename Body>
-void elementwise_step(const Slots& slots, const Body& body) {
+// Runs fn(walk, slot, b, e) for each piece of each slot, where walk(pb, pe, body) runs an
+// element-wise body over [pb, pe) of that piece's slot with NS float32 states
+// (kBf16State: or, with float32 params, bfloat16 ones as the slot says).
+template <int NS, bool kBf16State, typename Fn>
+void elementwise_pieces(const Slots& slots, const Fn& fn) {
   parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
     const TensorSlot& s = slots[t];
     dispatch_dtypes(s, [&](auto p, auto g, auto c) {
       using P = decltype(p);
+      auto with_state = [&](auto state) {
+        auto walk = [&](int64_t pb, int64_t pe, const auto& body) {
+          for_each_vec<NS, true, P, decltype(g), decltype(c), decltype(state)>(s, pb, pe, body);
+        };
+        fn(walk, s, b, e);
+      };
       if constexpr (kBf16State && std::is_same_v<P, F32>) {
-        if (s.state_dtype == DType::kBFloat16) {
-          for_each_vec<NS, true, P, decltype(g), decltype(c), BF16>(s, b, e, body);
-          return;
-        }
+        if (s.state_dtype == DType::kBFloat16) return with_state(BF16{});
       }
-      for_each_vec<NS, true, P, decltype(g), decltype(c), F32>(s, b, e, body);
+      with_state(F32{});
     });
+  });
+}
+
+// The common case: one body for every element.
+template <int NS, bool kBf16State = false, typename Body>
+void elementwise_step(const Slots& slots, const Body& body) {
+  elementwise_pieces<NS, kBf16State>(slots, [&](const auto& walk, const TensorSlot&, int64_t b, int64_t e) {
+    walk(b, e, body);
+  });
+}
+
+// torch's CPU fused=True kernels (ATen/native/cpu/Fused{Adam,SGD}Kernel.cpp) split each
+// tensor into tasks of whole cache lines and run a vector loop over each, then a scalar
+// loop over what is left: the tensor's last numel % 8 elements (8 floats: the width of
+// their AVX2 build, which torch runs on every x86 host with AVX2 -- it has no AVX-512 build
+// of them), whatever the thread count.  GCC contracts the scalar loop's multiplies and adds
+// otherwise than the vector intrinsics (read from libtorch_cpu.so's disassembly, torch 2.11
+// and 2.13), so those elements round otherwise.
+constexpr int64_t kTorchFusedWidth = 8;
+
+// body for every element but each slot's last numel % kTorchFusedWidth, which get `tail`
+// (a slot is a whole tensor here, as torch's kernels see it).
+template <int NS, bool kBf16State = false, typename Body, typename Tail>
+void elementwise_step_with_torch_tails(const Slots& slots, const Body& body, const Tail& tail) {
+  elementwise_pieces<NS, kBf16State>(slots, [&](const auto& walk, const TensorSlot& s, int64_t b, int64_t e) {
+    const int64_t from = s.numel - s.numel % kTorchFusedWidth;
+    if (b < std::min(e, from)) walk(b, std::min(e, from), body);
+    if (std::max(b, from) < e) walk(std::max(b, from), e, tail);
   });
 }
 

@@ -25,6 +25,7 @@ void adam_step(const Slots& slots, const AdamArgs& a, bool bias_correction, cons
     case Rounding::kTorchCudaFused:
       return run<Rounding::kTorchCudaFused>(slots, a, bias_correction, d, stream);
     case Rounding::kTorchCpu:
+    case Rounding::kTorchCpuFused:  // refused by the bindings: torch's CPU kernel, for CPU tensors
       break;
   }
   run<Rounding::kTorchCpu>(slots, a, bias_correction, d, stream);

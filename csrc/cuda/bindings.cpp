@@ -102,6 +102,8 @@ struct CudaKernels {
 
 // The CUDA module's policy for ../common/optimizer_bindings.h.
 struct CudaDevice {
+  static bool follows(Rounding r) { return r != Rounding::kTorchCpuFused; }
+
   static Slots slots(const TensorList& params, const TensorList* grads, const std::vector<const TensorList*>& states,
                      const OptTensorList& copies) {
     return cuda_slots(params, grads, states, copies);

@@ -1,23 +1,28 @@
-"""Which of torch's implementations an Adam step reproduces, rounding for rounding.
+"""Which of torch's implementations a step reproduces, rounding for rounding.
 
 torch computes Adam differently on each device: its CPU step (one ATen op after another),
-its CUDA ``foreach`` step (the default there) and its CUDA ``fused=True`` kernel each
-round in their own places, and their results differ in the last bits.  A fastopt run must
-end where the user's own run ends, so the kernels follow the implementation the user's
-optimizer would have run, on the CPU as on the GPU, whatever share of the parameters is
-offloaded (csrc/cpu/adam.cpp spells out each one):
+its CPU ``fused=True`` kernel, its CUDA ``foreach`` step (the default there) and its CUDA
+``fused=True`` kernel each round in their own places, and their results differ in the last
+bits.  A fastopt run must end where the user's own run ends, so the kernels follow the
+implementation the user's optimizer would have run, on the CPU as on the GPU, whatever
+share of the parameters is offloaded (csrc/cpu/adam.cpp spells out each one):
 
-``"torch_cpu"``           torch's CPU step (the for-loop one; ``fused=True`` on the CPU
-                          rounds so too, but for its scalar tails: docs/correctness.md).
-                          The default of :class:`FusedAdam`.
+``"torch_cpu"``           torch's CPU step (the for-loop one).  The default of
+                          :class:`FusedAdam` and :class:`FusedSGD`.
 ``"torch_cuda_foreach"``  torch's CUDA ``foreach`` step (torch >= 2.11).
 ``"torch_cuda_fused"``    torch's CUDA ``fused=True`` kernel (torch >= 2.11), its scalars in
                           float32, the bias corrections from CUDA's ``powf``.
+``"torch_cpu_fused"``     torch's CPU ``fused=True`` kernel: as ``"torch_cpu"`` with the IEEE
+                          square root, but for each tensor's last ``numel % 8`` elements,
+                          which its scalar loop rounds otherwise (csrc/cpu/tensor_walk.h).
+                          CPU tensors only.
 
-:func:`rounding_of` picks it for a torch optimizer from its parameters' device and its
-``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there multiplies by
-the reciprocal of the bias correction) gets ``"torch_cuda_foreach"``, which differs from it in
-the last bit of some elements.
+SGD takes ``"torch_cpu"`` (its CPU and CUDA foreach steps round alike) and
+``"torch_cpu_fused"`` (:data:`SGD_ROUNDINGS`).  :func:`rounding_of` picks the rounding for a
+torch optimizer from its parameters' device and its ``fused`` flag.  A ``foreach=False``
+optimizer on CUDA (torch's for-loop there multiplies by the reciprocal of the bias
+correction) gets ``"torch_cuda_foreach"``, which differs from it in the last bit of some
+elements.
 """
 
 from __future__ import annotations
@@ -28,13 +33,23 @@ from functools import lru_cache
 
 import torch
 
-ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused")
+ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cpu_fused")
+SGD_ROUNDINGS = ("torch_cpu", "torch_cpu_fused")
+CPU_ONLY = ("torch_cpu_fused",)
 
 
-def check_rounding(rounding: str) -> str:
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {', '.join(map(repr, ROUNDINGS))}, got {rounding!r}")
+def check_rounding(rounding: str, accepted: tuple[str, ...] = ROUNDINGS) -> str:
+    if rounding not in accepted:
+        raise ValueError(f"rounding must be one of {', '.join(map(repr, accepted))}, got {rounding!r}")
     return rounding
+
+
+def check_rounding_device(rounding: str, tensors) -> None:
+    """A CPU-only rounding (torch's CPU fused kernel) with tensors elsewhere is a ValueError."""
+    if rounding in CPU_ONLY:
+        device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+        if device is not None:
+            raise ValueError(f"rounding={rounding!r} is torch's CPU kernel, for CPU tensors, got a tensor on {device}")
 
 
 def kernel_code(rounding: str) -> int:
@@ -43,12 +58,13 @@ def kernel_code(rounding: str) -> int:
 
 
 def rounding_of(optimizer: torch.optim.Optimizer) -> str:
-    """The rounding of the step ``optimizer`` (a torch Adam/AdamW) would take: its
-    parameters' device and its ``fused`` flag."""
+    """The rounding of the step ``optimizer`` (a torch optimizer) would take: its parameters'
+    device and its ``fused`` flag."""
     on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+    fused = bool(optimizer.defaults.get("fused"))
     if not on_cuda:
-        return "torch_cpu"
-    return "torch_cuda_fused" if optimizer.defaults.get("fused") else "torch_cuda_foreach"
+        return "torch_cpu_fused" if fused else "torch_cpu"
+    return "torch_cuda_fused" if fused else "torch_cuda_foreach"
 
 
 _POWERS_PER_BLOCK = 1024

@@ -124,7 +124,8 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
     AdamW's factor ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by
     default from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's: the bits of
     ``rounding`` 0 (torch's CPU step) on the CPU and of 1 (CUDA foreach) on CUDA; the other
-    pairs (a fallback: the compiled kernels follow every rounding everywhere) come within an
+    pairs (a fallback: the compiled kernels follow every rounding everywhere; 3, torch's CPU
+    fused kernel, differs from 0 in each tensor's last numel % 8 elements) come within an
     ulp per step."""
     if decay is None:
         decay = 1 - lr * weight_decay
@@ -176,7 +177,10 @@ def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, dec
 
 
 def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weight_decay, inv_grad_scale,
-         nesterov, maximize, wd_after_momentum, first_step, check_finite) -> bool:
+         nesterov, maximize, wd_after_momentum, first_step, check_finite, rounding: int = 0) -> bool:
+    """torch.optim.SGD's foreach step, op for op: the bits of ``rounding`` 0 (torch's CPU
+    step, and its CUDA foreach step); with 3 (torch's CPU fused kernel, a fallback) each
+    tensor's last numel % 8 elements come within an ulp per step."""
     if check_finite and not all_finite(grads):
         return True
     if not params:

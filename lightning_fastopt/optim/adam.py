@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lightning_fastopt.functional import fused_adam_
-from lightning_fastopt.ops.rounding import check_rounding
+from lightning_fastopt.ops.rounding import check_rounding, check_rounding_device
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
 
 
@@ -48,8 +48,8 @@ class FusedAdam(FusedOptimizer):
 
     ``rounding`` names the torch implementation whose roundings the step follows, on the
     CPU and on the GPU alike: ``"torch_cpu"`` (default), ``"torch_cuda_foreach"`` (torch's
-    default on CUDA) or ``"torch_cuda_fused"`` (``fused=True`` on CUDA), see
-    :mod:`lightning_fastopt.ops.rounding`.  The fastopt strategies pick the one the user's
+    default on CUDA), ``"torch_cuda_fused"`` (``fused=True`` on CUDA) or ``"torch_cpu_fused"``
+    (``fused=True`` on the CPU; CPU parameters only), see :mod:`lightning_fastopt.ops.rounding`.  The fastopt strategies pick the one the user's
     torch optimizer would have run, so that an offloaded run ends on its bits.
     """
 
@@ -85,6 +85,7 @@ class FusedAdam(FusedOptimizer):
         check_range("eps", group["eps"], 0.0)
         check_range("weight_decay", group["weight_decay"], 0.0)
         rounding = check_rounding(group.get("rounding", "torch_cpu"))
+        check_rounding_device(rounding, group.get("params", ()))
         if group.get("torch_sqrt") and rounding != "torch_cpu":
             raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
 

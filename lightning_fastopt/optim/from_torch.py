@@ -18,7 +18,7 @@ from lightning_fastopt.optim.adam import FusedAdam
 from lightning_fastopt.optim.base import SUPPORTED_DTYPES, FusedOptimizer
 from lightning_fastopt.optim.sgd import FusedSGD
 from lightning_fastopt.optim.user_step import UserStepOptimizer
-from lightning_fastopt.ops.rounding import rounding_of
+from lightning_fastopt.ops.rounding import SGD_ROUNDINGS, rounding_of
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -101,10 +101,13 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         rounding = rounding_of(optimizer)
         return dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                     amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False),
-                    torch_sqrt=rounding == "torch_cpu" and not d.get("fused"), rounding=rounding)
+                    torch_sqrt=rounding == "torch_cpu", rounding=rounding)
     if isinstance(optimizer, torch.optim.SGD):
+        # its CUDA fused kernel is not followed (docs/correctness.md): its CPU step's roundings
+        rounding = rounding_of(optimizer)
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
-                    nesterov=d["nesterov"], maximize=d.get("maximize", False))
+                    nesterov=d["nesterov"], maximize=d.get("maximize", False),
+                    rounding=rounding if rounding in SGD_ROUNDINGS else "torch_cpu")
     on_cpu = all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"])
     return dict(lr=d["lr"], lr_decay=d["lr_decay"], weight_decay=d["weight_decay"],
                 initial_accumulator_value=d["initial_accumulator_value"], eps=d["eps"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_fastopt.functional import fused_sgd_
+from lightning_fastopt.ops.rounding import SGD_ROUNDINGS, check_rounding, check_rounding_device
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_lr, check_range
 
 
@@ -13,6 +14,12 @@ class FusedSGD(FusedOptimizer):
     update instead of before it.  Every torch.optim.SGD keyword is accepted; ``foreach``
     and ``fused`` have no effect and ``differentiable=True`` raises.
 
+    Rounding: every operation rounds as torch.optim.SGD's CPU step (and its CUDA foreach
+    step) rounds it; ``rounding="torch_cpu_fused"`` (CPU parameters) as its CPU ``fused=True``
+    kernel, which rounds the momentum of each tensor's last ``numel % 8`` elements otherwise
+    (:mod:`lightning_fastopt.ops.rounding`).  The fastopt strategies pick it for a CPU
+    ``torch.optim.SGD(fused=True)``.
+
     State per parameter (float32): ``momentum_buffer`` (only when momentum != 0).
     """
 
@@ -20,10 +27,11 @@ class FusedSGD(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, wd_after_momentum: bool = False, *, maximize: bool = False,
-                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None) -> None:
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
+                 rounding: str = "torch_cpu") -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         wd_after_momentum=wd_after_momentum, maximize=maximize, foreach=foreach,
-                        differentiable=False, fused=fused)
+                        differentiable=False, fused=fused, rounding=rounding)
         self._validate_group(defaults)
         super().__init__(params, defaults, foreach=foreach, fused=fused, differentiable=differentiable)
 
@@ -34,6 +42,7 @@ class FusedSGD(FusedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("nesterov=True requires momentum > 0 and dampening == 0")
+        check_rounding_device(check_rounding(group.get("rounding", "torch_cpu"), SGD_ROUNDINGS), group.get("params", ()))
 
     def _init_state(self, group, p, state) -> None:
         if group["momentum"] != 0:
@@ -57,4 +66,4 @@ class FusedSGD(FusedOptimizer):
                    momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
                    nesterov=group["nesterov"], maximize=group["maximize"],
                    wd_after_momentum=group["wd_after_momentum"], grad_scale=grad_scale,
-                   param_copies=b.copies, found_inf=b.found_inf)
+                   param_copies=b.copies, found_inf=b.found_inf, rounding=group.get("rounding", "torch_cpu"))
