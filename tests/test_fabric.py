@@ -42,7 +42,6 @@ from tests.fabric_loop import make_model, make_optimizer, train
 from tests.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
-ADAM_TOL = dict(rtol=1.3e-6, atol=1e-5)
 
 
 def _fabric(strategy, accelerator="cpu", **kw):
@@ -83,7 +82,7 @@ def test_on_gpu_equals_fabric_with_torch_adamw(fraction, keep):
     strategy = FastOptFabricStrategy(offload_fraction=fraction, keep_gradients=keep, bucket_size_mb=0.0002)
     ours = train(_fabric(strategy, accelerator="cuda"))
     assert strategy._wrappers[0].offload_fraction == fraction
-    torch.testing.assert_close(_weights(ours), reference, **ADAM_TOL)
+    _assert_equal(_weights(ours), reference)  # torch's CUDA foreach rounding, followed on both shares
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -340,8 +339,7 @@ def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
 def test_bf16_true_trains_half_weights_from_float32_masters(strategy, name):
     """Against the plain-PyTorch reference of the Trainer's test (half model, float32
-    masters stepped by torch.optim, copied back): SGD bit for bit, AdamW within one unit
-    in the last place of bfloat16."""
+    masters stepped by torch.optim, copied back): bit for bit."""
     from tests.test_half_weights import OPTIMIZERS, _reference
 
     made = FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True) \
@@ -350,10 +348,7 @@ def test_bf16_true_trains_half_weights_from_float32_masters(strategy, name):
     ref = _reference(OPTIMIZERS[name], torch.bfloat16, epochs=2)
     for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert a.dtype == torch.bfloat16
-        if name == "sgd":
-            assert torch.equal(a, b), n
-        else:
-            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        assert torch.equal(a, b), n
 
 
 def test_16_true_scales_the_loss_and_skips_an_overflowing_step():

@@ -281,10 +281,7 @@ def test_under_the_trainer_it_ends_where_the_step_waiting_run_ends(info, tmp_pat
     assert trainer.strategy.engines[0].forward_waits == "module"
     ref, _ = _fit(strategy("step") if kw else "auto")
     for a, b in zip(ours.parameters(), ref.parameters()):
-        if kw:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+        assert torch.equal(a, b)
 
 
 class _SaysItDoesNot(_ReadsWeights):
@@ -302,7 +299,7 @@ def test_with_the_fraction_chosen_for_the_user_the_rebuilt_optimizer_keeps_waiti
     assert opt.forward_waits == "module" and opt._in_flight.covered == set(ours.parameters())
     ref, _ = _fit("auto")
     for a, b in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1.3e-6, atol=1e-5)
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("callback,mode", [(_ReadsWeights(), "step"), (_SaysItDoesNot(), "module")])
