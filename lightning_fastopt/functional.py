@@ -45,8 +45,8 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
-from lightning_fastopt.ops.rounding import (SGD_ROUNDINGS, check_rounding, check_rounding_device, fused_cuda_scalars,
-                                            kernel_code)
+from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, check_rounding, check_rounding_device,
+                                            fused_cuda_adagrad_clr, fused_cuda_scalars, kernel_code)
 
 TensorList = Sequence[Tensor]
 
@@ -355,20 +355,28 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
 @_routed
 def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
                    maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
-                   torch_sqrt=False) -> bool:
+                   torch_sqrt=False, rounding="torch_cpu") -> bool:
     """Adagrad, torch.optim.Adagrad's formula, each operation rounded as torch's default CPU
-    step rounds it, with the IEEE square root (``torch_sqrt``: torch's CPU square root)."""
+    step rounds it, with the IEEE square root (``torch_sqrt``: torch's CPU square root), or
+    (``rounding="torch_cuda_fused"``) as its fused CUDA kernel, in double
+    (:mod:`lightning_fastopt.ops.rounding`)."""
+    check_rounding(rounding, ADAGRAD_ROUNDINGS)
+    if torch_sqrt and rounding != "torch_cpu":
+        raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
     if not len(params):
         return False
     sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
-    clr = sc.lr / (1 + (sc.step - 1) * lr_decay)
+    if rounding == "torch_cuda_fused":
+        clr = fused_cuda_adagrad_clr(sc.lr, lr_decay, sc.step)
+    else:
+        clr = sc.lr / (1 + (sc.step - 1) * lr_decay)
     return _run(sc, route, "adagrad_", cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay},
                 params=list(params), grads=list(grads), state_sums=list(state_sums), copies=_list(param_copies),
                 clr=clr, weight_decay=weight_decay, eps=eps, inv_grad_scale=sc.inv_scale, maximize=maximize,
-                check_finite=check_finite, torch_sqrt=torch_sqrt)
+                check_finite=check_finite, torch_sqrt=torch_sqrt, rounding=kernel_code(rounding))
 
 
 @_routed

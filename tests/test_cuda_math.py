@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_fastopt.ops.rounding import fused_cuda_adagrad_clr
+
 REPO = Path(__file__).resolve().parent.parent
 N = 10_007
 
@@ -162,6 +164,24 @@ def test_adagrad_math_is_the_cpu_kernels(compiled, host_math, tmp_path, maximize
     dp, _ = host_math("adagrad", tmp_path, p, g, states, lr=1e-2, lr_decay=0.01, weight_decay=weight_decay,
                       eps=1e-10, inv_grad_scale=0.5, maximize=maximize, dev_step=5)
     _same(dp, cp, exact=False)
+
+
+@pytest.mark.parametrize("maximize,weight_decay,lr_decay", [(False, 0.0, 0.0), (True, 0.1, 0.01)])
+def test_adagrad_math_in_torchs_fused_cuda_rounding_is_the_cpu_kernels(compiled, host_math, tmp_path, maximize,
+                                                                        weight_decay, lr_decay):
+    """rounding 2, torch's fused CUDA kernel (in double): the host structs and the CPU
+    kernels, with the step count on the host and on the "device"."""
+    p, g, states = _data(1, positive=(0,))
+    clr = fused_cuda_adagrad_clr(1e-2, lr_decay, 5)
+    hp, hs = host_math("adagrad", tmp_path, p, g, states, clr=clr, weight_decay=weight_decay, eps=1e-10,
+                       inv_grad_scale=0.5, maximize=maximize, rounding=2)
+    cp, cg, cs = _clone(p, g, states)
+    compiled.adagrad_([cp], [cg], [cs[0]], None, clr, weight_decay, 1e-10, 0.5, maximize, False, False, 2)
+    _same(hp, cp)
+    _same(hs[0], cs[0])
+    dp, _ = host_math("adagrad", tmp_path, p, g, states, lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay,
+                      eps=1e-10, inv_grad_scale=0.5, maximize=maximize, dev_step=5, rounding=2)
+    _same(dp, cp)  # the device's clr is the host's
 
 
 @pytest.mark.parametrize("beta1,beta2,maximize", [(0.9, 0.99, False), (0.2, 0.7, True)])  # lerp weights < and >= 0.5

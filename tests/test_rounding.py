@@ -12,6 +12,7 @@ directly, through the offload optimizer at fractions 0, 0.5 and 1, and under the
 against Trainer().
 """
 
+import math
 from types import SimpleNamespace
 
 import lightning as L
@@ -21,12 +22,13 @@ import torch
 from torch import nn
 
 import lightning_fastopt.ops as ops
-from lightning_fastopt import FastOptStrategy, FusedAdam, FusedSGD, OffloadOptimizer
+from lightning_fastopt import FastOptStrategy, FusedAdagrad, FusedAdam, FusedSGD, OffloadOptimizer
 from lightning_fastopt.ops.cpu import load_cpu_extension
 from lightning_fastopt.ops.isa import detect_isa
-from lightning_fastopt.ops.rounding import ROUNDINGS, SGD_ROUNDINGS, fused_cuda_scalars, rounding_of
+from lightning_fastopt.ops.rounding import (ROUNDINGS, SGD_ROUNDINGS, fused_cuda_adagrad_clr, fused_cuda_scalars,
+                                            rounding_of)
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
-from tests.helpers import BIG, SIZES, run_twins
+from tests.helpers import BIG, SIZES, assert_params_equal, run_twins
 
 ISAS = sorted({detect_isa().name, "generic"})
 
@@ -105,6 +107,8 @@ def test_the_rounding_of_a_torch_optimizer():
         inner = to_fused_optimizer(torch.optim.AdamW([p], fused=fused)).inner_defaults
         assert (inner["rounding"], inner["torch_sqrt"]) == (rounding, sqrt)
         assert to_fused_optimizer(torch.optim.SGD([p], momentum=0.9, fused=fused)).inner_defaults["rounding"] == rounding
+        inner = to_fused_optimizer(torch.optim.Adagrad([p], fused=fused)).inner_defaults
+        assert (inner["rounding"], inner["torch_sqrt"]) == ("torch_cpu", sqrt)  # its CPU kernels round alike
 
 
 TORCH_OPTIMIZERS = [
@@ -150,6 +154,58 @@ def test_a_torch_optimizer_on_the_cpu_ends_on_torchs_bits(name, make, flags, wra
         assert 0 < opt.offloaded_numel < sum(sizes)
     for a, b in zip(train(opt, ps), ref):
         assert torch.equal(a, b)
+
+
+def _fused_cuda_adagrad_reference(p, g, s, *, clr, weight_decay, eps, maximize):
+    """torch's fused CUDA Adagrad for float32 tensors, written with torch's CPU ops in the
+    precisions its SASS shows (csrc/common/fused_cuda_adagrad.h): a double multiply-add for
+    the decay (``addcmul`` with value 1 is one fused multiply-add, in float64 as in
+    float32), a float32 one for the sum, the update in double from the IEEE square root."""
+    g = -g if maximize else g
+    if weight_decay:
+        g = torch.addcmul(g.double(), p.double(), torch.full_like(p, weight_decay, dtype=torch.float64)).float()
+    s = torch.addcmul(s, g, g)
+    root = s.double().sqrt().float()  # sqrtf: the IEEE root (the float64 one rounds to it)
+    p = (p.double() - (clr * g.double()) / (root.double() + eps)).float()
+    return p, s
+
+
+@pytest.mark.parametrize("weight_decay,lr_decay,maximize", [(0.0, 0.0, False), (0.1, 0.01, True)])
+def test_adagrad_in_torchs_fused_cuda_rounding_is_its_double_arithmetic(weight_decay, lr_decay, maximize):
+    """The CPU kernels' rounding="torch_cuda_fused" Adagrad (the offloaded share of a GPU run
+    with torch.optim.Adagrad(fused=True)) against that arithmetic written with torch's ops,
+    20 steps; the CUDA structs give the same bits (tests/test_cuda_math.py), and the cuda
+    tests below compare with torch's kernel itself."""
+    torch.manual_seed(0)
+    sizes = (7, 1023, 10_007)
+    ps = [nn.Parameter(torch.randn(n)) for n in sizes]
+    ref = [p.detach().clone() for p in ps]
+    sums = [torch.full((n,), 0.1) for n in sizes]
+    opt = FusedAdagrad(ps, lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=0.1,
+                       maximize=maximize, rounding="torch_cuda_fused")
+    for step in range(1, 21):
+        grads = [torch.randn(n) * torch.logspace(-6, 0, n) for n in sizes]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        opt.step()
+        clr = fused_cuda_adagrad_clr(1e-2, lr_decay, step)
+        for i, g in enumerate(grads):
+            ref[i], sums[i] = _fused_cuda_adagrad_reference(ref[i], g, sums[i], clr=clr, weight_decay=weight_decay,
+                                                            eps=1e-10, maximize=maximize)
+    assert_params_equal([p.detach() for p in ps], ref)
+    assert_params_equal([opt.state[p]["sum"] for p in ps], sums)
+    default = FusedAdagrad([nn.Parameter(ref[2].clone())], lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay)
+    assert default.param_groups[0]["rounding"] == "torch_cpu"
+
+
+def test_the_fused_cuda_adagrads_learning_rate():
+    """``lr / (1 + (step - 1) * lr_decay)`` with ``step - 1`` in float32 and one rounding for
+    the multiply-add: at most an ulp from the plain formula, and not always the same."""
+    lr = 3e-3
+    plain = [lr / (1 + (s - 1) * 0.013) for s in range(1, 2000)]
+    fused = [fused_cuda_adagrad_clr(lr, 0.013, s) for s in range(1, 2000)]
+    assert fused[0] == lr and fused != plain
+    assert all(abs(a - b) <= 2 * math.ulp(a) for a, b in zip(fused, plain))
 
 
 def test_the_fused_kernels_scalars_are_float32_arithmetic():
@@ -227,6 +283,7 @@ ON_CUDA = [
     ("sgd-dampening-maximize-foreach", lambda ps: torch.optim.SGD(ps, lr=1e-5, momentum=0.9, dampening=0.3,
                                                                   maximize=True)),
     ("adagrad-foreach", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01)),
+    ("adagrad-fused", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01, fused=True)),
 ]
 
 

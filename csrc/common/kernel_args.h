@@ -46,6 +46,10 @@ struct AdagradArgs {
   float clr, weight_decay, eps, inv_grad_scale;  // clr = lr / (1 + (step - 1) * lr_decay)
   bool maximize;
   bool torch_sqrt;  // CPU: the square root torch's CPU ops compute (MKL's), not the IEEE one
+  // kTorchCpu (torch's CPU step, and its CUDA foreach step) or kTorchCudaFused (its fused CUDA
+  // kernel, in double: fused_cuda_adagrad.h), which takes these as given, in double
+  Rounding rounding = Rounding::kTorchCpu;
+  double clr_exact = 0.0, weight_decay_exact = 0.0, eps_exact = 0.0;
 };
 // state: sum
 

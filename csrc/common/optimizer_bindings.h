@@ -114,19 +114,22 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
 
   m.def("adagrad_", [](const TensorList& params, const TensorList& grads, const TensorList& state_sums,
-                       const OptTensorList& copies, float clr, float weight_decay, float eps, float inv_grad_scale,
-                       bool maximize, bool check_finite, bool torch_sqrt, float lr, float lr_decay,
+                       const OptTensorList& copies, double clr, double weight_decay, double eps, float inv_grad_scale,
+                       bool maximize, bool check_finite, bool torch_sqrt, int rounding, double lr, double lr_decay,
                        const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
                        const OptTensor& step_tensor) {
+    check_rounding<Device>(rounding, {0, 2});
     const Slots slots = Device::slots(params, &grads, {&state_sums}, copies);
-    const AdagradArgs a{clr, weight_decay, eps, inv_grad_scale, maximize, torch_sqrt};
+    // the float scalars as before (the bindings took floats); kTorchCudaFused takes them as given
+    const AdagradArgs a{static_cast<float>(clr), static_cast<float>(weight_decay), static_cast<float>(eps),
+                        inv_grad_scale, maximize, torch_sqrt, static_cast<Rounding>(rounding), clr, weight_decay, eps};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, step_tensor},
                        [&](const auto& on) { on.adagrad(slots, a, lr, lr_decay); });
   }, py::arg("params"), py::arg("grads"), py::arg("state_sums"), py::arg("copies"), py::arg("clr"),
      py::arg("weight_decay"), py::arg("eps"), py::arg("inv_grad_scale"), py::arg("maximize"),
-     py::arg("check_finite"), py::arg("torch_sqrt") = false, py::kw_only(), py::arg("lr") = 0.0f,
-     py::arg("lr_decay") = 0.0f, py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
-     py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
+     py::arg("check_finite"), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
+     py::arg("lr") = 0.0, py::arg("lr_decay") = 0.0, py::arg("grad_scale") = py::none(),
+     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
 
   m.def("lion_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const OptTensorList& copies, float lr, float beta1, float beta2, float weight_decay,

@@ -11,6 +11,9 @@
 // pass; with `torch_sqrt`, torch's CPU one (MKL's, where torch has MKL), taken block by
 // block between two passes (torch_sqrt.h; the second pass forms g again from the
 // unchanged gradient and parameter).
+// kTorchCudaFused: torch's fused CUDA kernel, in double (../common/fused_cuda_adagrad.h),
+// element by element: the offloaded share of a GPU run with torch.optim.Adagrad(fused=True).
+#include "../common/fused_cuda_adagrad.h"
 #include "torch_sqrt.h"
 
 namespace fastopt {
@@ -59,9 +62,24 @@ void run_mkl_roots(const Slots& slots, const AdagradArgs& a) {
       [&](VecF& p, const VecF& g, std::array<VecF, 0>&, const VecF& root) { p = c.param(p, c.grad(p, g), root); });
 }
 
+void run_fused_cuda(const Slots& slots, const AdagradArgs& a) {
+  const float gs = a.maximize ? -a.inv_grad_scale : a.inv_grad_scale;
+  elementwise_step<1>(slots, [&](VecF& p, VecF g, std::array<VecF, 1>& st) {
+    alignas(64) float pv[VecF::W], gv[VecF::W], sv[VecF::W];
+    p.store(pv);
+    g.store(gv);
+    st[0].store(sv);
+    for (int i = 0; i < VecF::W; ++i)
+      fused_cuda_adagrad(pv[i], gv[i], sv[i], gs, a.weight_decay_exact, a.eps_exact, a.clr_exact);
+    p = VecF::load(pv);
+    st[0] = VecF::load(sv);
+  });
+}
+
 }  // namespace
 
 void adagrad_step(const Slots& slots, const AdagradArgs& a) {
+  if (a.rounding == Rounding::kTorchCudaFused) return run_fused_cuda(slots, a);
   if (!a.torch_sqrt || !torch_sqrt_is_mkl()) return run_one_pass(slots, a);
   run_mkl_roots(slots, a);
 }

@@ -43,7 +43,7 @@ struct CpuKernels {
     require_float32_state(s, "SGD");
     sgd_step(s, a);
   }
-  void adagrad(const Slots& s, const AdagradArgs& a, float /*lr*/, float /*lr_decay: in clr already*/) const {
+  void adagrad(const Slots& s, const AdagradArgs& a, double /*lr*/, double /*lr_decay: in clr already*/) const {
     require_float32_state(s, "Adagrad");
     adagrad_step(s, a);
   }

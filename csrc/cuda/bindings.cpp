@@ -78,7 +78,7 @@ struct CudaKernels {
     cuda::adam_step(s, a, bias_correction, d, stream);
   }
   void sgd(const Slots& s, const SgdArgs& a) const { cuda::sgd_step(s, a, d, stream); }
-  void adagrad(const Slots& s, const AdagradArgs& a, float lr, float lr_decay) const {
+  void adagrad(const Slots& s, const AdagradArgs& a, double lr, double lr_decay) const {
     cuda::adagrad_step(s, a, lr, lr_decay, d, stream);
   }
   void lion(const Slots& s, const LionArgs& a) const { cuda::lion_step(s, a, d, stream); }

@@ -35,7 +35,7 @@ int64_t total_chunks(const Slots& slots);
 void adam_step(const Slots& slots, const AdamArgs& a, bool bias_correction, const DeviceScalars& d,
                cudaStream_t stream);
 void sgd_step(const Slots& slots, const SgdArgs& a, const DeviceScalars& d, cudaStream_t stream);
-void adagrad_step(const Slots& slots, const AdagradArgs& a, float lr, float lr_decay, const DeviceScalars& d,
+void adagrad_step(const Slots& slots, const AdagradArgs& a, double lr, double lr_decay, const DeviceScalars& d,
                   cudaStream_t stream);
 void lion_step(const Slots& slots, const LionArgs& a, const DeviceScalars& d, cudaStream_t stream);
 

@@ -12,6 +12,7 @@
 
 #include <cmath>
 
+#include "../common/fused_cuda_adagrad.h"
 #include "cuda_api.h"
 
 namespace fastopt {
@@ -124,21 +125,27 @@ struct SgdMath {
 
 struct AdagradMath {
   AdagradArgs a;
-  float lr, lr_decay;
-  bool use_wd;
+  double lr, lr_decay;
+  bool use_wd, fused;  // fused: torch's fused CUDA kernel (../common/fused_cuda_adagrad.h)
   float gs, neg_clr;
+  double clr_exact;
 
   FASTOPT_HOST_DEVICE void prepare(const DeviceScalars& d) {
     gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     float clr = a.clr;
+    clr_exact = a.clr_exact;
     if (d.step != nullptr) {  // clr = lr / (1 + (step - 1) * lr_decay) from a device step count
-      const double base = static_cast<double>(d.lr != nullptr ? *d.lr : lr);
-      clr = static_cast<float>(base / (1.0 + (static_cast<double>(*d.step) - 1.0) * lr_decay));
+      const double base = d.lr != nullptr ? static_cast<double>(*d.lr) : static_cast<double>(static_cast<float>(lr));
+      clr = static_cast<float>(base / (1.0 + (static_cast<double>(*d.step) - 1.0) * static_cast<float>(lr_decay)));
+      // torch's fused kernel: the lr and lr_decay as given, the step count a float
+      clr_exact = (d.lr != nullptr ? static_cast<double>(*d.lr) : lr) /
+                  fma(static_cast<double>(*d.step - 1.0f), lr_decay, 1.0);
     }
     neg_clr = -clr;
   }
 
   FASTOPT_HOST_DEVICE inline void operator()(float& p, float g, float* s) const {
+    if (fused) return fused_cuda_adagrad(p, g, s[0], gs, a.weight_decay_exact, a.eps_exact, clr_exact);
     g = g * gs;
     if (use_wd) g = fmaf(a.weight_decay, p, g);
     s[0] = fmaf(g, g, s[0]);
@@ -270,12 +277,13 @@ inline SgdMath sgd_math(const SgdArgs& a) {
   return m;
 }
 
-inline AdagradMath adagrad_math(const AdagradArgs& a, float lr, float lr_decay) {
+inline AdagradMath adagrad_math(const AdagradArgs& a, double lr, double lr_decay) {
   AdagradMath m{};
   m.a = a;
   m.lr = lr;
   m.lr_decay = lr_decay;
   m.use_wd = a.weight_decay != 0.0f;
+  m.fused = a.rounding == Rounding::kTorchCudaFused;
   return m;
 }
 

@@ -18,8 +18,12 @@ share of the parameters is offloaded (csrc/cpu/adam.cpp spells out each one):
                           CPU tensors only.
 
 SGD takes ``"torch_cpu"`` (its CPU and CUDA foreach steps round alike) and
-``"torch_cpu_fused"`` (:data:`SGD_ROUNDINGS`).  :func:`rounding_of` picks the rounding for a
-torch optimizer from its parameters' device and its ``fused`` flag.  A ``foreach=False``
+``"torch_cpu_fused"`` (:data:`SGD_ROUNDINGS`); Adagrad ``"torch_cpu"`` (its CPU step, its
+CUDA foreach step, and its CPU fused kernel with the IEEE square root) and
+``"torch_cuda_fused"``, its CUDA fused kernel, which computes in double between float loads
+and stores (csrc/common/fused_cuda_adagrad.h; :data:`ADAGRAD_ROUNDINGS`).
+:func:`rounding_of` picks the rounding for a torch optimizer from its parameters' device
+and its ``fused`` flag.  A ``foreach=False``
 optimizer on CUDA (torch's for-loop there multiplies by the reciprocal of the bias
 correction) gets ``"torch_cuda_foreach"``, which differs from it in the last bit of some
 elements.
@@ -29,12 +33,14 @@ from __future__ import annotations
 
 import math
 import struct
+from fractions import Fraction
 from functools import lru_cache
 
 import torch
 
 ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cpu_fused")
 SGD_ROUNDINGS = ("torch_cpu", "torch_cpu_fused")
+ADAGRAD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused")
 CPU_ONLY = ("torch_cpu_fused",)
 
 
@@ -101,3 +107,11 @@ def fused_cuda_scalars(lr: float, beta1: float, beta2: float, step: int,
     bc1 = _f32(1.0 - _powf(beta1, step)) if bias_correction else 1.0
     bc2 = _f32(1.0 - _powf(beta2, step)) if bias_correction else 1.0
     return _f32(_f32(lr) / bc1), _f32(math.sqrt(bc2))
+
+
+def fused_cuda_adagrad_clr(lr: float, lr_decay: float, step: float) -> float:
+    """Adagrad's ``lr / (1 + (step - 1) * lr_decay)`` as torch's fused CUDA kernel computes
+    it: ``step - 1`` in float32, the rest in double with the multiply and the add fused."""
+    step_minus_one = _f32(_f32(float(step)) - 1.0)
+    denom = float(Fraction(step_minus_one) * Fraction(lr_decay) + 1)  # one rounding: fma
+    return lr / denom

@@ -207,9 +207,10 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
 
 
 def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,
-             check_finite, torch_sqrt: bool = False) -> bool:
+             check_finite, torch_sqrt: bool = False, rounding: int = 0) -> bool:
     """torch.optim.Adagrad's default CPU step, op for op, with the IEEE square root or
-    (``torch_sqrt``) torch's."""
+    (``torch_sqrt``) torch's; with ``rounding`` 2 (torch's fused CUDA kernel, in double: a
+    fallback) within an ulp per step."""
     if check_finite and not all_finite(grads):
         return True
     if not params:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_fastopt.functional import fused_adagrad_
+from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, check_rounding
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_lr, check_range
 
 
@@ -18,6 +19,9 @@ class FusedAdagrad(FusedOptimizer):
     the IEEE square root; ``torch_sqrt=True`` (CPU) takes torch's CPU square root (MKL's,
     not correctly rounded), for torch's bits exactly, as :class:`FusedAdam`'s does.  The
     fastopt strategies set it for a ``torch.optim.Adagrad`` whose parameters are on the CPU.
+    ``rounding="torch_cuda_fused"`` follows torch's fused CUDA kernel instead, which computes
+    in double between float loads and stores (:mod:`lightning_fastopt.ops.rounding`); the
+    strategies pick it for a CUDA ``torch.optim.Adagrad(fused=True)``.
     """
 
     state_keys = ("sum",)
@@ -25,10 +29,11 @@ class FusedAdagrad(FusedOptimizer):
     def __init__(self, params, lr=1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, foreach: bool | None = None,
                  maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
-                 torch_sqrt: bool = False) -> None:
+                 torch_sqrt: bool = False, rounding: str = "torch_cpu") -> None:
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach,
-                        maximize=maximize, differentiable=False, fused=fused, torch_sqrt=bool(torch_sqrt))
+                        maximize=maximize, differentiable=False, fused=fused, torch_sqrt=bool(torch_sqrt),
+                        rounding=rounding)
         self._validate_group(defaults)
         super().__init__(params, defaults, foreach=foreach, fused=fused, differentiable=differentiable)
         for group in self.param_groups:
@@ -45,6 +50,9 @@ class FusedAdagrad(FusedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         check_range("initial_accumulator_value", group["initial_accumulator_value"], 0.0)
         check_range("eps", group["eps"], 0.0)
+        rounding = check_rounding(group.get("rounding", "torch_cpu"), ADAGRAD_ROUNDINGS)
+        if group.get("torch_sqrt") and rounding != "torch_cpu":
+            raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
 
     def _init_state(self, group, p, state) -> None:
         state["sum"] = torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32,
@@ -54,4 +62,4 @@ class FusedAdagrad(FusedOptimizer):
         fused_adagrad_(b.params, b.grads, b.states["sum"], step=b.step, lr=group["lr"], lr_decay=group["lr_decay"],
                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                        grad_scale=grad_scale, param_copies=b.copies, found_inf=b.found_inf,
-                       torch_sqrt=group.get("torch_sqrt", False))
+                       torch_sqrt=group.get("torch_sqrt", False), rounding=group.get("rounding", "torch_cpu"))

@@ -18,7 +18,7 @@ from lightning_fastopt.optim.adam import FusedAdam
 from lightning_fastopt.optim.base import SUPPORTED_DTYPES, FusedOptimizer
 from lightning_fastopt.optim.sgd import FusedSGD
 from lightning_fastopt.optim.user_step import UserStepOptimizer
-from lightning_fastopt.ops.rounding import SGD_ROUNDINGS, rounding_of
+from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, rounding_of
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -108,7 +108,8 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False),
                     rounding=rounding if rounding in SGD_ROUNDINGS else "torch_cpu")
-    on_cpu = all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"])
+    rounding = rounding_of(optimizer)  # its CPU fused kernel rounds as its CPU step (with the IEEE root)
     return dict(lr=d["lr"], lr_decay=d["lr_decay"], weight_decay=d["weight_decay"],
                 initial_accumulator_value=d["initial_accumulator_value"], eps=d["eps"],
-                maximize=d.get("maximize", False), torch_sqrt=on_cpu and not d.get("fused"))
+                maximize=d.get("maximize", False), torch_sqrt=rounding == "torch_cpu",
+                rounding=rounding if rounding in ADAGRAD_ROUNDINGS else "torch_cpu")

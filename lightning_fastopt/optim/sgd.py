@@ -42,7 +42,8 @@ class FusedSGD(FusedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("nesterov=True requires momentum > 0 and dampening == 0")
-        check_rounding_device(check_rounding(group.get("rounding", "torch_cpu"), SGD_ROUNDINGS), group.get("params", ()))
+        rounding = check_rounding(group.get("rounding", "torch_cpu"), SGD_ROUNDINGS)
+        check_rounding_device(rounding, group.get("params", ()))
 
     def _init_state(self, group, p, state) -> None:
         if group["momentum"] != 0:

@@ -113,8 +113,10 @@ int main(int argc, char** argv) {
               flag("nesterov"), flag("maximize"), flag("wd_after_momentum"), flag("first_step")};
     elementwise(sgd_math(a), d, p, g, s);
   } else if (algo == "adagrad") {
-    AdagradArgs a{static_cast<float>(arg("clr")), wd, static_cast<float>(arg("eps")), inv, flag("maximize")};
-    elementwise(adagrad_math(a, lr, static_cast<float>(arg("lr_decay"))), d, p, g, s);
+    AdagradArgs a{static_cast<float>(arg("clr")), wd, static_cast<float>(arg("eps")), inv, flag("maximize"), false,
+                  static_cast<Rounding>(static_cast<int>(arg("rounding", 0.0))), arg("clr"), arg("weight_decay"),
+                  arg("eps")};
+    elementwise(adagrad_math(a, arg("lr"), arg("lr_decay")), d, p, g, s);
   } else if (algo == "lion") {
     LionArgs a{lr, static_cast<float>(arg("beta1")), static_cast<float>(arg("beta2")), wd, inv, flag("maximize")};
     elementwise(lion_math(a), d, p, g, s);
