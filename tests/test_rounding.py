@@ -54,6 +54,9 @@ def _train(make, groups=ADAM_GROUPS, sizes=SIZES, steps=20):
 ALGORITHMS = [(f"adam-{r}-{flags}", _adam(r, *(f == "1" for f in flags)), ADAM_GROUPS) for r in ROUNDINGS
               for flags in ("100", "011", "000")]  # (adamw, amsgrad, maximize)
 ALGORITHMS += [(f"sgd-{r}", _sgd(r), SGD_GROUPS) for r in SGD_ROUNDINGS]
+ALGORITHMS += [("adagrad-torch_cuda_fused",
+                lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=0.01, weight_decay=0.01, rounding="torch_cuda_fused"),
+                [dict(), dict(lr=0.05, weight_decay=0.1), dict(eps=1e-6, maximize=True)])]
 
 
 @pytest.mark.parametrize("name,make,groups", ALGORITHMS, ids=[n for n, _, _ in ALGORITHMS])
