@@ -5,8 +5,8 @@ on the accelerator code path run on the CPU (``copy_on_cpu=True``):
   float32 masters, the model's weights one update old once the warm-up is over) with two
   parameter groups, an LR scheduler, accumulation over two micro-batches, clipping by
   norm, a loss scale with injected overflows (skipped steps, one in the warm-up), and a
-  save and resume in the middle; SGD bit for bit, AdamW within torch's float32
-  tolerances, at fractions 1 and 0.5 (the device share is not delayed);
+  save and resume in the middle; SGD and AdamW bit for bit, at fractions 1 and 0.5 (the
+  device share is not delayed);
 - the resumed run ends where the uninterrupted one ends, bit for bit;
 - the update runs while the next backward computes (timestamps);
 - weights written between steps keep the write; training ends with the last update in

@@ -1,7 +1,7 @@
 """Lightning Fabric with the fastopt strategies (lightning_fastopt.fabric), against Fabric's
-own strategies with torch.optim.AdamW, element by element (Adam's float32 tolerances,
-rtol 1.3e-6 / atol 1e-5) over 8 steps of a loop with two parameter groups, a scheduler,
-accumulation with ``no_backward_sync`` and clipping by norm or by value:
+own strategies with torch.optim.AdamW, bit for bit, over 8 steps of a loop with two
+parameter groups, a scheduler, accumulation with ``no_backward_sync`` and clipping by norm
+or by value:
 
 - one process, at fractions 0, 0.5 and 1 through the accelerator code path on the CPU,
   gradients kept or copied during backward, and the ZeRO names;

@@ -1,7 +1,7 @@
 """The torch-fused path that serves CUDA tensors until our CUDA kernels land, run here on
-the CPU (torch ships the same kernels for both): FusedAdam and FusedSGD through it match
-torch.optim (Adam rtol 1.3e-6 / atol 1e-5, SGD 1e-6), with loss-scale unscaling, and
-calls it cannot compute exactly as ours go to the other backends.  It serves Adam in the
+the CPU (torch ships the same kernels for both): FusedAdam and FusedSGD through it end on
+the bits of torch's own fused optimizers, with loss-scale unscaling, and calls it cannot
+compute exactly as ours go to the other backends.  It serves Adam in the
 rounding of torch's fused kernel only (``rounding="torch_cuda_fused"``)."""
 
 import pytest

@@ -3,7 +3,8 @@ plain-PyTorch references in tests/references.py, element by element, 50 steps, t
 parameter groups, sizes 0, 1, 7, 1023 (1,000,003 once), on every CPU backend.
 
 Tolerances: rtol 1e-5, atol 1e-5 for LAMB and LARS (per-tensor norms are accumulated in
-a different order than the reference's); rtol 1.3e-6, atol 1e-5 for Adam.  Lion's update
+a different order than the reference's); Adam without bias correction bit for bit (the
+reference is torch's CPU step without the corrections; ``torch_sqrt=True``).  Lion's update
 is a sign, so a 1-ulp difference in an interpolation that is exactly at 0 would flip an
 element by 2*lr: Lion is checked one step at a time from a shared state (the reference
 restarts from our parameters and moments each step): parameters with rtol 1e-6 and
