@@ -46,7 +46,8 @@ from torch import Tensor
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
 from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, check_rounding, check_rounding_device,
-                                            fused_cuda_adagrad_clr, fused_cuda_scalars, kernel_code)
+                                            check_torch_sqrt, fused_cuda_adagrad_clr, fused_cuda_scalars,
+                                            kernel_code)
 
 TensorList = Sequence[Tensor]
 
@@ -277,6 +278,9 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
     ``exp_avgs`` and ``exp_avg_sqs`` are float32, or (CPU, float32 params, no amsgrad)
     bfloat16, stored with stochastic rounding seeded by the step count
     (:func:`lightning_fastopt.ops.torch_backend.round_bf16_stochastic`)."""
+    check_rounding(rounding)
+    check_rounding_device(rounding, params)
+    check_torch_sqrt(torch_sqrt, rounding)
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                    max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None, param_copies=param_copies)
     if amsgrad and max_exp_avg_sqs is None:
@@ -287,10 +291,6 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
     sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True
-    check_rounding(rounding)
-    check_rounding_device(rounding, params)
-    if torch_sqrt and rounding != "torch_cpu":
-        raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
     if (sc.ext is None and rounding == "torch_cuda_fused" and bias_correction
             and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
@@ -361,8 +361,7 @@ def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, 
     (``rounding="torch_cuda_fused"``) as its fused CUDA kernel, in double
     (:mod:`lightning_fastopt.ops.rounding`)."""
     check_rounding(rounding, ADAGRAD_ROUNDINGS)
-    if torch_sqrt and rounding != "torch_cpu":
-        raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
+    check_torch_sqrt(torch_sqrt, rounding)
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
     if not len(params):
         return False

@@ -39,7 +39,7 @@ from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
-from tests.helpers import subprocess_env
+from tests.helpers import assert_params_equal, subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,11 +54,6 @@ def _weights(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _assert_equal(ours, reference):
-    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
-        assert torch.equal(a, b), f"parameter {i}: {(a.double() - b.double()).abs().max().item()} away"
-
-
 @pytest.mark.parametrize("clip", [("norm", 0.5), ("value", 0.05)], ids=["norm", "value"])
 @pytest.mark.parametrize("fraction,keep", [(0.0, True), (0.5, True), (1.0, True), (0.5, False), (1.0, False)])
 def test_one_process_equals_fabric_with_torch_adamw(fraction, keep, clip):
@@ -70,7 +65,7 @@ def test_one_process_equals_fabric_with_torch_adamw(fraction, keep, clip):
     opt = strategy._wrappers[0]
     assert isinstance(opt, OffloadOptimizer) and opt.offload_fraction == fraction
     assert opt.device_grads == ("keep" if keep else "copy_in_backward")
-    _assert_equal(_weights(ours), reference)
+    assert_params_equal(_weights(ours), reference)
 
 
 @pytest.mark.cuda
@@ -82,7 +77,7 @@ def test_on_gpu_equals_fabric_with_torch_adamw(fraction, keep):
     strategy = FastOptFabricStrategy(offload_fraction=fraction, keep_gradients=keep, bucket_size_mb=0.0002)
     ours = train(_fabric(strategy, accelerator="cuda"))
     assert strategy._wrappers[0].offload_fraction == fraction
-    _assert_equal(_weights(ours), reference)  # torch's CUDA foreach rounding, followed on both shares
+    assert_params_equal(_weights(ours), reference)  # torch's CUDA foreach rounding, followed on both shares
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -92,7 +87,7 @@ def test_bf16_mixed_equals_fabrics_own(accelerator):
                                            copy_on_cpu=accelerator == "cpu"), accelerator=accelerator,
                      precision="bf16-mixed")
     assert isinstance(fabric.strategy.precision, FastOptFabricPrecision)
-    _assert_equal(_weights(train(fabric)), reference)
+    assert_params_equal(_weights(train(fabric)), reference)
 
 
 @pytest.mark.cuda
@@ -115,7 +110,7 @@ def test_the_names_are_in_fabrics_registry_and_train_alike(name):
     reference = _weights(train(_fabric("auto")))
     fabric = _fabric(name)
     assert isinstance(fabric.strategy, FastOptFabricStrategy)
-    _assert_equal(_weights(train(fabric)), reference)
+    assert_params_equal(_weights(train(fabric)), reference)
 
 
 def test_fp16_overflow_skips_the_step_and_save_load_continues_exactly(tmp_path):
@@ -248,7 +243,7 @@ def test_one_process_needs_no_launch_as_fabrics_own():
     assert isinstance(fabric.strategy, SingleDeviceStrategy) and isinstance(fabric.strategy, FastOptFabricStrategy)
     assert type(fabric.strategy).__name__ == "FastOptFabricStrategy"
     try:
-        _assert_equal(_weights(train(fabric)), reference)
+        assert_params_equal(_weights(train(fabric)), reference)
         assert torch.get_num_threads() == 1
     finally:
         fabric.strategy.teardown()

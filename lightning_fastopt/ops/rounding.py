@@ -23,10 +23,9 @@ CUDA foreach step, and its CPU fused kernel with the IEEE square root) and
 ``"torch_cuda_fused"``, its CUDA fused kernel, which computes in double between float loads
 and stores (csrc/common/fused_cuda_adagrad.h; :data:`ADAGRAD_ROUNDINGS`).
 :func:`rounding_of` picks the rounding for a torch optimizer from its parameters' device
-and its ``fused`` flag.  A ``foreach=False``
-optimizer on CUDA (torch's for-loop there multiplies by the reciprocal of the bias
-correction) gets ``"torch_cuda_foreach"``, which differs from it in the last bit of some
-elements.
+and its ``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there
+multiplies by the reciprocal of the bias correction) gets ``"torch_cuda_foreach"``, which
+differs from it in the last bit of some elements.
 """
 
 from __future__ import annotations
@@ -56,6 +55,13 @@ def check_rounding_device(rounding: str, tensors) -> None:
         device = next((t.device for t in tensors if t.device.type != "cpu"), None)
         if device is not None:
             raise ValueError(f"rounding={rounding!r} is torch's CPU kernel, for CPU tensors, got a tensor on {device}")
+
+
+def check_torch_sqrt(torch_sqrt: bool, rounding: str) -> None:
+    """``torch_sqrt=True`` (torch's CPU square root, MKL's) belongs to the ``"torch_cpu"``
+    rounding only: with any other it is a ValueError."""
+    if torch_sqrt and rounding != "torch_cpu":
+        raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
 
 
 def kernel_code(rounding: str) -> int:

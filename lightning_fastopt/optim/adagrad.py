@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_fastopt.functional import fused_adagrad_
-from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, check_rounding
+from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, check_rounding, check_torch_sqrt
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_lr, check_range
 
 
@@ -51,8 +51,7 @@ class FusedAdagrad(FusedOptimizer):
         check_range("initial_accumulator_value", group["initial_accumulator_value"], 0.0)
         check_range("eps", group["eps"], 0.0)
         rounding = check_rounding(group.get("rounding", "torch_cpu"), ADAGRAD_ROUNDINGS)
-        if group.get("torch_sqrt") and rounding != "torch_cpu":
-            raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
+        check_torch_sqrt(group.get("torch_sqrt", False), rounding)
 
     def _init_state(self, group, p, state) -> None:
         state["sum"] = torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lightning_fastopt.functional import fused_adam_
-from lightning_fastopt.ops.rounding import check_rounding, check_rounding_device
+from lightning_fastopt.ops.rounding import check_rounding, check_rounding_device, check_torch_sqrt
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
 
 
@@ -87,8 +87,7 @@ class FusedAdam(FusedOptimizer):
         check_range("weight_decay", group["weight_decay"], 0.0)
         rounding = check_rounding(group.get("rounding", "torch_cpu"))
         check_rounding_device(rounding, group.get("params", ()))
-        if group.get("torch_sqrt") and rounding != "torch_cpu":
-            raise ValueError(f"torch_sqrt=True is torch's CPU square root, for rounding='torch_cpu', got {rounding!r}")
+        check_torch_sqrt(group.get("torch_sqrt", False), rounding)
 
     def _init_state(self, group, p, state) -> None:
         super()._init_state(group, p, state)
