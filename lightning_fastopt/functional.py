@@ -319,9 +319,9 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
                weight_decay=0.0, nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None,
                check_finite=False, found_inf=None, param_copies=None, rounding="torch_cpu") -> bool:
     """SGD with momentum/Nesterov, torch.optim.SGD's formula (apex's wd_after_momentum option),
-    each operation rounded as torch's CPU step (and its CUDA foreach step) rounds it, or
-    (``rounding="torch_cpu_fused"``, CPU tensors) as its CPU fused kernel
-    (:mod:`lightning_fastopt.ops.rounding`).
+    each operation rounded as torch's CPU step (and its CUDA foreach step) rounds it, or as
+    its CUDA fused kernel (``rounding="torch_cuda_fused"``) or its CPU fused kernel
+    (``"torch_cpu_fused"``, CPU tensors) (:mod:`lightning_fastopt.ops.rounding`).
 
     On ``step == 1`` the momentum buffers are initialised from the gradient, as torch does.
     """
@@ -338,7 +338,8 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
     sc = _scalars(route, params, lr=lr, grad_scale=grad_scale, found_inf=found_inf, counts_steps=False)
     if sc is None:
         return True
-    if sc.ext is None and not wd_after_momentum and torch_fused.takes(params, grads, buffers, copies=param_copies):
+    if (sc.ext is None and rounding == "torch_cuda_fused" and not wd_after_momentum
+            and torch_fused.takes(params, grads, buffers, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
             return True
         torch_fused.sgd_(params, grads, momentum_buffers, lr=sc.lr, momentum=momentum, dampening=dampening,

@@ -65,9 +65,9 @@ def host_math(tmp_path_factory):
     return run
 
 
-def _data(n_states, positive=()):
-    p, g = torch.randn(N), torch.randn(N) * 4
-    states = [torch.rand(N) if k in positive else torch.randn(N) * 0.1 for k in range(n_states)]
+def _data(n_states, positive=(), n=N):
+    p, g = torch.randn(n), torch.randn(n) * 4
+    states = [torch.rand(n) if k in positive else torch.randn(n) * 0.1 for k in range(n_states)]
     return p, g, states
 
 
@@ -133,18 +133,24 @@ def test_a_set_found_inf_changes_nothing(host_math, tmp_path):
         _same(a, b)
 
 
-@pytest.mark.parametrize("momentum,dampening,nesterov,wd_after,first,maximize", [
-    (0.0, 0.0, False, False, False, False), (0.0, 0.0, False, True, False, True), (0.9, 0.0, True, False, False, False),
-    (0.9, 0.0, True, False, True, False), (0.9, 0.1, False, True, False, True), (0.5, 0.5, False, False, True, False)])
+# rounding 2 (torch's CUDA fused kernel): its 1 - dampening, and with maximize and no decay
+# its other momentum contraction on a tensor of numel % 4 == 0 (csrc/common/sgd_rounding.h)
+@pytest.mark.parametrize("momentum,dampening,nesterov,wd_after,first,maximize,weight_decay,rounding,n", [
+    (0.0, 0.0, False, False, False, False, 0.01, 0, N), (0.0, 0.0, False, True, False, True, 0.01, 0, N),
+    (0.9, 0.0, True, False, False, False, 0.01, 0, N), (0.9, 0.0, True, False, True, False, 0.01, 0, N),
+    (0.9, 0.1, False, True, False, True, 0.01, 0, N), (0.5, 0.5, False, False, True, False, 0.01, 0, N),
+    (0.9, 0.9, False, False, False, True, 0.0, 2, N + 1), (0.9, 0.0, True, False, False, True, 0.0, 2, N + 1),
+    (0.9, 0.6, False, False, False, True, 0.0, 2, N), (0.9, 0.9, False, False, False, False, 0.01, 2, N + 1)])
 def test_sgd_math_is_the_cpu_kernels(compiled, host_math, tmp_path, momentum, dampening, nesterov, wd_after, first,
-                                     maximize):
-    p, g, states = _data(1 if momentum else 0)
-    scalars = dict(lr=0.05, momentum=momentum, dampening=dampening, weight_decay=0.01, inv_grad_scale=0.5,
-                   nesterov=nesterov, maximize=maximize, wd_after_momentum=wd_after, first_step=first)
+                                     maximize, weight_decay, rounding, n):
+    p, g, states = _data(1 if momentum else 0, n=n)
+    scalars = dict(lr=0.05, momentum=momentum, dampening=dampening, weight_decay=weight_decay, inv_grad_scale=0.5,
+                   nesterov=nesterov, maximize=maximize, wd_after_momentum=wd_after, first_step=first,
+                   rounding=rounding)
     hp, hs = host_math("sgd", tmp_path, p, g, states, **scalars)
     cp, cg, cs = _clone(p, g, states)
-    compiled.sgd_([cp], [cg], [cs[0]] if momentum else None, None, 0.05, momentum, dampening, 0.01, 0.5, nesterov,
-                  maximize, wd_after, first, False)
+    compiled.sgd_([cp], [cg], [cs[0]] if momentum else None, None, 0.05, momentum, dampening, weight_decay, 0.5,
+                  nesterov, maximize, wd_after, first, False, rounding)
     _same(hp, cp)
     for a, b in zip(hs, cs):
         _same(a, b)
@@ -309,6 +315,23 @@ def test_the_element_wise_kernels_update_every_element_once(compiled, host_walk,
         assert torch.equal(got[name].view(torch.int16) if got[name].dtype in _HALF else got[name],
                            want[name].view(torch.int16) if want[name].dtype in _HALF else want[name]), name
     assert launches == (2 if size == "4k" else 1)  # 49 tensors: two 4 KB lists, one 32 KB list
+
+
+def test_a_rounding_that_depends_on_the_tensor_reaches_each_tensor_of_a_launch(compiled, host_walk, tmp_path):
+    """torch's CUDA fused SGD rounds the momentum of a tensor of numel % 4 == 0 otherwise
+    (with maximize and no decay): the launches of LAYOUT's 49 tensors, aligned or not, give
+    the CPU kernels' bits tensor by tensor, and not those of the default rounding."""
+    total = sum(n + off for n, off in LAYOUT)
+    flat = dict(p=torch.randn(total), g=torch.randn(total) * 4, s0=torch.randn(total) * 0.1, s1=torch.zeros(total))
+    scalars = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0, inv_grad_scale=1.0, maximize=1)
+    got, _ = host_walk(tmp_path, LAYOUT, flat, ["f32", "f32", "none"], "4k", sgd_rounding=2, **scalars)
+    for rounding in (2, 0):
+        want = {k: v.clone() for k, v in flat.items()}
+        views = {k: _views(v, LAYOUT) for k, v in want.items()}
+        compiled.sgd_(views["p"], views["g"], views["s0"], None, 0.05, 0.9, 0.0, 0.0, 1.0, False, True, False, False,
+                      False, rounding)
+        same = all(torch.equal(got[name], want[name]) for name in got)
+        assert same == (rounding == 2)
 
 
 def test_a_tensor_longer_than_one_launch(compiled, host_walk, tmp_path):

@@ -6,13 +6,15 @@ threads, the four differ from each other (the choice reaches the kernels), the s
 mapping picks the rounding from the device and ``fused``, torch's CPU for-loop, foreach
 and fused=True steps end on torch's bits (tensors with tails included), the fused kernel's
 float32 scalars, and bad values are refused.  The CUDA structs run on the host against
-these kernels in tests/test_cuda_math.py (each CUDA rounding bit for bit).  On a GPU
-(``cuda``): torch.equal with torch.optim.Adam/AdamW's CUDA foreach and fused steps,
-directly, through the offload optimizer at fractions 0, 0.5 and 1, and under the Trainer
-against Trainer().
+these kernels in tests/test_cuda_math.py (each CUDA rounding bit for bit); the fused CUDA
+kernels' SGD and Adagrad arithmetic, as their SASS shows it, is written out here.  On a GPU
+(``cuda``): torch.equal with torch.optim.Adam/AdamW/SGD/Adagrad's CUDA foreach and fused
+steps, directly, through the offload optimizer at fractions 0, 0.5 and 1, and under the
+Trainer against Trainer().
 """
 
 import math
+from fractions import Fraction
 from types import SimpleNamespace
 
 import lightning as L
@@ -39,7 +41,8 @@ def _adam(rounding, adamw=True, amsgrad=False, maximize=False):
 
 
 ADAM_GROUPS = [dict(), dict(lr=0.05, weight_decay=0.1), dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
-SGD_GROUPS = [dict(), dict(lr=0.05, weight_decay=0.1), dict(dampening=0.3)]
+# dampening 0.9: 1 - dampening rounds otherwise in torch's CUDA fused kernel (sgd_rounding.h)
+SGD_GROUPS = [dict(dampening=0.9, maximize=True), dict(lr=0.05, weight_decay=0.1), dict(dampening=0.3)]
 
 
 def _sgd(rounding):
@@ -83,10 +86,13 @@ def test_the_roundings_differ_in_the_last_bits():
     def flat(make, groups=ADAM_GROUPS):
         return torch.cat([p.detach().flatten() for p in _train(make, groups)])
 
+    def pairs(runs):
+        names = list(runs)
+        return [(runs[a], runs[b]) for i, a in enumerate(names) for b in names[i + 1:]]
+
     runs = {r: flat(_adam(r, adamw=False)) for r in ROUNDINGS}
     sgd = {r: flat(_sgd(r), SGD_GROUPS) for r in SGD_ROUNDINGS}
-    pairs = [(runs[a], runs[b]) for i, a in enumerate(ROUNDINGS) for b in ROUNDINGS[i + 1:]]
-    for a, b in pairs + [tuple(sgd.values())]:
+    for a, b in pairs(runs) + pairs(sgd):
         assert not torch.equal(a, b)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     tails = torch.cat([torch.arange(n) >= n - n % 8 for n in SIZES])
@@ -120,7 +126,9 @@ TORCH_OPTIMIZERS = [
                                                                    maximize=True, **kw)),
     ("sgd-nesterov", lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1,
                                                       **kw)),
-    ("sgd-dampening", lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2, **kw)),
+    # 1 - dampening rounds to another float32 than 1 - float32(0.9): torch takes the former
+    ("sgd-dampening-maximize", lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.9,
+                                                                maximize=True, **kw)),
     ("adagrad", lambda ps, **kw: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.1, **kw)),
 ]
 
@@ -173,19 +181,32 @@ def _fused_cuda_adagrad_reference(p, g, s, *, clr, weight_decay, eps, maximize):
     return p, s
 
 
+def _half_offloaded(opt, ps, wrap):
+    """opt itself, or (wrap: a fraction) opt in an OffloadOptimizer that updates that share
+    through the accelerator's code path (copy_on_cpu)."""
+    if wrap is None:
+        return opt
+    wrapped = OffloadOptimizer(opt, {p: f"p{i}" for i, p in enumerate(ps)}, offload_fraction=wrap,
+                               copy_on_cpu=True, bucket_size_mb=0.02)
+    assert 0 < wrapped.offloaded_numel < sum(p.numel() for p in ps)
+    return wrapped
+
+
+@pytest.mark.parametrize("wrap", [None, 0.5], ids=["stepped-directly", "offload0.5-accelerator-path"])
 @pytest.mark.parametrize("weight_decay,lr_decay,maximize", [(0.0, 0.0, False), (0.1, 0.01, True)])
-def test_adagrad_in_torchs_fused_cuda_rounding_is_its_double_arithmetic(weight_decay, lr_decay, maximize):
+def test_adagrad_in_torchs_fused_cuda_rounding_is_its_double_arithmetic(weight_decay, lr_decay, maximize, wrap):
     """The CPU kernels' rounding="torch_cuda_fused" Adagrad (the offloaded share of a GPU run
     with torch.optim.Adagrad(fused=True)) against that arithmetic written with torch's ops,
-    20 steps; the CUDA structs give the same bits (tests/test_cuda_math.py), and the cuda
-    tests below compare with torch's kernel itself."""
+    20 steps, directly and half offloaded; the CUDA structs give the same bits
+    (tests/test_cuda_math.py), and the cuda tests below compare with torch's kernel itself."""
     torch.manual_seed(0)
     sizes = (7, 1023, 10_007)
     ps = [nn.Parameter(torch.randn(n)) for n in sizes]
     ref = [p.detach().clone() for p in ps]
     sums = [torch.full((n,), 0.1) for n in sizes]
-    opt = FusedAdagrad(ps, lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=0.1,
-                       maximize=maximize, rounding="torch_cuda_fused")
+    inner = FusedAdagrad(ps, lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay, initial_accumulator_value=0.1,
+                         maximize=maximize, rounding="torch_cuda_fused")
+    opt = _half_offloaded(inner, ps, wrap)
     for step in range(1, 21):
         grads = [torch.randn(n) * torch.logspace(-6, 0, n) for n in sizes]
         for p, g in zip(ps, grads):
@@ -196,9 +217,86 @@ def test_adagrad_in_torchs_fused_cuda_rounding_is_its_double_arithmetic(weight_d
             ref[i], sums[i] = _fused_cuda_adagrad_reference(ref[i], g, sums[i], clr=clr, weight_decay=weight_decay,
                                                             eps=1e-10, maximize=maximize)
     assert_params_equal([p.detach() for p in ps], ref)
-    assert_params_equal([opt.state[p]["sum"] for p in ps], sums)
+    assert_params_equal([opt.state_of(p)["sum"] if wrap else opt.state[p]["sum"] for p in ps], sums)
     default = FusedAdagrad([nn.Parameter(ref[2].clone())], lr=1e-2, lr_decay=lr_decay, weight_decay=weight_decay)
     assert default.param_groups[0]["rounding"] == "torch_cpu"
+
+
+def _f32(x: Fraction) -> np.float32:
+    """The rational x rounded once to float32 (to nearest, ties to even; normal numbers)."""
+    if x == 0:
+        return np.float32(0)
+    sign, x = (-1 if x < 0 else 1), abs(x)
+    e = x.numerator.bit_length() - x.denominator.bit_length()
+    if Fraction(2) ** e > x:
+        e -= 1  # 2**e <= x < 2**(e + 1)
+    assert e >= -126
+    scale = Fraction(2) ** (23 - e)
+    return np.float32(sign * float(Fraction(round(x * scale)) / scale))  # round(): ties to even
+
+
+def _fma32(a, b, c) -> np.float32:
+    """fmaf(a, b, c): a * b + c computed exactly, rounded once."""
+    return _f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
+def _fused_cuda_sgd_reference(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, maximize, first):
+    """torch's fused CUDA SGD on one float32 tensor as its SASS computes it, element by
+    element (numpy arrays, updated in place): float32 scalars, ``1 - dampening`` subtracted
+    in float32, fused multiply-adds where nvcc contracted, and the momentum update's other
+    contraction in its vectorised path with maximize and no decay (csrc/common/sgd_rounding.h)."""
+    f = np.float32
+    damp, m, wd = f(1) - f(dampening), f(momentum), f(weight_decay)
+    damped_grad_first = maximize and wd == 0 and p.size % 4 == 0
+    for i in range(p.size):
+        gi = -g[i] if maximize else g[i]
+        if wd != 0:
+            gi = _fma32(p[i], wd, gi)
+        if momentum:
+            if first:
+                buf[i] = gi
+            elif damped_grad_first:
+                buf[i] = _fma32(buf[i], m, gi * damp)
+            else:
+                buf[i] = _fma32(gi, damp, buf[i] * m)
+            gi = _fma32(buf[i], m, gi) if nesterov else buf[i]
+        p[i] = _fma32(gi, -f(lr), p[i])
+
+
+@pytest.mark.parametrize("wrap", [None, 0.5], ids=["stepped-directly", "offload0.5-accelerator-path"])
+@pytest.mark.parametrize("maximize,weight_decay,nesterov,dampening", [
+    (True, 0.0, False, 0.9), (True, 0.0, True, 0.0), (False, 0.1, False, 0.6), (True, 0.1, False, 0.9)],
+    ids=["maximize", "maximize-nesterov", "decay", "maximize-decay"])
+def test_sgd_in_torchs_fused_cuda_rounding_is_its_float_arithmetic(maximize, weight_decay, nesterov, dampening, wrap):
+    """The CPU kernels' rounding="torch_cuda_fused" SGD (the offloaded share of a GPU run with
+    torch.optim.SGD(fused=True)) against that arithmetic written out with exact fused
+    multiply-adds, 12 steps, on tensors of numel % 4 == 0 and not, directly and half
+    offloaded.  The default rounding ends elsewhere in each case (the test can tell them
+    apart); the cuda tests below compare with torch's kernel itself."""
+    sizes = (4, 7, 12, 13, 64, 101)
+    kw = dict(lr=0.05, momentum=0.9, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+              maximize=maximize)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen) * torch.logspace(-4, 0, n) for n in sizes] for _ in range(12)]
+
+    def run(rounding, wrap=None):
+        ps = [nn.Parameter(t.clone()) for t in start]
+        opt = _half_offloaded(FusedSGD(ps, rounding=rounding, **kw), ps, wrap)
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in ps]
+
+    ref = [t.numpy().copy() for t in start]
+    bufs = [np.zeros(n, dtype=np.float32) for n in sizes]
+    for step, step_grads in enumerate(grads):
+        for p, g, buf in zip(ref, step_grads, bufs):
+            _fused_cuda_sgd_reference(p, g.numpy(), buf, first=step == 0, **kw)
+    ref = [torch.from_numpy(p) for p in ref]
+    assert_params_equal(run("torch_cuda_fused", wrap), ref)
+    assert not all(torch.equal(a, b) for a, b in zip(run("torch_cpu"), ref))
 
 
 def test_the_fused_cuda_adagrads_learning_rate():
@@ -232,9 +330,9 @@ def test_bad_roundings_are_refused():
         FusedAdam(p, rounding="cuda")
     with pytest.raises(ValueError, match="torch_sqrt=True is torch's CPU square root"):
         FusedAdam(p, torch_sqrt=True, rounding="torch_cuda_fused")
-    with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cpu_fused', got "
-                                         "'torch_cuda_fused'"):
-        FusedSGD(p, rounding="torch_cuda_fused")
+    with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cuda_fused', "
+                                         "'torch_cpu_fused', got 'torch_cuda_foreach'"):
+        FusedSGD(p, rounding="torch_cuda_foreach")
     elsewhere = [nn.Parameter(torch.zeros(3, device="meta"))]  # a CUDA parameter, as far as the check goes
     for cls in (FusedAdam, FusedSGD):
         with pytest.raises(ValueError, match="rounding='torch_cpu_fused' is torch's CPU kernel, for CPU tensors, "
@@ -246,8 +344,8 @@ def test_bad_roundings_are_refused():
                                          r"kernel\), got 4"):
         module.adam_([t], [t.clone()], [t.clone()], [t.clone()], None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1e-3,
                      1.0, 1.0, False, True, False, False, rounding=4)
-    with pytest.raises(ValueError, match=r"rounding must be one of 0 \(torch's CPU step\), 3 \(its CPU fused "
-                                         r"kernel\), got 1"):
+    with pytest.raises(ValueError, match=r"rounding must be one of 0 \(torch's CPU step\), 2 \(its CUDA fused "
+                                         r"kernel\), 3 \(its CPU fused kernel\), got 1"):
         module.sgd_([t], [t.clone()], [t.clone()], None, 0.1, 0.9, 0.0, 0.0, 1.0, False, False, False, False, False,
                     rounding=1)
 
@@ -283,8 +381,14 @@ ON_CUDA = [
     # SGD's and Adagrad's foreach steps round as their CPU steps (docs/correctness.md)
     ("sgd-nesterov-foreach", lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9, nesterov=True,
                                                         weight_decay=0.01)),
-    ("sgd-dampening-maximize-foreach", lambda ps: torch.optim.SGD(ps, lr=1e-5, momentum=0.9, dampening=0.3,
+    ("sgd-dampening-maximize-foreach", lambda ps: torch.optim.SGD(ps, lr=1e-5, momentum=0.9, dampening=0.9,
                                                                   maximize=True)),
+    # its fused kernel: 1 - dampening in float32, and with maximize and no decay the momentum
+    # contracted otherwise in tensors of numel % 4 == 0 (csrc/common/sgd_rounding.h)
+    ("sgd-dampening-maximize-fused", lambda ps: torch.optim.SGD(ps, lr=1e-5, momentum=0.9, dampening=0.9,
+                                                                maximize=True, fused=True)),
+    ("sgd-nesterov-fused", lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                                      fused=True)),
     ("adagrad-foreach", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01)),
     ("adagrad-fused", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01, fused=True)),
 ]

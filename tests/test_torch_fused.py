@@ -1,8 +1,8 @@
 """The torch-fused path that serves CUDA tensors until our CUDA kernels land, run here on
 the CPU (torch ships the same kernels for both): FusedAdam and FusedSGD through it end on
 the bits of torch's own fused optimizers, with loss-scale unscaling, and calls it cannot
-compute exactly as ours go to the other backends.  It serves Adam in the
-rounding of torch's fused kernel only (``rounding="torch_cuda_fused"``)."""
+compute exactly as ours go to the other backends.  It serves the rounding of torch's
+fused kernel only (``rounding="torch_cuda_fused"``)."""
 
 import pytest
 import torch
@@ -30,9 +30,9 @@ def fused_on_cpu(monkeypatch):
     (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, adamw_mode=False, maximize=True,
                          rounding="torch_cuda_fused"),
      lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.05, maximize=True, fused=True)),
-    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3, rounding="torch_cuda_fused"),
      lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3, fused=True)),
-    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True, rounding="torch_cuda_fused"),
      lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True, fused=True)),
 ], ids=["adamw-amsgrad", "adam-l2-maximize", "sgd-dampening", "sgd-nesterov"])
 def test_matches_torch_optim_with_unscaling(fused_on_cpu, make, make_ref):
@@ -49,6 +49,29 @@ def test_matches_torch_optim_with_unscaling(fused_on_cpu, make, make_ref):
         ref.step()
     assert_params_equal(ps, rs)
     assert fused_on_cpu  # the torch-fused path ran
+
+
+@pytest.mark.parametrize("make,make_ref", [
+    (lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, torch_sqrt=True),  # torch's CPU square root
+     lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05)),
+    (lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, dampening=0.9),
+     lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, dampening=0.9)),
+], ids=["adamw", "sgd-dampening"])
+def test_another_rounding_is_not_taken(fused_on_cpu, make, make_ref):
+    """The default rounding (torch's CPU and CUDA foreach steps) rounds otherwise than
+    torch's fused kernels (SGD: 1 - dampening in float32 on CUDA): it goes to the other
+    backends and ends on the bits of torch's default step."""
+    ps = [torch.randn(n, requires_grad=True) for n in SIZES]
+    rs = [p.detach().clone().requires_grad_() for p in ps]
+    opt, ref = make(ps), make_ref(rs)
+    for _ in range(10):
+        for p, r in zip(ps, rs):
+            p.grad = torch.randn_like(p)
+            r.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    assert_params_equal(ps, rs)
+    assert not fused_on_cpu
 
 
 def test_overflow_skips_before_the_fused_kernel(fused_on_cpu):

@@ -35,10 +35,13 @@ struct AdamArgs {
 // state: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only)
 
 struct SgdArgs {
-  float lr, momentum, dampening, weight_decay, inv_grad_scale;
+  float lr, momentum;
+  float one_minus_dampening;  // rounded as the rounding followed rounds it (sgd_rounding.h)
+  float weight_decay, inv_grad_scale;
   bool nesterov, maximize, wd_after_momentum;
   bool first_step;  // the momentum buffer is initialised from the gradient (torch semantics)
-  Rounding rounding = Rounding::kTorchCpu;  // kTorchCpu (the CPU and CUDA foreach steps) or kTorchCpuFused
+  // kTorchCpu (the CPU and CUDA foreach steps), kTorchCudaFused or kTorchCpuFused (sgd_rounding.h)
+  Rounding rounding = Rounding::kTorchCpu;
 };
 // state: momentum_buffer (momentum != 0 only)
 

@@ -26,6 +26,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "kernel_args.h"
+#include "sgd_rounding.h"
 #include "tensor_slots.h"
 
 namespace fastopt {
@@ -95,16 +96,17 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
 
   m.def("sgd_", [](const TensorList& params, const TensorList& grads, const OptTensorList& momentum_buffers,
-                   const OptTensorList& copies, float lr, float momentum, float dampening, float weight_decay,
+                   const OptTensorList& copies, float lr, float momentum, double dampening, float weight_decay,
                    float inv_grad_scale, bool nesterov, bool maximize, bool wd_after_momentum, bool first_step,
                    bool check_finite, int rounding, const OptTensor& grad_scale, const OptTensor& found_inf,
                    const OptTensor& lr_tensor) {
     if (momentum != 0.0f && !momentum_buffers) throw py::value_error("momentum needs momentum_buffers");
-    check_rounding<Device>(rounding, {0, 3});
+    check_rounding<Device>(rounding, {0, 2, 3});
     const Slots slots =
         Device::slots(params, &grads, {momentum != 0.0f ? opt_list(momentum_buffers) : &kNoTensors}, copies);
-    const SgdArgs a{lr, momentum, dampening, weight_decay, inv_grad_scale, nesterov, maximize, wd_after_momentum,
-                    first_step, static_cast<Rounding>(rounding)};
+    const Rounding r = static_cast<Rounding>(rounding);
+    const SgdArgs a{lr, momentum, sgd_one_minus_dampening(dampening, r), weight_decay, inv_grad_scale, nesterov,
+                    maximize, wd_after_momentum, first_step, r};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
                        [&](const auto& on) { on.sgd(slots, a); });
   }, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("copies"), py::arg("lr"),

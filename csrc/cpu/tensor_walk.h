@@ -229,6 +229,17 @@ void elementwise_step(const Slots& slots, const Body& body) {
   });
 }
 
+// body for each slot's elements before split(slot), other from there on (a slot is a whole
+// tensor here: the rules below are about tensors, as torch's kernels see them).
+template <int NS, bool kBf16State = false, typename Split, typename Body, typename Other>
+void elementwise_step_split(const Slots& slots, const Split& split, const Body& body, const Other& other) {
+  elementwise_pieces<NS, kBf16State>(slots, [&](const auto& walk, const TensorSlot& s, int64_t b, int64_t e) {
+    const int64_t from = split(s);
+    if (b < std::min(e, from)) walk(b, std::min(e, from), body);
+    if (std::max(b, from) < e) walk(std::max(b, from), e, other);
+  });
+}
+
 // torch's CPU fused=True kernels (ATen/native/cpu/Fused{Adam,SGD}Kernel.cpp) split each
 // tensor into tasks of whole cache lines and run a vector loop over each, then a scalar
 // loop over what is left: the tensor's last numel % 8 elements (8 floats: the width of
@@ -238,15 +249,11 @@ void elementwise_step(const Slots& slots, const Body& body) {
 // and 2.13), so those elements round otherwise.
 constexpr int64_t kTorchFusedWidth = 8;
 
-// body for every element but each slot's last numel % kTorchFusedWidth, which get `tail`
-// (a slot is a whole tensor here, as torch's kernels see it).
+// body for every element but each slot's last numel % kTorchFusedWidth, which get `tail`.
 template <int NS, bool kBf16State = false, typename Body, typename Tail>
 void elementwise_step_with_torch_tails(const Slots& slots, const Body& body, const Tail& tail) {
-  elementwise_pieces<NS, kBf16State>(slots, [&](const auto& walk, const TensorSlot& s, int64_t b, int64_t e) {
-    const int64_t from = s.numel - s.numel % kTorchFusedWidth;
-    if (b < std::min(e, from)) walk(b, std::min(e, from), body);
-    if (std::max(b, from) < e) walk(std::max(b, from), e, tail);
-  });
+  elementwise_step_split<NS, kBf16State>(
+      slots, [](const TensorSlot& s) { return s.numel - s.numel % kTorchFusedWidth; }, body, tail);
 }
 
 }  // namespace fastopt

@@ -110,6 +110,7 @@ struct ElementwiseFunctor {
     Math m = math;
     m.prepare(dev);
     const ChunkPos pos = chunk_pos(tl);
+    if constexpr (HasForTensor<Math>::value) m.for_tensor(tl.numel[pos.t]);
     const int t = pos.t;
     const int64_t start = pos.start, n = pos.n;
     P* p = role_pointer<Layout, Role::kParam, P>(tl, t, start);

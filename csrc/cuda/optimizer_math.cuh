@@ -5,14 +5,20 @@
 // Each struct mirrors the vector body of its CPU kernel (../cpu/*.cpp) line by line (Adam's
 // in each of its roundings, kernel_args.h):
 //   prepare(d)               resolves the scalars, reading device-resident ones (DeviceScalars)
+//   for_tensor(numel)        optional: what depends on the tensor of the chunk (SGD's
+//                            rounding in torch's fused kernel, ../common/sgd_rounding.h)
 //   operator()(p, g, s)      one element, in float (s: the float32 states)
 // The CUDA build turns off FMA contraction, so fmaf appears exactly where the CPU code has
 // fmadd and every other operation is rounded on its own, as there.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "../common/fused_cuda_adagrad.h"
+#include "../common/sgd_rounding.h"
 #include "cuda_api.h"
 
 namespace fastopt {
@@ -22,6 +28,12 @@ namespace cuda {
 FASTOPT_HOST_DEVICE inline float inverse_scale(const DeviceScalars& d, float host_inv) {
   return d.grad_scale != nullptr ? 1.0f / *d.grad_scale : host_inv;
 }
+
+// Whether an algorithm's math has for_tensor(numel).
+template <typename Math, typename = void>
+struct HasForTensor : std::false_type {};
+template <typename Math>
+struct HasForTensor<Math, std::void_t<decltype(std::declval<Math&>().for_tensor(int64_t{}))>> : std::true_type {};
 
 // What a gradient is multiplied by: the inverse loss scale, negated to maximize.
 FASTOPT_HOST_DEVICE inline float gradient_factor(const DeviceScalars& d, float host_inv, bool maximize) {
@@ -103,19 +115,26 @@ struct AdamMath {
 struct SgdMath {
   SgdArgs a;
   bool use_wd;
-  float gs, damp, neg_lr;
+  bool damped_grad_first;  // buf = fma(buf, momentum, g * (1 - dampening)) in this tensor
+  float gs, neg_lr;
 
   FASTOPT_HOST_DEVICE void prepare(const DeviceScalars& d) {
     gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
-    damp = 1.0f - a.dampening;
     neg_lr = -(d.lr != nullptr ? *d.lr : a.lr);
+  }
+
+  FASTOPT_HOST_DEVICE void for_tensor(int64_t numel) {
+    damped_grad_first = sgd_cuda_fused_rounds_damped_grad_first(a, numel);
   }
 
   FASTOPT_HOST_DEVICE inline void operator()(float& p, float g, float* s) const {
     g = g * gs;
     if (!a.wd_after_momentum && use_wd) g = fmaf(a.weight_decay, p, g);
     if (a.momentum != 0.0f) {
-      s[0] = a.first_step ? g : fmaf(g, damp, s[0] * a.momentum);
+      const float damp = a.one_minus_dampening;
+      s[0] = a.first_step        ? g
+             : damped_grad_first ? fmaf(s[0], a.momentum, g * damp)
+                                 : fmaf(g, damp, s[0] * a.momentum);
       g = a.nesterov ? fmaf(s[0], a.momentum, g) : s[0];
     }
     if (a.wd_after_momentum && use_wd) g = fmaf(a.weight_decay, p, g);

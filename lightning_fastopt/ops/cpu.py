@@ -18,7 +18,7 @@ CPU_SOURCES = ("adam.cpp", "adagrad.cpp", "lamb.cpp", "lars.cpp", "lion.cpp", "r
 CPU_HEADERS = ("kernel_api.h", "tensor_walk.h", "torch_sqrt.h", "vec.h")
 # csrc/common: the vocabulary the CPU and CUDA kernels and bindings share
 COMMON_HEADERS = ("dtype_combinations.h", "fused_cuda_adagrad.h", "kernel_args.h", "kernel_types.h",
-                  "optimizer_bindings.h", "tensor_slots.h")
+                  "optimizer_bindings.h", "sgd_rounding.h", "tensor_slots.h")
 # -ffp-contract=off: a multiply and an add stay two roundings unless a kernel asks for a
 # fused multiply-add (VecF::fmadd), as ATen's kernels do, so that every ISA we build
 # rounds alike (the portable build has no FMA instruction to contract into)

@@ -17,7 +17,9 @@ share of the parameters is offloaded (csrc/cpu/adam.cpp spells out each one):
                           which its scalar loop rounds otherwise (csrc/cpu/tensor_walk.h).
                           CPU tensors only.
 
-SGD takes ``"torch_cpu"`` (its CPU and CUDA foreach steps round alike) and
+SGD takes ``"torch_cpu"`` (its CPU and CUDA foreach steps round alike),
+``"torch_cuda_fused"`` (its CUDA kernel subtracts the dampening from 1 in float32 and rounds
+the momentum update otherwise in some tensors: csrc/common/sgd_rounding.h) and
 ``"torch_cpu_fused"`` (:data:`SGD_ROUNDINGS`); Adagrad ``"torch_cpu"`` (its CPU step, its
 CUDA foreach step, and its CPU fused kernel with the IEEE square root) and
 ``"torch_cuda_fused"``, its CUDA fused kernel, which computes in double between float loads
@@ -38,7 +40,7 @@ from functools import lru_cache
 import torch
 
 ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cpu_fused")
-SGD_ROUNDINGS = ("torch_cpu", "torch_cpu_fused")
+SGD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused", "torch_cpu_fused")
 ADAGRAD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused")
 CPU_ONLY = ("torch_cpu_fused",)
 

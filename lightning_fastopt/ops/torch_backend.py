@@ -179,8 +179,10 @@ def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, dec
 def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weight_decay, inv_grad_scale,
          nesterov, maximize, wd_after_momentum, first_step, check_finite, rounding: int = 0) -> bool:
     """torch.optim.SGD's foreach step, op for op: the bits of ``rounding`` 0 (torch's CPU
-    step, and its CUDA foreach step); with 3 (torch's CPU fused kernel, a fallback) each
-    tensor's last numel % 8 elements come within an ulp per step."""
+    step, and its CUDA foreach step); with 2 (torch's CUDA fused kernel) its factor
+    ``1 - dampening`` (in float32), and with 3 (torch's CPU fused kernel) each tensor's last
+    numel % 8 elements, or with 2, maximize and no decay tensors of numel % 4 == 0, come
+    within an ulp per step (a fallback: the compiled kernels follow these too)."""
     if check_finite and not all_finite(grads):
         return True
     if not params:
@@ -194,7 +196,7 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
             torch._foreach_copy_(momentum_buffers, g)
         else:
             torch._foreach_mul_(momentum_buffers, momentum)
-            torch._foreach_add_(momentum_buffers, g, alpha=1 - dampening)
+            torch._foreach_add_(momentum_buffers, g, alpha=_one_minus_dampening(dampening, rounding))
         if nesterov:
             torch._foreach_add_(g, momentum_buffers, alpha=momentum)
         else:
@@ -204,6 +206,14 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
     torch._foreach_add_(work, g, alpha=-lr)
     _finish(params, work, copies)
     return False
+
+
+def _one_minus_dampening(dampening: float, rounding: int) -> float:
+    """csrc/common/sgd_rounding.h: torch's CUDA fused kernel subtracts in float32."""
+    if rounding == 2:
+        one, d = torch.ones((), dtype=torch.float32), torch.tensor(dampening, dtype=torch.float32)
+        return float(one - d)
+    return 1 - dampening
 
 
 def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,

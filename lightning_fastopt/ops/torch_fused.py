@@ -1,6 +1,6 @@
 """torch's own fused kernels (``torch._fused_adam_/_fused_adamw_/_fused_sgd_``) for
-accelerator tensors where lightning_fastopt's CUDA kernels are not built (Adam: for the
-rounding of torch's fused kernel, ``rounding="torch_cuda_fused"``, only).
+accelerator tensors where lightning_fastopt's CUDA kernels are not built, for the rounding
+of torch's fused kernel (``rounding="torch_cuda_fused"``) only.
 
 They take the cases they compute exactly as we do: float32 parameters, gradients and
 state on one device, bias-corrected Adam, SGD without ``wd_after_momentum``, no

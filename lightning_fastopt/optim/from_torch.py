@@ -103,7 +103,7 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
                     amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False),
                     torch_sqrt=rounding == "torch_cpu", rounding=rounding)
     if isinstance(optimizer, torch.optim.SGD):
-        # its CUDA fused kernel is not followed (docs/correctness.md): its CPU step's roundings
+        # its CUDA foreach step rounds as its CPU step
         rounding = rounding_of(optimizer)
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False),

@@ -16,9 +16,11 @@ class FusedSGD(FusedOptimizer):
 
     Rounding: every operation rounds as torch.optim.SGD's CPU step (and its CUDA foreach
     step) rounds it; ``rounding="torch_cpu_fused"`` (CPU parameters) as its CPU ``fused=True``
-    kernel, which rounds the momentum of each tensor's last ``numel % 8`` elements otherwise
-    (:mod:`lightning_fastopt.ops.rounding`).  The fastopt strategies pick it for a CPU
-    ``torch.optim.SGD(fused=True)``.
+    kernel, which rounds the momentum of each tensor's last ``numel % 8`` elements otherwise;
+    ``rounding="torch_cuda_fused"`` as its CUDA ``fused=True`` kernel, which computes
+    ``1 - dampening`` in float32 and, with ``maximize`` and no weight decay, rounds the
+    momentum of tensors of ``numel % 4 == 0`` otherwise (:mod:`lightning_fastopt.ops.rounding`).
+    The fastopt strategies pick the one the user's ``torch.optim.SGD`` would have run.
 
     State per parameter (float32): ``momentum_buffer`` (only when momentum != 0).
     """

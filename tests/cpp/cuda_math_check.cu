@@ -67,6 +67,7 @@ void elementwise(Math m, const DeviceScalars& d, std::vector<float>& p, const st
                  std::vector<std::vector<float>>& s) {
   if (d.found_inf != nullptr && *d.found_inf != 0.0f) return;
   m.prepare(d);
+  if constexpr (HasForTensor<Math>::value) m.for_tensor(static_cast<int64_t>(p.size()));  // one tensor
   float sv[4];
   for (size_t i = 0; i < p.size(); ++i) {
     for (size_t k = 0; k < s.size(); ++k) sv[k] = s[k][i];
@@ -109,8 +110,9 @@ int main(int argc, char** argv) {
     else
       elementwise(adam_math(a, bc), d, p, g, s);
   } else if (algo == "sgd") {
-    SgdArgs a{lr, static_cast<float>(arg("momentum")), static_cast<float>(arg("dampening")), wd, inv,
-              flag("nesterov"), flag("maximize"), flag("wd_after_momentum"), flag("first_step")};
+    const Rounding r = static_cast<Rounding>(static_cast<int>(arg("rounding", 0.0)));
+    SgdArgs a{lr, static_cast<float>(arg("momentum")), sgd_one_minus_dampening(arg("dampening"), r), wd, inv,
+              flag("nesterov"), flag("maximize"), flag("wd_after_momentum"), flag("first_step"), r};
     elementwise(sgd_math(a), d, p, g, s);
   } else if (algo == "adagrad") {
     AdagradArgs a{static_cast<float>(arg("clr")), wd, static_cast<float>(arg("eps")), inv, flag("maximize"), false,

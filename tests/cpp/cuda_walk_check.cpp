@@ -1,6 +1,7 @@
 // Runs the CUDA element-wise kernels on the host: the real launch packing
 // (launch_plan.h), the real launch items and dtype dispatch, and the real chunk walk
-// (ElementwiseFunctor in chunk_walk.cuh) with Adam's math, each launch executed block by
+// (ElementwiseFunctor in chunk_walk.cuh) with Adam's math (or, given sgd_rounding=R,
+// SGD's with momentum in rounding R: its math depends on the tensor), each launch executed block by
 // block and thread by thread with emulated blockIdx/threadIdx/blockDim.  The threads of
 // an element-wise block share nothing, so running them one after another is what the GPU
 // computes.  Compiled by a host C++ compiler with CUDA's headers (no GPU, no nvcc), for
@@ -26,6 +27,7 @@
 uint3 threadIdx, blockIdx;
 dim3 blockDim;
 
+#include "common/sgd_rounding.h"
 #include "cuda/chunk_walk.cuh"
 
 using namespace fastopt;
@@ -137,10 +139,19 @@ int main(int argc, char** argv) {
                       args["beta1"], args["beta2"],
                       static_cast<float>(1.0 - static_cast<double>(a("lr")) * a("weight_decay")), false};
   const DeviceScalars d;
-  if (size == "32k") {
-    elementwise_launches<2>(slots, adam_math(adam, true), d, EmulatedLaunch<true>{});
+  auto launch_all = [&](auto states, const auto& math) {
+    if (size == "32k")
+      elementwise_launches<decltype(states)::value>(slots, math, d, EmulatedLaunch<true>{});
+    else
+      elementwise_launches<decltype(states)::value>(slots, math, d, EmulatedLaunch<false>{});
+  };
+  if (args.count("sgd_rounding")) {  // the momentum buffer in s0; s1 untouched
+    const Rounding r = static_cast<Rounding>(static_cast<int>(args["sgd_rounding"]));
+    const SgdArgs sgd{a("lr"), a("momentum"), sgd_one_minus_dampening(args["dampening"], r), a("weight_decay"),
+                      a("inv_grad_scale"), false, args["maximize"] != 0.0, false, false, r};
+    launch_all(std::integral_constant<int, 1>{}, sgd_math(sgd));
   } else {
-    elementwise_launches<2>(slots, adam_math(adam, true), d, EmulatedLaunch<false>{});
+    launch_all(std::integral_constant<int, 2>{}, adam_math(adam, true));
   }
   write(dir + "/p.out", p);
   write(dir + "/s0.out", s0);
