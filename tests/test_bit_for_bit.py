@@ -24,6 +24,8 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05),
     "adam-l2-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01, amsgrad=True),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+    # torch rounds 1 - dampening from the double (1 - float32(0.9) is another float32)
+    "sgd-dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.9, maximize=True),
     "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01, weight_decay=0.01),
 }
 FUSED_ON_THE_CPU = {  # torch's CPU fused kernels: the biases of 1 and 7 elements are their scalar loop's
