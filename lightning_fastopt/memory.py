@@ -2,8 +2,9 @@
 
 The figures are exact for what the strategy allocates per parameter (weights,
 gradients, float32 masters, optimizer state, host buffers), for the same split of
-parameters the strategy makes; activations, the CUDA context and allocator slack are
-not included (they depend on the batch, not on the optimizer).
+parameters the strategy makes, on one rank (with ZeRO, the rank's shard); activations,
+the CUDA context, allocator slack and communication buffers (DDP's gradient buckets,
+ZeRO's reduction and broadcast buckets of ``bucket_size_mb``) are not included.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
+from lightning_fastopt.offload.partition import choose_offloaded
+from lightning_fastopt.zero.partition import assign_owners
 
 # float32 state tensors per parameter element, per optimizer
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "lion": 1, "adagrad": 1}
@@ -29,6 +31,10 @@ class MemoryEstimate:
     cpu: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_FIELDS, 0))
     offloaded_params: int = 0
     total_params: int = 0
+    owned_params: int = 0  # whose masters and state this rank keeps (all of them without ZeRO)
+    rank: int = 0
+    world_size: int = 1
+    zero_stage: int = 0
 
     @property
     def gpu_total(self) -> int:
@@ -44,13 +50,18 @@ class MemoryEstimate:
             rows.append(f"{k:16s}{_gib(self.gpu[k]):>12s}{_gib(self.cpu[k]):>12s}")
         rows.append(f"{'total':16s}{_gib(self.gpu_total):>12s}{_gib(self.cpu_total):>12s}")
         rows.append(f"({self.offloaded_params:,} of {self.total_params:,} parameters offloaded)")
+        if self.zero_stage and self.world_size > 1:
+            rows.append(f"(ZeRO stage {self.zero_stage}, rank {self.rank} of {self.world_size}: "
+                        f"a shard of {self.owned_params:,} parameters)")
         return "\n".join(rows)
 
 
 def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, precision: str = "16-mixed",
-                    optimizer: str = "adam", amsgrad: bool = False, speculate: bool = False) -> MemoryEstimate:
+                    optimizer: str = "adam", amsgrad: bool = False, speculate: bool = False, zero_stage: int = 0,
+                    world_size: int = 1, rank: int | None = None) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
-    parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``.
+    parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
+    rank.
 
     - weights stay on the accelerator in the model's dtype (Lightning's ``*-mixed``
       precisions keep float32 weights and cast inside autocast, so ``precision`` changes
@@ -66,7 +77,14 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       momentum)/lars/lion/adagrad;
     - ``speculate=True`` (``stream_cpu_step`` where the step checks the gradients first):
       the offloaded masters and state once more in host memory (``speculation``), kept
-      aside while an update is speculated (:mod:`~lightning_fastopt.offload.speculative`).
+      aside while an update is speculated (:mod:`~lightning_fastopt.offload.speculative`);
+    - ``zero_stage`` 1 or 2 with ``world_size`` ranks (``fastopt_zero1``/``fastopt_zero2``):
+      a rank keeps the masters and state of the parameters it owns (the same partition the
+      strategy makes), ``offload_fraction`` of those offloaded; ``rank`` says which (default:
+      the one owning the most elements, which bounds the memory).  Stage 1 keeps every
+      gradient on the accelerator until the step (DDP's), stage 2 only those of its own
+      non-offloaded parameters.  Each rank on a machine holds its own host share: the
+      machine's host memory needs the sum over its ranks.
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -75,15 +93,22 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
         raise ValueError(f"optimizer must be one of {sorted(_STATE_TENSORS)}, got {optimizer!r}")
     state_tensors = _STATE_TENSORS[key] + (1 if amsgrad and key in ("adam", "adamw") else 0)
     params = [p for p in model.parameters() if p.requires_grad]
-    chosen = choose_offloaded(params, offload_fraction)
-    est = MemoryEstimate(total_params=sum(p.numel() for p in params))
-    for p, offloaded in zip(params, chosen):
+    owned, rank = _shard(params, zero_stage, world_size, rank)
+    mine = [p for p, o in zip(params, owned) if o]
+    chosen = iter(choose_offloaded(mine, offload_fraction))
+    est = MemoryEstimate(total_params=sum(p.numel() for p in params), owned_params=sum(p.numel() for p in mine),
+                         rank=rank, world_size=world_size, zero_stage=zero_stage)
+    sharded = zero_stage > 0 and world_size > 1
+    for p, own in zip(params, owned):
         n, size = p.numel(), p.element_size()
         m = 8 if p.dtype == torch.float64 else 4  # the master's (and the state's) bytes per element
         half = size < 4
         est.gpu["params"] += n * size
-        if offloaded:
+        if not own:  # another rank's: stage 1 keeps its gradient (DDP's) until the step, stage 2 frees it
+            est.gpu["grads"] += n * size if zero_stage == 1 else 0
+        elif next(chosen):
             est.offloaded_params += n
+            est.gpu["grads"] += n * size if sharded and zero_stage == 1 else 0  # copied at the step
             est.cpu["grads"] += n * size
             est.cpu["master_weights"] += m * n + (n * size if half else 0)
             est.cpu["optimizer_state"] += m * n * state_tensors
@@ -93,6 +118,27 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
             est.gpu["master_weights"] += m * n if half else 0
             est.gpu["optimizer_state"] += m * n * state_tensors
     return est
+
+
+def _shard(params: list[torch.Tensor], zero_stage: int, world_size: int,
+           rank: int | None) -> tuple[list[bool], int]:
+    """Which of ``params`` the rank owns (ZeRO's partition: all of them without sharding),
+    and the rank (by default, the one owning the most elements)."""
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
+        raise ValueError(f"rank must be an int in [0, {world_size}) (world_size={world_size}), got {rank!r}")
+    if zero_stage == 0 or world_size == 1:
+        return [True] * len(params), rank or 0
+    owners = assign_owners([p.numel() for p in params], world_size)
+    if rank is None:
+        owned = [0] * world_size
+        for p, o in zip(params, owners):
+            owned[o] += p.numel()
+        rank = max(range(world_size), key=lambda r: (owned[r], -r))
+    return [o == rank for o in owners], rank
 
 
 def _gib(n: int) -> str:

@@ -97,3 +97,26 @@ def end_process_group():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def allocated_bytes(opt):
+    """Bytes of every master, host buffer and state tensor an OffloadOptimizer holds, and
+    the most the cache-line padding of its host views may add (< 64 bytes per view)."""
+    seen, total = set(), 0
+    tensors = [t for b in opt._buckets for t in b.buffers]
+    tensors += [s.master for s in opt._slots if s.separate_master and s.bucket is None]
+    tensors += [v for inner in opt._inners() for st in inner.state.values() for k, v in st.items() if k != "step"]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total, 3 * 64 * sum(len(b.slots) for b in opt._buckets)
+
+
+def memory_model(dtype=torch.float32, layers=None):
+    """The small model of the memory estimate's tests (tests/test_memory.py); with
+    ``layers``, that many Linear(32, 32) instead (ZeRO: several tensors per rank)."""
+    torch.manual_seed(0)
+    if layers:
+        return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).to(dtype)

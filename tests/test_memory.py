@@ -1,28 +1,20 @@
 """estimate_memory against what OffloadOptimizer really allocates (the accelerator path
-run on the CPU with copy_on_cpu=True), and its argument checks."""
+run on the CPU with copy_on_cpu=True), and against what each rank of a two-process ZeRO
+run allocates (gloo); its argument checks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_fastopt import FusedAdam, FusedSGD, OffloadOptimizer, estimate_memory
+from lightning_fastopt.zero import assign_owners
+from tests.helpers import allocated_bytes, memory_model as _model, subprocess_env
 
-
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).to(dtype)
-
-
-def _allocated(opt):
-    """Bytes of every master, host buffer and state tensor the optimizer holds."""
-    seen, total = set(), 0
-    tensors = [t for b in opt._buckets for t in b.buffers]
-    tensors += [s.master for s in opt._slots if s.separate_master and s.bucket is None]
-    tensors += [v for inner in opt._inners() for st in inner.state.values() for k, v in st.items() if k != "step"]
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])
@@ -42,8 +34,8 @@ def test_estimate_matches_the_allocations(fraction, dtype, make, name):
     # estimate's host total plus its device-side masters and state, up to the padding
     # that starts each host view on a cache line (< 64 bytes per tensor and buffer)
     expected = est.cpu_total + est.gpu["master_weights"] + est.gpu["optimizer_state"]
-    padding = 3 * 64 * sum(len(b.slots) for b in opt._buckets)
-    assert 0 <= _allocated(opt) - expected <= padding
+    allocated, padding = allocated_bytes(opt)
+    assert 0 <= allocated - expected <= padding
 
 
 def test_estimate_arithmetic_for_a_known_model():
@@ -60,6 +52,39 @@ def test_estimate_arithmetic_for_a_known_model():
     assert "optimizer_state" in str(full) and "1,001,000 of 1,001,000 parameters offloaded" in str(full)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_estimate_is_what_each_rank_allocates(tmp_path, stage):
+    """Two gloo processes, ZeRO at 0.5 of each shard offloaded: each rank's masters, host
+    buffers and state are its estimate (rank=0 and rank=1), and so are the gradients on
+    the accelerator: at stage 1 every one when backward has ended (DDP keeps them until the
+    step); at stage 2 the rank's own non-offloaded ones (the others' are freed by the end
+    of backward; the reductions still landing then are its communication buckets, which
+    the estimate leaves out: here, at the step)."""
+    subprocess.run([sys.executable, str(REPO / "tests/scripts/zero_memory_run.py"), str(tmp_path), str(stage), "0.5"],
+                   check=True, timeout=300, cwd=REPO, env=subprocess_env(REPO))
+    model = _model(layers=4)
+    numels = [p.numel() for p in model.parameters()]
+    owners = assign_owners(numels, 2)
+    owned = []
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        est = estimate_memory(model, offload_fraction=0.5, optimizer="adam", amsgrad=True, zero_stage=stage,
+                              world_size=2, rank=rank)
+        assert (est.owned_params, est.offloaded_params) == (got["owned"], got["offloaded"])
+        assert 0 < est.offloaded_params < est.owned_params < est.total_params
+        expected = est.cpu_total + est.gpu["master_weights"] + est.gpu["optimizer_state"]
+        assert 0 <= got["allocated"] - expected <= got["padding"]
+        kept = got["kept_grads"] if stage == 1 else got["kept_after_step"]
+        assert est.gpu["grads"] == 4 * sum(n for n, k in zip(numels, kept) if k)
+        if stage == 2:
+            assert not any(k for k, o in zip(got["kept_grads"], owners) if o != rank)
+        assert est.gpu["params"] == 4 * sum(numels)
+        owned.append(est.owned_params)
+    default = estimate_memory(model, offload_fraction=0.5, zero_stage=stage, world_size=2)
+    assert default.rank == owned.index(max(owned))  # the rank that bounds the memory
+    assert f"ZeRO stage {stage}, rank {default.rank} of 2" in str(default)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="precision must be one of"):
         estimate_memory(_model(), precision="transformer-engine")
@@ -67,6 +92,14 @@ def test_bad_arguments():
         estimate_memory(_model(), optimizer="rmsprop")
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\]"):
         estimate_memory(_model(), offload_fraction=2)
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2, got 3"):
+        estimate_memory(_model(), zero_stage=3)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        estimate_memory(_model(), world_size=0)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\) \(world_size=2\), got 2"):
+        estimate_memory(_model(), zero_stage=1, world_size=2, rank=2)
+    one = estimate_memory(_model(), zero_stage=2, world_size=1)  # nothing to shard: the plain estimate
+    assert (one.gpu, one.cpu) == (estimate_memory(_model()).gpu, estimate_memory(_model()).cpu)
 
 
 @pytest.mark.parametrize("fraction", [0.3, 1.0])

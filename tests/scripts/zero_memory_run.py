@@ -1,0 +1,46 @@
+"""What each rank of a two-process ZeRO run allocates, for tests/test_memory.py.
+
+    python tests/scripts/zero_memory_run.py OUT STAGE FRACTION
+
+Two gloo processes (a file store in OUT) build ZeroOptimizer(FusedAdam(amsgrad=True)) at
+STAGE with FRACTION of each shard offloaded through the accelerator's code path
+(copy_on_cpu), run a step and write OUT/rank{R}.json: the bytes its optimizer allocated
+(and the padding allowance), its owned and offloaded element counts, and which parameters
+still held a gradient when backward had ended and after the step.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_fastopt import FusedAdam  # noqa: E402
+from lightning_fastopt.zero import ZeroOptimizer  # noqa: E402
+from tests.helpers import allocated_bytes, end_process_group, memory_model  # noqa: E402
+
+
+def run(rank: int, out: str, stage: int, fraction: float) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
+    model = memory_model(layers=4)
+    opt = ZeroOptimizer(FusedAdam(model.parameters(), amsgrad=True), stage=stage, offload_fraction=fraction,
+                        bucket_size_mb=0.001, copy_on_cpu=True)
+    torch.manual_seed(1)  # the same batch on both ranks: no DDP wrapper needed at stage 1
+    model(torch.randn(4, 32)).sum().backward()
+    kept_grads = [p.grad is not None for p in model.parameters()]
+    opt.step()
+    kept_after_step = [p.grad is not None for p in model.parameters()]
+    allocated, padding = allocated_bytes(opt.local)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(dict(
+        allocated=allocated, padding=padding, owned=opt.owned_numel, offloaded=opt.local.offloaded_numel,
+        kept_grads=kept_grads, kept_after_step=kept_after_step)))
+    opt.close()
+    end_process_group()
+
+
+if __name__ == "__main__":
+    out, stage, fraction = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    mp.spawn(run, args=(out, stage, fraction), nprocs=2)
