@@ -54,6 +54,15 @@ def assert_params_equal(a, b):
         assert torch.equal(x, y), f"param {i} (numel {x.numel()}): {(x.double() - y.double()).abs().max().item()} away"
 
 
+def assert_modules_equal(ours, ref):
+    """torch.equal, parameter by parameter, of two modules, saying which parameter and how
+    far apart where they differ."""
+    ours_params, ref_params = list(ours.named_parameters()), list(ref.parameters())
+    assert len(ours_params) == len(ref_params)
+    for (name, a), b in zip(ours_params, ref_params):
+        assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"
+
+
 def assert_params_close(a, b, rtol, atol):
     for i, (x, y) in enumerate(zip(a, b)):
         torch.testing.assert_close(x.detach(), y.detach(), rtol=rtol, atol=atol,

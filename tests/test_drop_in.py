@@ -25,6 +25,7 @@ from lightning_fastopt import FastOptStrategy, OffloadOptimizer
 from lightning_fastopt.optim import FusedSGD
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.user_step import UserStepOptimizer
+from tests.helpers import assert_modules_equal
 
 STRATEGIES = {
     "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
@@ -82,11 +83,6 @@ def _trainer(strategy, tmp_path=None, **kw):
     return L.Trainer(strategy=strategy, **args)
 
 
-def _assert_equal(ours, ref):
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"
-
-
 def test_the_part_offloaded_strategy_keeps_a_share_on_the_device():
     """Whole tensors are offloaded from the last ones: at 0.2 Net's last three (33 of its
     161 elements) go to the host and its first weight stays, so the tests here run both
@@ -129,7 +125,7 @@ def test_every_entry_point_in_any_order(strategy, order, tmp_path):
     process group that one process does not start): the same numbers as ``Trainer()``."""
     ours, ours_out = _run(STRATEGIES[strategy](), ORDERS[order], tmp_path / "ours")
     ref, ref_out = _run("auto", ORDERS[order], tmp_path / "ref")
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert len(ours_out) == len(ref_out) == sum(s != "fit" for s in ORDERS[order])
     for a, b in zip(ours_out, ref_out):
         assert torch.equal(a, b)
@@ -242,7 +238,7 @@ def test_a_copy_of_the_optimizer_is_the_users_with_its_state(strategy):
     ours, ref = Net(), Net()
     _trainer(STRATEGIES[strategy](), callbacks=[ours_cb]).fit(ours, _data())
     _trainer("auto", callbacks=[ref_cb]).fit(ref, _data())
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     expected = ref_cb.copies[0]
     for copied in ours_cb.copies:
         assert type(copied) is torch.optim.SGD and len(copied.param_groups) == 1
@@ -333,7 +329,7 @@ def test_any_optimizer_ends_where_trainer_ends(strategy, optimizer):
     trainer.fit(ours, _data())
     calls = LoggedSGD.calls
     _trainer("auto").fit(ref, _data())
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert type(trainer.strategy.engines[0].optimizer) is runs_as
     assert type(trainer.optimizers[0]).__name__ == type(ref.optimizers().optimizer).__name__
     if optimizer == "subclass-with-its-own-step":  # its step ran: on each share (device, host buckets) every step
@@ -373,7 +369,7 @@ def test_lbfgs_runs_as_torch_runs_it(caplog, monkeypatch):
         trainer = _trainer(STRATEGIES["offloaded-accelerator-path"]())
         trainer.fit(ours, _data())
     _trainer("auto").fit(ref, _data())
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert trainer.strategy.engines == []
     assert "LBFGS runs as torch runs it, on the model's weights, not offloaded" in caplog.text
 
@@ -412,7 +408,7 @@ def test_64_true(strategy):
     trainer.fit(ours, _data())
     _trainer("auto", precision="64-true").fit(ref, _data())
     assert ours.head.weight.dtype == torch.float64
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert all(st["exp_avg"].dtype == torch.float64 for st in trainer.optimizers[0].state.values())
 
 
@@ -448,7 +444,7 @@ def test_backbone_finetuning_resumed_from_its_checkpoint(strategy, tmp_path):
         assert len(trainer.optimizers[0].param_groups) == 2
         return model
 
-    _assert_equal(resumed(strategy), resumed("auto"))
+    assert_modules_equal(resumed(strategy), resumed("auto"))
 
 
 def test_param_groups_that_move_parameters_are_refused():
@@ -488,7 +484,7 @@ def test_fabric_keeps_the_users_optimizer(make):
 
     ours, opt = loop(FastOptFabricStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True))
     ref, _ = loop("auto")
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert type(opt) is type(make([nn.Parameter(torch.zeros(1))])) and opt.state  # given back, with its state
 
 
@@ -582,7 +578,7 @@ def test_step_keyword_arguments_reach_the_users_own_step(strategy):
     _trainer(make()).fit(ours, _data())
     _trainer("auto").fit(ref, _data())
     _trainer("auto").fit(unscaled, _data())
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert not torch.equal(ours.head.weight, unscaled.head.weight)
 
 
@@ -633,7 +629,7 @@ def test_step_keyword_arguments_reach_every_cpu_step_schedule(schedule):
         return model, totals
 
     (ours, totals), (ref, _) = train(True), train(False)
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     if schedule == "speculative":  # 8 steps, 4 of them with keyword arguments; several buckets each
         assert totals["redone"] == totals["committed"] > 0 and totals["speculated"] == 2 * totals["redone"]
 

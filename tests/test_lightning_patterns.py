@@ -17,7 +17,7 @@ from torch import nn
 
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptStrategy
-from tests.helpers import ACCELERATOR
+from tests.helpers import ACCELERATOR, assert_modules_equal
 from tests.test_precision import _data
 
 
@@ -73,17 +73,12 @@ def _fit(strategy, model, epochs=3, **kw):
     return trainer
 
 
-def _assert_same(ours, ref):
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(a, b), f"{name}: {(a - b).abs().max().item()} away"
-
-
 def _compare(make_model, strategy, callbacks=lambda: []):
     """Fit a model under the strategy and another under Trainer() (fresh callbacks each)."""
     ours, ref = make_model(), make_model()
     trainer = _fit(STRATEGIES[strategy](), ours, callbacks=callbacks())
     _fit(None, ref, callbacks=callbacks())
-    _assert_same(ours, ref)
+    assert_modules_equal(ours, ref)
     return trainer, ours, ref
 
 
@@ -199,7 +194,7 @@ def test_keep_gradients_keeps_them_for_code_the_detection_cannot_see(fraction, c
     trainer = _fit(FastOptStrategy(offload_fraction=fraction, copy_on_cpu=copy_on_cpu, keep_gradients=True), ours)
     _fit(None, ref)
     assert trainer.strategy.engines[0].device_grads == "keep"
-    _assert_same(ours, ref)
+    assert_modules_equal(ours, ref)
     assert len(ours.seen) == len(ref.seen) == 24
     for a, b in zip(ours.seen, ref.seen):
         assert all(x is not None and torch.equal(x, y) for x, y in zip(a, b))
@@ -395,7 +390,7 @@ def test_one_device_keeps_the_users_sampler_and_starts_no_process_group(strategy
     assert isinstance(trainer.train_dataloader.sampler, torch.utils.data.RandomSampler)
     assert not dist.is_initialized()
     L.Trainer(**kw).fit(ref, loader())
-    _assert_same(ours, ref)
+    assert_modules_equal(ours, ref)
 
 
 @pytest.mark.parametrize("kw", [dict(offload_fraction=0.5, bucket_size_mb=0.0002),

@@ -17,6 +17,7 @@ pl = pytest.importorskip("pytorch_lightning")
 import lightning_fastopt  # noqa: E402
 from lightning_fastopt.core.engines import STRATEGY_NAMES  # noqa: E402
 from lightning_fastopt.trainer import pytorch_lightning as front_end  # noqa: E402
+from tests.helpers import assert_modules_equal  # noqa: E402
 
 
 def _data(n=32):
@@ -59,11 +60,6 @@ def _trainer(strategy="auto", **kw):
                 enable_progress_bar=False, enable_model_summary=False)
     args.update(kw)
     return pl.Trainer(strategy=strategy, **args)
-
-
-def _assert_equal(ours, ref):
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(a, b), f"{name}: {(a.double() - b.double()).abs().max().item()} away"
 
 
 def test_every_name_is_registered_with_pytorch_lightning():
@@ -111,7 +107,7 @@ def test_fit_validate_test_predict_end_where_pytorch_lightning_ends(strategy, ma
                torch.cat(trainer.predict(model, _data(16))))
         results.append((model, out))
     (ours, ours_out), (ref, ref_out) = results
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
     assert ours_out[0] == ref_out[0] and ours_out[1] == ref_out[1]
     assert torch.equal(ours_out[2], ref_out[2])
 
@@ -129,7 +125,7 @@ def test_resume_from_a_checkpoint(tmp_path):
     _trainer(strategy(), max_epochs=4).fit(resumed, _data(), ckpt_path=tmp_path / "two.ckpt")
     straight = Net()
     _trainer(max_epochs=4).fit(straight, _data())
-    _assert_equal(resumed, straight)
+    assert_modules_equal(resumed, straight)
 
 
 class _GradNorms(pl.Callback):
@@ -164,7 +160,7 @@ def test_forward_waits_by_module_with_this_packages_callbacks(caplog, monkeypatc
     assert "each module's forward waits only for its own new weights" in caplog.text
     ref = Net()
     _trainer().fit(ref, _data())
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
 
 
 def test_fp16_loss_scaling_on_the_cpu_through_the_plugin():
