@@ -9,7 +9,7 @@ import torch
 
 from lightning_fastopt import FusedAdam, FusedSGD
 from lightning_fastopt.ops import torch_fused
-from tests.helpers import SIZES, assert_params_equal, split_groups
+from tests.helpers import SIZES, assert_params_equal, run_twins, split_groups
 
 GROUPS = [dict(), dict(lr=3e-3, weight_decay=0.0), dict(lr=5e-4)]
 
@@ -61,16 +61,8 @@ def test_another_rounding_is_not_taken(fused_on_cpu, make, make_ref):
     """The default rounding (torch's CPU and CUDA foreach steps) rounds otherwise than
     torch's fused kernels (SGD: 1 - dampening in float32 on CUDA): it goes to the other
     backends and ends on the bits of torch's default step."""
-    ps = [torch.randn(n, requires_grad=True) for n in SIZES]
-    rs = [p.detach().clone().requires_grad_() for p in ps]
-    opt, ref = make(ps), make_ref(rs)
-    for _ in range(10):
-        for p, r in zip(ps, rs):
-            p.grad = torch.randn_like(p)
-            r.grad = p.grad.clone()
-        opt.step()
-        ref.step()
-    assert_params_equal(ps, rs)
+    ours, ref, _, _ = run_twins(make, make_ref, SIZES, [dict()], steps=10)
+    assert_params_equal(ours, ref)
     assert not fused_on_cpu
 
 
