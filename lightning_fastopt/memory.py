@@ -84,7 +84,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       the one owning the most elements, which bounds the memory).  Stage 1 keeps every
       gradient on the accelerator until the step (DDP's), stage 2 only those of its own
       non-offloaded parameters.  Each rank on a machine holds its own host share: the
-      machine's host memory needs the sum over its ranks.
+      machine's host memory needs the sum over its ranks.  Without ZeRO (``zero_stage=0``,
+      DDP) every rank holds what one process would, whatever ``world_size``.
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
