@@ -212,6 +212,27 @@ def test_compiled_and_fallback_agree(compiled):
             assert_params_equal(params, fb_params)
 
 
+def test_the_fallback_rounds_sgds_dampening_as_each_rounding(compiled, monkeypatch):
+    """1 - dampening as torch's CPU step rounds it, or (torch_cuda_fused) as its CUDA fused
+    kernel does, in float32: the kernels' bits on the pure-PyTorch backend too, and the two
+    roundings differ (dampening 0.9; no maximize, so no other difference)."""
+    import lightning_fastopt.ops as ops
+
+    def run(rounding):
+        torch.manual_seed(3)
+        params = [torch.randn(n) for n in SIZES]
+        buffers = [torch.randn(n) for n in SIZES]
+        grads = [torch.randn(n) for n in SIZES]
+        F.fused_sgd_(params, grads, buffers, step=2, lr=0.1, momentum=0.9, dampening=0.9, rounding=rounding)
+        return params + buffers
+
+    compiled_runs = {r: run(r) for r in ("torch_cpu", "torch_cuda_fused")}
+    monkeypatch.setattr(ops, "cpu_backend", lambda: torch_backend)
+    for rounding, want in compiled_runs.items():
+        assert_params_equal(run(rounding), want)
+    assert not all(torch.equal(a, b) for a, b in zip(*compiled_runs.values()))
+
+
 def test_non_contiguous_tensors_use_the_fallback(compiled):
     base = torch.randn(8, 6)
     p = base.t()  # not contiguous
