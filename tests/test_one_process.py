@@ -16,7 +16,8 @@ import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptStrategy
 from lightning_fastopt.core.engines import STRATEGY_NAMES
 from lightning_fastopt.trainer.lightning_pytorch import FastOptSingleDeviceStrategy
-from tests.test_drop_in import STRATEGIES, Net, _assert_equal, _data, _trainer
+from tests.helpers import assert_modules_equal
+from tests.test_drop_in import STRATEGIES, Net, _data, _trainer
 
 
 @pytest.mark.parametrize("name", [n for n, *_ in STRATEGY_NAMES])
@@ -46,7 +47,7 @@ def test_a_detected_cluster_environment_is_not_asked_for_ranks(monkeypatch):
     trainer.fit(model, _data())
     _trainer("auto").fit(ref, _data())
     assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.world_size) == (0, 0, 0, 1)
-    _assert_equal(model, ref)
+    assert_modules_equal(model, ref)
 
 
 class SizedNet(Net):
@@ -81,7 +82,7 @@ def test_the_batch_size_finder_ends_where_trainers_ends(strategy, how, tmp_path)
     weights of ``Trainer()``."""
     ours, ref = _tuned(STRATEGIES[strategy](), how, tmp_path / "ours"), _tuned("auto", how, tmp_path / "ref")
     assert ours.batch_size == ref.batch_size > 2, (ours.batch_size, ref.batch_size)
-    _assert_equal(ours, ref)
+    assert_modules_equal(ours, ref)
 
 
 class SeesAccumulation(Callback):
@@ -108,7 +109,7 @@ def test_micro_batches_that_accumulate_copy_nothing(strategy):
         return model
 
     seen = SeesAccumulation()
-    _assert_equal(run(STRATEGIES[strategy](), seen), run("auto"))
+    assert_modules_equal(run(STRATEGIES[strategy](), seen), run("auto"))
     assert seen.seen == [True, False] * 4  # 4 batches an epoch, 2 epochs, a step every second batch
 
 
@@ -127,7 +128,7 @@ def test_strategy_backward_wrapped_in_a_mock_is_called_once_per_micro_batch():
     assert backward.call_count == 8
     ref = Net()
     _trainer("auto", accumulate_grad_batches=2).fit(ref, _data())
-    _assert_equal(model, ref)
+    assert_modules_equal(model, ref)
 
 
 def test_the_twin_is_made_not_constructed():
@@ -166,7 +167,7 @@ def test_a_subclass_with_a_twin_keeps_its_overrides_at_one_process():
     _trainer("auto").fit(ref, _data())
     assert type(trainer.strategy) is CountingOneProcess and trainer.strategy.train_starts == 1
     assert isinstance(trainer.strategy, CountingTwins)
-    _assert_equal(model, ref)
+    assert_modules_equal(model, ref)
 
 
 def test_a_subclass_without_a_twin_runs_one_process_as_lightnings_ddp(caplog, monkeypatch):
@@ -188,4 +189,4 @@ def test_a_subclass_without_a_twin_runs_one_process_as_lightnings_ddp(caplog, mo
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    _assert_equal(model, ref)
+    assert_modules_equal(model, ref)
