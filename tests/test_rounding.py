@@ -28,8 +28,8 @@ from lightning_fastopt import FastOptStrategy, FusedAdagrad, FusedAdam, FusedSGD
 from lightning_fastopt.ops.cpu import load_cpu_extension
 from lightning_fastopt.ops.isa import detect_isa
 from lightning_fastopt.ops.rounding import (ROUNDINGS, SGD_ROUNDINGS, fused_cuda_adagrad_clr, fused_cuda_scalars,
-                                            rounding_of)
-from lightning_fastopt.optim.from_torch import to_fused_optimizer
+                                            rounding_of, unfollowed)
+from lightning_fastopt.optim.from_torch import _fused_kwargs, to_fused_optimizer
 from tests.helpers import BIG, SIZES, assert_modules_equal, assert_params_equal, run_twins
 
 ISAS = sorted({detect_isa().name, "generic"})
@@ -118,6 +118,24 @@ def test_the_rounding_of_a_torch_optimizer():
         assert to_fused_optimizer(torch.optim.SGD([p], momentum=0.9, fused=fused)).inner_defaults["rounding"] == rounding
         inner = to_fused_optimizer(torch.optim.Adagrad([p], fused=fused)).inner_defaults
         assert (inner["rounding"], inner["torch_sqrt"]) == ("torch_cpu", sqrt)  # its CPU kernels round alike
+
+
+def test_a_for_loop_step_on_cuda_is_said_not_to_be_followed():
+    """torch's for-loop Adam/AdamW/Adagrad on CUDA (foreach=False) rounds otherwise than the
+    foreach step the kernels follow there: mapping one warns, naming it; the steps that are
+    followed do not warn."""
+    def on(device, make, **kw):
+        opt = make([nn.Parameter(torch.zeros(3))], **kw)
+        opt.param_groups[0]["params"] = [SimpleNamespace(device=torch.device(device))]  # where the check looks
+        return opt
+
+    for make in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad):
+        opt = on("cuda", make, foreach=False)
+        with pytest.warns(UserWarning, match=rf"{make.__name__}\(foreach=False\) on CUDA: torch's for-loop step"):
+            _fused_kwargs(opt)
+        for followed in (on("cuda", make), on("cuda", make, fused=True), on("cpu", make, foreach=False)):
+            assert unfollowed(followed) is None
+    assert unfollowed(on("cuda", torch.optim.SGD, foreach=False)) is None  # it rounds as its foreach step
 
 
 TORCH_OPTIMIZERS = [

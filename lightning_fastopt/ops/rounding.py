@@ -27,7 +27,7 @@ and stores (csrc/common/fused_cuda_adagrad.h; :data:`ADAGRAD_ROUNDINGS`).
 :func:`rounding_of` picks the rounding for a torch optimizer from its parameters' device
 and its ``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there
 multiplies by the reciprocal of the bias correction) gets ``"torch_cuda_foreach"``, which
-differs from it in the last bit of some elements.
+differs from it in the last bit of some elements (:func:`unfollowed`: a warning says so).
 """
 
 from __future__ import annotations
@@ -79,6 +79,23 @@ def rounding_of(optimizer: torch.optim.Optimizer) -> str:
     if not on_cuda:
         return "torch_cpu_fused" if fused else "torch_cpu"
     return "torch_cuda_fused" if fused else "torch_cuda_foreach"
+
+
+def unfollowed(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the kernels cannot end on the bits of ``optimizer`` (a torch Adam, AdamW or
+    Adagrad), or None: with ``foreach=False`` on CUDA torch runs its for-loop step, which
+    rounds otherwise than its foreach step there (Adam divides by the bias correction
+    through a float32 reciprocal, Adagrad's ``addcdiv`` is one fused multiply-add) and is
+    not followed; SGD's for-loop step rounds as its foreach step."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)):
+        return None
+    on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+    if not on_cuda or optimizer.defaults.get("foreach") is not False or optimizer.defaults.get("fused"):
+        return None
+    return (f"{type(optimizer).__name__}(foreach=False) on CUDA: torch's for-loop step there rounds otherwise than "
+            "its foreach step, which the kernels follow, so the run may end an ulp away from the same run without "
+            "lightning_fastopt in some elements (docs/correctness.md); foreach=None or True, or fused=True, is "
+            "followed bit for bit")
 
 
 _POWERS_PER_BLOCK = 1024

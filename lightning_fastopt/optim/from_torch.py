@@ -8,6 +8,7 @@ do not step (float64), runs as a :class:`~lightning_fastopt.optim.user_step.User
 
 from __future__ import annotations
 
+import warnings
 from types import FunctionType
 from typing import Any
 
@@ -18,7 +19,7 @@ from lightning_fastopt.optim.adam import FusedAdam
 from lightning_fastopt.optim.base import SUPPORTED_DTYPES, FusedOptimizer
 from lightning_fastopt.optim.sgd import FusedSGD
 from lightning_fastopt.optim.user_step import UserStepOptimizer
-from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, rounding_of
+from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, rounding_of, unfollowed
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -94,6 +95,9 @@ def to_fused_optimizer(optimizer: torch.optim.Optimizer) -> FusedOptimizer:
 
 def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     d = optimizer.defaults
+    reason = unfollowed(optimizer)
+    if reason is not None:
+        warnings.warn(reason, stacklevel=3)
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or d.get("decoupled_weight_decay", False)
         # the roundings of the step torch would take there; on the CPU without fused=True
