@@ -71,12 +71,15 @@ def kernel_code(rounding: str) -> int:
     return ROUNDINGS.index(rounding)
 
 
+def _on_cuda(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+
+
 def rounding_of(optimizer: torch.optim.Optimizer) -> str:
     """The rounding of the step ``optimizer`` (a torch optimizer) would take: its parameters'
     device and its ``fused`` flag."""
-    on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
     fused = bool(optimizer.defaults.get("fused"))
-    if not on_cuda:
+    if not _on_cuda(optimizer):
         return "torch_cpu_fused" if fused else "torch_cpu"
     return "torch_cuda_fused" if fused else "torch_cuda_foreach"
 
@@ -89,8 +92,7 @@ def unfollowed(optimizer: torch.optim.Optimizer) -> str | None:
     not followed; SGD's for-loop step rounds as its foreach step."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)):
         return None
-    on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
-    if not on_cuda or optimizer.defaults.get("foreach") is not False or optimizer.defaults.get("fused"):
+    if not _on_cuda(optimizer) or optimizer.defaults.get("foreach") is not False or optimizer.defaults.get("fused"):
         return None
     return (f"{type(optimizer).__name__}(foreach=False) on CUDA: torch's for-loop step there rounds otherwise than "
             "its foreach step, which the kernels follow, so the run may end an ulp away from the same run without "
@@ -132,6 +134,15 @@ def fused_cuda_scalars(lr: float, beta1: float, beta2: float, step: int,
     bc1 = _f32(1.0 - _powf(beta1, step)) if bias_correction else 1.0
     bc2 = _f32(1.0 - _powf(beta2, step)) if bias_correction else 1.0
     return _f32(_f32(lr) / bc1), _f32(math.sqrt(bc2))
+
+
+def sgd_one_minus_dampening(dampening: float, rounding: str) -> float:
+    """SGD's ``1 - dampening`` as the step of ``rounding`` rounds it (csrc/common/sgd_rounding.h):
+    torch's CUDA fused kernel subtracts the float32 dampening from 1 in float32, its other
+    steps round the double ``1 - dampening`` once."""
+    if rounding == "torch_cuda_fused":
+        return _f32(1.0 - _f32(dampening))  # exact in double, then rounded once: float32's subtraction
+    return _f32(1.0 - dampening)
 
 
 def fused_cuda_adagrad_clr(lr: float, lr_decay: float, step: float) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_fastopt.ops.rounding import ROUNDINGS, sgd_one_minus_dampening
+
 isa = "torch"
 
 
@@ -196,7 +198,7 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
             torch._foreach_copy_(momentum_buffers, g)
         else:
             torch._foreach_mul_(momentum_buffers, momentum)
-            torch._foreach_add_(momentum_buffers, g, alpha=_one_minus_dampening(dampening, rounding))
+            torch._foreach_add_(momentum_buffers, g, alpha=sgd_one_minus_dampening(dampening, ROUNDINGS[rounding]))
         if nesterov:
             torch._foreach_add_(g, momentum_buffers, alpha=momentum)
         else:
@@ -206,14 +208,6 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
     torch._foreach_add_(work, g, alpha=-lr)
     _finish(params, work, copies)
     return False
-
-
-def _one_minus_dampening(dampening: float, rounding: int) -> float:
-    """csrc/common/sgd_rounding.h: torch's CUDA fused kernel subtracts in float32."""
-    if rounding == 2:
-        one, d = torch.ones((), dtype=torch.float32), torch.tensor(dampening, dtype=torch.float32)
-        return float(one - d)
-    return 1 - dampening
 
 
 def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,

@@ -98,21 +98,19 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     reason = unfollowed(optimizer)
     if reason is not None:
         warnings.warn(reason, stacklevel=3)
+    rounding = rounding_of(optimizer)  # the step torch would take there
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or d.get("decoupled_weight_decay", False)
-        # the roundings of the step torch would take there; on the CPU without fused=True
-        # its square root too (see FusedAdam)
-        rounding = rounding_of(optimizer)
+        # on the CPU without fused=True its square root too (see FusedAdam)
         return dict(lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                     amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False),
                     torch_sqrt=rounding == "torch_cpu", rounding=rounding)
     if isinstance(optimizer, torch.optim.SGD):
         # its CUDA foreach step rounds as its CPU step
-        rounding = rounding_of(optimizer)
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False),
                     rounding=rounding if rounding in SGD_ROUNDINGS else "torch_cpu")
-    rounding = rounding_of(optimizer)  # its CPU fused kernel rounds as its CPU step (with the IEEE root)
+    # its CPU fused kernel rounds as its CPU step (with the IEEE root)
     return dict(lr=d["lr"], lr_decay=d["lr_decay"], weight_decay=d["weight_decay"],
                 initial_accumulator_value=d["initial_accumulator_value"], eps=d["eps"],
                 maximize=d.get("maximize", False), torch_sqrt=rounding == "torch_cpu",
