@@ -176,11 +176,7 @@ def test_a_torch_optimizer_on_the_cpu_ends_on_torchs_bits(name, make, flags, wra
 
     ref_ps, ps = params(), params()
     ref = train(make(ref_ps, **flags), ref_ps)
-    opt = to_fused_optimizer(make(ps, **flags))
-    if wrap is not None:
-        opt = OffloadOptimizer(opt, {p: f"p{i}" for i, p in enumerate(ps)}, offload_fraction=wrap,
-                               copy_on_cpu=True, bucket_size_mb=0.02)
-        assert 0 < opt.offloaded_numel < sum(sizes)
+    opt = _half_offloaded(to_fused_optimizer(make(ps, **flags)), ps, wrap)
     for a, b in zip(train(opt, ps), ref):
         assert torch.equal(a, b)
 
