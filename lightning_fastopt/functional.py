@@ -359,8 +359,8 @@ def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, 
                    torch_sqrt=False, rounding="torch_cpu") -> bool:
     """Adagrad, torch.optim.Adagrad's formula, each operation rounded as torch's default CPU
     step rounds it, with the IEEE square root (``torch_sqrt``: torch's CPU square root), or
-    (``rounding="torch_cuda_fused"``) as its fused CUDA kernel, in double
-    (:mod:`lightning_fastopt.ops.rounding`)."""
+    (``rounding="torch_cuda_fused"``) as its fused CUDA kernel, in double, or
+    (``"torch_cuda_for_loop"``) as its CUDA for-loop step (:mod:`lightning_fastopt.ops.rounding`)."""
     check_rounding(rounding, ADAGRAD_ROUNDINGS)
     check_torch_sqrt(torch_sqrt, rounding)
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)

@@ -82,7 +82,8 @@ def _clone(p, g, states):
     return p.clone(), g.clone(), [s.clone() for s in states]
 
 
-@pytest.mark.parametrize("rounding", [0, 1, 2], ids=["torch_cpu", "torch_cuda_foreach", "torch_cuda_fused"])
+@pytest.mark.parametrize("rounding", [0, 1, 2, 4],
+                         ids=["torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cuda_for_loop"])
 @pytest.mark.parametrize("adamw", [True, False])
 @pytest.mark.parametrize("amsgrad", [True, False])
 @pytest.mark.parametrize("maximize", [True, False])
@@ -156,19 +157,20 @@ def test_sgd_math_is_the_cpu_kernels(compiled, host_math, tmp_path, momentum, da
         _same(a, b)
 
 
+@pytest.mark.parametrize("rounding", [0, 4], ids=["torch_cpu", "torch_cuda_for_loop"])
 @pytest.mark.parametrize("maximize,weight_decay", [(False, 0.0), (True, 0.1)])
-def test_adagrad_math_is_the_cpu_kernels(compiled, host_math, tmp_path, maximize, weight_decay):
+def test_adagrad_math_is_the_cpu_kernels(compiled, host_math, tmp_path, maximize, weight_decay, rounding):
     p, g, states = _data(1, positive=(0,))
     clr = 1e-2 / (1 + (5 - 1) * 0.01)
     hp, hs = host_math("adagrad", tmp_path, p, g, states, clr=clr, weight_decay=weight_decay, eps=1e-10,
-                       inv_grad_scale=0.5, maximize=maximize)
+                       inv_grad_scale=0.5, maximize=maximize, rounding=rounding)
     cp, cg, cs = _clone(p, g, states)
-    compiled.adagrad_([cp], [cg], [cs[0]], None, clr, weight_decay, 1e-10, 0.5, maximize, False)
+    compiled.adagrad_([cp], [cg], [cs[0]], None, clr, weight_decay, 1e-10, 0.5, maximize, False, False, rounding)
     _same(hp, cp)
     _same(hs[0], cs[0])
     # the same step with the step count and lr on the "device"
     dp, _ = host_math("adagrad", tmp_path, p, g, states, lr=1e-2, lr_decay=0.01, weight_decay=weight_decay,
-                      eps=1e-10, inv_grad_scale=0.5, maximize=maximize, dev_step=5)
+                      eps=1e-10, inv_grad_scale=0.5, maximize=maximize, dev_step=5, rounding=rounding)
     _same(dp, cp, exact=False)
 
 

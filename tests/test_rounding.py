@@ -2,15 +2,16 @@
 implementation the user's optimizer would have run, on the CPU as on the GPU.
 
 On the CPU: each rounding gives the same bits at every ISA we build and at 1 and 2
-threads, the four differ from each other (the choice reaches the kernels), the strategy's
-mapping picks the rounding from the device and ``fused``, torch's CPU for-loop, foreach
-and fused=True steps end on torch's bits (tensors with tails included), the fused kernel's
-float32 scalars, and bad values are refused.  The CUDA structs run on the host against
-these kernels in tests/test_cuda_math.py (each CUDA rounding bit for bit); the fused CUDA
-kernels' SGD and Adagrad arithmetic, as their SASS shows it, is written out here.  On a GPU
-(``cuda``): torch.equal with torch.optim.Adam/AdamW/SGD/Adagrad's CUDA foreach and fused
-steps, directly, through the offload optimizer at fractions 0, 0.5 and 1, and under the
-Trainer against Trainer().
+threads, they differ from each other (the choice reaches the kernels), the strategy's
+mapping picks the rounding from the device and ``fused`` and ``foreach``, torch's CPU
+for-loop, foreach and fused=True steps end on torch's bits (tensors with tails included),
+the fused kernel's float32 scalars, and bad values are refused.  The CUDA structs run on
+the host against these kernels in tests/test_cuda_math.py (each CUDA rounding bit for bit);
+the CUDA arithmetic of torch's fused SGD and Adagrad, and of its foreach and for-loop Adam
+and Adagrad, as their SASS shows it, is written out here.  On a GPU (``cuda``): torch.equal
+with torch.optim.Adam/AdamW/SGD/Adagrad's CUDA foreach, for-loop and fused steps, directly,
+through the offload optimizer at fractions 0, 0.5 and 1, and under the Trainer against
+Trainer().
 """
 
 import math
@@ -27,8 +28,8 @@ import lightning_fastopt.ops as ops
 from lightning_fastopt import FastOptStrategy, FusedAdagrad, FusedAdam, FusedSGD, OffloadOptimizer
 from lightning_fastopt.ops.cpu import load_cpu_extension
 from lightning_fastopt.ops.isa import detect_isa
-from lightning_fastopt.ops.rounding import (ROUNDINGS, SGD_ROUNDINGS, fused_cuda_adagrad_clr, fused_cuda_scalars,
-                                            rounding_of, unfollowed)
+from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, ROUNDINGS, SGD_ROUNDINGS, float_reciprocal,
+                                            fused_cuda_adagrad_clr, fused_cuda_scalars, rounding_of)
 from lightning_fastopt.optim.from_torch import _fused_kwargs, to_fused_optimizer
 from tests.helpers import BIG, SIZES, assert_modules_equal, assert_params_equal, run_twins
 
@@ -57,9 +58,14 @@ def _train(make, groups=ADAM_GROUPS, sizes=SIZES, steps=20):
 ALGORITHMS = [(f"adam-{r}-{flags}", _adam(r, *(f == "1" for f in flags)), ADAM_GROUPS) for r in ROUNDINGS
               for flags in ("100", "011", "000")]  # (adamw, amsgrad, maximize)
 ALGORITHMS += [(f"sgd-{r}", _sgd(r), SGD_GROUPS) for r in SGD_ROUNDINGS]
-ALGORITHMS += [("adagrad-torch_cuda_fused",
-                lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=0.01, weight_decay=0.01, rounding="torch_cuda_fused"),
-                [dict(), dict(lr=0.05, weight_decay=0.1), dict(eps=1e-6, maximize=True)])]
+ADAGRAD_GROUPS = [dict(), dict(lr=0.05, weight_decay=0.1), dict(eps=1e-6, maximize=True)]
+
+
+def _adagrad(rounding):
+    return lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=0.01, weight_decay=0.01, rounding=rounding)
+
+
+ALGORITHMS += [(f"adagrad-{r}", _adagrad(r), ADAGRAD_GROUPS) for r in ADAGRAD_ROUNDINGS if r != "torch_cpu"]
 
 
 @pytest.mark.parametrize("name,make,groups", ALGORITHMS, ids=[n for n, _, _ in ALGORITHMS])
@@ -92,7 +98,8 @@ def test_the_roundings_differ_in_the_last_bits():
 
     runs = {r: flat(_adam(r, adamw=False)) for r in ROUNDINGS}
     sgd = {r: flat(_sgd(r), SGD_GROUPS) for r in SGD_ROUNDINGS}
-    for a, b in pairs(runs) + pairs(sgd):
+    adagrad = {r: flat(_adagrad(r), ADAGRAD_GROUPS) for r in ADAGRAD_ROUNDINGS}
+    for a, b in pairs(runs) + pairs(sgd) + pairs(adagrad):
         assert not torch.equal(a, b)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     tails = torch.cat([torch.arange(n) >= n - n % 8 for n in SIZES])
@@ -109,7 +116,6 @@ def test_the_rounding_of_a_torch_optimizer():
     assert rounding_of(_fake_optimizer("cpu", None)) == "torch_cpu"
     assert rounding_of(_fake_optimizer("cpu", True)) == "torch_cpu_fused"
     assert rounding_of(_fake_optimizer("cuda", None)) == "torch_cuda_foreach"
-    assert rounding_of(_fake_optimizer("cuda", False)) == "torch_cuda_foreach"
     assert rounding_of(_fake_optimizer("cuda", True)) == "torch_cuda_fused"
     p = nn.Parameter(torch.zeros(3))
     for fused, rounding, sqrt in [(None, "torch_cpu", True), (True, "torch_cpu_fused", False)]:
@@ -120,22 +126,32 @@ def test_the_rounding_of_a_torch_optimizer():
         assert (inner["rounding"], inner["torch_sqrt"]) == ("torch_cpu", sqrt)  # its CPU kernels round alike
 
 
-def test_a_for_loop_step_on_cuda_is_said_not_to_be_followed():
-    """torch's for-loop Adam/AdamW/Adagrad on CUDA (foreach=False) rounds otherwise than the
-    foreach step the kernels follow there: mapping one warns, naming it; the steps that are
-    followed do not warn."""
+@pytest.mark.filterwarnings("error")
+def test_a_for_loop_step_on_cuda_gets_its_own_rounding():
+    """torch's for-loop step on CUDA (foreach=False) rounds otherwise than its foreach step
+    there (Adam's bias correction through a float32 reciprocal, Adagrad's addcdiv one fused
+    multiply-add): Adam, AdamW and Adagrad map to "torch_cuda_for_loop"; SGD's rounds as its
+    foreach step (and its CPU step); on the CPU foreach=False is the default step."""
     def on(device, make, **kw):
         opt = make([nn.Parameter(torch.zeros(3))], **kw)
-        opt.param_groups[0]["params"] = [SimpleNamespace(device=torch.device(device))]  # where the check looks
+        opt.param_groups[0]["params"] = [SimpleNamespace(device=torch.device(device))]  # where the choice looks
         return opt
 
-    for make in (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad):
-        opt = on("cuda", make, foreach=False)
-        with pytest.warns(UserWarning, match=rf"{make.__name__}\(foreach=False\) on CUDA: torch's for-loop step"):
-            _fused_kwargs(opt)
-        for followed in (on("cuda", make), on("cuda", make, fused=True), on("cpu", make, foreach=False)):
-            assert unfollowed(followed) is None
-    assert unfollowed(on("cuda", torch.optim.SGD, foreach=False)) is None  # it rounds as its foreach step
+    for make, want in [(torch.optim.Adam, "torch_cuda_for_loop"), (torch.optim.AdamW, "torch_cuda_for_loop"),
+                       (torch.optim.Adagrad, "torch_cuda_for_loop"), (torch.optim.SGD, "torch_cpu")]:
+        assert _fused_kwargs(on("cuda", make, foreach=False))["rounding"] == want
+        assert _fused_kwargs(on("cuda", make, foreach=True))["rounding"] in ("torch_cuda_foreach", "torch_cpu")
+        assert _fused_kwargs(on("cpu", make, foreach=False))["rounding"] == "torch_cpu"
+    assert not _fused_kwargs(on("cuda", torch.optim.AdamW, foreach=False))["torch_sqrt"]
+
+
+def test_the_float_reciprocal_is_float32s_division():
+    """What CUDA's division by a host scalar multiplies by: numpy's float32 1 / x, for bias
+    corrections of many steps (and it is not always x's double reciprocal rounded)."""
+    xs = [(1 - 0.999 ** s) ** 0.5 for s in range(1, 3000)] + [(1 - 0.95 ** s) ** 0.5 for s in range(1, 300)]
+    ours = [float_reciprocal(x) for x in xs]
+    assert ours == [float(np.float32(1) / np.float32(x)) for x in xs]
+    assert ours != [float(np.float32(1 / x)) for x in xs]
 
 
 TORCH_OPTIMIZERS = [
@@ -313,6 +329,95 @@ def test_sgd_in_torchs_fused_cuda_rounding_is_its_float_arithmetic(maximize, wei
     assert not all(torch.equal(a, b) for a, b in zip(run("torch_cpu"), ref))
 
 
+def _cuda_adam_reference(p, g, m, v, *, step, lr, betas, eps, weight_decay, adamw, maximize, for_loop):
+    """torch's CUDA foreach Adam/AdamW step, or (for_loop) its for-loop step, on one float32
+    tensor (numpy arrays, updated in place) as ATen's CUDA kernels compute each op, element
+    by element with exact fused multiply-adds: the lerp, addcmul and addcdiv contracted, the
+    bias correction divided (foreach) or multiplied by its float32 reciprocal (for-loop)."""
+    f = np.float32
+    b1, b2 = betas
+    bc2s, neg_step = f((1 - b2 ** step) ** 0.5), -f(lr / (1 - b1 ** step))
+    w1, w2, inv = f(1 - b1), f(1 - b2), f(float_reciprocal(float(bc2s)))
+    for i in range(p.size):
+        gi = -g[i] if maximize else g[i]
+        if weight_decay and adamw:
+            p[i] = p[i] * f(1 - lr * weight_decay)
+        elif weight_decay:
+            gi = _fma32(p[i], f(weight_decay), gi)
+        diff = gi - m[i]
+        m[i] = _fma32(w1, diff, m[i]) if w1 < 0.5 else _fma32(-diff, f(1) - w1, gi)  # lerp
+        v[i] = _fma32(w2, gi * gi, v[i] * f(b2))
+        d = (np.sqrt(v[i]) * inv if for_loop else np.sqrt(v[i]) / bc2s) + f(eps)
+        p[i] = _fma32(neg_step, m[i] / d, p[i])
+
+
+def _cuda_adagrad_reference(p, g, s, *, clr, weight_decay, eps, maximize, for_loop):
+    """torch's CUDA foreach Adagrad step (multiply, divide, add: the CPU step's rounding), or
+    (for_loop) its for-loop step, whose addcdiv is one fused multiply-add."""
+    f = np.float32
+    for i in range(p.size):
+        gi = -g[i] if maximize else g[i]
+        if weight_decay:
+            gi = _fma32(p[i], f(weight_decay), gi)
+        s[i] = _fma32(gi, gi, s[i])
+        std = np.sqrt(s[i]) + f(eps)
+        p[i] = _fma32(-f(clr), gi / std, p[i]) if for_loop else p[i] + (-f(clr) * gi) / std
+
+
+CUDA_STEPS = [
+    ("adamw", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, adamw=True, maximize=False)),
+    ("adam-l2-maximize", dict(lr=1e-2, betas=(0.6, 0.95), eps=1e-6, weight_decay=0.1, adamw=False, maximize=True)),
+    ("adagrad", dict(lr=0.05, lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False)),
+    ("adagrad-decay-maximize", dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, eps=1e-10, maximize=True)),
+]
+
+
+@pytest.mark.parametrize("wrap", [None, 0.5], ids=["stepped-directly", "offload0.5-accelerator-path"])
+@pytest.mark.parametrize("for_loop", [False, True], ids=["foreach", "for-loop"])
+@pytest.mark.parametrize("name,kw", CUDA_STEPS, ids=[n for n, _ in CUDA_STEPS])
+def test_cuda_foreach_and_for_loop_roundings_are_their_float_arithmetic(name, kw, for_loop, wrap):
+    """The CPU kernels' rounding="torch_cuda_foreach"/"torch_cuda_for_loop" Adam and
+    "torch_cpu"/"torch_cuda_for_loop" Adagrad (what the offloaded share of a GPU run with the
+    user's torch optimizer, foreach=None or False, takes) against that arithmetic written out
+    with exact fused multiply-adds, 8 steps, directly and half offloaded.  The two roundings
+    end apart (the test tells them apart); the cuda tests below compare with torch itself."""
+    sizes = (4, 7, 13, 64, 101)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen) * torch.logspace(-4, 0, n) for n in sizes] for _ in range(8)]
+    adam = name.startswith("adam")
+
+    def run(rounding, wrap=None):
+        ps = [nn.Parameter(t.clone()) for t in start]
+        if adam:
+            inner = FusedAdam(ps, lr=kw["lr"], betas=kw["betas"], eps=kw["eps"], weight_decay=kw["weight_decay"],
+                              adamw_mode=kw["adamw"], maximize=kw["maximize"], rounding=rounding)
+        else:
+            inner = FusedAdagrad(ps, rounding=rounding, **kw)
+        opt = _half_offloaded(inner, ps, wrap)
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in ps]
+
+    ref = [t.numpy().copy() for t in start]
+    states = [[np.zeros(n, dtype=np.float32) for n in sizes] for _ in range(2 if adam else 1)]
+    for step, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            if adam:
+                _cuda_adam_reference(ref[i], g.numpy(), states[0][i], states[1][i], step=step, for_loop=for_loop, **kw)
+            else:
+                clr = kw["lr"] / (1 + (step - 1) * kw["lr_decay"])
+                _cuda_adagrad_reference(ref[i], g.numpy(), states[0][i], clr=clr, weight_decay=kw["weight_decay"],
+                                        eps=kw["eps"], maximize=kw["maximize"], for_loop=for_loop)
+    ref = [torch.from_numpy(p) for p in ref]
+    rounding = "torch_cuda_for_loop" if for_loop else ("torch_cuda_foreach" if adam else "torch_cpu")
+    other = "torch_cuda_foreach" if for_loop and adam else ("torch_cpu" if for_loop else "torch_cuda_for_loop")
+    assert_params_equal(run(rounding, wrap), ref)
+    assert not all(torch.equal(a, b) for a, b in zip(run(other), ref))
+
+
 def test_the_fused_cuda_adagrads_learning_rate():
     """``lr / (1 + (step - 1) * lr_decay)`` with ``step - 1`` in float32 and one rounding for
     the multiply-add: at most an ulp from the plain formula, and not always the same."""
@@ -340,8 +445,11 @@ def test_the_fused_kernels_scalars_are_float32_arithmetic():
 def test_bad_roundings_are_refused():
     p = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cuda_foreach', "
-                                         "'torch_cuda_fused', 'torch_cpu_fused', got 'cuda'"):
+                                         "'torch_cuda_fused', 'torch_cpu_fused', 'torch_cuda_for_loop', got 'cuda'"):
         FusedAdam(p, rounding="cuda")
+    with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cuda_fused', "
+                                         "'torch_cuda_for_loop', got 'torch_cuda_foreach'"):
+        FusedAdagrad(p, rounding="torch_cuda_foreach")  # its foreach step rounds as its CPU step: one name
     with pytest.raises(ValueError, match="torch_sqrt=True is torch's CPU square root"):
         FusedAdam(p, torch_sqrt=True, rounding="torch_cuda_fused")
     with pytest.raises(ValueError, match="rounding must be one of 'torch_cpu', 'torch_cuda_fused', "
@@ -355,13 +463,13 @@ def test_bad_roundings_are_refused():
     module = load_cpu_extension(detect_isa().name, warn=False)
     t = torch.zeros(4)
     with pytest.raises(ValueError, match=r"rounding must be one of 0 \(torch's CPU step\), 1 .*, 3 \(its CPU fused "
-                                         r"kernel\), got 4"):
+                                         r"kernel\), 4 \(its CUDA for-loop step\), got 5"):
         module.adam_([t], [t.clone()], [t.clone()], [t.clone()], None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1e-3,
-                     1.0, 1.0, False, True, False, False, rounding=4)
+                     1.0, 1.0, False, True, False, False, rounding=5)
     with pytest.raises(ValueError, match=r"rounding must be one of 0 \(torch's CPU step\), 2 \(its CUDA fused "
-                                         r"kernel\), 3 \(its CPU fused kernel\), got 1"):
+                                         r"kernel\), 3 \(its CPU fused kernel\), got 4"):
         module.sgd_([t], [t.clone()], [t.clone()], None, 0.1, 0.9, 0.0, 0.0, 1.0, False, False, False, False, False,
-                    rounding=1)
+                    rounding=4)  # its CUDA for-loop step rounds as its CPU step: code 0
 
 
 # ---------------------------------------------------------------------------- on a GPU
@@ -390,6 +498,10 @@ ON_CUDA = [
     ("adam-l2-amsgrad-fused", lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.05, amsgrad=True,
                                                           fused=True)),
     ("adam-maximize-foreach", lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.95), maximize=True)),
+    # foreach=False: its for-loop step, the bias correction through a float32 reciprocal
+    ("adamw-for-loop", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05, foreach=False)),
+    ("adam-l2-amsgrad-maximize-for-loop", lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.05, amsgrad=True,
+                                                                      maximize=True, foreach=False)),
     ("adam-maximize-fused", lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.95), maximize=True,
                                                         fused=True)),
     # SGD's and Adagrad's foreach steps round as their CPU steps (docs/correctness.md)
@@ -397,6 +509,8 @@ ON_CUDA = [
                                                         weight_decay=0.01)),
     ("sgd-dampening-maximize-foreach", lambda ps: torch.optim.SGD(ps, lr=1e-5, momentum=0.9, dampening=0.9,
                                                                   maximize=True)),
+    ("sgd-dampening-decay-for-loop", lambda ps: torch.optim.SGD(ps, lr=1e-4, momentum=0.9, dampening=0.9,
+                                                                weight_decay=0.01, foreach=False)),
     # its fused kernel: 1 - dampening in float32, and with maximize and no decay the momentum
     # contracted otherwise in tensors of numel % 4 == 0 (csrc/common/sgd_rounding.h)
     ("sgd-dampening-maximize-fused", lambda ps: torch.optim.SGD(ps, lr=1e-5, momentum=0.9, dampening=0.9,
@@ -405,6 +519,9 @@ ON_CUDA = [
                                                       fused=True)),
     ("adagrad-foreach", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01)),
     ("adagrad-fused", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01, fused=True)),
+    # its for-loop step's addcdiv is one fused multiply-add
+    ("adagrad-for-loop", lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.01, weight_decay=0.01, maximize=True,
+                                                        foreach=False)),
 ]
 
 
@@ -429,10 +546,25 @@ def test_torch_optimizer_on_cuda_bit_for_bit(fraction, name, make, device="cuda"
         opt.close()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,make", ON_CUDA, ids=[n for n, _ in ON_CUDA])
+def test_torch_optimizer_on_cuda_bit_for_bit_on_the_pytorch_fallback(monkeypatch, name, make):
+    """Without our CUDA kernels (the pure-PyTorch backend, torch's fused kernels for the
+    fused rounding) the same bits: Adam's for-loop reciprocal and Adagrad's two addcdiv
+    forms are followed by torch's own ops there."""
+    monkeypatch.setenv(ops.BACKEND_ENV, "torch")
+    assert ops.backend_for("cuda") is ops.torch_backend
+    ref_model, model = _cuda_model(), _cuda_model()
+    _cuda_train(ref_model, make(ref_model.parameters()))
+    _cuda_train(model, to_fused_optimizer(make(model.parameters())))
+    for (n, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(a, b), f"{n}: {(a - b).abs().max().item()} away"
+
+
 class _GPUModel(L.LightningModule):
-    def __init__(self, fused):
+    def __init__(self, flags):
         super().__init__()
-        self.fused = fused
+        self.flags = flags
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
 
@@ -440,22 +572,23 @@ class _GPUModel(L.LightningModule):
         return self.net(batch[0]).square().mean()
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, fused=self.fused)
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, **self.flags)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("flags", [dict(), dict(foreach=False), dict(fused=True)], ids=["foreach", "for-loop", "fused"])
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
-def test_trainer_on_gpu_with_torch_adamw_matches_plain_lightning(fraction, fused):
+def test_trainer_on_gpu_with_torch_adamw_matches_plain_lightning(fraction, flags):
     """fastopt_offload at each fraction with the user's torch.optim.AdamW (CUDA's default
-    foreach step, or fused=True), clipping by value and accumulation: Trainer()'s bits."""
+    foreach step, its for-loop step or fused=True), clipping by value and accumulation:
+    Trainer()'s bits."""
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 64, generator=g))
     kw = dict(accelerator="gpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
               gradient_clip_val=0.05, gradient_clip_algorithm="value")
-    ours, ref = _GPUModel(fused), _GPUModel(fused)
+    ours, ref = _GPUModel(flags), _GPUModel(flags)
     L.Trainer(strategy=FastOptStrategy(offload_fraction=fraction, bucket_size_mb=0.05), **kw).fit(
         ours, torch.utils.data.DataLoader(data, batch_size=4))
     L.Trainer(**kw).fit(ref, torch.utils.data.DataLoader(data, batch_size=4))

@@ -17,6 +17,8 @@ enum class Rounding : int {
   kTorchCpuFused = 3,     // torch's CPU fused=True kernel: kTorchCpu's operations (the IEEE square
                           // root) in its vector loop, others in its scalar loop over each tensor's
                           // last numel % 8 elements (../cpu/tensor_walk.h); CPU tensors only
+  kTorchCudaForLoop = 4,  // torch's CUDA for-loop step (foreach=False), torch >= 2.11: Adam's
+                          // bias correction through a float reciprocal, Adagrad's addcdiv one fma
 };
 
 struct AdamArgs {
@@ -49,8 +51,9 @@ struct AdagradArgs {
   float clr, weight_decay, eps, inv_grad_scale;  // clr = lr / (1 + (step - 1) * lr_decay)
   bool maximize;
   bool torch_sqrt;  // CPU: the square root torch's CPU ops compute (MKL's), not the IEEE one
-  // kTorchCpu (torch's CPU step, and its CUDA foreach step) or kTorchCudaFused (its fused CUDA
-  // kernel, in double: fused_cuda_adagrad.h), which takes these as given, in double
+  // kTorchCpu (torch's CPU step, and its CUDA foreach step), kTorchCudaForLoop (its CUDA
+  // for-loop step) or kTorchCudaFused (its fused CUDA kernel, in double: fused_cuda_adagrad.h),
+  // which takes these as given, in double
   Rounding rounding = Rounding::kTorchCpu;
   double clr_exact = 0.0, weight_decay_exact = 0.0, eps_exact = 0.0;
 };

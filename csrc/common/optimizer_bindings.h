@@ -53,7 +53,7 @@ struct LambDeviceClip {
 template <typename Device>
 void check_rounding(int rounding, std::initializer_list<int> taken) {
   static const char* const names[] = {"torch's CPU step", "its CUDA foreach step", "its CUDA fused kernel",
-                                      "its CPU fused kernel"};
+                                      "its CPU fused kernel", "its CUDA for-loop step"};
   if (std::find(taken.begin(), taken.end(), rounding) == taken.end()) {
     std::string accepted;
     for (int r : taken) accepted += (accepted.empty() ? "" : ", ") + std::to_string(r) + " (" + names[r] + ")";
@@ -76,7 +76,7 @@ void def_optimizer_functions(pybind11::module_& m) {
                     const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
                     const OptTensor& step_tensor) {
     if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
-    check_rounding<Device>(rounding, {0, 1, 2, 3});
+    check_rounding<Device>(rounding, {0, 1, 2, 3, 4});
     Slots slots = Device::slots(
         params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
     for (TensorSlot& s : slots) s.state_seed = state_seed;  // the stochastic rounding of bfloat16 state
@@ -120,7 +120,7 @@ void def_optimizer_functions(pybind11::module_& m) {
                        bool maximize, bool check_finite, bool torch_sqrt, int rounding, double lr, double lr_decay,
                        const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
                        const OptTensor& step_tensor) {
-    check_rounding<Device>(rounding, {0, 2});
+    check_rounding<Device>(rounding, {0, 2, 4});
     const Slots slots = Device::slots(params, &grads, {&state_sums}, copies);
     // the float scalars as before (the bindings took floats); kTorchCudaFused takes them as given
     const AdagradArgs a{static_cast<float>(clr), static_cast<float>(weight_decay), static_cast<float>(eps),

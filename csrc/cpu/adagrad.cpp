@@ -11,6 +11,10 @@
 // pass; with `torch_sqrt`, torch's CPU one (MKL's, where torch has MKL), taken block by
 // block between two passes (torch_sqrt.h; the second pass forms g again from the
 // unchanged gradient and parameter).
+// kTorchCudaForLoop: torch's CUDA step with foreach=False (its for-loop implementation), where
+// addcdiv is one fused multiply-add of the scalar and the quotient (DeviceAddCmulCdiv.cuh);
+// its CUDA foreach step multiplies, divides and adds, each rounded, as the CPU step:
+//   p = fma(-clr, g / d, p)
 // kTorchCudaFused: torch's fused CUDA kernel, in double (../common/fused_cuda_adagrad.h),
 // element by element: the offloaded share of a GPU run with torch.optim.Adagrad(fused=True).
 #include "../common/fused_cuda_adagrad.h"
@@ -36,17 +40,20 @@ struct AdagradConstants {
   }
 
   // The parameter from the gradient and the square root of the new sum.
+  template <Rounding R = Rounding::kTorchCpu>
   FASTOPT_ALWAYS_INLINE VecF param(const VecF& p, const VecF& g, const VecF& root) const {
+    if constexpr (R == Rounding::kTorchCudaForLoop) return VecF::fmadd(neg_clr, g / (root + eps), p);
     return p + (neg_clr * g) / (root + eps);
   }
 };
 
+template <Rounding R>
 void run_one_pass(const Slots& slots, const AdagradArgs& a) {
   const AdagradConstants c(a);
   elementwise_step<1>(slots, [&](VecF& p, VecF g, std::array<VecF, 1>& st) {
     g = c.grad(p, g);
     st[0] = VecF::fmadd(g, g, st[0]);
-    p = c.param(p, g, VecF::sqrt(st[0]));
+    p = c.param<R>(p, g, VecF::sqrt(st[0]));
   });
 }
 
@@ -80,7 +87,8 @@ void run_fused_cuda(const Slots& slots, const AdagradArgs& a) {
 
 void adagrad_step(const Slots& slots, const AdagradArgs& a) {
   if (a.rounding == Rounding::kTorchCudaFused) return run_fused_cuda(slots, a);
-  if (!a.torch_sqrt || !torch_sqrt_is_mkl()) return run_one_pass(slots, a);
+  if (a.rounding == Rounding::kTorchCudaForLoop) return run_one_pass<Rounding::kTorchCudaForLoop>(slots, a);
+  if (!a.torch_sqrt || !torch_sqrt_is_mkl()) return run_one_pass<Rounding::kTorchCpu>(slots, a);
   run_mkl_roots(slots, a);
 }
 

@@ -27,6 +27,12 @@
 //   v  = fma(float(1 - beta2), g * g, v * beta2)    (fma(g, g, v * beta2) when the scalar is 1)
 //   p  = fma(-step_size, m / d, p)                  the other lines as kTorchCpu
 //
+// kTorchCudaForLoop: torch's CUDA step with foreach=False (its for-loop implementation, torch
+// >= 2.11): kTorchCudaForeach's operations but for the bias correction, where ATen's CUDA
+// division by a host scalar multiplies by its reciprocal, computed in float on the host
+// (BinaryDivTrueKernel.cu):
+//   d  = sqrt(v or vmax) * (1.0f / float(bc2_sqrt)) + eps
+//
 // kTorchCudaFused: torch's fused CUDA kernel (ATen/native/cuda/fused_adam_utils.cuh, torch
 // >= 2.11), its scalars rounded to float first, the bias corrections computed in float from
 // the device's powf (lightning_fastopt.ops.rounding; step_size = lr / bc1 in float):
@@ -63,7 +69,7 @@ struct Lerp {
 
 // The constants of one step, as torch rounds them.
 struct AdamConstants {
-  VecF gs, wd, decay, b1, neg_b1, b2, neg_b2, w2, bc2s, eps, neg_step, neg_lr_wd;
+  VecF gs, wd, decay, b1, neg_b1, b2, neg_b2, w2, bc2s, inv_bc2s, eps, neg_step, neg_lr_wd;
   bool w2_is_one;
   Lerp lerp1;
   explicit AdamConstants(const AdamArgs& a)
@@ -76,6 +82,7 @@ struct AdamConstants {
         neg_b2(VecF::set1(-a.beta2)),
         w2(VecF::set1(static_cast<float>(1.0 - a.beta2_exact))),
         bc2s(VecF::set1(a.bias_correction2_sqrt)),
+        inv_bc2s(VecF::set1(1.0f / a.bias_correction2_sqrt)),
         eps(VecF::set1(a.eps)),
         neg_step(VecF::set1(-a.step_size)),
         neg_lr_wd(VecF::set1(-(a.lr * a.weight_decay))),
@@ -94,7 +101,7 @@ struct AdamConstants {
       st[1] = VecF::fmadd(b2, st[1], VecF::fmadd(neg_b2, gg, gg));
     } else {
       st[0] = lerp1(st[0], g);
-      if constexpr (R == Rounding::kTorchCudaForeach)
+      if constexpr (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
         st[1] = w2_is_one ? VecF::fmadd(g, g, st[1] * b2) : VecF::fmadd(w2, g * g, st[1] * b2);
       else if constexpr (kScalarLoop)
         st[1] = VecF::fmadd(st[1], b2, (w2 * g) * g);
@@ -112,8 +119,9 @@ struct AdamConstants {
   template <Rounding R, bool kDecoupled>
   FASTOPT_ALWAYS_INLINE VecF param(VecF p, const VecF& m, const VecF& root) const {
     if constexpr (kDecoupled) p = R == Rounding::kTorchCudaFused ? VecF::fmadd(neg_lr_wd, p, p) : p * decay;
-    const VecF d = root / bc2s + eps;
-    if constexpr (R == Rounding::kTorchCudaForeach) return VecF::fmadd(neg_step, m / d, p);
+    const VecF d = (R == Rounding::kTorchCudaForLoop ? root * inv_bc2s : root / bc2s) + eps;
+    if constexpr (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
+      return VecF::fmadd(neg_step, m / d, p);
     return p + (neg_step * m) / d;
   }
 };
@@ -157,6 +165,8 @@ void run(const Slots& slots, const AdamArgs& a) {
       return run_one_pass<Rounding::kTorchCudaForeach, kAmsgrad, kDecoupled, kL2>(slots, a);
     case Rounding::kTorchCudaFused:
       return run_one_pass<Rounding::kTorchCudaFused, kAmsgrad, kDecoupled, kL2>(slots, a);
+    case Rounding::kTorchCudaForLoop:
+      return run_one_pass<Rounding::kTorchCudaForLoop, kAmsgrad, kDecoupled, kL2>(slots, a);
     case Rounding::kTorchCpuFused:
       return run_one_pass<Rounding::kTorchCpuFused, kAmsgrad, kDecoupled, kL2>(slots, a);
     case Rounding::kTorchCpu:

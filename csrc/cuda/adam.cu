@@ -24,6 +24,8 @@ void adam_step(const Slots& slots, const AdamArgs& a, bool bias_correction, cons
       return run<Rounding::kTorchCudaForeach>(slots, a, bias_correction, d, stream);
     case Rounding::kTorchCudaFused:
       return run<Rounding::kTorchCudaFused>(slots, a, bias_correction, d, stream);
+    case Rounding::kTorchCudaForLoop:
+      return run<Rounding::kTorchCudaForLoop>(slots, a, bias_correction, d, stream);
     case Rounding::kTorchCpu:
     case Rounding::kTorchCpuFused:  // refused by the bindings: torch's CPU kernel, for CPU tensors
       break;

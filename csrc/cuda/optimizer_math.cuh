@@ -52,7 +52,7 @@ struct AdamMath {
   AdamArgs a;
   bool bias_correction;
   bool decoupled, l2, small1, w2_is_one;
-  float gs, decay, w1, lerp_coeff, w2, bc2s, neg_step, neg_lr_wd;
+  float gs, decay, w1, lerp_coeff, w2, bc2s, inv_bc2s, neg_step, neg_lr_wd;
 
   FASTOPT_HOST_DEVICE void prepare(const DeviceScalars& d) {
     gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
@@ -79,6 +79,7 @@ struct AdamMath {
     lerp_coeff = small1 ? w1 : w1 - 1.0f;
     w2 = static_cast<float>(1.0 - a.beta2_exact);
     w2_is_one = w2 == 1.0f;
+    inv_bc2s = 1.0f / bc2s;
     neg_step = -step_size;
     neg_lr_wd = -(lr * a.weight_decay);
   }
@@ -94,7 +95,7 @@ struct AdamMath {
     } else {
       if (decoupled) p = p * decay;
       s[0] = fmaf(lerp_coeff, g - s[0], small1 ? s[0] : g);  // ATen's lerp, contracted
-      if (R == Rounding::kTorchCudaForeach)
+      if (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
         s[1] = w2_is_one ? fmaf(g, g, s[1] * a.beta2) : fmaf(w2, g * g, s[1] * a.beta2);
       else
         s[1] = fmaf(w2 * g, g, s[1] * a.beta2);
@@ -104,8 +105,8 @@ struct AdamMath {
       s[2] = fmaxf(s[2], s[1]);
       v = s[2];
     }
-    const float denom = sqrtf(v) / bc2s + a.eps;
-    if (R == Rounding::kTorchCudaForeach)
+    const float denom = (R == Rounding::kTorchCudaForLoop ? sqrtf(v) * inv_bc2s : sqrtf(v) / bc2s) + a.eps;
+    if (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
       p = fmaf(neg_step, s[0] / denom, p);
     else
       p = p + (neg_step * s[0]) / denom;
@@ -146,6 +147,7 @@ struct AdagradMath {
   AdagradArgs a;
   double lr, lr_decay;
   bool use_wd, fused;  // fused: torch's fused CUDA kernel (../common/fused_cuda_adagrad.h)
+  bool for_loop;       // torch's CUDA for-loop step: addcdiv one fused multiply-add
   float gs, neg_clr;
   double clr_exact;
 
@@ -168,7 +170,9 @@ struct AdagradMath {
     g = g * gs;
     if (use_wd) g = fmaf(a.weight_decay, p, g);
     s[0] = fmaf(g, g, s[0]);
-    p = p + (neg_clr * g) / (sqrtf(s[0]) + a.eps);  // param.addcdiv_(grad, std, value=-clr), as the CPU's
+    const float std = sqrtf(s[0]) + a.eps;
+    // param.addcdiv_(grad, std, value=-clr): as the CPU's, or as CUDA's addcdiv kernel
+    p = for_loop ? fmaf(neg_clr, g / std, p) : p + (neg_clr * g) / std;
   }
 };
 
@@ -303,6 +307,7 @@ inline AdagradMath adagrad_math(const AdagradArgs& a, double lr, double lr_decay
   m.lr_decay = lr_decay;
   m.use_wd = a.weight_decay != 0.0f;
   m.fused = a.rounding == Rounding::kTorchCudaFused;
+  m.for_loop = a.rounding == Rounding::kTorchCudaForLoop;
   return m;
 }
 

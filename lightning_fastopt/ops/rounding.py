@@ -16,18 +16,21 @@ share of the parameters is offloaded (csrc/cpu/adam.cpp spells out each one):
                           square root, but for each tensor's last ``numel % 8`` elements,
                           which its scalar loop rounds otherwise (csrc/cpu/tensor_walk.h).
                           CPU tensors only.
+``"torch_cuda_for_loop"`` torch's CUDA step with ``foreach=False`` (its for-loop one, torch
+                          >= 2.11): as ``"torch_cuda_foreach"`` but that CUDA's division by
+                          a host scalar multiplies by its float32 reciprocal (the bias
+                          correction).
 
 SGD takes ``"torch_cpu"`` (its CPU and CUDA foreach steps round alike),
 ``"torch_cuda_fused"`` (its CUDA kernel subtracts the dampening from 1 in float32 and rounds
 the momentum update otherwise in some tensors: csrc/common/sgd_rounding.h) and
-``"torch_cpu_fused"`` (:data:`SGD_ROUNDINGS`); Adagrad ``"torch_cpu"`` (its CPU step, its
-CUDA foreach step, and its CPU fused kernel with the IEEE square root) and
-``"torch_cuda_fused"``, its CUDA fused kernel, which computes in double between float loads
-and stores (csrc/common/fused_cuda_adagrad.h; :data:`ADAGRAD_ROUNDINGS`).
-:func:`rounding_of` picks the rounding for a torch optimizer from its parameters' device
-and its ``fused`` flag.  A ``foreach=False`` optimizer on CUDA (torch's for-loop there
-multiplies by the reciprocal of the bias correction) gets ``"torch_cuda_foreach"``, which
-differs from it in the last bit of some elements (:func:`unfollowed`: a warning says so).
+``"torch_cpu_fused"`` (:data:`SGD_ROUNDINGS`; its CUDA for-loop step rounds as its foreach
+step); Adagrad ``"torch_cpu"`` (its CPU step, its CUDA foreach step, and its CPU fused kernel
+with the IEEE square root), ``"torch_cuda_for_loop"`` (its CUDA for-loop step: ``addcdiv``
+one fused multiply-add there) and ``"torch_cuda_fused"``, its CUDA fused kernel, which
+computes in double between float loads and stores (csrc/common/fused_cuda_adagrad.h;
+:data:`ADAGRAD_ROUNDINGS`).  :func:`rounding_of` picks the rounding for a torch optimizer
+from its parameters' device and its ``fused`` and ``foreach`` flags.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from functools import lru_cache
 
 import torch
 
-ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cpu_fused")
+# in the order of the kernels' codes (kernel_code)
+ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cpu_fused", "torch_cuda_for_loop")
 SGD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused", "torch_cpu_fused")
-ADAGRAD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused")
+ADAGRAD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused", "torch_cuda_for_loop")
 CPU_ONLY = ("torch_cpu_fused",)
 
 
@@ -77,27 +81,14 @@ def _on_cuda(optimizer: torch.optim.Optimizer) -> bool:
 
 def rounding_of(optimizer: torch.optim.Optimizer) -> str:
     """The rounding of the step ``optimizer`` (a torch optimizer) would take: its parameters'
-    device and its ``fused`` flag."""
+    device and its ``fused`` and ``foreach`` flags (on CUDA torch takes its foreach step
+    unless told ``foreach=False``)."""
     fused = bool(optimizer.defaults.get("fused"))
     if not _on_cuda(optimizer):
         return "torch_cpu_fused" if fused else "torch_cpu"
-    return "torch_cuda_fused" if fused else "torch_cuda_foreach"
-
-
-def unfollowed(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the kernels cannot end on the bits of ``optimizer`` (a torch Adam, AdamW or
-    Adagrad), or None: with ``foreach=False`` on CUDA torch runs its for-loop step, which
-    rounds otherwise than its foreach step there (Adam divides by the bias correction
-    through a float32 reciprocal, Adagrad's ``addcdiv`` is one fused multiply-add) and is
-    not followed; SGD's for-loop step rounds as its foreach step."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)):
-        return None
-    if not _on_cuda(optimizer) or optimizer.defaults.get("foreach") is not False or optimizer.defaults.get("fused"):
-        return None
-    return (f"{type(optimizer).__name__}(foreach=False) on CUDA: torch's for-loop step there rounds otherwise than "
-            "its foreach step, which the kernels follow, so the run may end an ulp away from the same run without "
-            "lightning_fastopt in some elements (docs/correctness.md); foreach=None or True, or fused=True, is "
-            "followed bit for bit")
+    if fused:
+        return "torch_cuda_fused"
+    return "torch_cuda_for_loop" if optimizer.defaults.get("foreach") is False else "torch_cuda_foreach"
 
 
 _POWERS_PER_BLOCK = 1024
@@ -134,6 +125,13 @@ def fused_cuda_scalars(lr: float, beta1: float, beta2: float, step: int,
     bc1 = _f32(1.0 - _powf(beta1, step)) if bias_correction else 1.0
     bc2 = _f32(1.0 - _powf(beta2, step)) if bias_correction else 1.0
     return _f32(_f32(lr) / bc1), _f32(math.sqrt(bc2))
+
+
+def float_reciprocal(x: float) -> float:
+    """``1.0f / float(x)``: what ATen's CUDA division by a host scalar multiplies by (torch's
+    CUDA for-loop Adam divides by its bias correction so).  Double's division of float32
+    values rounded to float32 is float32's division."""
+    return _f32(1.0 / _f32(x))
 
 
 def sgd_one_minus_dampening(dampening: float, rounding: str) -> float:

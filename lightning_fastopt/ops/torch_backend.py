@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_fastopt.ops.rounding import ROUNDINGS, sgd_one_minus_dampening
+from lightning_fastopt.ops.rounding import ROUNDINGS, float_reciprocal, sgd_one_minus_dampening
 
 isa = "torch"
 
@@ -125,10 +125,10 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
     """torch.optim.Adam/AdamW's foreach step, op for op, on the tensors' device (``decay``:
     AdamW's factor ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by
     default from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's: the bits of
-    ``rounding`` 0 (torch's CPU step) on the CPU and of 1 (CUDA foreach) on CUDA; the other
-    pairs (a fallback: the compiled kernels follow every rounding everywhere; 3, torch's CPU
-    fused kernel, differs from 0 in each tensor's last numel % 8 elements) come within an
-    ulp per step."""
+    ``rounding`` 0 (torch's CPU step) on the CPU and of 1 (CUDA foreach) and 4 (CUDA for-loop,
+    its bias correction through a float32 reciprocal) on CUDA; the other pairs (a fallback:
+    the compiled kernels follow every rounding everywhere; 3, torch's CPU fused kernel,
+    differs from 0 in each tensor's last numel % 8 elements) come within an ulp per step."""
     if decay is None:
         decay = 1 - lr * weight_decay
     if check_finite and not all_finite(grads):
@@ -141,20 +141,22 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
         stored = (list(exp_avgs), list(exp_avg_sqs))
         exp_avgs, exp_avg_sqs = _f32(exp_avgs), _f32(exp_avg_sqs)
         _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
-                  weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, False)
+                  weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, False,
+                  rounding)
         for k, (kept, work) in enumerate(zip(stored, (exp_avgs, exp_avg_sqs))):
             for t, w in zip(kept, work):
                 if t is not w:
                     t.copy_(round_bf16_stochastic(w, state_seed, k))
         return False
     _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
-              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, torch_sqrt)
+              weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, torch_sqrt,
+              rounding)
     return False
 
 
 def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
               weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
-              torch_sqrt) -> None:
+              torch_sqrt, rounding) -> None:
     work = _f32(params)
     g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
@@ -172,7 +174,10 @@ def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, dec
     # torch's CPU square root (MKL's where torch has it), or the IEEE one (correctly rounded
     # from the double root: a float's square root rounds once either way)
     denom = torch._foreach_sqrt(second) if torch_sqrt else [t.double().sqrt_().float() for t in second]
-    torch._foreach_div_(denom, bias_correction2_sqrt)
+    if ROUNDINGS[rounding] == "torch_cuda_for_loop":  # CUDA's division by a host scalar
+        torch._foreach_mul_(denom, float_reciprocal(bias_correction2_sqrt))
+    else:
+        torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(work, exp_avgs, denom, value=-step_size)
     _finish(params, work, copies)
@@ -213,8 +218,10 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
 def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,
              check_finite, torch_sqrt: bool = False, rounding: int = 0) -> bool:
     """torch.optim.Adagrad's default CPU step, op for op, with the IEEE square root or
-    (``torch_sqrt``) torch's; with ``rounding`` 2 (torch's fused CUDA kernel, in double: a
-    fallback) within an ulp per step."""
+    (``torch_sqrt``) torch's: the bits of ``rounding`` 0 (its CPU step and CUDA foreach step)
+    on either device, and of 4 (its CUDA for-loop step, ``addcdiv`` one fused multiply-add)
+    on CUDA; 4 on the CPU, and 2 (torch's fused CUDA kernel, in double), within an ulp per
+    step (a fallback)."""
     if check_finite and not all_finite(grads):
         return True
     if not params:
@@ -227,7 +234,12 @@ def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad
     # torch's CPU square root, or the IEEE one (the float64 root of a float32 rounds to it)
     std = torch._foreach_sqrt(state_sums) if torch_sqrt else [s.double().sqrt_().float() for s in state_sums]
     torch._foreach_add_(std, eps)
-    torch._foreach_addcdiv_(work, g, std, value=-clr)
+    if ROUNDINGS[rounding] == "torch_cuda_for_loop":
+        torch._foreach_addcdiv_(work, g, std, value=-clr)
+    else:  # as torch's CPU addcdiv on either device: (-clr * g) / std, then the sum
+        step = torch._foreach_mul(g, -clr)
+        torch._foreach_div_(step, std)
+        torch._foreach_add_(work, step)
     _finish(params, work, copies)
     return False
 

@@ -21,7 +21,9 @@ class FusedAdagrad(FusedOptimizer):
     fastopt strategies set it for a ``torch.optim.Adagrad`` whose parameters are on the CPU.
     ``rounding="torch_cuda_fused"`` follows torch's fused CUDA kernel instead, which computes
     in double between float loads and stores (:mod:`lightning_fastopt.ops.rounding`); the
-    strategies pick it for a CUDA ``torch.optim.Adagrad(fused=True)``.
+    strategies pick it for a CUDA ``torch.optim.Adagrad(fused=True)``, and
+    ``"torch_cuda_for_loop"`` (torch's CUDA step with ``foreach=False``, its ``addcdiv`` one
+    fused multiply-add) for one with ``foreach=False``.
     """
 
     state_keys = ("sum",)

@@ -48,8 +48,9 @@ class FusedAdam(FusedOptimizer):
 
     ``rounding`` names the torch implementation whose roundings the step follows, on the
     CPU and on the GPU alike: ``"torch_cpu"`` (default), ``"torch_cuda_foreach"`` (torch's
-    default on CUDA), ``"torch_cuda_fused"`` (``fused=True`` on CUDA) or ``"torch_cpu_fused"``
-    (``fused=True`` on the CPU; CPU parameters only), see :mod:`lightning_fastopt.ops.rounding`.
+    default on CUDA), ``"torch_cuda_for_loop"`` (``foreach=False`` on CUDA),
+    ``"torch_cuda_fused"`` (``fused=True`` on CUDA) or ``"torch_cpu_fused"`` (``fused=True`` on
+    the CPU; CPU parameters only), see :mod:`lightning_fastopt.ops.rounding`.
     The fastopt strategies pick the one the user's torch optimizer would have run, so that
     an offloaded run ends on its bits.
     """

@@ -8,7 +8,6 @@ do not step (float64), runs as a :class:`~lightning_fastopt.optim.user_step.User
 
 from __future__ import annotations
 
-import warnings
 from types import FunctionType
 from typing import Any
 
@@ -19,7 +18,7 @@ from lightning_fastopt.optim.adam import FusedAdam
 from lightning_fastopt.optim.base import SUPPORTED_DTYPES, FusedOptimizer
 from lightning_fastopt.optim.sgd import FusedSGD
 from lightning_fastopt.optim.user_step import UserStepOptimizer
-from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, rounding_of, unfollowed
+from lightning_fastopt.ops.rounding import ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, rounding_of
 
 # torch optimizer class -> the fused class that runs it
 _MAPPED = {
@@ -95,9 +94,6 @@ def to_fused_optimizer(optimizer: torch.optim.Optimizer) -> FusedOptimizer:
 
 def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     d = optimizer.defaults
-    reason = unfollowed(optimizer)
-    if reason is not None:
-        warnings.warn(reason, stacklevel=3)
     rounding = rounding_of(optimizer)  # the step torch would take there
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         decoupled = isinstance(optimizer, torch.optim.AdamW) or d.get("decoupled_weight_decay", False)
@@ -106,7 +102,7 @@ def _fused_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
                     amsgrad=d["amsgrad"], adamw_mode=bool(decoupled), maximize=d.get("maximize", False),
                     torch_sqrt=rounding == "torch_cpu", rounding=rounding)
     if isinstance(optimizer, torch.optim.SGD):
-        # its CUDA foreach step rounds as its CPU step
+        # its CUDA foreach and for-loop steps round as its CPU step
         return dict(lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"], weight_decay=d["weight_decay"],
                     nesterov=d["nesterov"], maximize=d.get("maximize", False),
                     rounding=rounding if rounding in SGD_ROUNDINGS else "torch_cpu")

@@ -107,6 +107,8 @@ int main(int argc, char** argv) {
       elementwise(adam_math<Rounding::kTorchCudaForeach>(a, bc), d, p, g, s);
     else if (a.rounding == Rounding::kTorchCudaFused)
       elementwise(adam_math<Rounding::kTorchCudaFused>(a, bc), d, p, g, s);
+    else if (a.rounding == Rounding::kTorchCudaForLoop)
+      elementwise(adam_math<Rounding::kTorchCudaForLoop>(a, bc), d, p, g, s);
     else
       elementwise(adam_math(a, bc), d, p, g, s);
   } else if (algo == "sgd") {
