@@ -293,6 +293,27 @@ def _fused_cuda_sgd_reference(p, g, buf, *, lr, momentum, dampening, weight_deca
         p[i] = _fma32(gi, -f(lr), p[i])
 
 
+def _written_out_case(sizes, steps):
+    """The start and the gradients (over 1e-4..1 in each tensor) of a run checked against
+    arithmetic written out element by element, and the run itself: ``run(make, wrap)``
+    trains parameters from the start with the optimizer ``make(params)``, directly or
+    half offloaded (:func:`_half_offloaded`), and returns them."""
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen) * torch.logspace(-4, 0, n) for n in sizes] for _ in range(steps)]
+
+    def run(make, wrap=None):
+        ps = [nn.Parameter(t.clone()) for t in start]
+        opt = _half_offloaded(make(ps), ps, wrap)
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in ps]
+
+    return start, grads, run
+
+
 @pytest.mark.parametrize("wrap", [None, 0.5], ids=["stepped-directly", "offload0.5-accelerator-path"])
 @pytest.mark.parametrize("maximize,weight_decay,nesterov,dampening", [
     (True, 0.0, False, 0.9), (True, 0.0, True, 0.0), (False, 0.1, False, 0.6), (True, 0.1, False, 0.9)],
@@ -306,27 +327,15 @@ def test_sgd_in_torchs_fused_cuda_rounding_is_its_float_arithmetic(maximize, wei
     sizes = (4, 7, 12, 13, 64, 101)
     kw = dict(lr=0.05, momentum=0.9, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
               maximize=maximize)
-    gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(n, generator=gen) for n in sizes]
-    grads = [[torch.randn(n, generator=gen) * torch.logspace(-4, 0, n) for n in sizes] for _ in range(12)]
-
-    def run(rounding, wrap=None):
-        ps = [nn.Parameter(t.clone()) for t in start]
-        opt = _half_offloaded(FusedSGD(ps, rounding=rounding, **kw), ps, wrap)
-        for step_grads in grads:
-            for p, g in zip(ps, step_grads):
-                p.grad = g.clone()
-            opt.step()
-        return [p.detach() for p in ps]
-
+    start, grads, run = _written_out_case(sizes, steps=12)
     ref = [t.numpy().copy() for t in start]
     bufs = [np.zeros(n, dtype=np.float32) for n in sizes]
     for step, step_grads in enumerate(grads):
         for p, g, buf in zip(ref, step_grads, bufs):
             _fused_cuda_sgd_reference(p, g.numpy(), buf, first=step == 0, **kw)
     ref = [torch.from_numpy(p) for p in ref]
-    assert_params_equal(run("torch_cuda_fused", wrap), ref)
-    assert not all(torch.equal(a, b) for a, b in zip(run("torch_cpu"), ref))
+    assert_params_equal(run(lambda ps: FusedSGD(ps, rounding="torch_cuda_fused", **kw), wrap), ref)
+    assert not all(torch.equal(a, b) for a, b in zip(run(lambda ps: FusedSGD(ps, rounding="torch_cpu", **kw)), ref))
 
 
 def _cuda_adam_reference(p, g, m, v, *, step, lr, betas, eps, weight_decay, adamw, maximize, for_loop):
@@ -382,24 +391,15 @@ def test_cuda_foreach_and_for_loop_roundings_are_their_float_arithmetic(name, kw
     with exact fused multiply-adds, 8 steps, directly and half offloaded.  The two roundings
     end apart (the test tells them apart); the cuda tests below compare with torch itself."""
     sizes = (4, 7, 13, 64, 101)
-    gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(n, generator=gen) for n in sizes]
-    grads = [[torch.randn(n, generator=gen) * torch.logspace(-4, 0, n) for n in sizes] for _ in range(8)]
+    start, grads, run = _written_out_case(sizes, steps=8)
     adam = name.startswith("adam")
 
-    def run(rounding, wrap=None):
-        ps = [nn.Parameter(t.clone()) for t in start]
+    def optimizer(rounding):
         if adam:
-            inner = FusedAdam(ps, lr=kw["lr"], betas=kw["betas"], eps=kw["eps"], weight_decay=kw["weight_decay"],
-                              adamw_mode=kw["adamw"], maximize=kw["maximize"], rounding=rounding)
-        else:
-            inner = FusedAdagrad(ps, rounding=rounding, **kw)
-        opt = _half_offloaded(inner, ps, wrap)
-        for step_grads in grads:
-            for p, g in zip(ps, step_grads):
-                p.grad = g.clone()
-            opt.step()
-        return [p.detach() for p in ps]
+            return lambda ps: FusedAdam(ps, lr=kw["lr"], betas=kw["betas"], eps=kw["eps"],
+                                        weight_decay=kw["weight_decay"], adamw_mode=kw["adamw"],
+                                        maximize=kw["maximize"], rounding=rounding)
+        return lambda ps: FusedAdagrad(ps, rounding=rounding, **kw)
 
     ref = [t.numpy().copy() for t in start]
     states = [[np.zeros(n, dtype=np.float32) for n in sizes] for _ in range(2 if adam else 1)]
@@ -414,8 +414,8 @@ def test_cuda_foreach_and_for_loop_roundings_are_their_float_arithmetic(name, kw
     ref = [torch.from_numpy(p) for p in ref]
     rounding = "torch_cuda_for_loop" if for_loop else ("torch_cuda_foreach" if adam else "torch_cpu")
     other = "torch_cuda_foreach" if for_loop and adam else ("torch_cpu" if for_loop else "torch_cuda_for_loop")
-    assert_params_equal(run(rounding, wrap), ref)
-    assert not all(torch.equal(a, b) for a, b in zip(run(other), ref))
+    assert_params_equal(run(optimizer(rounding), wrap), ref)
+    assert not all(torch.equal(a, b) for a, b in zip(run(optimizer(other)), ref))
 
 
 def test_the_fused_cuda_adagrads_learning_rate():
