@@ -81,7 +81,9 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     - ``zero_stage`` 1 or 2 with ``world_size`` ranks (``fastopt_zero1``/``fastopt_zero2``):
       a rank keeps the masters and state of the parameters it owns (the same partition the
       strategy makes), ``offload_fraction`` of those offloaded; ``rank`` says which (default:
-      the one owning the most elements, which bounds the memory).  Stage 1 keeps every
+      the rank that needs the most accelerator memory, and of those the most host memory:
+      the one to plan a GPU with; offloading whole tensors, the rank owning the most
+      elements need not be it).  Stage 1 keeps every
       gradient on the accelerator until the step (DDP's), stage 2 only those of its own
       non-offloaded parameters.  Each rank on a machine holds its own host share: the
       machine's host memory needs the sum over its ranks.  Without ZeRO (``zero_stage=0``,
@@ -94,7 +96,20 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
         raise ValueError(f"optimizer must be one of {sorted(_STATE_TENSORS)}, got {optimizer!r}")
     state_tensors = _STATE_TENSORS[key] + (1 if amsgrad and key in ("adam", "adamw") else 0)
     params = [p for p in model.parameters() if p.requires_grad]
-    owned, rank = _shard(params, zero_stage, world_size, rank)
+    owners = _owners(params, zero_stage, world_size, rank)
+
+    def estimate(r: int, owned: list[bool]) -> MemoryEstimate:
+        return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r)
+
+    if owners is None:  # one process holds everything, on every rank
+        return estimate(rank or 0, [True] * len(params))
+    ranks = range(world_size) if rank is None else [rank]
+    return max((estimate(r, [o == r for o in owners]) for r in ranks), key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
+
+
+def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fraction: float, state_tensors: int,
+                   speculate: bool, zero_stage: int, world_size: int, rank: int) -> MemoryEstimate:
+    """One rank's figures, owning the parameters ``owned`` marks (see :func:`estimate_memory`)."""
     mine = [p for p, o in zip(params, owned) if o]
     chosen = iter(choose_offloaded(mine, offload_fraction))
     est = MemoryEstimate(total_params=sum(p.numel() for p in params), owned_params=sum(p.numel() for p in mine),
@@ -121,10 +136,9 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     return est
 
 
-def _shard(params: list[torch.Tensor], zero_stage: int, world_size: int,
-           rank: int | None) -> tuple[list[bool], int]:
-    """Which of ``params`` the rank owns (ZeRO's partition: all of them without sharding),
-    and the rank (by default, the one owning the most elements)."""
+def _owners(params: list[torch.Tensor], zero_stage: int, world_size: int, rank: int | None) -> list[int] | None:
+    """The owning rank of each of ``params`` (ZeRO's partition), or None without sharding;
+    checks the arguments."""
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
         raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -132,14 +146,8 @@ def _shard(params: list[torch.Tensor], zero_stage: int, world_size: int,
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, {world_size}) (world_size={world_size}), got {rank!r}")
     if zero_stage == 0 or world_size == 1:
-        return [True] * len(params), rank or 0
-    owners = assign_owners([p.numel() for p in params], world_size)
-    if rank is None:
-        owned = [0] * world_size
-        for p, o in zip(params, owners):
-            owned[o] += p.numel()
-        rank = max(range(world_size), key=lambda r: (owned[r], -r))
-    return [o == rank for o in owners], rank
+        return None
+    return assign_owners([p.numel() for p in params], world_size)
 
 
 def _gib(n: int) -> str:

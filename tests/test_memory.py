@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_fastopt import FusedAdam, FusedSGD, OffloadOptimizer, estimate_memory
 from lightning_fastopt.zero import assign_owners
@@ -79,10 +80,29 @@ def test_a_zero_estimate_is_what_each_rank_allocates(tmp_path, stage):
         if stage == 2:
             assert not any(k for k, o in zip(got["kept_grads"], owners) if o != rank)
         assert est.gpu["params"] == 4 * sum(numels)
-        owned.append(est.owned_params)
-    default = estimate_memory(model, offload_fraction=0.5, zero_stage=stage, world_size=2)
-    assert default.rank == owned.index(max(owned))  # the rank that bounds the memory
+        owned.append(est)
+    default = estimate_memory(model, offload_fraction=0.5, optimizer="adam", amsgrad=True, zero_stage=stage,
+                              world_size=2)
+    assert default == max(owned, key=lambda e: (e.gpu_total, e.cpu_total))  # the rank that bounds the GPU
     assert f"ZeRO stage {stage}, rank {default.rank} of 2" in str(default)
+
+
+def test_the_default_rank_is_the_one_needing_the_most_accelerator_memory():
+    """Offloading whole tensors from the end of each shard: rank 0 owns the most elements
+    (61 + 40) but offloads all of them at 0.5, rank 1 (10 + 89) keeps 10 on the GPU.  The
+    default is rank 1, the one a GPU must hold; an explicit rank is that rank's figures."""
+    model = nn.Module()
+    model.ps = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in (61, 40, 10, 89)])
+    for stage in (1, 2):
+        ranks = [estimate_memory(model, offload_fraction=0.5, zero_stage=stage, world_size=2, rank=r) for r in (0, 1)]
+        assert ranks[0].owned_params == 101 > ranks[1].owned_params
+        assert ranks[0].offloaded_params == 101 and ranks[1].offloaded_params == 89
+        assert ranks[1].gpu_total > ranks[0].gpu_total
+        assert estimate_memory(model, offload_fraction=0.5, zero_stage=stage, world_size=2) == ranks[1]
+    # equal GPU needs: the most host memory decides (rank 0 offloads 101 elements, rank 1 89)
+    at_one = [estimate_memory(model, offload_fraction=1.0, zero_stage=2, world_size=2, rank=r) for r in (0, 1)]
+    assert at_one[0].gpu_total == at_one[1].gpu_total and at_one[0].cpu_total > at_one[1].cpu_total
+    assert estimate_memory(model, offload_fraction=1.0, zero_stage=2, world_size=2).rank == 0
 
 
 def test_bad_arguments():
