@@ -104,7 +104,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     if owners is None:  # one process holds everything, on every rank
         return estimate(rank or 0, [True] * len(params))
     ranks = range(world_size) if rank is None else [rank]
-    return max((estimate(r, [o == r for o in owners]) for r in ranks), key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
+    each = [estimate(r, [o == r for o in owners]) for r in ranks]
+    return max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
 
 
 def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fraction: float, state_tensors: int,
