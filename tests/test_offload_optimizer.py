@@ -91,6 +91,20 @@ def test_partition_takes_the_last_parameters_first():
         choose_offloaded(ps, 1.5)
 
 
+def test_the_description_says_the_share_offloaded_and_why_it_is_larger():
+    """Whole tensors from the end: at 0.1 a last tensor of 4,000 of 4,110 elements takes
+    97%, and the log line (the optimizer's repr) says so and why; where the share is about
+    what was asked, it says the share alone."""
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 400, bias=False))
+    names = {p: n for n, p in model.named_parameters()}
+    for fraction, said in [(0.1, "offloaded=4000 of 4110 elements (97%, whole tensors from the end)"),
+                           (0.95, "offloaded=4000 of 4110 elements (97%)"),
+                           (1.0, "offloaded=4110 of 4110 elements (100%)")]:
+        opt = OffloadOptimizer(FusedAdam(model.parameters()), names, offload_fraction=fraction, copy_on_cpu=True)
+        assert f"offload_fraction={fraction}, {said}, " in repr(opt)
+        opt.close()
+
+
 def test_hooks_copy_final_gradients_and_free_the_device_ones(backend):
     """The accelerator path: backward hooks copy each gradient to its host buffer and drop
     the device gradient; while accumulating they copy nothing."""

@@ -804,8 +804,12 @@ class OffloadOptimizer(OptimizerWrapper):
         self.copies.synchronize()
 
     def _describe(self) -> str:
+        total = sum(s.param.numel() for s in self._slots)
+        share = self.offloaded_numel / total if total else 0.0
+        # whole tensors from the end: a large last tensor can take far more than was asked
+        why = ", whole tensors from the end" if share > self.offload_fraction + 0.05 else ""
         return (f"OffloadOptimizer({type(self.optimizer).__name__}, offload_fraction={self.offload_fraction}, "
-                f"offloaded={self.offloaded_numel} of {sum(s.param.numel() for s in self._slots)} elements, "
+                f"offloaded={self.offloaded_numel} of {total} elements ({share:.0%}{why}), "
                 f"{len(self._buckets)} host bucket(s), CPU step {self.schedule.name}, device={self.device})")
 
 
