@@ -116,6 +116,7 @@ def test_the_rounding_of_a_torch_optimizer():
     assert rounding_of(_fake_optimizer("cpu", None)) == "torch_cpu"
     assert rounding_of(_fake_optimizer("cpu", True)) == "torch_cpu_fused"
     assert rounding_of(_fake_optimizer("cuda", None)) == "torch_cuda_foreach"
+    assert rounding_of(_fake_optimizer("cuda", False)) == "torch_cuda_foreach"  # fused=False: foreach by default
     assert rounding_of(_fake_optimizer("cuda", True)) == "torch_cuda_fused"
     p = nn.Parameter(torch.zeros(3))
     for fused, rounding, sqrt in [(None, "torch_cpu", True), (True, "torch_cpu_fused", False)]:
