@@ -21,6 +21,11 @@ enum class Rounding : int {
                           // bias correction through a float reciprocal, Adagrad's addcdiv one fma
 };
 
+// torch's CUDA steps made of ATen's pointwise ops (foreach and for-loop), whose addcmul and
+// addcdiv are one fused multiply-add of the scalar and the product or quotient.
+template <Rounding R>
+inline constexpr bool kCudaAtenOps = R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop;
+
 struct AdamArgs {
   float lr, beta1, beta2, eps, weight_decay;
   float step_size;              // lr / bias_correction1

@@ -101,7 +101,7 @@ struct AdamConstants {
       st[1] = VecF::fmadd(b2, st[1], VecF::fmadd(neg_b2, gg, gg));
     } else {
       st[0] = lerp1(st[0], g);
-      if constexpr (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
+      if constexpr (kCudaAtenOps<R>)
         st[1] = w2_is_one ? VecF::fmadd(g, g, st[1] * b2) : VecF::fmadd(w2, g * g, st[1] * b2);
       else if constexpr (kScalarLoop)
         st[1] = VecF::fmadd(st[1], b2, (w2 * g) * g);
@@ -120,7 +120,7 @@ struct AdamConstants {
   FASTOPT_ALWAYS_INLINE VecF param(VecF p, const VecF& m, const VecF& root) const {
     if constexpr (kDecoupled) p = R == Rounding::kTorchCudaFused ? VecF::fmadd(neg_lr_wd, p, p) : p * decay;
     const VecF d = (R == Rounding::kTorchCudaForLoop ? root * inv_bc2s : root / bc2s) + eps;
-    if constexpr (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
+    if constexpr (kCudaAtenOps<R>)
       return VecF::fmadd(neg_step, m / d, p);
     return p + (neg_step * m) / d;
   }

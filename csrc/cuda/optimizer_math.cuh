@@ -95,7 +95,7 @@ struct AdamMath {
     } else {
       if (decoupled) p = p * decay;
       s[0] = fmaf(lerp_coeff, g - s[0], small1 ? s[0] : g);  // ATen's lerp, contracted
-      if (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
+      if (kCudaAtenOps<R>)
         s[1] = w2_is_one ? fmaf(g, g, s[1] * a.beta2) : fmaf(w2, g * g, s[1] * a.beta2);
       else
         s[1] = fmaf(w2 * g, g, s[1] * a.beta2);
@@ -106,7 +106,7 @@ struct AdamMath {
       v = s[2];
     }
     const float denom = (R == Rounding::kTorchCudaForLoop ? sqrtf(v) * inv_bc2s : sqrtf(v) / bc2s) + a.eps;
-    if (R == Rounding::kTorchCudaForeach || R == Rounding::kTorchCudaForLoop)
+    if (kCudaAtenOps<R>)
       p = fmaf(neg_step, s[0] / denom, p);
     else
       p = p + (neg_step * s[0]) / denom;
