@@ -129,3 +129,13 @@ def memory_model(dtype=torch.float32, layers=None):
     if layers:
         return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).to(dtype)
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).to(dtype)
+
+
+def said_lines(monkeypatch, *modules) -> list[str]:
+    """The messages our code passes to ``rank_zero_info`` in ``modules`` from now on, each
+    once: what the code said, not what a logging set-up happens to capture (pytest 9's
+    caplog captures Lightning's records twice)."""
+    said: list[str] = []
+    for module in modules:
+        monkeypatch.setattr(module, "rank_zero_info", lambda message, *a, **k: said.append(str(message)))
+    return said

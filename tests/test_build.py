@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -155,7 +156,9 @@ def test_concurrent_processes_build_once_and_say_so_before_and_after(tmp_path, e
     # a process that found the build under way says so once, and once when it is done
     waiting = said.count("waiting for the tiny kernels: another process (pid ")
     assert said.count("the tiny kernels built by another process are ready (waited ") == waiting, said
-    assert said.count("lightning_fastopt:") == 2 + 2 * waiting, said
+    # and the building one says each source as it is compiled (one here)
+    assert said.count(f"lightning_fastopt: the tiny kernels: {spec.name} compiled (1 of 1, ") == 1, said
+    assert said.count("lightning_fastopt:") == 3 + 2 * waiting, said
 
 
 def test_a_process_waiting_for_another_ones_build_says_so(tiny_cache, tmp_path, monkeypatch):
@@ -171,9 +174,19 @@ def test_a_process_waiting_for_another_ones_build_says_so(tiny_cache, tmp_path, 
         lock = Path(directory + ".lock").read_text()
         waiter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_load_code(spec))], cwd=REPO, env=env,
                                   stderr=subprocess.PIPE, text=True)
-        time.sleep(8)  # the waiter imports torch, then finds the lock held
+        # the waiter imports torch (seconds, more on a loaded machine), then finds the lock held
+        # and says so: wait for that line, not for a time (a killer thread bounds the wait)
+        killer = threading.Timer(300, waiter.kill)
+        killer.start()
+        said_before = []
+        while not any("waiting for" in line for line in said_before):
+            line = waiter.stderr.readline()
+            if not line:
+                break  # the waiter ended (or was killed): the asserts below say how
+            said_before.append(line)
+        killer.cancel()
         shutil.copytree(Path(template) / Path(directory).relative_to(ext_dir), directory)  # "the other one's build"
-    err = waiter.communicate(timeout=300)[1]
+    err = "".join(said_before) + waiter.communicate(timeout=300)[1]
     assert waiter.returncode == 0, err
     lines = [ln for ln in err.splitlines() if ln.startswith("lightning_fastopt:")]
     assert len(lines) == 2, err
@@ -235,7 +248,7 @@ def test_a_damaged_cached_build_is_rebuilt_once_with_one_line(tiny_cache, ext_di
     again = _run(_load_code(spec), ext_dir)
     assert again.returncode == 0, again.stderr
     lines = [line for line in again.stderr.splitlines() if line.startswith("lightning_fastopt:")]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines  # why, building, the source compiled, built
     assert "rebuilding the tiny kernels: the cached build is damaged:" in lines[0]
     assert "bytes where the build wrote" in lines[0] and "building the tiny kernels" in lines[1]
     assert builder.is_built(spec)
@@ -276,7 +289,7 @@ def test_compiler_error_is_quoted(tmp_path, ext_dir):
 def broken_cpu_build(tmp_path, ext_dir, monkeypatch):
     """The CPU extension replaced by one that cannot compile, nothing loaded yet."""
     broken = tiny_spec(tmp_path, name="fastopt_broken_cpu", source="#error deliberately broken kernel\n")
-    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None: broken)
+    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None, cuda_roundings=None: broken)
     monkeypatch.setattr(cpu, "_loaded", {})
     monkeypatch.setattr(cpu, "_errors", {})
     monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
@@ -372,6 +385,7 @@ def test_thread_count_is_honoured_and_results_do_not_depend_on_it(compiled):
 _BAD_SETTINGS = [
     ({ops.BACKEND_ENV: "nonsense"}, "LIGHTNING_FASTOPT_BACKEND='nonsense': expected one of ('auto', 'torch', 'compiled')"),
     ({"LIGHTNING_FASTOPT_ISA": "avx9"}, "LIGHTNING_FASTOPT_ISA='avx9': expected one of"),
+    ({"LIGHTNING_FASTOPT_CUDA_ROUNDINGS": "yes"}, "LIGHTNING_FASTOPT_CUDA_ROUNDINGS='yes': expected one of"),
 ]
 if detect_isa().name != "avx512":
     _BAD_SETTINGS.append(({"LIGHTNING_FASTOPT_ISA": "avx512"}, "this CPU supports at most"))
@@ -454,3 +468,65 @@ def test_the_strategy_loads_the_kernels_at_set_up_not_after_a_training_step(brok
                   enable_checkpointing=False, enable_progress_bar=False,
                   enable_model_summary=False).fit(Probe(lambda ps: torch.optim.AdamW(ps), sched=False), _data())
     assert any("deliberately broken kernel" in m for m in seen_at_first_step[0]), seen_at_first_step
+
+
+# ------------------------------------------------------------ Adam's CUDA roundings, built where needed
+def test_the_cuda_roundings_are_built_where_a_gpu_is_visible_or_where_asked(monkeypatch):
+    monkeypatch.delenv(cpu.CUDA_ROUNDINGS_ENV, raising=False)
+    for visible in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda visible=visible: visible)
+        assert cpu.cuda_roundings_wanted() is visible
+        spec = cpu_extension_spec()
+        assert ("adam_cuda_roundings.cpp" in {Path(s).name for s in spec.sources}) is visible
+        assert f"-DFASTOPT_ADAM_CUDA_ROUNDINGS={int(visible)}" in spec.cflags
+    for setting, wanted in (("1", True), ("0", False), ("auto", True)):
+        monkeypatch.setenv(cpu.CUDA_ROUNDINGS_ENV, setting)
+        assert cpu.cuda_roundings_wanted() is wanted
+    lean, full = cpu_extension_spec(cuda_roundings=False), cpu_extension_spec(cuda_roundings=True)
+    assert lean.name != full.name and build_dir(lean) != build_dir(full)  # both may be loaded in one process
+    assert "CUDA roundings" in full.title and "CUDA roundings" not in lean.title
+
+
+@pytest.mark.slow  # builds the kernels a machine without a GPU builds (about 25 s on 2 cores)
+def test_kernels_built_without_the_cuda_roundings_refuse_them_and_the_step_loads_the_ones_that_have_them(monkeypatch):
+    """Adam in torch's CUDA roundings is a third of the CPU kernels' build time: left out where
+    no GPU is visible, a call in one of them on host tensors loads the kernels that have them
+    (the pure-PyTorch path would round as the CPU's ops, not as the CUDA ones)."""
+    from lightning_fastopt.functional import fused_adam_
+
+    lean = load_cpu_extension(detect_isa().name, warn=False, cuda_roundings=False)
+    full = load_cpu_extension(detect_isa().name, warn=False, cuda_roundings=True)
+    assert lean is not None and full is not None
+    assert not lean.adam_cuda_roundings and full.adam_cuda_roundings
+    monkeypatch.setattr(cpu, "cuda_roundings_wanted", lambda: False)  # what a machine without a GPU loads
+    monkeypatch.setattr(cpu, "_loaded", {"auto/auto": lean, "auto/1": full})
+    torch.manual_seed(0)
+    start = [torch.randn(1000 + 37 * i) for i in range(3)]
+    grads = [torch.randn_like(p) for p in start]
+
+    def step(rounding, module=None):
+        params = [p.clone() for p in start]
+        state = [torch.zeros_like(p) for p in start], [torch.zeros_like(p) for p in start]
+        with monkeypatch.context() as m:
+            if module is not None:
+                m.setattr(ops, "cpu_backend", lambda: module)
+            for n in range(1, 4):
+                fused_adam_(params, grads, *state, step=n, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.01, rounding=rounding)
+        return params
+
+    assert ops.cpu_backend() is lean
+    for rounding in ("torch_cuda_foreach", "torch_cuda_fused", "torch_cuda_for_loop"):
+        ours, kernels, pure = step(rounding), step(rounding, full), step(rounding, torch_backend)
+        assert all(torch.equal(a, b) for a, b in zip(ours, kernels))
+        assert not all(torch.equal(a, c) for a, c in zip(ours, pure))  # why the pure-PyTorch path would not do
+    for a, b in zip(step("torch_cpu", lean), step("torch_cpu", full)):  # the CPU roundings: the same kernels
+        assert torch.equal(a, b)
+    params = [p.clone() for p in start]
+    with pytest.raises(ValueError, match="no Adam in torch's CUDA roundings"):
+        lean.adam_(params=params, grads=grads, exp_avgs=[torch.zeros_like(p) for p in start],
+                   exp_avg_sqs=[torch.zeros_like(p) for p in start], max_exp_avg_sqs=None, copies=None, lr=1e-2,
+                   beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step_size=1e-2, bias_correction2_sqrt=1.0,
+                   inv_grad_scale=1.0, amsgrad=False, adamw=True, maximize=False, check_finite=False,
+                   state_seed=1, decay=1.0, torch_sqrt=False, rounding=1)
+    assert all(torch.equal(p, q) for p, q in zip(params, start))  # refused before anything was written

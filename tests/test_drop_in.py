@@ -503,10 +503,17 @@ def test_a_checkpoint_saved_after_fit_holds_the_engines_state(tmp_path):
         assert all(torch.equal(v, after["state"][name][k]) for k, v in st.items())
 
 
-def test_half_parameters_under_32_true_say_they_get_float32_masters(caplog, monkeypatch):
+def test_half_parameters_under_32_true_say_they_get_float32_masters(monkeypatch):
     """float16 parameters under ``precision="32-true"`` train through float32 masters (plain
     Lightning updates them in float16): one line says so (issue: sharp edges), for the
-    Trainer and for Fabric; a float32 model says nothing."""
+    Trainer and for Fabric; a float32 model says nothing.  The lines counted are the calls
+    the code made, not the records a logging set-up captured (pytest 9 captures each
+    twice)."""
+    import lightning_fastopt.core.engines as engines
+
+    said = []
+    monkeypatch.setattr(engines, "rank_zero_info", lambda message, *a, **k: said.append(message))
+
     class Half(Net):
         def __init__(self):
             super().__init__()
@@ -515,19 +522,17 @@ def test_half_parameters_under_32_true_say_they_get_float32_masters(caplog, monk
         def forward(self, x):
             return self.head(self.backbone(x).half()).float()
 
-    with _said(caplog, monkeypatch):
-        _trainer(FastOptStrategy(copy_on_cpu=True), max_epochs=1).fit(Half(), _data())
-        fabric = L.Fabric(accelerator="cpu", devices=1, strategy="fastopt_offload")
-        fabric.launch()
-        model = Net()
-        model.head.half()
-        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    said = [r.getMessage() for r in caplog.records if "float32 master weights" in r.getMessage()]
-    assert len(said) == 2 and all("float16 parameters under precision '32-true'" in s for s in said)
-    caplog.clear()
-    with _said(caplog, monkeypatch):
-        _trainer(FastOptStrategy(copy_on_cpu=True), max_epochs=1).fit(Net(), _data())
-    assert "float32 master weights" not in caplog.text
+    _trainer(FastOptStrategy(copy_on_cpu=True), max_epochs=1).fit(Half(), _data())
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="fastopt_offload")
+    fabric.launch()
+    model = Net()
+    model.head.half()
+    fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    halves = [s for s in said if "float32 master weights" in s]
+    assert len(halves) == 2 and all("float16 parameters under precision '32-true'" in s for s in halves), said
+    said.clear()
+    _trainer(FastOptStrategy(copy_on_cpu=True), max_epochs=1).fit(Net(), _data())
+    assert said and not [s for s in said if "float32 master weights" in s]  # it said other things, not this
 
 
 # ---------------------------------------------------------------------------- keyword arguments of step

@@ -39,7 +39,7 @@ from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
-from tests.helpers import assert_params_equal, subprocess_env
+from tests.helpers import assert_params_equal, said_lines, subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,6 +111,22 @@ def test_the_names_are_in_fabrics_registry_and_train_alike(name):
     fabric = _fabric(name)
     assert isinstance(fabric.strategy, FastOptFabricStrategy)
     assert_params_equal(_weights(train(fabric)), reference)
+
+
+def test_zero2_with_gradients_kept_says_why_it_reduces_as_stage_1(monkeypatch):
+    """Fabric keeps gradients in p.grad by default, so ``fastopt_zero2`` reduces them as stage 1
+    does: it logged ``ZeroOptimizer(stage 1, ...)`` without a word of why."""
+    import lightning_fastopt.fabric.strategy as fabric_strategy
+
+    said = said_lines(monkeypatch, fabric_strategy)
+    train(_fabric("fastopt_zero2"))
+    why = [i for i, line in enumerate(said) if "ZeRO stage 2 reduces gradients as stage 1 does here" in line]
+    described = [i for i, line in enumerate(said) if line.startswith("lightning_fastopt: ZeroOptimizer(stage 1,")]
+    assert len(why) == 1 and described and why[0] < described[0], said
+    said.clear()
+    train(_fabric(FastOptFabricStrategy(zero_stage=2, keep_gradients=False)))
+    assert not [line for line in said if "as stage 1 does" in line], said
+    assert [line for line in said if line.startswith("lightning_fastopt: ZeroOptimizer(stage 2,")], said
 
 
 def test_fp16_overflow_skips_the_step_and_save_load_continues_exactly(tmp_path):

@@ -17,7 +17,7 @@ from torch import nn
 
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptStrategy
-from tests.helpers import ACCELERATOR, assert_modules_equal
+from tests.helpers import ACCELERATOR, assert_modules_equal, said_lines
 from tests.test_precision import _data
 
 
@@ -174,6 +174,22 @@ def test_the_log_line_says_where_gradients_live(caplog, monkeypatch):
     assert "copied to the host and freed on the device during backward (no hook or callback reads p.grad; " \
            "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)" in caplog.text
     assert trainer.strategy.engines[0].device_grads == "copy_in_backward"
+
+
+@pytest.mark.parametrize("name", ["fastopt_zero1", "fastopt_zero2"])
+def test_zero_with_one_process_and_nothing_offloaded_says_nothing_is_copied_to_the_host(monkeypatch, name):
+    """One process, ZeRO, nothing offloaded: the log said ZeRO had nothing to shard and also
+    that gradients of offloaded parameters were copied to the host."""
+    import lightning_fastopt.trainer.strategy as trainer_strategy
+    import lightning_fastopt.zero.optimizer as zero_optimizer
+
+    said = said_lines(monkeypatch, trainer_strategy, zero_optimizer)
+    _fit(name, Net(), epochs=1)
+    assert len([line for line in said if "has nothing to shard with one process" in line]) == 1, said
+    assert not [line for line in said if "copied to the host" in line], said
+    said.clear()
+    _fit("fastopt_zero2_offload", Net(), epochs=1)  # offloaded: it is said
+    assert len([line for line in said if "copied to the host and freed on the device" in line]) == 1, said
 
 
 class ReadsGradientsAfterTheStep(Net):

@@ -68,6 +68,7 @@ def _adagrad(rounding):
 ALGORITHMS += [(f"adagrad-{r}", _adagrad(r), ADAGRAD_GROUPS) for r in ADAGRAD_ROUNDINGS if r != "torch_cpu"]
 
 
+@pytest.mark.slow  # builds the portable kernels
 @pytest.mark.parametrize("name,make,groups", ALGORITHMS, ids=[n for n, _, _ in ALGORITHMS])
 def test_each_rounding_is_the_same_at_every_isa_and_thread_count(monkeypatch, name, make, groups):
     results = []

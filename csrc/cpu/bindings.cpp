@@ -37,6 +37,10 @@ struct CpuKernels {
     for (const TensorSlot& slot : s)
       if (slot.state_dtype == DType::kBFloat16 && (a.amsgrad || slot.param_dtype != DType::kFloat32))
         throw py::type_error("bfloat16 Adam state needs float32 params (masters) and amsgrad=False");
+    if (a.rounding != Rounding::kTorchCpu && a.rounding != Rounding::kTorchCpuFused && !adam_cuda_roundings_built())
+      throw py::value_error("this build of the CPU kernels has no Adam in torch's CUDA roundings (built where no "
+                            "GPU is visible): lightning_fastopt.functional loads the build that has them, "
+                            "LIGHTNING_FASTOPT_CUDA_ROUNDINGS=1 makes it the default");
     adam_step(s, a);
   }
   void sgd(const Slots& s, const SgdArgs& a) const {
@@ -96,6 +100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastopt;
   m.doc() = "lightning_fastopt CPU fused optimizer kernels";
   m.attr("isa") = compiled_isa();
+  m.attr("adam_cuda_roundings") = adam_cuda_roundings_built();
   // module-local: several builds (ISAs) of this module may be loaded in one process
   py::register_local_exception<UnsupportedTensor>(m, "UnsupportedTensor", PyExc_ValueError);
 

@@ -27,6 +27,9 @@ void fingerprint(const Slots& slots, int64_t* out);
 // ---------------------------------------------------------------- algorithms
 // The argument structs, and the state each algorithm updates, are in ../common/kernel_args.h.
 void adam_step(const Slots& slots, const AdamArgs& a);
+// Whether this build has Adam in torch's CUDA roundings (adam.cpp: built without them
+// where no GPU is visible); adam_step must not be called with one when it has not.
+bool adam_cuda_roundings_built();
 void sgd_step(const Slots& slots, const SgdArgs& a);
 void adagrad_step(const Slots& slots, const AdagradArgs& a);
 void lion_step(const Slots& slots, const LionArgs& a);

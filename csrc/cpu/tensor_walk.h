@@ -146,29 +146,41 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
       stream_fence();
     }
   }
-  for (; i + W <= e; i += W) one(kPlain, p, g, st, i, i, s.copy);
-  if (i < e) {
-    const int64_t r = e - i;
-    alignas(64) PT pb[W];
-    alignas(64) GT gb[W];
-    alignas(64) ST sb[NS > 0 ? NS : 1][W];
+  // The whole vectors, then the tail padded into buffers, through one loop: the body is
+  // emitted once for both (inlining it a second time for the tail doubled the compile time).
+  const int64_t r = (e - i) % W;
+  alignas(64) PT pb[W];
+  alignas(64) GT gb[W];
+  alignas(64) ST sb[NS > 0 ? NS : 1][W];
+  alignas(64) storage_t<std::conditional_t<kHasCopy, C, F32>> cb[W];
+  PT* pp = p;
+  const GT* gp = g;
+  std::array<ST*, NS> sp = st;
+  void* cp = s.copy;
+  int64_t off = i, stop = e - r, index_shift = 0;
+  for (bool tail = false;; tail = true) {
+    for (; off < stop; off += W) one(kPlain, pp, gp, sp, off, off + index_shift, cp);
+    if (tail || r == 0) break;
+    i = stop;  // the tail's first element
     std::memset(static_cast<void*>(pb), 0, sizeof(pb));
     std::memset(static_cast<void*>(gb), 0, sizeof(gb));
     std::memset(static_cast<void*>(sb), 0, sizeof(sb));
     std::memcpy(static_cast<void*>(pb), p + i, r * sizeof(PT));
     if constexpr (kHasGrad) std::memcpy(static_cast<void*>(gb), g + i, r * sizeof(GT));
-    std::array<ST*, NS> sbp;
     for (int k = 0; k < NS; ++k) {
       std::memcpy(static_cast<void*>(sb[k]), st[k] + i, r * sizeof(ST));
-      sbp[k] = sb[k];
+      sp[k] = sb[k];
     }
-    if constexpr (kHasCopy) {
-      alignas(64) storage_t<C> cb[W];
-      one(kPlain, pb, gb, sbp, 0, i, cb);
+    pp = pb;
+    gp = gb;
+    cp = cb;
+    off = 0;
+    stop = W;
+    index_shift = i;
+  }
+  if (r != 0) {
+    if constexpr (kHasCopy)
       std::memcpy(static_cast<void*>(static_cast<storage_t<C>*>(s.copy) + i), cb, r * sizeof(storage_t<C>));
-    } else {
-      one(kPlain, pb, gb, sbp, 0, i, nullptr);
-    }
     if constexpr (kStoreParam) std::memcpy(static_cast<void*>(p + i), pb, r * sizeof(PT));
     for (int k = 0; k < NS; ++k) std::memcpy(static_cast<void*>(st[k] + i), sb[k], r * sizeof(ST));
   }

@@ -209,6 +209,10 @@ class FastOptFabricStrategy(DDPStrategy):
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
                                        device_grads=self._device_grads(), **offload_arguments(self.options))
+        if self._effective_stage != self.options.zero_stage:
+            rank_zero_info("lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does here (every rank keeps "
+                           "them in p.grad for the loop's code: keep_gradients=True, Fabric's default); "
+                           "keep_gradients=False frees other ranks' gradients during backward")
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._wrappers.append(wrapper)
         self._users.append(optimizer)

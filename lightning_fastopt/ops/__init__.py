@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from lightning_fastopt.ops import torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError
-from lightning_fastopt.ops.cpu import cpu_extension_error, load_cpu_extension
+from lightning_fastopt.ops.cpu import cpu_extension_error, cuda_roundings_wanted, load_cpu_extension
 from lightning_fastopt.ops.cuda import cuda_extension_error, load_cuda_extension
 from lightning_fastopt.ops.isa import detect_isa
 
@@ -49,10 +49,12 @@ def backend_choice() -> str:
 
 def check_environment() -> None:
     """Refuse, naming the variable and what it accepts, a setting of ours that cannot
-    work (``LIGHTNING_FASTOPT_BACKEND``, ``LIGHTNING_FASTOPT_ISA``): called when a strategy
-    is built and by the command line tools, so the error comes before any training."""
+    work (``LIGHTNING_FASTOPT_BACKEND``, ``LIGHTNING_FASTOPT_ISA``,
+    ``LIGHTNING_FASTOPT_CUDA_ROUNDINGS``): called when a strategy is built and by the command
+    line tools, so the error comes before any training."""
     if backend_choice() != "torch":
         detect_isa()
+        cuda_roundings_wanted()
 
 
 def prepare(device_type: str, cpu_work: bool) -> None:
@@ -66,17 +68,30 @@ def prepare(device_type: str, cpu_work: bool) -> None:
 
 def cpu_backend() -> ModuleType:
     """The backend for CPU tensors."""
+    return _cpu_backend(cuda_roundings=None)
+
+
+def _cpu_backend(cuda_roundings: bool | None) -> ModuleType:
     choice = backend_choice()
     if choice == "torch":
         return torch_backend
-    ext = load_cpu_extension(warn=choice == "auto")
+    ext = load_cpu_extension(warn=choice == "auto", cuda_roundings=cuda_roundings)
     if ext is None:
         if choice == "compiled":
             raise ExtensionBuildError(
-                f"{BACKEND_ENV}=compiled but the CPU extension is unavailable: {cpu_extension_error()}"
+                f"{BACKEND_ENV}=compiled but the CPU extension is unavailable: {cpu_extension_error(None, cuda_roundings)}"
             )
         return torch_backend
     return ext
+
+
+def with_adam_cuda_roundings(route: Route) -> Route:
+    """The route of Adam in one of torch's CUDA roundings: on host tensors, the CPU kernels
+    built with those roundings, built now (once) where the ones loaded were built without
+    them (:mod:`lightning_fastopt.ops.cpu`: where no GPU is visible)."""
+    if route.cuda or getattr(route.kernels, "adam_cuda_roundings", True):
+        return route
+    return Route(_cpu_backend(cuda_roundings=True), torch_backend)
 
 
 def cuda_backend() -> ModuleType | None:
@@ -136,4 +151,4 @@ class _NeverRaised(Exception):
 
 
 __all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "Route", "backend_for", "check_environment", "cpu_backend",
-           "cuda_backend", "prepare", "route", "torch_backend", "unsupported_tensor_error"]
+           "cuda_backend", "prepare", "route", "torch_backend", "unsupported_tensor_error", "with_adam_cuda_roundings"]

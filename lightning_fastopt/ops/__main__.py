@@ -96,7 +96,7 @@ def _info(args) -> int:
 
     from lightning_fastopt.ops import BACKEND_ENV, KERNELS, backend_choice, cpu_backend
     from lightning_fastopt.ops.builder import build_dir, cache_root, missing_tools
-    from lightning_fastopt.ops.cpu import cpu_extension_error, cpu_extension_spec
+    from lightning_fastopt.ops.cpu import CUDA_ROUNDINGS_ENV, cpu_extension_error, cpu_extension_spec
     from lightning_fastopt.ops.isa import detect_isa
 
     isa = detect_isa()
@@ -117,6 +117,10 @@ def _info(args) -> int:
     cuda_line = _cuda_info()
     for kernel, users in KERNELS.items():
         print(f"  {kernel:9s} ({', '.join(users)}) CPU tensors: {name} ({backend.isa}); CUDA tensors: {cuda_line}")
+    if backend.isa != "torch":
+        print("  Adam in torch's CUDA roundings (a GPU run's offloaded share): "
+              + ("compiled" if backend.adam_cuda_roundings else
+                 f"pure-PyTorch (built without them where no GPU is visible; {CUDA_ROUNDINGS_ENV}=1 builds them)"))
     if error:
         print(f"build error:\n{error}")
     return 0

@@ -35,7 +35,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import ModuleType
@@ -267,17 +269,18 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     staging = f"{directory}.staging-{os.getpid()}-{secrets.token_hex(4)}"
     os.makedirs(staging)
     try:
-        module = cpp_extension.load(
+        with _progress(what, staging, len(spec.sources), start):
+            module = cpp_extension.load(
             name=spec.name,
-            sources=list(spec.sources),
-            extra_cflags=list(spec.cflags),
-            extra_cuda_cflags=list(spec.cuda_cflags) or None,
-            extra_ldflags=list(spec.ldflags),
-            extra_include_paths=list(spec.include_dirs),
-            build_directory=staging,
-            with_cuda=spec.with_cuda,
-            verbose=False,
-        )
+                sources=list(spec.sources),
+                extra_cflags=list(spec.cflags),
+                extra_cuda_cflags=list(spec.cuda_cflags) or None,
+                extra_ldflags=list(spec.ldflags),
+                extra_include_paths=list(spec.include_dirs),
+                build_directory=staging,
+                with_cuda=spec.with_cuda,
+                verbose=False,
+            )
     except Exception as err:  # torch raises RuntimeError with the captured compiler output
         shutil.rmtree(staging, ignore_errors=True)
         raise ExtensionBuildError(str(err).strip()) from err
@@ -295,6 +298,48 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     shutil.rmtree(staging, ignore_errors=True)
     _say(f"built {what} in {time.perf_counter() - start:.0f} s: {directory}")
     return module
+
+
+@contextmanager
+def _progress(what: str, staging: str, sources: int, start: float):
+    """Say each source as ninja finishes compiling it (its log, ``.ninja_log``, gains a line
+    per finished step), until the block ends."""
+    done = threading.Event()
+    said: set[str] = set()
+
+    def say_new() -> None:
+        for name in _finished_objects(staging):
+            if name not in said:
+                said.add(name)
+                _say(f"{what}: {name} compiled ({len(said)} of {sources}, {time.perf_counter() - start:.0f} s)")
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            say_new()
+
+    thread = threading.Thread(target=watch, name="lightning_fastopt build progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        say_new()
+
+
+def _finished_objects(staging: str) -> list[str]:
+    """The object files ninja's log in ``staging`` records as built, in the order built."""
+    try:
+        with open(os.path.join(staging, ".ninja_log")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    names = []
+    for line in lines:
+        fields = line.split("\t")
+        if len(fields) >= 4 and fields[3].endswith(".o"):
+            names.append(fields[3].removesuffix(".cuda.o").removesuffix(".o"))
+    return names
 
 
 def clean() -> tuple[list[str], list[str], int]:

@@ -47,6 +47,7 @@ ROUNDINGS = ("torch_cpu", "torch_cuda_foreach", "torch_cuda_fused", "torch_cpu_f
 SGD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused", "torch_cpu_fused")
 ADAGRAD_ROUNDINGS = ("torch_cpu", "torch_cuda_fused", "torch_cuda_for_loop")
 CPU_ONLY = ("torch_cpu_fused",)
+CUDA_ROUNDINGS = ("torch_cuda_foreach", "torch_cuda_fused", "torch_cuda_for_loop")
 
 
 def check_rounding(rounding: str, accepted: tuple[str, ...] = ROUNDINGS) -> str:

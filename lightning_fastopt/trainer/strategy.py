@@ -436,9 +436,10 @@ class TrainerStrategy:
             rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step{note}, as in "
                            f"torch: {', '.join(readers)} can read them")
             return "keep"
-        rank_zero_info("lightning_fastopt: gradients of offloaded parameters are copied to the host and freed on "
-                       "the device during backward (no hook or callback reads p.grad; "
-                       "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
+        if self.offload_fraction != 0:  # with nothing offloaded nothing is copied: no line to say so
+            rank_zero_info("lightning_fastopt: gradients of offloaded parameters are copied to the host and freed "
+                           "on the device during backward (no hook or callback reads p.grad; "
+                           "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
         return "copy_at_step" if isinstance(self.model, DistributedDataParallel) else "copy_in_backward"
 
     @contextlib.contextmanager
