@@ -191,6 +191,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--timeline", type=Path, help="draw each configuration's profiled steps as a PNG in this "
                                                   "directory (matplotlib), and print where each lane hid")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no configuration that would likely end after this many seconds from the start "
+                         "(the longest one so far as the estimate); the rest are named as left out")
     args = ap.parse_args()
     if args.tiny:
         args.layers, args.width, args.heads, args.seq, args.batch, args.warmup, args.steps = 2, 64, 4, 32, 2, 2, 3
@@ -204,7 +207,14 @@ def main() -> None:
             sys.exit("--timeline draws with matplotlib: pip install matplotlib")
 
     rows = []
-    for config in args.configs.split(","):
+    configs = args.configs.split(",")
+    started, longest = time.perf_counter(), 0.0
+    for i, config in enumerate(configs):
+        elapsed = time.perf_counter() - started
+        if args.budget_s is not None and rows and elapsed + longest > args.budget_s:
+            print(f"left out (--budget-s {args.budget_s:g}: {elapsed:.0f} s spent, the longest configuration took "
+                  f"{longest:.0f} s): {','.join(configs[i:])}", flush=True)
+            break
         if config.startswith("deepspeed"):
             try:
                 import deepspeed  # noqa: F401
@@ -213,19 +223,29 @@ def main() -> None:
                 continue
         cmd = [sys.executable, __file__, "--child", config] + [
             f"--{k}={getattr(args, k)}" for k in ("layers", "width", "heads", "seq", "batch", "warmup", "steps")]
+        began = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - began
+        longest = max(longest, wall)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             tail = (proc.stderr or proc.stdout)[-2000:]
-            print(f"{config}: FAILED (exit {proc.returncode})\n{tail}", flush=True)
+            print(f"{config}: FAILED (exit {proc.returncode}, {wall:.0f} s)\n{tail}", flush=True)
             continue
-        rows.append(json.loads(lines[-1][len("RESULT "):]))
-        print(f"{config}: done", flush=True)
+        row = json.loads(lines[-1][len("RESULT "):])
+        row["wall_s"] = wall  # the whole process: start, model, warm-up, timed steps
+        rows.append(row)
+        # each row as it ends, so that a run cut off keeps what it measured
+        peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.1f} GiB"
+        print(f"{config}: done in {wall:.0f} s: {row['step_ms']:.0f} ms a step, {row['tokens_per_s']:,.0f} tokens/s, "
+              f"peak {peak}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(dict(device=_device_name(), rows=rows, partial=True), indent=2))
     if not rows:
         sys.exit("no configuration ran")
 
     gpu = torch.cuda.is_available()
-    name = torch.cuda.get_device_name() if gpu else "CPU"
+    name = _device_name()
     print(f"\n{name}; torch {torch.__version__}; {rows[0]['params'] / 1e6:,.1f}M parameters, "
           f"batch {args.batch} x {args.seq} tokens, {'bf16-mixed' if gpu else '32-true'}\n")
     plain = next((r for r in rows if r["configuration"] == "plain"), None)
@@ -236,9 +256,11 @@ def main() -> None:
         return "n/a" if x is None else f"{x:.0%}"
 
     by = {r["configuration"]: r for r in rows}
-    for r in rows:  # a configuration with clipping against plain with clipping
-        ref = by.get("plain:clip") if r["configuration"].endswith(CLIP) else plain
-        rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "n/a"
+    for r in rows:  # a configuration with clipping against plain with clipping (else plain, marked)
+        clipped = r["configuration"].endswith(CLIP) and r["configuration"] != "plain:clip"
+        ref = by.get("plain:clip", plain) if clipped else plain
+        mark = " (vs plain)" if clipped and ref is plain and ref is not None else ""
+        rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x{mark}" if ref else "n/a"
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         saved = (f"{plain['peak_gib'] - r['peak_gib']:.1f}" if plain and r["peak_gib"] is not None else "n/a")
         chosen = f" (chose {r['fraction']:g})" if ":auto" in r["configuration"] and r.get("fraction") is not None else ""
@@ -268,6 +290,10 @@ def main() -> None:
             print(f"timeline: {path}")
     if args.out:
         args.out.write_text(json.dumps(dict(device=name, rows=rows), indent=2))
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ import torch
 
 from tests.helpers import subprocess_env
 
+# real processes: README's test command leaves these to CI (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "entry_points_run.py"
 

@@ -20,6 +20,9 @@ import torch
 
 from tests.helpers import subprocess_env
 
+# real processes: README's test command leaves these to CI (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "patterns_run.py"
 TOL = dict(rtol=1.3e-6, atol=1e-5)

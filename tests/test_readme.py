@@ -28,13 +28,16 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     main_job, tests = commands
     assert "examples/train_gpt.py fit --config examples/configs/gpt_offload.yaml" in main_job
     assert "pytest" in tests
+    for command in commands:  # a fresh virtual environment, entered, before the install
+        assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && python3 -m pip install ")
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci
 
 
 def test_main_job_runs_and_reports_the_loss(tmp_path):
-    """The main job's command, shortened (one epoch, one layer)."""
-    cmd = _setup_commands()[0].split("&&", 1)[1].split()
+    """The main job's command, shortened (one epoch, one layer); the commands before it make
+    and enter the virtual environment, which this test runs in already."""
+    cmd = _setup_commands()[0].rsplit("&&", 1)[1].split()
     assert cmd[0] == "python3"
     out = subprocess.run([sys.executable, *cmd[1:], "--trainer.max_epochs", "1", "--model.n_layer", "1",
                           "--trainer.default_root_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,

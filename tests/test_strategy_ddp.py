@@ -14,6 +14,9 @@ import torch
 
 from tests.helpers import subprocess_env
 
+# real processes: README's test command leaves these to CI (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ddp_run.py"
 

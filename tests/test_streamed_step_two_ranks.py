@@ -23,6 +23,9 @@ import torch
 
 from tests.helpers import subprocess_env
 
+# real processes: README's test command leaves these to CI (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "streamed_two_ranks_run.py"
 CONFIGS = ["clip-never", "clip-always", "clip-sometimes", "clip-sometimes-half", "sgd-clip-sometimes", "fp16",

@@ -19,6 +19,9 @@ import torch
 from lightning_fastopt import checkpoint as ck
 from tests.helpers import subprocess_env
 
+# real processes: README's test command leaves these to CI (pytest -m slow)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "zero_run.py"
 EPOCH_2 = "epoch=1-step=16.ckpt"

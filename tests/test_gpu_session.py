@@ -1,0 +1,73 @@
+"""The prepared GPU command (benchmarks/gpu_session.sh, issue 37) planned on the CPU: ``first``
+and ``rest`` run with ``--tiny`` (a tiny GPT; the test selections collected, not run), and
+every part they name exists, runs and lands in the two files a part returns (a log and an
+archive), as a lent GPU session will need them."""
+
+import json
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import subprocess_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow  # two runs of the tiny GPT table and about 20 collections: 3 minutes on 2 cores
+
+
+def _session(tmp_path, part):
+    out = tmp_path / part
+    env = {**subprocess_env(REPO), "OUT": str(out)}
+    done = subprocess.run(["bash", "benchmarks/gpu_session.sh", part, "--tiny"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [f"{part}.log", f"{part}.tar.gz"]  # the device returns 8 at most
+    with tarfile.open(out / f"{part}.tar.gz") as archive:
+        files = {Path(m.name).name: archive.extractfile(m).read().decode(errors="replace")
+                 for m in archive.getmembers() if m.isfile() and not m.name.endswith(".png")}
+    return (out / f"{part}.log").read_text(), files
+
+
+def _selections_collected(text):
+    """Each test selection's collection line: none may be empty or fail."""
+    counts = re.findall(r"^=== (.+)\n(.+)$", text, re.M)
+    assert counts, text
+    for selection, said in counts:
+        assert re.match(r"(\d+/)?\d+ tests? collected", said) and not said.startswith("0"), (selection, said)
+    assert "LEFT OUT" not in text
+    return [selection for selection, _ in counts]
+
+
+def _configs_done(files, name, shell_variable):
+    wanted = re.search(rf'^{shell_variable}="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
+                       re.M).group(1).split(",")
+    rows = json.loads(files[f"{name}.json"])["rows"]
+    assert [r["configuration"] for r in rows] == wanted
+    assert all(r["wall_s"] > 0 and r["step_ms"] > 0 for r in rows)
+    return wanted
+
+
+def test_first_builds_runs_the_headline_rows_and_collects_the_exactness_tests(tmp_path):
+    log, files = _session(tmp_path, "first")
+    assert "cpu[" in files["first_build.txt"] and "build: " in files["first_build.txt"]
+    configs = _configs_done(files, "gpt_headline", "HEADLINE")
+    assert {"plain", "fastopt:1", "fastopt:1:stream:clip", "fastopt:auto:stream"} <= set(configs)
+    selections = _selections_collected(files["first_tests.txt"])
+    assert any("-k offload1-" in s for s in selections) and any("-k offload0-" in s for s in selections)
+    # the log says when each step started: how the 8 minutes were spent
+    steps = re.findall(r"\[gpu_session first, (\d+) s\] (\w[^\n]*)", log)
+    assert [name for _, name in steps][:3] == ["build", "GPT headline rows",
+                                              "bit-exactness tests and Trainer-level comparisons"]
+    assert steps[-1][1] == "done"
+
+
+def test_rest_holds_what_first_leaves_out(tmp_path):
+    _, files = _session(tmp_path, "rest")
+    _selections_collected(files["rest_tests.txt"] + files["rest_trainer_on_gpu.txt"])
+    others = _configs_done(files, "gpt_others", "OTHERS")
+    headline = re.search(r'^HEADLINE="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
+                         re.M).group(1).split(",")
+    assert not set(others) & set(headline)
