@@ -650,3 +650,68 @@ def test_the_streamed_step_refuses_keyword_arguments_it_could_not_pass():
     with pytest.raises(RuntimeError, match="keyword arguments to the optimizer's own step"):
         opt.step(scale=0.5)
     opt.close()
+
+
+# ---------------------------------------------------------------------------- closures run outside the step
+class RunsTheClosureItself(Net):
+    """Lightning's documented pattern: the closure run in ``optimizer_step``, then a step
+    without one (Lightning passes its do-nothing closure down)."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer_closure()
+        optimizer.step()
+
+
+class SometimesNoLoss(Net):
+    """``training_step`` returns None on every other batch: Lightning warns, skips backward,
+    and its plugin (without a loss scaler) steps whatever gradients there are."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_step_after_the_closure_ran_outside_trains_as_lightning_does(name, precision):
+    """It never changed a weight, silently: the do-nothing closure's None was read as
+    "training_step returned None" and the step skipped (issue 39)."""
+    ref, ours = RunsTheClosureItself(), RunsTheClosureItself()
+    start = copy.deepcopy(ref.state_dict())
+    _trainer("auto", precision=precision).fit(ref, _data())
+    _trainer(STRATEGIES[name](), precision=precision).fit(ours, _data())
+    assert not torch.equal(start["head.weight"], ours.head.weight.detach())
+    assert_modules_equal(ours, ref)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_training_step_returning_none_steps_what_lightning_steps(name):
+    """With gradient accumulation the batch without a loss still steps the gradients the one
+    before it left, as Lightning's plugin does (torch's step on whatever ``.grad`` holds)."""
+    ref, ours = SometimesNoLoss(), SometimesNoLoss()
+    _trainer("auto", accumulate_grad_batches=3).fit(ref, _data(48))
+    _trainer(STRATEGIES[name](), accumulate_grad_batches=3).fit(ours, _data(48))
+    assert_modules_equal(ours, ref)
+
+
+def test_with_fp16_loss_scaling_the_closure_run_outside_trains_and_a_missing_loss_skips():
+    """With a loss scaler a None from automatic optimization's closure skips the step (as
+    Lightning's GradScaler path does); the do-nothing closure of ``optimizer.step()`` is not
+    that: the pattern trains as ``optimizer.step(closure)`` would."""
+    from lightning_fastopt.trainer.lightning_pytorch import FastOptPrecision
+
+    def fit(model):
+        _trainer(FastOptStrategy(copy_on_cpu=True), plugins=[FastOptPrecision("16-mixed")]).fit(model, _data())
+        return model
+
+    outside, plain = fit(RunsTheClosureItself()), fit(Net())
+    assert not torch.equal(Net().head.weight, outside.head.weight.detach())
+    assert_modules_equal(outside, plain)
+    untouched = Net()
+
+    class NoLoss(Net):
+        def training_step(self, batch, batch_idx):
+            super().training_step(batch, batch_idx)
+            return None
+
+    assert_modules_equal(fit(NoLoss()), untouched)

@@ -31,6 +31,8 @@ state, so the run computes what it would have computed at any fraction).
 
 from __future__ import annotations
 
+import functools
+
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -171,6 +173,7 @@ class AutoFraction:
         self._user_timing[id(optimizer)] = optimizer.wall_clock_breakdown
         optimizer.wall_clock_breakdown = True
 
+        @functools.wraps(closure)  # the precision plugin reads what the closure was
         def timed() -> Any:
             self._synchronize()
             start = time.perf_counter()

@@ -34,6 +34,7 @@ class TrainerPackage:
     Callback: type
     quiet_callbacks: tuple[type, ...]
     MockOptimizer: type  # Lightning's stand-in when configure_optimizers returns None
+    Closure: type  # automatic optimization's closure: its None means training_step returned None
     Precision: type
     MixedPrecision: type
     HalfPrecision: type
@@ -55,6 +56,7 @@ class TrainerPackage:
             Callback=callbacks.Callback,
             quiet_callbacks=tuple(getattr(callbacks, c) for c in _QUIET_CALLBACKS),
             MockOptimizer=module("core.optimizer")._MockOptimizer,
+            Closure=module("loops.optimization.automatic").Closure,
             Precision=precision.Precision,
             MixedPrecision=precision.MixedPrecision,
             HalfPrecision=precision.HalfPrecision,

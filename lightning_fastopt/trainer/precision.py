@@ -79,8 +79,8 @@ class TrainerPrecision(PrecisionCore):
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # its step runs the closure
         self.announce_grad_scale(optimizer)  # an update speculated during backward takes it
         closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            return closure_result  # training_step returned None: Lightning skipped backward
+        if self.scaler is not None and self._training_step_returned_none(closure, closure_result, model):
+            return closure_result  # Lightning skipped backward (and said so): its GradScaler path skips the step
         overflow = self._check_overflow(optimizer)
         self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
         if overflow:
@@ -88,6 +88,17 @@ class TrainerPrecision(PrecisionCore):
             return closure_result
         self._step(optimizer, **kwargs)
         return closure_result
+
+    def _training_step_returned_none(self, closure: Callable[[], Any], closure_result: Any, model) -> bool:
+        """Whether this step's closure was automatic optimization's and found no loss.  A
+        closure that returns None is also what ``optimizer.step()`` without one passes down
+        (Lightning's do-nothing closure), after the user's ``optimizer_step`` ran the real
+        one itself: its backward happened, and the step must run (it once was skipped,
+        silently).  Without a loss scaler nothing is skipped: Lightning's own plugin then
+        steps whatever gradients there are, as torch's step does."""
+        while hasattr(closure, "__wrapped__"):  # a wrapper of ours (the timed closure of "auto")
+            closure = closure.__wrapped__
+        return closure_result is None and model.automatic_optimization and isinstance(closure, self.package.Closure)
 
     @override
     def _clip_gradients(self, model, optimizer, clip_val=None, gradient_clip_algorithm=None) -> None:
