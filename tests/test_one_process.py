@@ -190,3 +190,33 @@ def test_a_subclass_without_a_twin_runs_one_process_as_lightnings_ddp(caplog, mo
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert_modules_equal(model, ref)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_strategy_object_serves_a_second_trainer_as_lightnings_single_device_one_does(name):
+    """Libraries build a prediction Trainer from the same keyword arguments: the object that
+    served the first Trainer reached the second with ``accelerator="auto"`` and was refused
+    ("CPU parallel_devices set through FastOptSingleDeviceStrategy class, but accelerator set
+    to <CPUAccelerator>"), where Lightning's own SingleDeviceStrategy serves it (issue 39)."""
+    import lightning as L
+
+    strategy = STRATEGIES[name]()
+    if isinstance(strategy, str):
+        pytest.skip("a strategy name builds a new object for each Trainer")
+    reference = SingleDeviceStrategy(device="cpu")
+
+    def trainers(strategy):
+        model = Net()
+        first = _trainer(strategy, max_epochs=1)
+        first.fit(model, _data())
+        again = L.Trainer(strategy=strategy, accelerator="auto", devices=1, max_epochs=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        predictions = again.predict(model, _data())
+        again.fit(model, _data())  # the same object trains on: a second epoch
+        return model, predictions, again
+
+    ours, our_predictions, again = trainers(strategy)
+    ref, ref_predictions, _ = trainers(reference)
+    assert isinstance(again.strategy, FastOptStrategy) and again.strategy is strategy
+    assert all(torch.equal(a, b) for a, b in zip(our_predictions, ref_predictions))
+    assert_modules_equal(ours, ref)

@@ -75,8 +75,12 @@ class OneProcessTrainerStrategy:
     ``SingleDeviceStrategy`` (a mixin: each front-end puts it before
     :class:`~lightning_fastopt.trainer.strategy.TrainerStrategy` and that class).  Made from
     a ``FastOptStrategy`` when the Trainer is built, never constructed itself: the devices
-    given to the ``DDPStrategy`` it was stay readable (``parallel_devices``, ``num_nodes``,
-    ``num_processes``); the first is the root device."""
+    given to the ``DDPStrategy`` it was stay readable (``num_nodes``, ``num_processes``);
+    the first is the root device.  It has no ``parallel_devices``, as
+    ``SingleDeviceStrategy`` has none: a Trainer given a strategy object that has one
+    checks it against its ``accelerator`` flag, which a strategy that served a Trainer
+    before sets to an accelerator object, and refuses it; the same object is built into
+    a second Trainer (a library's prediction Trainer, say) as Lightning's own is."""
 
     processes_type: type  # the front-end's FastOptStrategy
     global_rank = local_rank = node_rank = 0
@@ -87,16 +91,16 @@ class OneProcessTrainerStrategy:
                         "construct FastOptStrategy (or name a fastopt strategy)")
 
     @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        return self._parallel_devices
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:  # a later Trainer's flag (one node: one process)
+        self._num_nodes = num_nodes
+
     @property
     def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+        return len(self._parallel_devices) if self._parallel_devices is not None else 0
 
     def set_world_ranks(self) -> None:
         """The ranks are all 0, as ``Trainer()``'s, whatever cluster environment Lightning
@@ -105,7 +109,7 @@ class OneProcessTrainerStrategy:
     @property
     @override
     def root_device(self) -> torch.device:
-        return self.parallel_devices[0]
+        return self._parallel_devices[0]
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
