@@ -715,3 +715,64 @@ def test_with_fp16_loss_scaling_the_closure_run_outside_trains_and_a_missing_los
             return None
 
     assert_modules_equal(fit(NoLoss()), untouched)
+
+
+# ---------------------------------------------------------------------------- checkpoint plugins
+def test_a_checkpoint_plugin_given_through_plugins_is_taken_and_async_wraps_the_atomic_writer(tmp_path):
+    """``plugins=[AsyncCheckpointIO()]`` (or any CheckpointIO) was refused: "checkpoint_io set
+    through both strategy class and plugins" (issue 39).  Taken as Lightning's strategies
+    take it; the asynchronous plugin writes through our atomic writer, and its checkpoints
+    hold what ``Trainer()`` with the same plugin saves."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
+
+    def fit(strategy, plugin, root):
+        model = Net()
+        trainer = _trainer(strategy, root, plugins=[plugin], max_epochs=2, enable_checkpointing=True)
+        trainer.fit(model, _data())
+        return trainer, torch.load(next(root.rglob("*.ckpt")), weights_only=False)
+
+    ours, saved = fit(FastOptStrategy(copy_on_cpu=True), AsyncCheckpointIO(), tmp_path / "ours")
+    assert isinstance(ours.strategy.checkpoint_io, AsyncCheckpointIO)
+    assert isinstance(ours.strategy.checkpoint_io.checkpoint_io, AtomicCheckpointIO)
+    _, reference = fit("auto", AsyncCheckpointIO(), tmp_path / "ref")
+    for name, tensor in reference["state_dict"].items():
+        assert torch.equal(saved["state_dict"][name], tensor), name
+    hyperparameters = [[{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in c["optimizer_states"][0]["param_groups"]]
+                       for c in (saved, reference)]  # ours names the parameters
+    assert hyperparameters[0] == hyperparameters[1]
+
+    class Counting(TorchCheckpointIO):
+        saves = 0
+
+        def save_checkpoint(self, *args, **kwargs):
+            Counting.saves += 1
+            return super().save_checkpoint(*args, **kwargs)
+
+    counting = Counting()
+    trainer, _ = fit(FastOptStrategy(copy_on_cpu=True), counting, tmp_path / "counting")
+    assert trainer.strategy.checkpoint_io is counting and Counting.saves >= 1
+    assert isinstance(_trainer(FastOptStrategy(copy_on_cpu=True)).strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_a_checkpoint_without_optimizer_state_resumes_as_lightning_resumes_it_with_a_warning(tmp_path):
+    """Our strategy refused it (a ValueError: 0 optimizer states for 1 optimizer) where
+    Lightning loads nothing and trains on from fresh optimizer state (issue 39)."""
+    first = _trainer("auto", tmp_path, max_epochs=1, enable_checkpointing=True)
+    first.fit(Net(), _data())
+    path = next(tmp_path.rglob("*.ckpt"))
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["optimizer_states"] = []
+    bare = tmp_path / "bare.ckpt"
+    torch.save(checkpoint, bare)
+
+    def resume(strategy):
+        model = Net()
+        _trainer(strategy, max_epochs=2).fit(model, _data(), ckpt_path=bare)
+        return model
+
+    ref = resume("auto")
+    with pytest.warns(UserWarning, match="the checkpoint holds no optimizer state; the 1 optimizer"):
+        ours = resume(FastOptStrategy(copy_on_cpu=True))
+    assert_modules_equal(ours, ref)

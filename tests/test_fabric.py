@@ -561,3 +561,25 @@ def test_a_trainer_run_continues_in_fabric_and_a_fabric_run_in_the_trainer(tmp_p
     _trainer(1, enable_checkpointing=False).fit(in_trainer, _data(), ckpt_path=tmp_path / "fabric.ckpt")
     for ref, a, b in zip(reference.parameters(), in_fabric.parameters(), in_trainer.parameters()):
         assert torch.equal(a, ref) and torch.equal(b, ref)
+
+
+def test_a_checkpoint_plugin_given_through_plugins_is_taken(tmp_path):
+    """It was refused ("checkpoint_io set through both strategy class and plugins"): the
+    strategy filled in its atomic writer when built; now, as Fabric's own, when first asked."""
+    from lightning.fabric.plugins.io import TorchCheckpointIO
+
+    from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
+
+    class Counting(TorchCheckpointIO):
+        saves = 0
+
+        def save_checkpoint(self, *args, **kwargs):
+            Counting.saves += 1
+            return super().save_checkpoint(*args, **kwargs)
+
+    counting = Counting()
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(copy_on_cpu=True), plugins=[counting])
+    fabric.save(tmp_path / "state.ckpt", {"step": 1})
+    assert fabric.strategy.checkpoint_io is counting and Counting.saves == 1
+    plain = L.Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(copy_on_cpu=True))
+    assert isinstance(plain.strategy.checkpoint_io, AtomicCheckpointIO)

@@ -105,10 +105,23 @@ class FastOptFabricStrategy(DDPStrategy):
         self._pending: list[torch.optim.Optimizer] = []  # set up before the model that holds their parameters
         self._threads = TorchThreads()
         self._environment_ready = False
-        if kwargs.get("checkpoint_io") is None:
-            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(**kwargs)
         self._backward_sync_control = _FastOptBackwardSync(self)
+
+    # ------------------------------------------------------------------ checkpoint_io
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """Filled when first asked, as Fabric's strategies fill theirs (so that a user's plugin
+        given through ``plugins=`` is taken): the user's, or :class:`AtomicCheckpointIO`."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ precision
     @property

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -199,9 +199,26 @@ class TrainerStrategy:
         self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._threads = TorchThreads()
-        if kwargs.get("checkpoint_io") is None:
-            kwargs["checkpoint_io"] = AtomicCheckpointIO()
         super().__init__(**kwargs)
+
+    # ------------------------------------------------------------------ checkpoint_io
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """As Lightning's strategies fill theirs, when first asked (so that a user's plugin
+        given through ``plugins=`` is taken, not refused as set twice): the user's, or
+        :class:`AtomicCheckpointIO`; a wrapping plugin given without a writer of its own
+        (``AsyncCheckpointIO()``) wraps an ``AtomicCheckpointIO``."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(self._checkpoint_io, self.package.WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # taken only where it wraps none yet
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ precision
     @property
@@ -542,6 +559,10 @@ class TrainerStrategy:
         """Each optimizer loads its saved state where its parameters live (the base class
         would move offloaded state to the accelerator)."""
         saved = checkpoint["optimizer_states"]
+        if not saved and self.optimizers:  # hand-built, or from a run without an optimizer: Lightning loads nothing
+            rank_zero_warn(f"lightning_fastopt: the checkpoint holds no optimizer state; the {len(self.optimizers)} "
+                           "optimizer(s) of this run start afresh (as Lightning's own strategies do)")
+            return
         if len(saved) != len(self.optimizers):
             raise ValueError(f"the checkpoint has {len(saved)} optimizer state(s), this run has "
                              f"{len(self.optimizers)} optimizer(s)")
