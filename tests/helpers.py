@@ -139,3 +139,18 @@ def said_lines(monkeypatch, *modules) -> list[str]:
     for module in modules:
         monkeypatch.setattr(module, "rank_zero_info", lambda message, *a, **k: said.append(str(message)))
     return said
+
+
+def counting_checkpoint_io():
+    """A checkpoint plugin of the user's (Lightning's and Fabric's TorchCheckpointIO are one
+    class) that counts its saves in ``saves``."""
+    from lightning.fabric.plugins.io import TorchCheckpointIO
+
+    class CountingCheckpointIO(TorchCheckpointIO):
+        saves = 0
+
+        def save_checkpoint(self, *args, **kwargs):
+            self.saves += 1
+            return super().save_checkpoint(*args, **kwargs)
+
+    return CountingCheckpointIO()

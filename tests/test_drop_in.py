@@ -25,7 +25,7 @@ from lightning_fastopt import FastOptStrategy, OffloadOptimizer
 from lightning_fastopt.optim import FusedSGD
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.user_step import UserStepOptimizer
-from tests.helpers import assert_modules_equal
+from tests.helpers import assert_modules_equal, counting_checkpoint_io
 
 STRATEGIES = {
     "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
@@ -723,7 +723,7 @@ def test_a_checkpoint_plugin_given_through_plugins_is_taken_and_async_wraps_the_
     through both strategy class and plugins" (issue 39).  Taken as Lightning's strategies
     take it; the asynchronous plugin writes through our atomic writer, and its checkpoints
     hold what ``Trainer()`` with the same plugin saves."""
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 
@@ -743,16 +743,9 @@ def test_a_checkpoint_plugin_given_through_plugins_is_taken_and_async_wraps_the_
                        for c in (saved, reference)]  # ours names the parameters
     assert hyperparameters[0] == hyperparameters[1]
 
-    class Counting(TorchCheckpointIO):
-        saves = 0
-
-        def save_checkpoint(self, *args, **kwargs):
-            Counting.saves += 1
-            return super().save_checkpoint(*args, **kwargs)
-
-    counting = Counting()
+    counting = counting_checkpoint_io()
     trainer, _ = fit(FastOptStrategy(copy_on_cpu=True), counting, tmp_path / "counting")
-    assert trainer.strategy.checkpoint_io is counting and Counting.saves >= 1
+    assert trainer.strategy.checkpoint_io is counting and counting.saves >= 1
     assert isinstance(_trainer(FastOptStrategy(copy_on_cpu=True)).strategy.checkpoint_io, AtomicCheckpointIO)
 
 

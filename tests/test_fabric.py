@@ -39,7 +39,7 @@ from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
-from tests.helpers import assert_params_equal, said_lines, subprocess_env
+from tests.helpers import assert_params_equal, counting_checkpoint_io, said_lines, subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -566,20 +566,11 @@ def test_a_trainer_run_continues_in_fabric_and_a_fabric_run_in_the_trainer(tmp_p
 def test_a_checkpoint_plugin_given_through_plugins_is_taken(tmp_path):
     """It was refused ("checkpoint_io set through both strategy class and plugins"): the
     strategy filled in its atomic writer when built; now, as Fabric's own, when first asked."""
-    from lightning.fabric.plugins.io import TorchCheckpointIO
-
     from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 
-    class Counting(TorchCheckpointIO):
-        saves = 0
-
-        def save_checkpoint(self, *args, **kwargs):
-            Counting.saves += 1
-            return super().save_checkpoint(*args, **kwargs)
-
-    counting = Counting()
+    counting = counting_checkpoint_io()
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(copy_on_cpu=True), plugins=[counting])
     fabric.save(tmp_path / "state.ckpt", {"step": 1})
-    assert fabric.strategy.checkpoint_io is counting and Counting.saves == 1
+    assert fabric.strategy.checkpoint_io is counting and counting.saves == 1
     plain = L.Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(copy_on_cpu=True))
     assert isinstance(plain.strategy.checkpoint_io, AtomicCheckpointIO)
