@@ -107,9 +107,34 @@ def test_precision_flags_map_to_our_plugin():
         t = L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", precision=flag, logger=False)
         assert isinstance(t.precision_plugin, FastOptPrecision) and t.precision_plugin.precision == flag
         assert (t.precision_plugin.scaler is not None) == (flag == "16-true")
+
+def test_a_precision_plugin_we_cannot_step_with_serves_evaluation_and_is_refused_by_fit():
+    """It was refused when the Trainer was built, also for ``trainer.test()`` (issue 39:
+    TransformerEnginePrecision): now it is kept for validate, test and predict, which run
+    no step of ours, and refused by name when ``fit`` sets up the optimizers."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def trainer(strategy, plugin):
+        return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, plugins=[plugin], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         max_steps=2)
+
+    own = _OwnPrecision()
+    ours, reference = trainer("fastopt", own), trainer("auto", _OwnPrecision())
+    assert ours.precision_plugin is own
+    torch.manual_seed(0)
+    model = BoringModel()
+
+    def seeded(run):  # BoringModel draws its data when asked for a loader
+        torch.manual_seed(1)
+        return run(model)
+
+    assert seeded(lambda m: ours.test(m, verbose=False)) == seeded(lambda m: reference.test(m, verbose=False))
+    predicted, expected = seeded(ours.predict), seeded(reference.predict)
+    assert len(predicted) == len(expected) and all(torch.equal(a, b) for a, b in zip(predicted, expected))
     with pytest.raises(TypeError, match=r"support precision in \('16-mixed', 'bf16-mixed', '32-true', 'bf16-true', "
                                         r"'16-true', '64-true'\).*got _OwnPrecision\('32-true'\)"):
-        L.Trainer(accelerator="cpu", devices=1, strategy="fastopt", plugins=[_OwnPrecision()], logger=False)
+        trainer("fastopt", _OwnPrecision()).fit(BoringModel())
 
 
 class _OwnPrecision(L.pytorch.plugins.precision.Precision):

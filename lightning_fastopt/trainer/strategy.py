@@ -198,6 +198,7 @@ class TrainerStrategy:
         self._engine_at: dict[int, OptimizerWrapper] = {}
         self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
+        self._foreign_precision: TypeError | None = None  # a plugin we cannot step with, kept for evaluation
         self._threads = TorchThreads()
         super().__init__(**kwargs)
 
@@ -231,8 +232,15 @@ class TrainerStrategy:
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin) -> None:
-        self._precision_plugin = None if plugin is None else self.precision_type.from_lightning(
-            plugin, **self._scale_knobs)
+        """Lightning's plugin, as ours; one we cannot step with (TransformerEngine's, a
+        project's own) is kept as it is for validate, test and predict, and refused when
+        ``fit`` sets up the optimizers (:meth:`setup_optimizers`)."""
+        self._foreign_precision = None
+        try:
+            self._precision_plugin = None if plugin is None else self.precision_type.from_lightning(
+                plugin, **self._scale_knobs)
+        except TypeError as refusal:
+            self._precision_plugin, self._foreign_precision = plugin, refusal
 
     # ------------------------------------------------------------------ environment
     @override
@@ -278,6 +286,8 @@ class TrainerStrategy:
     # ------------------------------------------------------------------ optimizers
     @override
     def setup_optimizers(self, trainer) -> None:
+        if self._foreign_precision is not None:  # fit: our step would run under a plugin it cannot take
+            raise self._foreign_precision
         super().setup_optimizers(trainer)
         # the kernels load (or build, saying so) now, not after the first training step
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
