@@ -5,7 +5,7 @@ its CPU ``fused=True`` kernel, its CUDA ``foreach`` step (the default there) and
 ``fused=True`` kernel each round in their own places, and their results differ in the last
 bits.  A fastopt run must end where the user's own run ends, so the kernels follow the
 implementation the user's optimizer would have run, on the CPU as on the GPU, whatever
-share of the parameters is offloaded (csrc/cpu/adam.cpp spells out each one):
+share of the parameters is offloaded (csrc/cpu/adam_math.h spells out each one):
 
 ``"torch_cpu"``           torch's CPU step (the for-loop one).  The default of
                           :class:`FusedAdam` and :class:`FusedSGD`.
