@@ -3,7 +3,7 @@
 // and what each rounding is: adam_math.h.
 //
 // FASTOPT_ADAM_CUDA_ROUNDINGS=0 builds without adam_cuda_roundings.cpp (torch's CUDA
-// roundings, needed only for the offloaded share of a GPU run): a third of the build's
+// roundings, needed only for the offloaded share of a GPU run): about a quarter of the build's
 // time.  The bindings then refuse those roundings before touching anything
 // (adam_cuda_roundings_built), and Python loads the build that has them
 // (lightning_fastopt.ops.with_adam_cuda_roundings).

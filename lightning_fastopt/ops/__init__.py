@@ -78,9 +78,8 @@ def _cpu_backend(cuda_roundings: bool | None) -> ModuleType:
     ext = load_cpu_extension(warn=choice == "auto", cuda_roundings=cuda_roundings)
     if ext is None:
         if choice == "compiled":
-            raise ExtensionBuildError(
-                f"{BACKEND_ENV}=compiled but the CPU extension is unavailable: {cpu_extension_error(None, cuda_roundings)}"
-            )
+            error = cpu_extension_error(None, cuda_roundings)
+            raise ExtensionBuildError(f"{BACKEND_ENV}=compiled but the CPU extension is unavailable: {error}")
         return torch_backend
     return ext
 

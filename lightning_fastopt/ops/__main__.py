@@ -120,7 +120,8 @@ def _info(args) -> int:
     if backend.isa != "torch":
         print("  Adam in torch's CUDA roundings (a GPU run's offloaded share): "
               + ("compiled" if backend.adam_cuda_roundings else
-                 f"pure-PyTorch (built without them where no GPU is visible; {CUDA_ROUNDINGS_ENV}=1 builds them)"))
+                 f"not in this build (no GPU visible): a call that asks for one builds the kernels that have them "
+                 f"({CUDA_ROUNDINGS_ENV}=1 makes those the default)"))
     if error:
         print(f"build error:\n{error}")
     return 0

@@ -3,8 +3,8 @@
 Failure to build never breaks anything: `load_cpu_extension` returns None after one
 warning that quotes the compiler's message, and callers use the pure-PyTorch backend.
 
-Adam in torch's CUDA roundings (csrc/cpu/adam_cuda_roundings.cpp) is a third of the build's
-time and serves only the offloaded share of a GPU run, so it is built where a GPU is visible
+Adam in torch's CUDA roundings (csrc/cpu/adam_cuda_roundings.cpp) is about a quarter of the
+build's time and serves only the offloaded share of a GPU run, so it is built where a GPU is visible
 (``LIGHTNING_FASTOPT_CUDA_ROUNDINGS=1`` or ``0`` decides otherwise).  A build without it
 refuses those roundings before touching anything; :func:`lightning_fastopt.functional.fused_adam_`
 asks for one on host tensors through :func:`lightning_fastopt.ops.with_adam_cuda_roundings`,
