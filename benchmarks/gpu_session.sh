@@ -27,7 +27,6 @@ OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 part="${1:-tests}"
 WORK="$(mktemp -d)"  # each step's files, packed into $OUT/$part.tar.gz after each step
-exec > >(tee -a "$OUT/$part.log") 2>&1
 tiny=""
 [ "${2:-}" = "--tiny" ] && tiny=1
 parallel=""
@@ -128,6 +127,7 @@ gpt() {  # gpt() CONFIGS NAME BUDGET_S EXTRA...
     pack
 }
 
+main() {  # everything printed goes to $OUT/$part.log too (the pipeline at the end waits for it)
 case "$part" in
     first)
         # 8 minutes on an H100 at most: the build (about 40 s), the GPT rows (240 s of budget:
@@ -194,6 +194,9 @@ case "$part" in
         ;;
     *)
         echo "usage: $0 first [--tiny] | rest [SECONDS|--tiny] | tests | kernels | e2e [CONFIGS NAME]" >&2
-        exit 2
+        return 2
         ;;
 esac
+}
+
+main "$@" 2>&1 | tee -a "$OUT/$part.log"
