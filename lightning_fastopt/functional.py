@@ -46,9 +46,8 @@ from torch import Tensor
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
 from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, CUDA_ROUNDINGS, SGD_ROUNDINGS, check_rounding,
-                                            check_rounding_device,
-                                            check_torch_sqrt, fused_cuda_adagrad_clr, fused_cuda_scalars,
-                                            kernel_code)
+                                            check_rounding_device, check_torch_sqrt, fused_cuda_adagrad_clr,
+                                            fused_cuda_scalars, kernel_code)
 
 TensorList = Sequence[Tensor]
 

@@ -25,7 +25,7 @@ from lightning_fastopt import FastOptStrategy, OffloadOptimizer
 from lightning_fastopt.optim import FusedSGD
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.user_step import UserStepOptimizer
-from tests.helpers import assert_modules_equal, counting_checkpoint_io
+from tests.helpers import assert_modules_equal, counting_checkpoint_io, said_lines
 
 STRATEGIES = {
     "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
@@ -511,8 +511,7 @@ def test_half_parameters_under_32_true_say_they_get_float32_masters(monkeypatch)
     twice)."""
     import lightning_fastopt.core.engines as engines
 
-    said = []
-    monkeypatch.setattr(engines, "rank_zero_info", lambda message, *a, **k: said.append(message))
+    said = said_lines(monkeypatch, engines)
 
     class Half(Net):
         def __init__(self):
@@ -739,9 +738,11 @@ def test_a_checkpoint_plugin_given_through_plugins_is_taken_and_async_wraps_the_
     _, reference = fit("auto", AsyncCheckpointIO(), tmp_path / "ref")
     for name, tensor in reference["state_dict"].items():
         assert torch.equal(saved["state_dict"][name], tensor), name
-    hyperparameters = [[{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in c["optimizer_states"][0]["param_groups"]]
-                       for c in (saved, reference)]  # ours names the parameters
-    assert hyperparameters[0] == hyperparameters[1]
+    def hyperparameters(checkpoint):  # ours also names the parameters
+        return [{k: v for k, v in group.items() if k not in ("params", "param_names")}
+                for group in checkpoint["optimizer_states"][0]["param_groups"]]
+
+    assert hyperparameters(saved) == hyperparameters(reference)
 
     counting = counting_checkpoint_io()
     trainer, _ = fit(FastOptStrategy(copy_on_cpu=True), counting, tmp_path / "counting")

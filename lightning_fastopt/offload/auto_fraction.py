@@ -31,8 +31,6 @@ state, so the run computes what it would have computed at any fraction).
 
 from __future__ import annotations
 
-import functools
-
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -173,7 +171,6 @@ class AutoFraction:
         self._user_timing[id(optimizer)] = optimizer.wall_clock_breakdown
         optimizer.wall_clock_breakdown = True
 
-        @functools.wraps(closure)  # the precision plugin reads what the closure was
         def timed() -> Any:
             self._synchronize()
             start = time.perf_counter()
@@ -182,6 +179,7 @@ class AutoFraction:
             self._timed[id(optimizer)] = (time.perf_counter() - start) * 1e3
             return out
 
+        timed.__wrapped__ = closure  # the precision plugin reads what the closure was
         return timed
 
     def after_step(self, optimizer, skipped: bool):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from lightning_fastopt.ops import torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError
-from lightning_fastopt.ops.cpu import cpu_extension_error, cuda_roundings_wanted, load_cpu_extension
+from lightning_fastopt.ops.cpu import cpu_extension_error, cuda_roundings_setting, load_cpu_extension
 from lightning_fastopt.ops.cuda import cuda_extension_error, load_cuda_extension
 from lightning_fastopt.ops.isa import detect_isa
 
@@ -54,7 +54,7 @@ def check_environment() -> None:
     line tools, so the error comes before any training."""
     if backend_choice() != "torch":
         detect_isa()
-        cuda_roundings_wanted()
+        cuda_roundings_setting()  # the setting only: no device query at construction
 
 
 def prepare(device_type: str, cpu_work: bool) -> None:

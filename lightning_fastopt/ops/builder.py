@@ -271,7 +271,7 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     try:
         with _progress(what, staging, len(spec.sources), start):
             module = cpp_extension.load(
-            name=spec.name,
+                name=spec.name,
                 sources=list(spec.sources),
                 extra_cflags=list(spec.cflags),
                 extra_cuda_cflags=list(spec.cuda_cflags) or None,

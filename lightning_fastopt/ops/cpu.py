@@ -53,12 +53,19 @@ def source_root() -> Path:
     raise ExtensionBuildError(f"C++ sources not found next to {here} (looked for csrc/ and _csrc/)")
 
 
-def cuda_roundings_wanted() -> bool:
-    """Whether the CPU kernels are built with Adam in torch's CUDA roundings: where a GPU is
-    visible, unless ``LIGHTNING_FASTOPT_CUDA_ROUNDINGS`` (``1``, ``0`` or ``auto``) says."""
+def cuda_roundings_setting() -> str:
+    """``LIGHTNING_FASTOPT_CUDA_ROUNDINGS``: ``"1"``, ``"0"`` or ``"auto"`` (the default); a
+    ValueError naming the variable for anything else."""
     setting = os.environ.get(CUDA_ROUNDINGS_ENV, "auto").strip().lower() or "auto"
     if setting not in ("1", "0", "auto"):
         raise ValueError(f"{CUDA_ROUNDINGS_ENV}={setting!r}: expected one of '1', '0', 'auto'")
+    return setting
+
+
+def cuda_roundings_wanted() -> bool:
+    """Whether the CPU kernels are built with Adam in torch's CUDA roundings: where a GPU is
+    visible, unless :func:`cuda_roundings_setting` says."""
+    setting = cuda_roundings_setting()
     if setting != "auto":
         return setting == "1"
     import torch
