@@ -385,6 +385,149 @@ def test_lbfgs_with_fp16_loss_scaling_is_refused_by_name():
         trainer.fit(Net(lambda ps: torch.optim.LBFGS(ps, lr=0.1)), _data())
 
 
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimization around plain SGD, as SAM-style optimizers step: the
+    closure at the weights, a climb along the gradient to radius ``rho``, the closure again
+    there, back down, and the step with the second gradients."""
+
+    def __init__(self, params, lr=0.05, rho=0.05):
+        super().__init__(params, dict(lr=lr, rho=rho))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure()
+        with_grad = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad]))
+        climbs = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    climb = p.grad * (group["rho"] / (norm + 1e-12))
+                    p.add_(climb)
+                    climbs.append((p, climb))
+        with torch.enable_grad():
+            closure()
+        for p, climb in climbs:
+            p.sub_(climb)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+CLOSURE_STRATEGIES = {  # STRATEGIES' set-ups, with the arguments given here
+    "part-offloaded-accelerator-path": dict(offload_fraction=0.2, bucket_size_mb=0.0002, copy_on_cpu=True),
+    "offloaded-accelerator-path": dict(offload_fraction=1.0, copy_on_cpu=True),
+    "offload-cpu-path": dict(offload_fraction=1.0),
+}
+
+
+@pytest.mark.parametrize("named", [["SAM"], [SAM], "SAM"], ids=["name", "class", "one-name"])
+@pytest.mark.parametrize("strategy", list(CLOSURE_STRATEGIES))
+def test_a_sam_style_optimizer_named_in_closure_optimizers_trains_as_trainer(caplog, monkeypatch, strategy, named):
+    """Its step evaluates the closure again at the weights it climbed to: named in
+    ``closure_optimizers`` it runs as torch runs it, on the model's weights, as LBFGS does
+    (issue 39); bit for bit ``Trainer()``."""
+    ours, ref = Net(SAM), Net(SAM)
+    with _said(caplog, monkeypatch):
+        trainer = _trainer(FastOptStrategy(closure_optimizers=named, **CLOSURE_STRATEGIES[strategy]))
+        trainer.fit(ours, _data())
+    _trainer("auto").fit(ref, _data())
+    assert_modules_equal(ours, ref)
+    assert not torch.equal(Net().head.weight, ours.head.weight.detach())
+    assert trainer.strategy.engines == []
+    assert "SAM runs as torch runs it, on the model's weights, not offloaded" in caplog.text
+
+
+@pytest.mark.parametrize("strategy", list(CLOSURE_STRATEGIES))
+def test_a_sam_style_optimizer_offloaded_stops_at_its_first_step_naming_closure_optimizers(strategy):
+    """Offloaded, its second evaluation would run forward and backward on weights the
+    share holds apart from the model: an error that says what to do, not a silent
+    step on stale gradients."""
+    from lightning_fastopt.optim.closure import ClosureEvaluatedAgain
+
+    trainer = _trainer(FastOptStrategy(**CLOSURE_STRATEGIES[strategy]))
+    with pytest.raises(ClosureEvaluatedAgain, match=r"SAM's step evaluates the closure again after changing the "
+                                                    r"weights .*FastOptStrategy\(closure_optimizers=\['SAM'\]\)"):
+        trainer.fit(Net(SAM), _data())
+
+
+class DropsTheClosure(torch.optim.SGD):
+    """A subclass whose step forgets to pass the closure on (Lightning's own test)."""
+
+    def step(self, closure=None):
+        return super().step()
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_step_that_drops_the_closure_raises_as_lightning_does(strategy):
+    """Under Lightning the closure then never runs and the loop raises; here the engine ran
+    it when the step began, and the same error is raised (it once trained)."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    for name in ("auto", strategy):
+        with pytest.raises(MisconfigurationException, match="The closure hasn't been executed"):
+            _trainer(STRATEGIES[name]() if name in STRATEGIES else name).fit(
+                Net(lambda ps: DropsTheClosure(ps, lr=0.1)), _data())
+
+
+class PassesTheClosure(torch.optim.SGD):
+    """A subclass that runs its own step and passes the closure on to torch's."""
+
+    seen: list = []
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        type(self).seen.append(loss)
+        return loss
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_an_own_step_gets_the_closure_and_its_loss_on_every_share(strategy):
+    """torch's step evaluates the closure at the top and returns its loss: each share's own
+    step gets the loss the closure returned (it was None before issue 39)."""
+    PassesTheClosure.seen = []
+    ours, ref = Net(lambda ps: PassesTheClosure(ps, lr=0.1)), Net(lambda ps: PassesTheClosure(ps, lr=0.1))
+    _trainer(STRATEGIES[strategy]()).fit(ours, _data())
+    seen, PassesTheClosure.seen = PassesTheClosure.seen, []
+    _trainer("auto").fit(ref, _data())
+    assert_modules_equal(ours, ref)
+    assert len(seen) >= len(PassesTheClosure.seen) == 8 and all(isinstance(v, torch.Tensor) for v in seen)
+    assert {float(v) for v in seen} == {float(v) for v in PassesTheClosure.seen}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES) + ["auto"])
+def test_the_closure_runs_inside_the_optimizers_step_as_under_lightning(strategy):
+    """Lightning's plugin passes the closure to ``optimizer.step`` (``test_train_loop_system``):
+    torch's step pre-hooks run before ``training_step``, as they run under ``Trainer()``."""
+    calls = []
+
+    class Recorded(Net):
+        def training_step(self, batch, batch_idx):
+            calls.append("training_step")
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            opt = super().configure_optimizers()
+            opt.register_step_pre_hook(lambda *_: calls.append("step"))
+            return opt
+
+    _trainer(STRATEGIES[strategy]() if strategy in STRATEGIES else strategy, max_epochs=1).fit(Recorded(), _data())
+    assert calls == ["step", "training_step"] * 4
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: FastOptStrategy(closure_optimizers=[3]), "closure_optimizers must be optimizer classes or class names"),
+    (lambda: FastOptStrategy(closure_optimizers=None), "closure_optimizers must be"),
+    (lambda: FastOptStrategy(closure_optimizers=[""]), "closure_optimizers must be"),
+])
+def test_bad_closure_optimizers_are_refused_by_name(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
 def test_no_optimizer_trains_nothing_as_in_lightning():
     """``configure_optimizers`` returning None: Lightning warns and steps nothing."""
     class NoOptimizer(Net):

@@ -326,6 +326,38 @@ def test_an_optimizer_whose_model_is_never_set_up_is_refused_at_its_step():
         opt.step()
 
 
+def _closure_loop(strategy, make_opt, steps=4):
+    """A Fabric loop that hands a closure to ``optimizer.step`` (LBFGS, SAM)."""
+    from torch.utils.data import DataLoader
+
+    from tests.fabric_loop import _data
+
+    fabric = _fabric(strategy)
+    model = fabric.setup_module(make_model())
+    opt = fabric.setup_optimizers(make_opt(model.parameters()))
+    for (x, y), _ in zip(DataLoader(_data(), batch_size=8), range(steps)):
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            return loss
+        opt.step(closure)
+    return model
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_closure_optimizers_run_as_torch_runs_them_as_with_fabrics_own(fraction):
+    """An optimizer whose step evaluates the closure again after changing the weights (LBFGS;
+    SAM named in ``closure_optimizers``) is not taken over: bit for bit Fabric's own."""
+    from tests.test_drop_in import SAM
+
+    for make in (lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=3), lambda ps: SAM(ps, lr=0.05)):
+        strategy = FastOptFabricStrategy(offload_fraction=fraction, copy_on_cpu=True, closure_optimizers=["SAM"])
+        ours = _closure_loop(strategy, make)
+        assert strategy._wrappers == []
+        assert all(torch.equal(a, b) for a, b in zip(_weights(ours), _weights(_closure_loop("auto", make))))
+
+
 def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):
     """The Trainer's half-weight tests' model and data (tests/test_half_weights.py) in a
     Fabric loop: inputs cast to the weights' dtype, one step per batch."""

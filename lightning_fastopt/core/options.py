@@ -16,6 +16,7 @@ from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
 from lightning_fastopt.optim.adam import check_state_dtype
+from lightning_fastopt.optim.closure import check_closure_optimizers
 from lightning_fastopt.optim.base import check_range
 
 
@@ -40,6 +41,7 @@ class StrategyOptions:
     delayed_update_warmup: int = 40
     host_state_dtype: torch.dtype = torch.float32
     forward_waits: str = "step"
+    closure_optimizers: tuple[str, ...] = ()
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -48,7 +50,7 @@ class StrategyOptions:
               min_loss_scale: Any, at_min_loss_scale: Any, wall_clock_breakdown: Any, zero_stage: Any,
               copy_on_cpu: Any, keep_gradients: Any, stream_cpu_step: Any, delayed_update: Any,
               delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
-              forward_waits: Any) -> StrategyOptions:
+              forward_waits: Any, closure_optimizers: Any) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
@@ -83,7 +85,8 @@ class StrategyOptions:
                    wall_clock_breakdown=wall_clock_breakdown, zero_stage=int(zero_stage), copy_on_cpu=copy_on_cpu,
                    keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
                    delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype,
-                   forward_waits=forward_waits, scale_knobs=knobs)
+                   forward_waits=forward_waits, closure_optimizers=check_closure_optimizers(closure_optimizers),
+                   scale_knobs=knobs)
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> StrategyOptions:

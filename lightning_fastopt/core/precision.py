@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_fastopt.core.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, unscale_grads_
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
+from lightning_fastopt.optim.closure import evaluates_closure_again
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unscales_in_step, unwrapped
 
@@ -44,10 +45,11 @@ def optimizer_gradients(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+def needs_closure(optimizer: torch.optim.Optimizer, named: tuple[str, ...] = ()) -> bool:
     """Whether the optimizer's step evaluates the closure itself, again after changing the
-    weights (LBFGS): it gets the closure, and runs as torch runs it."""
-    return isinstance(unwrapped(optimizer), torch.optim.LBFGS)
+    weights (LBFGS, or a class in ``named``, the strategy's ``closure_optimizers``): it gets
+    the closure, and runs as torch runs it."""
+    return evaluates_closure_again(unwrapped(optimizer), named)
 
 
 class PrecisionCore:

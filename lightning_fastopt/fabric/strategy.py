@@ -45,7 +45,7 @@ reach the model).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
+from lightning_fastopt.core.precision import needs_closure
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
 
@@ -81,7 +82,7 @@ class FastOptFabricStrategy(DDPStrategy):
                  zero_stage: int = 0, copy_on_cpu: bool = False, keep_gradients: bool = True,
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 forward_waits: str = "step", **kwargs: Any) -> None:
+                 forward_waits: str = "step", closure_optimizers: Sequence[str] = (), **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptFabricStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
@@ -217,6 +218,14 @@ class FastOptFabricStrategy(DDPStrategy):
         return all(id(p) in params for g in optimizer.param_groups for p in g["params"])
 
     def _take_over(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if needs_closure(optimizer, self.options.closure_optimizers):
+            if self._effective_stage == 2 and not self._one_process:
+                raise ValueError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights, "
+                                 "so it runs as torch runs it, on the model's weights: with zero_stage=2 nothing "
+                                 "reduces its gradients; use zero_stage 0 or 1")
+            rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
+                           "weights, not offloaded: its step evaluates the closure again after changing them")
+            return optimizer
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
         fused = fused_for(optimizer, self._module, self.precision.precision)
         names = {p: n for n, p in self._module.named_parameters()}

@@ -644,7 +644,8 @@ class OffloadOptimizer(OptimizerWrapper):
         """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
         current hyperparameters (where LR schedulers write) copied in, the slots that have
         a gradient, each one's gradient and half copy, the keyword arguments for the
-        user's own ``step`` (``step_kwargs``, by default the running step's).  None when no
+        user's own ``step`` (``step_kwargs``, by default the running step's) and the step's
+        evaluated closure for it (none for an update started during backward).  None when no
         slot has a gradient."""
         copy_hyperparameters(inner, self.param_groups)
         sources, targets, updated = {}, {}, []
@@ -657,16 +658,18 @@ class OffloadOptimizer(OptimizerWrapper):
             if s.param.dtype != s.master.dtype:
                 targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
         step_kwargs = dict(self.step_kwargs if step_kwargs is None else step_kwargs)
-        return (updated, sources, targets or None, step_kwargs) if updated else None
+        return (updated, sources, targets or None, step_kwargs, self.step_closure) if updated else None
 
     def _run_plan(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
         """Step ``inner`` as :meth:`_plan` fixed it; a host bucket's update is the profiler
         range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
-        updated, sources, targets, step_kwargs = plan
+        updated, sources, targets, step_kwargs, closure = plan
         inner.grad_source = sources
         inner.copies_to = targets
         if step_kwargs:
             inner.step_kwargs = step_kwargs
+        if closure is not None:
+            inner.step_closure = closure
         label = "fastopt::device_update" if inner is self._device_inner else "fastopt::cpu_update"
         try:
             with torch.profiler.record_function(label):
@@ -675,6 +678,7 @@ class OffloadOptimizer(OptimizerWrapper):
             inner.grad_source = None
             inner.copies_to = None
             inner.__dict__.pop("step_kwargs", None)
+            inner.__dict__.pop("step_closure", None)
         return updated
 
     # ------------------------------------------------------------------ state dict

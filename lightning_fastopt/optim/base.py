@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.optim.closure import StepClosure
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COMPUTE = object()  # step(step_context=COMPUTE): the optimizer computes its step context itself
@@ -90,7 +91,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     buffer), and ``copies_to`` maps a parameter to a half-precision tensor that receives
     the updated value in the same pass.  Both default to None (plain ``p.grad``, no copy).
     A third, ``step_kwargs``, holds the keyword arguments a wrapper's step was given for
-    the user's own ``step`` (only an optimizer with :attr:`takes_step_kwargs` gets any).
+    the user's own ``step`` (only an optimizer with :attr:`takes_step_kwargs` gets any),
+    and a fourth, ``step_closure``, the closure of the wrapper's step, evaluated, for that
+    ``step`` (:mod:`~lightning_fastopt.optim.closure`).
     """
 
     state_keys: tuple[str, ...] = ()
@@ -100,6 +103,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
     step_kwargs: dict[str, Any] = {}
+    step_closure: StepClosure | None = None
 
     def __init__(self, params, defaults: dict[str, Any], *, foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, differentiable: bool = False) -> None:
@@ -351,7 +355,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         step_context: what :meth:`step_context` computed over every gradient of the step,
         when a wrapper steps several optimizers as one (FusedLAMB's global norm).
         """
-        return run_step(self, closure, lambda: self._take_step(grad_scale, check_finite, found_inf, step_context))
+        return run_step(self, closure, lambda _: self._take_step(grad_scale, check_finite, found_inf, step_context))
 
     def _take_step(self, grad_scale, check_finite: bool, found_inf: Tensor | None, step_context: Any) -> bool:
         """The step of :meth:`step`; returns True when it was skipped."""
@@ -470,16 +474,22 @@ def _once_each(params: list[Tensor]) -> list[Tensor]:
 
 
 def run_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-             take_step: Callable[[], bool]) -> Any:
+             take_step: Callable[[StepClosure | None], bool]) -> Any:
     """What every ``step()`` of lightning_fastopt does around the step itself: run the
-    closure (with gradients enabled), then ``take_step()``, counting it in the
-    optimizer's ``skipped_steps`` and ``last_step_skipped`` when it returns True."""
-    loss = None
-    if closure is not None:
+    closure (with gradients enabled, as torch's optimizers do at the top of ``step``), then
+    ``take_step(evaluated)``, counting it in the optimizer's ``skipped_steps`` and
+    ``last_step_skipped`` when it returns True.  ``evaluated``: the closure with what it
+    returned, for an optimizer's own step (:mod:`~lightning_fastopt.optim.closure`); a
+    :class:`StepClosure` given as the closure (a wrapper handing its step down) is not run again."""
+    loss, evaluated = None, None
+    if isinstance(closure, StepClosure):
+        loss, evaluated = closure.loss, closure
+    elif closure is not None:
         with torch.enable_grad():
             loss = closure()
+        evaluated = StepClosure(loss)
     optimizer.last_step_skipped = False
-    if take_step():
+    if take_step(evaluated):
         optimizer.skipped_steps += 1
         optimizer.last_step_skipped = True
     return loss

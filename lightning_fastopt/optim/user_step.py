@@ -11,7 +11,8 @@ the masters (host or device), made without calling its ``__init__`` again (torch
 ``__init__`` set), whose ``param_groups`` and ``state`` are the sibling's.  A step sets
 each master's ``.grad`` to its gradient (unscaled first when a loss scale is given: the
 user's ``step`` knows nothing of it), calls the user's ``step`` (with the keyword
-arguments the step was given beyond the closure, ``step_kwargs``), and writes the half
+arguments the step was given beyond the closure, ``step_kwargs``, and the step's closure
+as torch would give it, :mod:`~lightning_fastopt.optim.closure`), and writes the half
 copies.  The math is torch's (or the user's), where the masters live, so the memory
 saving and the copies' overlap still apply; only the kernels' speed does not.
 """
@@ -91,8 +92,10 @@ class UserStepOptimizer(FusedOptimizer):
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(inverse)
-            # the closure ran before (the engine's step): some steps require the argument
-            self.runner.step(None, **self.step_kwargs)
+            # the closure ran when the engine's step began: this share gets it as torch would give it
+            evaluated = self.step_closure
+            closure = evaluated.for_share(self.user_class.__name__, params) if evaluated is not None else None
+            self.runner.step(closure, **self.step_kwargs)
         finally:
             for p in params:
                 p.grad = before[p]

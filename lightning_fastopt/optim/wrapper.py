@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, duplicates_warned_already, run_step
+from lightning_fastopt.optim.closure import StepClosure
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -50,6 +51,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
     accumulating = False  # set by the driver while gradients accumulate without a step
     expected_grad_scale: float | None = None  # the grad_scale the next step will be given
     step_kwargs: dict[str, Any] = {}  # during a step: the keyword arguments for the user's own step
+    step_closure: StepClosure | None = None  # during a step given one: its closure, evaluated (optim.closure)
+    last_step_closure: StepClosure | None = None
 
     def __init__(self, optimizer: FusedOptimizer) -> None:
         if not isinstance(optimizer, FusedOptimizer):
@@ -124,9 +127,26 @@ class OptimizerWrapper(torch.optim.Optimizer):
                             f"none beyond the closure; keyword arguments reach an optimizer that runs its own step")
         self.step_kwargs = step_kwargs
         try:
-            return run_step(self, closure, lambda: self._take_step(grad_scale, check_finite, step_context))
+            return run_step(self, closure, lambda evaluated: self._take_step_with(evaluated, grad_scale, check_finite,
+                                                                                 step_context))
         finally:
             self.step_kwargs = {}
+
+    def _take_step_with(self, evaluated: StepClosure | None, grad_scale, check_finite: bool, step_context: Any) -> bool:
+        """:meth:`_take_step` with :attr:`step_closure` set to the step's evaluated closure
+        (kept afterwards as :attr:`last_step_closure`)."""
+        self.step_closure = self.last_step_closure = evaluated
+        try:
+            return self._take_step(grad_scale, check_finite, step_context)
+        finally:
+            self.step_closure = None
+
+    @property
+    def closure_ignored(self) -> bool:
+        """The last step's closure was handed to the optimizer's own step and none of its
+        shares called it (as ``torch.optim.SGD`` subclasses that drop it do; under Lightning
+        the closure then never runs, and the training loop raises)."""
+        return self.last_step_closure is not None and self.last_step_closure.ignored
 
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         """The step itself; returns True when it was skipped (an inf/NaN gradient)."""

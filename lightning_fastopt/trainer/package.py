@@ -35,6 +35,7 @@ class TrainerPackage:
     quiet_callbacks: tuple[type, ...]
     MockOptimizer: type  # Lightning's stand-in when configure_optimizers returns None
     Closure: type  # automatic optimization's closure: its None means training_step returned None
+    MisconfigurationException: type
     WrappingCheckpointIO: type  # a checkpoint plugin around another (AsyncCheckpointIO)
     Precision: type
     MixedPrecision: type
@@ -58,6 +59,7 @@ class TrainerPackage:
             quiet_callbacks=tuple(getattr(callbacks, c) for c in _QUIET_CALLBACKS),
             MockOptimizer=module("core.optimizer")._MockOptimizer,
             Closure=module("loops.optimization.automatic").Closure,
+            MisconfigurationException=module("utilities.exceptions").MisconfigurationException,
             WrappingCheckpointIO=module("plugins.io.wrapper")._WrappingCheckpointIO,
             Precision=precision.Precision,
             MixedPrecision=precision.MixedPrecision,

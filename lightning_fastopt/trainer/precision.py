@@ -23,12 +23,15 @@ shared with Fabric's plugin.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from typing_extensions import override
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS, PrecisionCore, needs_closure
+from lightning_fastopt.optim.takeover import engine_of
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.trainer.package import TrainerPackage
 
 __all__ = ["SUPPORTED_PRECISIONS", "TrainerPrecision"]
@@ -72,14 +75,20 @@ class TrainerPrecision(PrecisionCore):
 
     @override
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if needs_closure(optimizer):
+        if needs_closure(optimizer, getattr(model.trainer.strategy, "closure_optimizers", ())):
             if self.scaler is not None:
                 raise TypeError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights: "
                                 "it cannot run with fp16 loss scaling (as with Lightning's own 16-mixed)")
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # its step runs the closure
         self.announce_grad_scale(optimizer)  # an update speculated during backward takes it
+        if self.scaler is None:  # as Lightning's plugin: the optimizer's step runs the closure (and the hooks after it)
+            self._overflow = False
+            out = self._step(optimizer, closure=functools.partial(self._wrap_closure, model, optimizer, closure),
+                             **kwargs)
+            self._refuse_an_ignored_closure(optimizer, closure, model)
+            return out
         closure_result = closure()
-        if self.scaler is not None and self._training_step_returned_none(closure, closure_result, model):
+        if self._training_step_returned_none(closure, closure_result, model):
             return closure_result  # Lightning skipped backward (and said so): its GradScaler path skips the step
         overflow = self._check_overflow(optimizer)
         self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
@@ -89,16 +98,30 @@ class TrainerPrecision(PrecisionCore):
         self._step(optimizer, **kwargs)
         return closure_result
 
+    def _refuse_an_ignored_closure(self, optimizer, closure: Callable[[], Any], model) -> None:
+        """An optimizer's own step that never called the closure it was given: under
+        Lightning automatic optimization's closure then never runs, and its loop raises;
+        here the engine ran it when the step began, so the same error is raised here."""
+        engine = engine_of(optimizer)
+        if isinstance(engine, OptimizerWrapper) and engine.closure_ignored and self._is_automatic(closure, model):
+            raise self.package.MisconfigurationException(
+                f"The closure hasn't been executed: {type(optimizer).__name__}.step did not call the closure it was "
+                "given (training_step and backward). Pass it on, as `super().step(closure)`")
+
+    def _is_automatic(self, closure: Callable[[], Any], model) -> bool:
+        """Whether ``closure`` is automatic optimization's own (through wrappers of ours)."""
+        while hasattr(closure, "__wrapped__"):  # a wrapper of ours (the timed closure of "auto")
+            closure = closure.__wrapped__
+        return model.automatic_optimization and isinstance(closure, self.package.Closure)
+
     def _training_step_returned_none(self, closure: Callable[[], Any], closure_result: Any, model) -> bool:
         """Whether this step's closure was automatic optimization's and found no loss.  A
         closure that returns None is also what ``optimizer.step()`` without one passes down
         (Lightning's do-nothing closure), after the user's ``optimizer_step`` ran the real
         one itself: its backward happened, and the step must run (it once was skipped,
-        silently).  Without a loss scaler nothing is skipped: Lightning's own plugin then
-        steps whatever gradients there are, as torch's step does."""
-        while hasattr(closure, "__wrapped__"):  # a wrapper of ours (the timed closure of "auto")
-            closure = closure.__wrapped__
-        return closure_result is None and model.automatic_optimization and isinstance(closure, self.package.Closure)
+        silently).  Asked with a loss scaler only: without one the optimizer's step runs the
+        closure, as under Lightning's own plugin, and steps whatever gradients there are."""
+        return closure_result is None and self._is_automatic(closure, model)
 
     @override
     def _clip_gradients(self, model, optimizer, clip_val=None, gradient_clip_algorithm=None) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +163,11 @@ class TrainerStrategy:
             (automatic optimization, no hook between steps overridden beyond Lightning's
             own callbacks that do not read weights, no torch.compile); otherwise one log
             line says why not.  Not with ZeRO.
+        closure_optimizers: optimizer classes, or their names, whose ``step`` evaluates the
+            closure again after changing the weights (SAM and its variants): they run as
+            torch runs them, on the model's weights, not offloaded (one log line says so),
+            as LBFGS always does.  Offloaded, such a step is an error at its first step
+            that names this argument (:mod:`lightning_fastopt.optim.closure`).
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
@@ -182,7 +187,7 @@ class TrainerStrategy:
                  copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
                  delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 forward_waits: str = "step", **kwargs: Any) -> None:
+                 forward_waits: str = "step", closure_optimizers: Sequence[str] = (), **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, self.package.DDPStrategy, type(self))
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
@@ -330,11 +335,12 @@ class TrainerStrategy:
     def _runs_in_engine(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether an offload or ZeRO optimizer can step ``optimizer``, else it runs as under
         Lightning's own strategy (said in one line): Lightning's stand-in when
-        ``configure_optimizers`` returns None, and LBFGS, whose step evaluates the closure
-        again after changing the weights (the weights it changes must be the model's)."""
+        ``configure_optimizers`` returns None, and LBFGS and the classes named in
+        ``closure_optimizers``, whose step evaluates the closure again after changing the
+        weights (the weights it changes must be the model's)."""
         if isinstance(optimizer, self.package.MockOptimizer):
             return False
-        if needs_closure(optimizer):
+        if needs_closure(optimizer, self.closure_optimizers):
             rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
                            "weights, not offloaded: its step evaluates the closure again after changing them")
             return False

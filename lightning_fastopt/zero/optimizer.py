@@ -268,7 +268,7 @@ class ZeroOptimizer(OptimizerWrapper):
             owned = self._owned_gradients()
             sums = dict(zip(owned, ((v,) for v in square_sums(list(owned.values())))))
             context = self.optimizer.step_context_of_square_sums([v for (v,) in self._gathered(sums, 1)], grad_scale)
-        self.local.step(grad_scale=grad_scale, step_context=context, **self.step_kwargs)
+        self.local.step(self.step_closure, grad_scale=grad_scale, step_context=context, **self.step_kwargs)
         self._broadcast_params()
         return False
 
