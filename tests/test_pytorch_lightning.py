@@ -74,6 +74,19 @@ def test_every_name_is_registered_with_pytorch_lightning():
     assert lightning_fastopt.FastOptStrategy is not front_end.FastOptStrategy  # lightning.pytorch's own
 
 
+@pytest.mark.parametrize("trainer,strategy,use", [
+    (lambda **kw: pl.Trainer(**kw), lambda: lightning_fastopt.FastOptStrategy(),
+     "use lightning_fastopt.trainer.pytorch_lightning.FastOptStrategy"),
+    (lambda **kw: __import__("lightning").Trainer(**kw), lambda: front_end.FastOptStrategy(),
+     "use lightning_fastopt.FastOptStrategy"),
+], ids=["lightning-class-to-pytorch_lightning", "pytorch_lightning-class-to-lightning"])
+def test_the_other_packages_class_is_refused_naming_the_one_to_use(trainer, strategy, use):
+    """Lightning's own message ("invalid strategy name") did not say that the class exists
+    for the Trainer's package too (issue 39)."""
+    with pytest.raises(ValueError, match=f"serves .* Trainers; this one is .*: {use}"):
+        trainer(strategy=strategy(), accelerator="cpu", devices=1, logger=False)
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "64-true"])
 def test_precision_flags_become_this_packages_plugin(precision):
     plugin = _trainer(front_end.FastOptStrategy(copy_on_cpu=True), precision=precision).precision_plugin

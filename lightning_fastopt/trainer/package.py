@@ -70,3 +70,19 @@ class TrainerPackage:
             sync_module_states=module("overrides.distributed")._sync_module_states,
         )
 
+
+# each package's front-end module, for the message that names the class to use instead
+FRONT_ENDS = {"lightning.pytorch": "lightning_fastopt", "pytorch_lightning": "lightning_fastopt.trainer.pytorch_lightning"}
+
+
+def refuse_in_the_other_package(cls: str, package: TrainerPackage, caller: str) -> None:
+    """Raise a ValueError naming the class to use when code of the other Lightning package
+    (``caller``: its module's name) reads an object of our class ``cls`` that serves
+    ``package``: its Trainer would refuse the object with "invalid strategy name", which
+    does not say that the class exists for it too."""
+    other = next((p for p in FRONT_ENDS if p != package.name and (caller == p or caller.startswith(p + "."))), None)
+    if other is not None:
+        raise ValueError(f"{FRONT_ENDS[package.name]}.{cls} serves {package.name} Trainers; this one is "
+                         f"{other}'s: use {FRONT_ENDS[other]}.{cls} (or the strategy's registered name, which "
+                         "both packages know)")
+

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -66,7 +67,7 @@ from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
-from lightning_fastopt.trainer.package import TrainerPackage
+from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
 
 __all__ = ["TrainerStrategy"]
@@ -206,6 +207,14 @@ class TrainerStrategy:
         self._foreign_precision: TypeError | None = None  # a plugin we cannot step with, kept for evaluation
         self._threads = TorchThreads()
         super().__init__(**kwargs)
+
+    def __ne__(self, other: object) -> bool:
+        """Lightning's Trainer compares its ``strategy`` argument with names (``!= "auto"``)
+        before it checks its class: given to the other Lightning package's Trainer, this
+        says which class that package takes before Lightning calls the name invalid."""
+        if isinstance(other, str):
+            refuse_in_the_other_package("FastOptStrategy", self.package, sys._getframe(1).f_globals.get("__name__", ""))
+        return super().__ne__(other)
 
     # ------------------------------------------------------------------ checkpoint_io
     @property
