@@ -39,12 +39,12 @@ def check_closure_optimizers(value: Any) -> tuple[str, ...]:
     """The strategies' ``closure_optimizers``: optimizer classes or their names, as names."""
     items = [value] if isinstance(value, (str, type)) else value
     try:
-        names = tuple(v if isinstance(v, str) else v.__name__ for v in items if isinstance(v, (str, type)))
+        items = list(items)
     except TypeError:
-        names = None
-    if names is None or len(names) != len(list(items)) or not all(names):
+        items = None
+    if items is None or not all(isinstance(v, type) or (isinstance(v, str) and v) for v in items):
         raise TypeError(f"closure_optimizers must be optimizer classes or class names (a list of them), got {value!r}")
-    return names
+    return tuple(v if isinstance(v, str) else v.__name__ for v in items)
 
 
 class StepClosure:
@@ -83,9 +83,9 @@ class _ShareClosure:
             raise ClosureEvaluatedAgain(
                 f"{self._name}'s step evaluates the closure again after changing the weights (as SAM-style "
                 f"optimizers and LBFGS do); its offloaded share holds the weights apart from the model, where forward "
-                f"and backward cannot see them. Name it in the strategy's closure_optimizers "
-                f"(FastOptStrategy(closure_optimizers=[{self._name!r}])): it then runs as torch runs it, on the "
-                f"model's weights, not offloaded")
+                f"and backward cannot see them. Name it in the strategy's argument closure_optimizers=[{self._name!r}] "
+                f"(FastOptStrategy, FastOptFabricStrategy): it then runs as torch runs it, on the model's weights, "
+                f"not offloaded")
         self._called = True
         self._step.taken += 1
         return self._step.loss

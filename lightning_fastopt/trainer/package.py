@@ -72,7 +72,8 @@ class TrainerPackage:
 
 
 # each package's front-end module, for the message that names the class to use instead
-FRONT_ENDS = {"lightning.pytorch": "lightning_fastopt", "pytorch_lightning": "lightning_fastopt.trainer.pytorch_lightning"}
+FRONT_ENDS = {"lightning.pytorch": "lightning_fastopt",
+              "pytorch_lightning": "lightning_fastopt.trainer.pytorch_lightning"}
 
 
 def refuse_in_the_other_package(cls: str, package: TrainerPackage, caller: str) -> None:
