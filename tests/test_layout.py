@@ -97,6 +97,27 @@ def test_only_the_package_imports_a_front_end():
         assert not crossing, f"{name} imports {sorted(crossing)}"
 
 
+# The layers, ground floor first: a module imports from its own layer or those before it.
+# The engines (offload, zero) sit below what the front-ends share (core); the helpers they
+# need from torch's runtime (runtime) below them all.
+LAYERS = ("ops", "runtime", "functional", "optim", "checkpoint", "offload", "zero", "core", "trainer", "fabric",
+          "memory", "")
+
+
+def _layer(name: str) -> int:
+    parts = name.split(".")
+    return LAYERS.index(parts[1] if len(parts) > 1 else "")
+
+
+def test_every_import_points_down_the_layers():
+    """Issue 40: ``core/grad_hooks`` and ``core/distributed`` were imported by ``offload``
+    and ``zero`` below ``core``; they live in ``runtime`` now.  No import runs back up."""
+    upward = sorted(f"{name} -> {d}" for name, deps in _graph().items() for d in deps if _layer(d) > _layer(name))
+    assert not upward, upward
+    assert _layer("lightning_fastopt.offload.optimizer") < _layer("lightning_fastopt.core.engines")
+    assert {n.split(".")[1] for n in _graph() if "." in n} <= set(LAYERS)  # every subpackage has its layer
+
+
 def test_the_package_root_holds_only_public_modules():
     """At the root: the public names (``__init__``) and the public modules; the rest lives
     in the subpackage of what it is part of."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from lightning_fastopt.core.grad_hooks import GradReadyHooks
+from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
 
 
 @dataclass(eq=False)

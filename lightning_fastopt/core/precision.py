@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 
-from lightning_fastopt.core.distributed import all_reduce_scalar
+from lightning_fastopt.runtime.distributed import all_reduce_scalar
 from lightning_fastopt.functional import by_device, grads_all_finite, unscale_grads_
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim.closure import evaluates_closure_again

@@ -83,7 +83,7 @@ from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.core.grad_hooks import GradReadyHooks
+from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_fastopt.core.distributed import global_rank
-from lightning_fastopt.core.grad_hooks import GradReadyHooks
+from lightning_fastopt.runtime.distributed import global_rank
+from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
 from lightning_fastopt.zero.partition import owner_buckets
 
 

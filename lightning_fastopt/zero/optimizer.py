@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.core.distributed import all_reduce_scalar, all_reduce_sum, global_rank, world_size
+from lightning_fastopt.runtime.distributed import all_reduce_scalar, all_reduce_sum, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
                                           needs_step_context)
