@@ -81,11 +81,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
+from lightning_fastopt.offload.engine_state import EngineState
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.schedule import CpuStepSchedule
@@ -105,9 +105,6 @@ from lightning_fastopt.optim.wrapper import OptimizerWrapper
 # Where the gradients of offloaded parameters go, and when (OffloadOptimizer's device_grads).
 DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "copy_when_reduced", "keep")
 STREAMING_GRADS = ("copy_in_backward", "copy_when_reduced")  # gradients that leave during backward
-# In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
-# whose low bits the half weight in the model's state dict does not hold (torch.optim ignores it).
-MASTER_KEY = "fp32_master"
 
 
 class OffloadOptimizer(OptimizerWrapper):
@@ -682,89 +679,14 @@ class OffloadOptimizer(OptimizerWrapper):
         return updated
 
     # ------------------------------------------------------------------ state dict
-    def _names(self) -> list[list[str]]:
-        return [[self._slot_of[p].name for p in g["params"]] for g in self.param_groups]
-
     def state_dict(self) -> dict[str, Any]:
-        """Keyed by parameter name; a half-precision parameter's state also holds its float32
-        master (:data:`MASTER_KEY`: a resumed run continues from all its bits); with
-        ``delayed_update``, also the masters of the update not yet on the device
-        (:mod:`~lightning_fastopt.offload.delayed`)."""
-        self.schedule.wait()
-        state = {}
-        for s in self._slots:
-            st = self._inner_of(s).state.get(s.master)
-            if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
-                state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else v
-                                 for k, v in st.items()}
-                if s.param.dtype != s.master.dtype:
-                    state[s.name][MASTER_KEY] = s.master
-        saved = named_state_dict(self.param_groups, self._names(), state)
-        if self._delayed is not None:
-            saved[SAVED_KEY] = self._delayed.saved()
-        return saved
+        """Keyed by parameter name (:class:`~lightning_fastopt.offload.engine_state.EngineState`)."""
+        return EngineState(self).saved()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class (any offload fraction) or of the torch.optim
-        equivalent; raises CheckpointMismatchError when it belongs to another model.  The
-        model's weights are loaded first (a delayed update's pending masters are kept apart
-        from them)."""
-        self.schedule.wait()
-        self._in_flight.wait_all()  # pending weights may be written into the model below
-        by_name, saved_groups = read_named_state(state_dict, self._names(),
-                                                 {s.name: s.param.shape for s in self._slots}, self.param_groups)
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update(saved)  # in place: LR schedulers hold these dicts
-            self.optimizer._validate_group(group)
-        for inner in self._inners():
-            inner.state.clear()
-        masters = {}
-        for s in self._slots:
-            st = dict(by_name.get(s.name) or {})
-            if MASTER_KEY in st:
-                masters[s] = st.pop(MASTER_KEY)
-            if st:
-                self._set_state(s, st)
-        self._load_masters(masters)
-        self._load_pending(state_dict.get(SAVED_KEY))
-
-    def _load_masters(self, masters: Mapping[ParamSlot, Tensor]) -> None:
-        """Saved float32 masters of half-precision parameters, each taken where the model's
-        weight (loaded first) is that master rounded: the weight was not changed since, and
-        the master carries the bits it lacks; elsewhere the master follows the weight."""
-        taken = []
-        for s, m in masters.items():
-            if not s.separate_master or tuple(m.shape) != tuple(s.param.shape):
-                continue
-            if torch.equal(m.to(s.param.device, s.param.dtype), s.param.detach()):
-                put_master(s, m)
-                taken.append(s)
-        remember_weights(taken)
-
-    def _load_pending(self, saved: Mapping[str, Any] | None) -> None:
-        """A delayed update's pending masters from a checkpoint: pending again for the
-        offloaded parameters of a delayed optimizer, into the model for any other."""
-        weights = dict((saved or {}).get("weights", {}))
-        by_name = {s.name: s for s in self._slots}
-        for name, w in weights.items():
-            slot = by_name.get(name)
-            if slot is None or tuple(w.shape) != tuple(slot.param.shape):
-                raise CheckpointMismatchError(f"the checkpoint's pending weight {name!r} "
-                                              f"({tuple(w.shape)}) does not match a parameter of this model")
-        pending = {by_name[n]: w for n, w in weights.items()}
-        later = {s: w for s, w in pending.items() if self._delayed is not None and s.bucket is not None}
-        if self._delayed is not None:
-            self._delayed.restore(later)
-            if saved:
-                self._delayed.steps = int(saved.get("steps", 0))
-        now = [s for s in pending if s not in later]
-        for s in now:
-            if s.separate_master:
-                put_master(s, pending[s])
-                s.param.data.copy_(s.master)
-            else:
-                s.param.data.copy_(pending[s])
-        remember_weights(list(pending))  # the model's weights as loaded are the device's
+        """A state dict of this class (any offload fraction) or of the torch.optim equivalent
+        (:class:`~lightning_fastopt.offload.engine_state.EngineState`)."""
+        EngineState(self).load(state_dict)
 
     # ------------------------------------------------------------------ another fraction
     def with_fraction(self, offload_fraction: float) -> OffloadOptimizer:

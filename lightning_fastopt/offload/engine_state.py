@@ -1,0 +1,122 @@
+"""The offload optimizer's checkpoint state: what :meth:`OffloadOptimizer.state_dict
+<lightning_fastopt.offload.optimizer.OffloadOptimizer.state_dict>` saves and
+:meth:`~lightning_fastopt.offload.optimizer.OffloadOptimizer.load_state_dict` restores.
+
+Saved: each parameter's optimizer state keyed by its name
+(:mod:`lightning_fastopt.checkpoint.named_state`, the same for every offload fraction and
+loadable by the torch.optim class), bfloat16 host moments as float32; beside a
+half-precision parameter's state its float32 master (:data:`MASTER_KEY`: a resumed run
+continues from all its bits); with ``delayed_update``, the masters of the update not yet
+on the device (:data:`~lightning_fastopt.offload.delayed.SAVED_KEY`).
+
+Loaded: the groups' settings in place (LR schedulers hold those dicts), each state to the
+inner optimizer that owns the parameter now, each saved master where the model's weight
+(loaded first) is still that master rounded, and a delayed update's pending masters:
+pending again for a delayed optimizer's offloaded parameters, into the model otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
+from lightning_fastopt.offload.delayed import SAVED_KEY, put_master
+from lightning_fastopt.offload.slots import ParamSlot, remember_weights
+
+# In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
+# whose low bits the half weight in the model's state dict does not hold (torch.optim ignores it).
+MASTER_KEY = "fp32_master"
+
+
+class EngineState:
+    """The checkpoint state of one offload optimizer (see the module's documentation); a
+    part of it, as the step schedules are (it reads the optimizer's slots and schedule)."""
+
+    def __init__(self, optimizer) -> None:
+        self.opt = optimizer
+
+    def _names(self) -> list[list[str]]:
+        return [[self.opt._slot_of[p].name for p in g["params"]] for g in self.opt.param_groups]
+
+    def saved(self) -> dict[str, Any]:
+        """The state dict, once every update under way has finished."""
+        opt = self.opt
+        opt.schedule.wait()
+        state = {}
+        for s in opt._slots:
+            st = opt._inner_of(s).state.get(s.master)
+            if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
+                state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else v
+                                 for k, v in st.items()}
+                if s.param.dtype != s.master.dtype:
+                    state[s.name][MASTER_KEY] = s.master
+        saved = named_state_dict(opt.param_groups, self._names(), state)
+        if opt._delayed is not None:
+            saved[SAVED_KEY] = opt._delayed.saved()
+        return saved
+
+    def load(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict`` (raises CheckpointMismatchError when it belongs to another
+        model); the model's weights are loaded first."""
+        opt = self.opt
+        opt.schedule.wait()
+        opt._in_flight.wait_all()  # pending weights may be written into the model below
+        by_name, saved_groups = read_named_state(state_dict, self._names(),
+                                                 {s.name: s.param.shape for s in opt._slots}, opt.param_groups)
+        for group, saved in zip(opt.param_groups, saved_groups):
+            group.update(saved)  # in place: LR schedulers hold these dicts
+            opt.optimizer._validate_group(group)
+        for inner in opt._inners():
+            inner.state.clear()
+        masters = {}
+        for s in opt._slots:
+            st = dict(by_name.get(s.name) or {})
+            if MASTER_KEY in st:
+                masters[s] = st.pop(MASTER_KEY)
+            if st:
+                opt._set_state(s, st)
+        self._load_masters(masters)
+        self._load_pending(state_dict.get(SAVED_KEY))
+
+    def _load_masters(self, masters: Mapping[ParamSlot, Tensor]) -> None:
+        """Saved float32 masters of half-precision parameters, each taken where the model's
+        weight (loaded first) is that master rounded: the weight was not changed since, and
+        the master carries the bits it lacks; elsewhere the master follows the weight."""
+        taken = []
+        for s, m in masters.items():
+            if not s.separate_master or tuple(m.shape) != tuple(s.param.shape):
+                continue
+            if torch.equal(m.to(s.param.device, s.param.dtype), s.param.detach()):
+                put_master(s, m)
+                taken.append(s)
+        remember_weights(taken)
+
+    def _load_pending(self, saved: Mapping[str, Any] | None) -> None:
+        """A delayed update's pending masters from a checkpoint: pending again for the
+        offloaded parameters of a delayed optimizer, into the model for any other."""
+        delayed = self.opt._delayed
+        weights = dict((saved or {}).get("weights", {}))
+        by_name = {s.name: s for s in self.opt._slots}
+        for name, w in weights.items():
+            slot = by_name.get(name)
+            if slot is None or tuple(w.shape) != tuple(slot.param.shape):
+                raise CheckpointMismatchError(f"the checkpoint's pending weight {name!r} "
+                                              f"({tuple(w.shape)}) does not match a parameter of this model")
+        pending = {by_name[n]: w for n, w in weights.items()}
+        later = {s: w for s, w in pending.items() if delayed is not None and s.bucket is not None}
+        if delayed is not None:
+            delayed.restore(later)
+            if saved:
+                delayed.steps = int(saved.get("steps", 0))
+        now = [s for s in pending if s not in later]
+        for s in now:
+            if s.separate_master:
+                put_master(s, pending[s])
+                s.param.data.copy_(s.master)
+            else:
+                s.param.data.copy_(pending[s])
+        remember_weights(list(pending))  # the model's weights as loaded are the device's
