@@ -28,20 +28,8 @@ streamed into backward, speculated and checked at the step, or delayed by one st
 the business of the schedule classes (:mod:`~lightning_fastopt.offload.schedule`); this
 class keeps the buffers, the copies and the state.
 
-Where the gradients of offloaded parameters live (``device_grads``):
-
-- ``"copy_in_backward"`` (the memory saving): copied from backward hooks and freed on the
-  device at once.  ``p.grad`` is None afterwards, so nothing outside the optimizer may
-  read or edit it; a second backward before the step adds its gradient to the host
-  copy, as torch would add it to ``p.grad``.
-- ``"copy_at_step"``: copied when the step starts (after DDP has reduced them), then freed;
-  or, given ``reduced_by``, those a reducer hands over earlier (:meth:`grad_reduced`: DDP's
-  buckets whose all-reduce completed during backward) then, the rest at the step.
-- ``"copy_when_reduced"``: copied, then freed, as something that reduces them during
-  backward hands each final one over (:meth:`grad_reduced`; ZeRO stage 2's reducer, whose
-  ``reduced_by`` says which parameters it hands over).
-- ``"keep"``: ``p.grad`` stays on the device as in torch, for user code to read and edit
-  (Lightning's ``grad_norm``, hooks, manual optimization); copied when the step starts.
+Where the gradients of offloaded parameters live, and when they leave (``device_grads``),
+is the gradient intake's business (:mod:`~lightning_fastopt.offload.grad_intake`).
 
 Every parameter given to the optimizer is handled as torch does: one that does not
 require gradients, or has no gradient at a step, is not stepped; a frozen one that
@@ -82,10 +70,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.engine_state import EngineState
+from lightning_fastopt.offload.grad_intake import GradIntake, check_device_grads
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.schedule import CpuStepSchedule
@@ -96,15 +84,11 @@ from lightning_fastopt.offload.speculative import SpeculativeStep, available_hos
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
-from lightning_fastopt.offload.weight_watch import changed_flags
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
                                           hyperparameters, needs_step_context)
 from lightning_fastopt.optim.adam import FusedAdam, check_state_dtype
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
-# Where the gradients of offloaded parameters go, and when (OffloadOptimizer's device_grads).
-DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "copy_when_reduced", "keep")
-STREAMING_GRADS = ("copy_in_backward", "copy_when_reduced")  # gradients that leave during backward
 
 
 class OffloadOptimizer(OptimizerWrapper):
@@ -119,7 +103,7 @@ class OffloadOptimizer(OptimizerWrapper):
         overlap: copy on side streams, overlapping compute (CUDA); False copies in line.
         pin_memory: allocate the host buffers in page-locked memory (CUDA).
         device_grads: where gradients of offloaded parameters go and when, one of
-            :data:`DEVICE_GRADS` (see the module's documentation): ``"copy_in_backward"``
+            :data:`~lightning_fastopt.offload.grad_intake.DEVICE_GRADS`: ``"copy_in_backward"``
             (default), ``"copy_at_step"`` (when something reduces the gradients after the
             hooks fire: DDP across processes), ``"copy_when_reduced"`` (handed over by
             :meth:`grad_reduced` during backward, for the parameters ``reduced_by``
@@ -133,8 +117,9 @@ class OffloadOptimizer(OptimizerWrapper):
             of when :meth:`step` is called; the result is the same, bit for bit
             (:mod:`~lightning_fastopt.offload.streamed`).  Only for steps that need no
             gradient before they start (no ``check_finite``, loss scale, step context or
-            ``gradients()`` in between) unless ``speculate``; needs gradients that
-            leave during backward (``device_grads`` in :data:`STREAMING_GRADS`).
+            ``gradients()`` in between) unless ``speculate``; needs gradients that leave
+            during backward (``device_grads`` in
+            :data:`~lightning_fastopt.offload.grad_intake.STREAMING_GRADS`).
         speculate: with ``stream_cpu_step``, keep each bucket's masters and state aside
             while its update runs during backward, so that the step may still check and
             clip the gradients, take a loss scale (``expected_grad_scale`` is the one
@@ -174,17 +159,7 @@ class OffloadOptimizer(OptimizerWrapper):
         super().__init__(optimizer)
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
-        if device_grads not in DEVICE_GRADS:
-            raise ValueError(f"device_grads must be one of {DEVICE_GRADS}, got {device_grads!r}")
-        if stream_cpu_step and device_grads not in STREAMING_GRADS and reduced_by is None:
-            raise ValueError(f"stream_cpu_step=True needs gradients that leave during backward, device_grads one of "
-                             f"{STREAMING_GRADS} (or 'copy_at_step' with a reducer that hands them over as they are "
-                             f"reduced, reduced_by), got {device_grads!r}")
-        if (device_grads == "copy_when_reduced" and reduced_by is None) or \
-                (reduced_by is not None and device_grads not in ("copy_when_reduced", "copy_at_step")):
-            raise ValueError(f"reduced_by (which gradients a reducer hands over, grad_reduced) goes with "
-                             f"device_grads 'copy_when_reduced' (it hands over every one) or 'copy_at_step' (the "
-                             f"step copies the rest), got device_grads={device_grads!r}, reduced_by={reduced_by!r}")
+        check_device_grads(device_grads, stream_cpu_step, reduced_by)
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
         if not isinstance(speculate, bool) or (speculate and not stream_cpu_step):
             raise ValueError(f"speculate=True checks the updates stream_cpu_step=True starts during backward: it "
@@ -228,8 +203,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self._device_inner = optimizer.sibling([[] for _ in self.param_groups])
         if self._host_state_dtype is not None and self.device.type == "cpu":  # a CPU run: the same kernels
             self._device_inner.state_dtype = self._host_state_dtype
-        self._hooks = GradReadyHooks([], self._on_grad_ready)
-        self._handed_over = reduced_by or self._hooks.hooked  # whose gradients arrive during backward
+        self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
         self._add_slots(params)
@@ -271,10 +245,7 @@ class OffloadOptimizer(OptimizerWrapper):
         offloaded = [s for s in reversed(new) if s.offloaded]  # the order backward produces them
         buckets = [self._make_bucket(chunk) for chunk in
                    split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded], self._bucket_bytes)]
-        if self.copies.needed and self.device_grads == "copy_in_backward":
-            self._hooks.add(s.param for s in offloaded)
-        for b in buckets:
-            self._reset_bucket(b)
+        self._intake.add(offloaded, buckets)
         self._buckets += buckets
 
     @override
@@ -411,65 +382,10 @@ class OffloadOptimizer(OptimizerWrapper):
         return self._inner_of(slot).state.get(slot.master, {})
 
     # ------------------------------------------------------------------ gradients
-    def _on_grad_ready(self, param: Tensor, grad: Tensor | None = None) -> None:
-        self._in_flight.wait_all()  # the weights' checks below read them: every copy first
-        if self.accumulating:
-            return  # Lightning is accumulating: the gradient is not final yet
-        slot = self._slot_of[param]
-        first = not slot.grad_sent
-        self._send_grad(slot, grad)
-        if not (first and slot.grad_sent):
-            return  # a second backward's gradient was added to the host copy, in line
-        bucket = slot.bucket
-        bucket.unsent -= 1
-        if bucket.unsent <= 0 and not bucket.recorded:
-            self._grads_sent(bucket)
-
     def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
         """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
         ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
-        slot = self._slot_of[param]
-        if slot.offloaded and self.copies.needed:
-            self._on_grad_ready(param, grad)
-
-    def _send_grad(self, slot: ParamSlot, grad: Tensor | None = None) -> None:
-        g = slot.param.grad if grad is None else grad
-        if g is None or (slot.grad_sent and self.device_grads == "keep"):
-            return
-        if g.layout is not torch.strided:
-            raise ValueError(f"OffloadOptimizer does not support sparse gradients ({slot.name})")
-        if slot.grad_sent:  # another backward before the step: torch would add to p.grad
-            self.copies.add_grad_to_host(g, slot.host_grad)
-        else:
-            self.copies.grad_to_host(g, slot.host_grad)
-            slot.grad_sent = True
-        if self.device_grads != "keep":
-            slot.param.grad = None  # the device no longer needs it
-
-    def _send_pending_grads(self) -> None:
-        """At the step: the gradients no hook or reducer sent during backward."""
-        if not self.copies.needed:
-            return
-        for b in self._buckets:
-            for s in b.slots:
-                if not s.grad_sent:
-                    self._send_grad(s)
-                elif self.device_grads == "copy_at_step":
-                    s.param.grad = None  # handed over by the reducer; DDP wrote the same values there since
-            if not b.recorded:
-                self._grads_sent(b)
-
-    def _grads_sent(self, bucket: HostBucket) -> None:
-        """All of the bucket's gradients are on their way to the host.  Its parameters are
-        checked for writes from outside the optimizer on the same stream, so the answer
-        lands with the gradients and the step need not wait for the rest of backward
-        (user code cannot write them in between: gradients leave during backward only
-        when no user code runs between backward and the step, see ``device_grads``)."""
-        params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
-        self.copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
-        self.copies.mark_grads_sent(bucket.grads_ready)
-        bucket.recorded = True
-        self.schedule.grads_landed(bucket)
+        self._intake.reduced(param, grad)
 
     # ------------------------------------------------------------------ a bucket's update
     def _bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
@@ -519,46 +435,20 @@ class OffloadOptimizer(OptimizerWrapper):
         """The delayed updates' record (``delayed_update=True``), else None."""
         return self.schedule.updates if isinstance(self.schedule, DelayedStep) else None
 
-    def _grad_of(self, slot: ParamSlot) -> Tensor | None:
-        if slot.host_grad is not None:
-            return slot.host_grad if slot.grad_sent else None
-        return slot.param.grad
-
     def gradients(self) -> list[Tensor]:
         """Every gradient the next step will use, where the step will read it (offloaded
         ones in host memory, once landed; with ``device_grads="keep"`` every one in
         ``p.grad``, copied when the step starts): for overflow checks and gradient
         clipping, which may scale them in place."""
-        return [g for _, g in self._gradients_read()]
+        return [g for _, g in self._intake.read()]
 
     def gradients_by_param(self) -> dict[Tensor, Tensor]:
         """:meth:`gradients`, each under its parameter."""
-        return dict(self._gradients_read())
-
-    def _gradients_read(self) -> list[tuple[Tensor, Tensor]]:
-        self._in_flight.wait_all()
-        if self.device_grads == "keep":
-            return [(s.param, s.param.grad) for s in self._slots if s.param.grad is not None]
-        self.schedule.before_gradients_read()
-        self._send_pending_grads()
-        for b in self._buckets:
-            self.copies.wait_on_host(b.grads_ready)
-        return [(s.param, g) for s, g in ((s, self._grad_of(s)) for s in self._slots) if g is not None]
-
-    def _new_gradients(self) -> None:
-        self.schedule.end()
-        self._hooks.refresh()  # parameters unfrozen since the last step get their hook
-        for b in self._buckets:
-            self._reset_bucket(b)
-
-    def _reset_bucket(self, bucket: HostBucket) -> None:
-        """Forget the bucket's gradients; the hooks will send those of its hooked parameters
-        (a frozen one has none: its bucket's gradients are awaited when the step starts)."""
-        bucket.reset(expected=sum(self._handed_over(s.param) for s in bucket.slots))
+        return dict(self._intake.read())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self._new_gradients()
+        self._intake.renew()
 
     # ------------------------------------------------------------------ masters
     def refresh_master_weights(self, only_changed: bool = False) -> int:
@@ -585,12 +475,12 @@ class OffloadOptimizer(OptimizerWrapper):
         timer = self._timer
         timer.start_step()
         self._in_flight.wait_all()  # weights of the last step that no forward waited for
-        # the offloaded parameters' check travels with their gradients (_grads_sent)
+        # the offloaded parameters' check travels with their gradients (GradIntake._sent)
         self._refresh_written(written_by_others(self._device_slots if self.copies.needed else self._slots))
         needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
         self.schedule.check_step(needs_all, grad_scale, step_context)
         with timer.phase("grad_d2h"):
-            self._send_pending_grads()
+            self._intake.send_pending()
         self.copies.mark_compute_done(self._compute_done)
         sent, sent_buckets = self.schedule.before_step()
         if needs_all:
@@ -621,7 +511,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self._in_flight.arrive_later(sent)
         # the others' fingerprints still hold: nothing wrote them since the check
         remember_weights([s for s in written if s.separate_master])
-        self._new_gradients()
+        self._intake.renew()
         self._count_background()
         for name, value in self.schedule.breakdown().items():
             self._timer.add(name, value)
@@ -647,7 +537,7 @@ class OffloadOptimizer(OptimizerWrapper):
         copy_hyperparameters(inner, self.param_groups)
         sources, targets, updated = {}, {}, []
         for s in slots:
-            g = self._grad_of(s)
+            g = self._intake.grad_of(s)
             if g is None:
                 continue
             sources[s.master] = g
@@ -717,7 +607,7 @@ class OffloadOptimizer(OptimizerWrapper):
         """Remove the backward hooks and wait for copies in flight (the host buffers go
         with the optimizer); ``apply_pending``: send a delayed update still pending to the
         model (training has ended)."""
-        self._hooks.remove()
+        self._intake.remove()
         self.schedule.end()
         self._in_flight.wait_all()
         if apply_pending:

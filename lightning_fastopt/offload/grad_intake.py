@@ -1,0 +1,171 @@
+"""Where the offloaded parameters' gradients go, and when: the offload optimizer's
+gradient intake (``device_grads``).
+
+- ``"copy_in_backward"`` (the memory saving): copied from backward hooks and freed on the
+  device at once.  ``p.grad`` is None afterwards, so nothing outside the optimizer may
+  read or edit it; a second backward before the step adds its gradient to the host
+  copy, as torch would add it to ``p.grad``.
+- ``"copy_at_step"``: copied when the step starts (after DDP has reduced them), then freed;
+  or, given ``reduced_by``, those a reducer hands over earlier (:meth:`GradIntake.reduced`:
+  DDP's buckets whose all-reduce completed during backward) then, the rest at the step.
+- ``"copy_when_reduced"``: copied, then freed, as something that reduces them during
+  backward hands each final one over (:meth:`GradIntake.reduced`; ZeRO stage 2's
+  reducer, whose ``reduced_by`` says which parameters it hands over).
+- ``"keep"``: ``p.grad`` stays on the device as in torch, for user code to read and edit
+  (Lightning's ``grad_norm``, hooks, manual optimization); copied when the step starts.
+
+When a bucket's last gradient is on its way, its parameters are checked for writes from
+outside the optimizer on the same stream (the answer lands with the gradients) and the
+step schedule is told (``grads_landed``: a streamed schedule starts the bucket's update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.offload.weight_watch import changed_flags
+from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
+
+DEVICE_GRADS = ("copy_in_backward", "copy_at_step", "copy_when_reduced", "keep")
+STREAMING_GRADS = ("copy_in_backward", "copy_when_reduced")  # gradients that leave during backward
+
+
+def check_device_grads(device_grads: str, stream_cpu_step: bool, reduced_by: Callable[[Tensor], bool] | None) -> None:
+    """Refuse a ``device_grads`` mode, or a combination with streaming or a reducer, that cannot work."""
+    if device_grads not in DEVICE_GRADS:
+        raise ValueError(f"device_grads must be one of {DEVICE_GRADS}, got {device_grads!r}")
+    if stream_cpu_step and device_grads not in STREAMING_GRADS and reduced_by is None:
+        raise ValueError(f"stream_cpu_step=True needs gradients that leave during backward, device_grads one of "
+                         f"{STREAMING_GRADS} (or 'copy_at_step' with a reducer that hands them over as they are "
+                         f"reduced, reduced_by), got {device_grads!r}")
+    if (device_grads == "copy_when_reduced" and reduced_by is None) or \
+            (reduced_by is not None and device_grads not in ("copy_when_reduced", "copy_at_step")):
+        raise ValueError(f"reduced_by (which gradients a reducer hands over, grad_reduced) goes with "
+                         f"device_grads 'copy_when_reduced' (it hands over every one) or 'copy_at_step' (the "
+                         f"step copies the rest), got device_grads={device_grads!r}, reduced_by={reduced_by!r}")
+
+
+class GradIntake:
+    """The gradient intake of one offload optimizer (``opt``: its slots, buckets, copy
+    streams, step schedule and weights in flight), in the ``device_grads`` mode; ``reduced_by``
+    says which parameters a reducer hands over during backward (else: those hooked here)."""
+
+    def __init__(self, optimizer, device_grads: str, reduced_by: Callable[[Tensor], bool] | None) -> None:
+        self.opt = optimizer
+        self.mode = device_grads
+        self.hooks = GradReadyHooks([], self.ready)
+        self.handed_over = reduced_by or self.hooks.hooked  # whose gradients arrive during backward
+
+    def add(self, offloaded: list[ParamSlot], buckets: list[HostBucket]) -> None:
+        """Take in the gradients of new offloaded parameters, in their new buckets."""
+        if self.opt.copies.needed and self.mode == "copy_in_backward":
+            self.hooks.add(s.param for s in offloaded)
+        for b in buckets:
+            self.reset(b)
+
+    # ------------------------------------------------------------------ during backward
+    def ready(self, param: Tensor, grad: Tensor | None = None) -> None:
+        """``param``'s gradient is final (a backward hook, or a reducer): send it."""
+        opt = self.opt
+        opt._in_flight.wait_all()  # the weights' checks below read them: every copy first
+        if opt.accumulating:
+            return  # Lightning is accumulating: the gradient is not final yet
+        slot = opt._slot_of[param]
+        first = not slot.grad_sent
+        self._send(slot, grad)
+        if not (first and slot.grad_sent):
+            return  # a second backward's gradient was added to the host copy, in line
+        bucket = slot.bucket
+        bucket.unsent -= 1
+        if bucket.unsent <= 0 and not bucket.recorded:
+            self._sent(bucket)
+
+    def reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
+        """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
+        ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
+        slot = self.opt._slot_of[param]
+        if slot.offloaded and self.opt.copies.needed:
+            self.ready(param, grad)
+
+    def _send(self, slot: ParamSlot, grad: Tensor | None = None) -> None:
+        g = slot.param.grad if grad is None else grad
+        if g is None or (slot.grad_sent and self.mode == "keep"):
+            return
+        if g.layout is not torch.strided:
+            raise ValueError(f"OffloadOptimizer does not support sparse gradients ({slot.name})")
+        copies = self.opt.copies
+        if slot.grad_sent:  # another backward before the step: torch would add to p.grad
+            copies.add_grad_to_host(g, slot.host_grad)
+        else:
+            copies.grad_to_host(g, slot.host_grad)
+            slot.grad_sent = True
+        if self.mode != "keep":
+            slot.param.grad = None  # the device no longer needs it
+
+    def _sent(self, bucket: HostBucket) -> None:
+        """All of the bucket's gradients are on their way to the host.  Its parameters are
+        checked for writes from outside the optimizer on the same stream, so the answer
+        lands with the gradients and the step need not wait for the rest of backward
+        (user code cannot write them in between: gradients leave during backward only
+        when no user code runs between backward and the step, see ``device_grads``)."""
+        copies = self.opt.copies
+        params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
+        copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
+        copies.mark_grads_sent(bucket.grads_ready)
+        bucket.recorded = True
+        self.opt.schedule.grads_landed(bucket)
+
+    # ------------------------------------------------------------------ at the step
+    def send_pending(self) -> None:
+        """At the step: the gradients no hook or reducer sent during backward."""
+        if not self.opt.copies.needed:
+            return
+        for b in self.opt._buckets:
+            for s in b.slots:
+                if not s.grad_sent:
+                    self._send(s)
+                elif self.mode == "copy_at_step":
+                    s.param.grad = None  # handed over by the reducer; DDP wrote the same values there since
+            if not b.recorded:
+                self._sent(b)
+
+    @staticmethod
+    def grad_of(slot: ParamSlot) -> Tensor | None:
+        """The gradient the step reads for ``slot`` (None: it has none this step)."""
+        if slot.host_grad is not None:
+            return slot.host_grad if slot.grad_sent else None
+        return slot.param.grad
+
+    def read(self) -> list[tuple[Tensor, Tensor]]:
+        """Every gradient the next step will use, under its parameter, where the step will
+        read it (offloaded ones in host memory, once landed; with ``"keep"`` every one in
+        ``p.grad``, copied when the step starts)."""
+        opt = self.opt
+        opt._in_flight.wait_all()
+        if self.mode == "keep":
+            return [(s.param, s.param.grad) for s in opt._slots if s.param.grad is not None]
+        opt.schedule.before_gradients_read()
+        self.send_pending()
+        for b in opt._buckets:
+            opt.copies.wait_on_host(b.grads_ready)
+        return [(s.param, g) for s, g in ((s, self.grad_of(s)) for s in opt._slots) if g is not None]
+
+    # ------------------------------------------------------------------ between steps
+    def renew(self) -> None:
+        """Forget this step's gradients (the step ended, or ``zero_grad``)."""
+        self.opt.schedule.end()
+        self.hooks.refresh()  # parameters unfrozen since the last step get their hook
+        for b in self.opt._buckets:
+            self.reset(b)
+
+    def reset(self, bucket: HostBucket) -> None:
+        """Forget the bucket's gradients; the hooks will send those of its hooked parameters
+        (a frozen one has none: its bucket's gradients are awaited when the step starts)."""
+        bucket.reset(expected=sum(self.handed_over(s.param) for s in bucket.slots))
+
+    def remove(self) -> None:
+        self.hooks.remove()
