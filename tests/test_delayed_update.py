@@ -211,7 +211,7 @@ def test_the_update_runs_while_the_next_backward_computes(compiled):
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
                            bucket_size_mb=2.5, copy_on_cpu=True, delayed_update=True, delayed_update_warmup=0)
     spans = []
-    run = opt._run_plan
+    run = opt.updates.run
 
     def timed(inner, *args):
         started = time.perf_counter()
@@ -220,7 +220,7 @@ def test_the_update_runs_while_the_next_backward_computes(compiled):
             spans.append((started, time.perf_counter()))
         return out
 
-    opt._run_plan = timed
+    opt.updates.run = timed
     x = torch.randn(1024, 768)
     backward_ends = []
     for _ in range(2):

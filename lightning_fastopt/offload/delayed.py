@@ -129,18 +129,18 @@ class DelayedStep(CpuStepSchedule):
         if isinstance(grad_scale, Tensor):
             grad_scale = grad_scale.clone()
         for b in reversed(opt._buckets):  # forward order: the first layers' weights are ready first
-            plan = opt._plan(b.inner, b.slots)
+            plan = opt.updates.plan(b.inner, b.slots)
             if plan is None:
                 continue
             for s in b.slots:
                 s.swap_grad_buffers()
-            self.updates.pending[b] = opt._pool().submit(self._run, b, plan, grad_scale, context)
+            self.updates.pending[b] = opt.updates.pool().submit(self._run, b, plan, grad_scale, context)
 
     def _run(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
         opt = self.opt
         opt.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
-        with opt._on_worker():
-            return opt._run_plan(bucket.inner, plan, grad_scale, context)
+        with opt.updates.on_worker():
+            return opt.updates.run(bucket.inner, plan, grad_scale, context)
 
     def _send_pending(self) -> Sent:
         """Once backward is done: wait for each bucket's update the last step launched and
@@ -159,7 +159,7 @@ class DelayedStep(CpuStepSchedule):
             keep = [s for s in updated if s not in written]
             if keep:
                 with timer.phase("param_h2d"):
-                    opt._send_weights(b, keep, opt._compute_done)
+                    opt.updates.send_weights(b, keep, opt._compute_done)
                 sent, buckets = sent + keep, buckets + [b]
         return sent, buckets
 
@@ -179,7 +179,7 @@ class DelayedStep(CpuStepSchedule):
         for b in opt._buckets:
             mine = [s for s in keep if s.bucket is b]
             if mine:
-                opt._send_weights(b, mine, opt._compute_done)
+                opt.updates.send_weights(b, mine, opt._compute_done)
                 last = b.params_sent
         opt.copies.compute_waits_for(last)
         remember_weights(keep)

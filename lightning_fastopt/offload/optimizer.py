@@ -58,10 +58,8 @@ offload fraction and loadable by torch.optim.
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -74,17 +72,18 @@ from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.engine_state import EngineState
 from lightning_fastopt.offload.grad_intake import GradIntake, check_device_grads
+from lightning_fastopt.offload.share_updates import ShareUpdates
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.slots import (
-    HostBucket, ParamSlot, carve, master_dtype, remember_weights, written_by_others, written_in_bucket,
+    HostBucket, ParamSlot, carve, master_dtype, remember_weights, written_by_others,
 )
 from lightning_fastopt.offload.speculative import SpeculativeStep, available_host_bytes, snapshot_bytes
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
-from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range, copy_hyperparameters,
+from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range,
                                           hyperparameters, needs_step_context)
 from lightning_fastopt.optim.adam import FusedAdam, check_state_dtype
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
@@ -178,8 +177,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self.schedule: CpuStepSchedule = (
             DelayedStep(self, delayed_update_warmup) if delayed_update else SpeculativeStep(self) if speculate
             else StreamedStep(self) if stream_cpu_step else SynchronousStep(self))
-        self._background_ms = 0.0  # CPU time of updates on the worker (wall_clock_breakdown's cpu_step_background)
-        self._worker: ThreadPoolExecutor | None = None
+        self.updates = ShareUpdates(self)  # how each share's update runs (plan, run, copy back, worker)
         self.accumulating = False  # set while Lightning accumulates gradients: hooks copy nothing
         params = [p for g in self.param_groups for p in g["params"]]
         devices = {p.device for p in params}
@@ -387,42 +385,7 @@ class OffloadOptimizer(OptimizerWrapper):
         ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
         self._intake.reduced(param, grad)
 
-    # ------------------------------------------------------------------ a bucket's update
-    def _bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
-        """One bucket's share of a step, once its gradients have landed: refresh masters
-        written by others, update on the CPU, send the new weights back (after ``after``).
-        ``timed``: into the step's phases (the main thread's steps only)."""
-        phase = self._timer.phase if timed else (lambda name: contextlib.nullcontext())
-        with phase("grad_d2h"):
-            self.copies.wait_on_host(bucket.grads_ready)
-        self._refresh_written(written_in_bucket(bucket))
-        with phase("cpu_step"), (contextlib.nullcontext() if timed else self._on_worker()):
-            updated = self._step_inner(bucket.inner, bucket.slots, grad_scale, context)
-        if updated:
-            with phase("param_h2d"):
-                self._send_weights(bucket, updated, after)
-        return updated
-
-    @contextlib.contextmanager
-    def _on_worker(self) -> Iterator[None]:
-        """Time an update on the worker thread into the next step's ``cpu_step_background``
-        (while timing is on: the clock is read only then)."""
-        started = self._timer.now()
-        yield
-        self._background_ms += (self._timer.now() - started) * 1e3
-
-    def _send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:
-        """Copy the new weights of some of the bucket's slots to the device once ``after`` has passed."""
-        self.copies.params_to_device(
-            [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in slots],
-            after, bucket.params_sent)
-
-    def _pool(self) -> ThreadPoolExecutor:
-        """The worker thread of the streamed and delayed CPU updates (one: buckets in order)."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
-        return self._worker
-
+    # ------------------------------------------------------------------ the delayed update
     def apply_pending_update(self) -> int:
         """Send the weights of the delayed update still pending to the model now, so that
         the model holds the masters (the next step then starts from them, as after a
@@ -494,15 +457,10 @@ class OffloadOptimizer(OptimizerWrapper):
         else:
             context = None if step_context is COMPUTE else step_context
         with timer.phase("gpu_step"):
-            written = self._step_inner(self._device_inner, self._device_slots, grad_scale, context)
+            written = self.updates.step_inner(self._device_inner, self._device_slots, grad_scale, context)
         host_written, host_sent = self.schedule.host_step(grad_scale, context)
         self._end_step(written + host_written + sent, sent_buckets + host_sent)
         return False
-
-    def _count_background(self) -> None:
-        """Into this step's breakdown: the CPU time of the worker's updates, all joined now."""
-        self._timer.add("cpu_step_background", self._background_ms)
-        self._background_ms = 0.0
 
     def _end_step(self, written: list[ParamSlot], sent: list[HostBucket]) -> None:
         """The next forward waits for the weights sent to the device (``sent``: their
@@ -512,61 +470,13 @@ class OffloadOptimizer(OptimizerWrapper):
         # the others' fingerprints still hold: nothing wrote them since the check
         remember_weights([s for s in written if s.separate_master])
         self._intake.renew()
-        self._count_background()
+        self._timer.add("cpu_step_background", self.updates.take_background_ms())  # the worker's, all joined now
         for name, value in self.schedule.breakdown().items():
             self._timer.add(name, value)
         self._timer.end_step()
 
     def _inners(self) -> list[FusedOptimizer]:
         return [self._device_inner] + [b.inner for b in self._buckets]
-
-    def _step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context,
-                    step_kwargs: dict[str, Any] | None = None) -> list[ParamSlot]:
-        """Step one inner optimizer over the slots that have a gradient, with the user's
-        current hyperparameters; returns them."""
-        plan = self._plan(inner, slots, step_kwargs)
-        return self._run_plan(inner, plan, grad_scale, context) if plan is not None else []
-
-    def _plan(self, inner: FusedOptimizer, slots: list[ParamSlot], step_kwargs: dict[str, Any] | None = None):
-        """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
-        current hyperparameters (where LR schedulers write) copied in, the slots that have
-        a gradient, each one's gradient and half copy, the keyword arguments for the
-        user's own ``step`` (``step_kwargs``, by default the running step's) and the step's
-        evaluated closure for it (none for an update started during backward).  None when no
-        slot has a gradient."""
-        copy_hyperparameters(inner, self.param_groups)
-        sources, targets, updated = {}, {}, []
-        for s in slots:
-            g = self._intake.grad_of(s)
-            if g is None:
-                continue
-            sources[s.master] = g
-            updated.append(s)
-            if s.param.dtype != s.master.dtype:
-                targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
-        step_kwargs = dict(self.step_kwargs if step_kwargs is None else step_kwargs)
-        return (updated, sources, targets or None, step_kwargs, self.step_closure) if updated else None
-
-    def _run_plan(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
-        """Step ``inner`` as :meth:`_plan` fixed it; a host bucket's update is the profiler
-        range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
-        updated, sources, targets, step_kwargs, closure = plan
-        inner.grad_source = sources
-        inner.copies_to = targets
-        if step_kwargs:
-            inner.step_kwargs = step_kwargs
-        if closure is not None:
-            inner.step_closure = closure
-        label = "fastopt::device_update" if inner is self._device_inner else "fastopt::cpu_update"
-        try:
-            with torch.profiler.record_function(label):
-                inner.step(grad_scale=grad_scale, step_context=context)
-        finally:
-            inner.grad_source = None
-            inner.copies_to = None
-            inner.__dict__.pop("step_kwargs", None)
-            inner.__dict__.pop("step_closure", None)
-        return updated
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -614,9 +524,7 @@ class OffloadOptimizer(OptimizerWrapper):
             self.apply_pending_update()
         else:
             self.schedule.wait()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        self.updates.shutdown()
         self.copies.synchronize()
 
     def _describe(self) -> str:

@@ -77,9 +77,9 @@ class CpuStepSchedule:
         for b in buckets:
             if not opt.copies.needed:  # a CPU run: nothing to wait for or copy
                 with opt._timer.phase("cpu_step"):
-                    written += opt._step_inner(b.inner, b.slots, grad_scale, context)
+                    written += opt.updates.step_inner(b.inner, b.slots, grad_scale, context)
                 continue
-            updated = opt._bucket_step(b, grad_scale, context, opt._compute_done, timed=True)
+            updated = opt.updates.bucket_step(b, grad_scale, context, opt._compute_done, timed=True)
             written += updated
             if updated:
                 sent.append(b)

@@ -83,7 +83,7 @@ class SpeculativeStep(CpuStepSchedule):
         spec = Speculation([s.host_grad._version for s in bucket.slots], _frozen(opt.expected_grad_scale),
                            opt.optimizer.unclipped_context(), _hyperparameters(opt.param_groups),
                            dict(opt.step_kwargs))
-        spec.future = opt._pool().submit(self._speculate, bucket, spec)
+        spec.future = opt.updates.pool().submit(self._speculate, bucket, spec)
         self.running[bucket] = spec
 
     def _speculate(self, bucket: HostBucket, spec: Speculation) -> list[ParamSlot]:
@@ -92,9 +92,9 @@ class SpeculativeStep(CpuStepSchedule):
         opt = self.opt
         opt.copies.wait_on_host(bucket.grads_ready)
         opt._refresh_written(written_in_bucket(bucket))
-        with opt._on_worker():
+        with opt.updates.on_worker():
             self.snapshots.setdefault(bucket, BucketSnapshot()).take(bucket.inner, bucket.slots)
-            return opt._step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
+            return opt.updates.step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
 
     # ------------------------------------------------------------------ at the step
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
@@ -121,7 +121,7 @@ class SpeculativeStep(CpuStepSchedule):
                     self._counts["committed"] += 1
                     if updated:
                         with opt._timer.phase("param_h2d"):
-                            opt._send_weights(b, updated, opt._compute_done)
+                            opt.updates.send_weights(b, updated, opt._compute_done)
                     w, s = updated, [b] if updated else []
                 else:
                     self._counts["redone"] += 1

@@ -34,7 +34,7 @@ class StreamedStep(CpuStepSchedule):
         if not opt.copies.needed:
             return
         opt.copies.mark_compute_done(bucket.backward_done)
-        self.running[bucket] = opt._pool().submit(opt._bucket_step, bucket, None, None, bucket.backward_done)
+        self.running[bucket] = opt.updates.pool().submit(opt.updates.bucket_step, bucket, None, None, bucket.backward_done)
 
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
         if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None) or self.opt.step_kwargs:

@@ -85,14 +85,14 @@ def _timing():
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), _Slow())])
     opt = _zero(model, ADAMW, 1.0, True)
     driver = Driver("32-true")
-    started, inner_step = [], opt.local._step_inner
+    started, inner_step = [], opt.local.updates.step_inner
 
     def timed(inner, slots, *args):
         if inner is not opt.local._device_inner:
             started.append(time.perf_counter())
         return inner_step(inner, slots, *args)
 
-    opt.local._step_inner = timed
+    opt.local.updates.step_inner = timed
     for _ in range(3):
         started.clear()
         driver.announce_grad_scale(opt)

@@ -1,0 +1,126 @@
+"""How one share of the parameters is updated (the device's share, or a host bucket's):
+the plan fixed when the update is decided, its run in the share's inner optimizer, a host
+bucket's whole update with its copy back to the device, and the worker thread that runs
+updates beside the main thread (streamed, speculated, delayed), with their CPU time.
+
+When each share's update runs is the step schedules' business
+(:mod:`~lightning_fastopt.offload.schedule`); they call these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
+from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
+
+
+class ShareUpdates:
+    """The updates of one offload optimizer's shares (``opt``: its groups, slots, gradient
+    intake, copy streams and step timer)."""
+
+    def __init__(self, optimizer) -> None:
+        self.opt = optimizer
+        self._worker: ThreadPoolExecutor | None = None
+        self._background_ms = 0.0  # CPU time of updates on the worker (wall_clock_breakdown's cpu_step_background)
+
+    def step_inner(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context,
+                   step_kwargs: dict[str, Any] | None = None) -> list[ParamSlot]:
+        """Step one inner optimizer over the slots that have a gradient, with the user's
+        current hyperparameters; returns them."""
+        plan = self.plan(inner, slots, step_kwargs)
+        return self.run(inner, plan, grad_scale, context) if plan is not None else []
+
+    def plan(self, inner: FusedOptimizer, slots: list[ParamSlot], step_kwargs: dict[str, Any] | None = None):
+        """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
+        current hyperparameters (where LR schedulers write) copied in, the slots that have
+        a gradient, each one's gradient and half copy, the keyword arguments for the
+        user's own ``step`` (``step_kwargs``, by default the running step's) and the step's
+        evaluated closure for it (none for an update started during backward).  None when no
+        slot has a gradient."""
+        opt = self.opt
+        copy_hyperparameters(inner, opt.param_groups)
+        sources, targets, updated = {}, {}, []
+        for s in slots:
+            g = opt._intake.grad_of(s)
+            if g is None:
+                continue
+            sources[s.master] = g
+            updated.append(s)
+            if s.param.dtype != s.master.dtype:
+                targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
+        step_kwargs = dict(opt.step_kwargs if step_kwargs is None else step_kwargs)
+        return (updated, sources, targets or None, step_kwargs, opt.step_closure) if updated else None
+
+    def run(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
+        """Step ``inner`` as :meth:`plan` fixed it; a host bucket's update is the profiler
+        range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
+        updated, sources, targets, step_kwargs, closure = plan
+        inner.grad_source = sources
+        inner.copies_to = targets
+        if step_kwargs:
+            inner.step_kwargs = step_kwargs
+        if closure is not None:
+            inner.step_closure = closure
+        label = "fastopt::device_update" if inner is self.opt._device_inner else "fastopt::cpu_update"
+        try:
+            with torch.profiler.record_function(label):
+                inner.step(grad_scale=grad_scale, step_context=context)
+        finally:
+            inner.grad_source = None
+            inner.copies_to = None
+            inner.__dict__.pop("step_kwargs", None)
+            inner.__dict__.pop("step_closure", None)
+        return updated
+
+    def bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
+        """One bucket's share of a step, once its gradients have landed: refresh masters
+        written by others, update on the CPU, send the new weights back (after ``after``).
+        ``timed``: into the step's phases (the main thread's steps only)."""
+        opt = self.opt
+        phase = opt._timer.phase if timed else (lambda name: contextlib.nullcontext())
+        with phase("grad_d2h"):
+            opt.copies.wait_on_host(bucket.grads_ready)
+        opt._refresh_written(written_in_bucket(bucket))
+        with phase("cpu_step"), (contextlib.nullcontext() if timed else self.on_worker()):
+            updated = self.step_inner(bucket.inner, bucket.slots, grad_scale, context)
+        if updated:
+            with phase("param_h2d"):
+                self.send_weights(bucket, updated, after)
+        return updated
+
+    def send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:
+        """Copy the new weights of some of the bucket's slots to the device once ``after`` has passed."""
+        self.opt.copies.params_to_device(
+            [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in slots],
+            after, bucket.params_sent)
+
+    # ------------------------------------------------------------------ the worker thread
+    def pool(self) -> ThreadPoolExecutor:
+        """The worker thread of the streamed and delayed CPU updates (one: buckets in order)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
+        return self._worker
+
+    @contextlib.contextmanager
+    def on_worker(self) -> Iterator[None]:
+        """Time an update on the worker thread into the next step's ``cpu_step_background``
+        (while timing is on: the clock is read only then)."""
+        started = self.opt._timer.now()
+        yield
+        self._background_ms += (self.opt._timer.now() - started) * 1e3
+
+    def take_background_ms(self) -> float:
+        """The CPU time of the worker's updates since the last call (all joined by then)."""
+        ms, self._background_ms = self._background_ms, 0.0
+        return ms
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
