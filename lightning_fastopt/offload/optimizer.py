@@ -58,7 +58,6 @@ offload fraction and loadable by torch.optim.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,19 +71,16 @@ from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
 from lightning_fastopt.offload.engine_state import EngineState
 from lightning_fastopt.offload.grad_intake import GradIntake, check_device_grads
+from lightning_fastopt.offload.share_layout import ShareLayout
 from lightning_fastopt.offload.share_updates import ShareUpdates
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
-from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.schedule import CpuStepSchedule
-from lightning_fastopt.offload.slots import (
-    HostBucket, ParamSlot, carve, master_dtype, remember_weights, written_by_others,
-)
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others
 from lightning_fastopt.offload.speculative import SpeculativeStep, available_host_bytes, snapshot_bytes
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
-from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, check_range,
-                                          hyperparameters, needs_step_context)
+from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, check_range, needs_step_context
 from lightning_fastopt.optim.adam import FusedAdam, check_state_dtype
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
@@ -191,21 +187,17 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError("delayed_update=True needs host masters apart from the model's weights: an accelerator, "
                              "or copy_on_cpu=True on a CPU run")
         self._timer = StepTimer(wall_clock_breakdown, self.copies.synchronize)
-        self._pin = pin_memory and self.copies.is_cuda
-        self._bucket_bytes = int(bucket_size_mb * 2**20)
-        self._param_names = param_names if param_names is not None else {}  # read again for groups added later
-        self._slots: list[ParamSlot] = []
-        self._slot_of: dict[Tensor, ParamSlot] = {}
-        self._buckets: list[HostBucket] = []
-        self._device_slots: list[ParamSlot] = []
-        self._device_inner = optimizer.sibling([[] for _ in self.param_groups])
-        if self._host_state_dtype is not None and self.device.type == "cpu":  # a CPU run: the same kernels
-            self._device_inner.state_dtype = self._host_state_dtype
+        self._param_names = param_names if param_names is not None else {}
+        self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20),
+                                  pin_memory and self.copies.is_cuda, self._host_state_dtype)
+        # the layout's lists and device share, under the names the schedules and parts read
+        self._slots, self._slot_of, self._buckets = self.layout.slots, self.layout.slot_of, self.layout.buckets
+        self._device_slots, self._device_inner = self.layout.device_slots, self.layout.device_inner
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
-        self._add_slots(params)
-        self._take_state(optimizer)
+        self.layout.add(params)
+        self.layout.take_state(optimizer)
         if isinstance(self.schedule, SpeculativeStep):
             self._afford_speculation()
         self._ready = True
@@ -225,110 +217,17 @@ class OffloadOptimizer(OptimizerWrapper):
                        f"{gib(needed)} more host memory" + (f" ({gib(available)} available)" if available else ""))
 
     # ------------------------------------------------------------------ construction
-    def _add_slots(self, params: list[Tensor]) -> None:
-        """Take over parameters (at construction, or those of a group added later):
-        ``offload_fraction`` of them go to new host buckets, the rest to the device share."""
-        unique = list(dict.fromkeys(params))  # torch warns about a parameter listed twice in a group
-        new = self._make_slots(unique, choose_offloaded(unique, self.offload_fraction))
-        if len(unique) < len(params):
-            listed = Counter(params)
-            for s in new:
-                s.listed = listed[s.param]
-        self._slots += new
-        self._slot_of.update((s.param, s) for s in new)
-        for s in new:
-            if not s.offloaded:
-                self._device_slots.append(s)
-                self._device_inner.param_groups[s.group]["params"] += [s.master] * s.listed
-        offloaded = [s for s in reversed(new) if s.offloaded]  # the order backward produces them
-        buckets = [self._make_bucket(chunk) for chunk in
-                   split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded], self._bucket_bytes)]
-        self._intake.add(offloaded, buckets)
-        self._buckets += buckets
-
     @override
     def _adopt_group(self, group: dict[str, Any]) -> None:
         self.schedule.wait()  # the worker reads the inner optimizers' groups
         self._in_flight.wait_all()  # the new masters are copied from the weights
-        for inner in self._inners():  # every inner optimizer keeps one group per user group (with its own keys)
-            inner.param_groups.append(dict(self.optimizer.inner_defaults, **hyperparameters(group), params=[]))
-        self._add_slots(list(group["params"]))
-
-    def _make_slots(self, params: list[Tensor], chosen: list[bool]) -> list[ParamSlot]:
-        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        slots = []
-        for i, (p, off) in enumerate(zip(params, chosen), start=len(self._slots)):
-            name = self._param_names.get(p, f"param{i}")
-            if off and self.copies.needed:
-                master = torch.empty(0)  # a pinned view, carved per bucket
-            elif p.dtype == master_dtype(p):
-                master = p
-            else:
-                master = p.detach().float()
-            slots.append(ParamSlot(name, p, i, group_of[p], off, master))
-        seen = {s.name for s in self._slots}
-        for s in slots:
-            if s.name in seen:
-                raise ValueError(f"two parameters are both named {s.name!r}")
-            seen.add(s.name)
-        remember_weights(slots)
-        return slots
-
-    def _make_bucket(self, slots: list[ParamSlot]) -> HostBucket:
-        buffers: list[Tensor] = []
-        if self.copies.needed:
-            shapes = [s.param.shape for s in slots]
-            masters, bufs = carve(shapes, [master_dtype(s.param) for s in slots], self._pin)
-            grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
-            if self.schedule.needs_spare_grads:  # the next step's gradients land here while an update reads the others
-                spares, sbufs = carve(shapes, [s.param.dtype for s in slots], self._pin)
-                gbufs += sbufs
-                for s, spare in zip(slots, spares):
-                    s.spare_grad = spare
-            half = [s for s in slots if s.param.dtype != master_dtype(s.param)]
-            copies, cbufs = carve([s.param.shape for s in half], [s.param.dtype for s in half], self._pin)
-            buffers = bufs + gbufs + cbufs
-            for s, m, g in zip(slots, masters, grads):
-                m.copy_(s.param.detach())
-                s.master, s.host_grad = m, g
-            for s, c in zip(half, copies):
-                s.host_copy = c
-        bucket = HostBucket(slots, self.optimizer.sibling(self._per_group(slots)), buffers)
-        if self._host_state_dtype is not None:
-            bucket.inner.state_dtype = self._host_state_dtype
-        if self.copies.needed:
-            bucket.written_flags = torch.zeros(len(slots), dtype=torch.bool, pin_memory=self._pin)
-        bucket.grads_ready = self.copies.new_event()
-        bucket.params_sent = self.copies.new_event()
-        bucket.backward_done = self.copies.new_event()
-        for s in slots:
-            s.bucket = bucket
-        return bucket
-
-    def _per_group(self, slots: list[ParamSlot]) -> list[list[Tensor]]:
-        lists: list[list[Tensor]] = [[] for _ in self.optimizer.param_groups]
-        for s in sorted(slots, key=lambda s: s.index):
-            lists[s.group] += [s.master] * s.listed
-        return lists
+        self.layout.adopt_group(group)
 
     def _inner_of(self, slot: ParamSlot) -> FusedOptimizer:
-        return slot.bucket.inner if slot.bucket is not None else self._device_inner
+        return self.layout.inner_of(slot)
 
     def _set_state(self, slot: ParamSlot, state: dict[str, Any]) -> None:
-        """Give a parameter's state (taken over or loaded) to the inner optimizer that owns it,
-        as float32 tensors beside its master (the moments in the inner optimizer's ``state_dtype``)."""
-        inner = self._inner_of(slot)
-        moments, dtype = getattr(inner, "state_keys", ()), getattr(inner, "state_dtype", torch.float32)
-        inner.state[slot.master] = {k: _to_like(v, slot.master).to(dtype) if k in moments else _to_like(v, slot.master)
-                                    for k, v in state.items()}
-
-    def _take_state(self, optimizer: FusedOptimizer) -> None:
-        """Move state the wrapped optimizer already had (a resumed torch optimizer)."""
-        for s in self._slots:
-            st = optimizer.state.pop(s.param, None)
-            if st:
-                self._set_state(s, st)
-        optimizer.state.clear()
+        self.layout.set_state(slot, state)
 
     # ------------------------------------------------------------------ what users read
     @property
@@ -385,19 +284,6 @@ class OffloadOptimizer(OptimizerWrapper):
         ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
         self._intake.reduced(param, grad)
 
-    # ------------------------------------------------------------------ the delayed update
-    def apply_pending_update(self) -> int:
-        """Send the weights of the delayed update still pending to the model now, so that
-        the model holds the masters (the next step then starts from them, as after a
-        synchronous step); :meth:`close` does it when training ends.  A weight something
-        else wrote since the last step keeps the write.  Returns how many weights it sent."""
-        return self.schedule.apply_pending()
-
-    @property
-    def _delayed(self) -> DelayedUpdates | None:
-        """The delayed updates' record (``delayed_update=True``), else None."""
-        return self.schedule.updates if isinstance(self.schedule, DelayedStep) else None
-
     def gradients(self) -> list[Tensor]:
         """Every gradient the next step will use, where the step will read it (offloaded
         ones in host memory, once landed; with ``device_grads="keep"`` every one in
@@ -412,6 +298,19 @@ class OffloadOptimizer(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._intake.renew()
+
+    # ------------------------------------------------------------------ the delayed update
+    def apply_pending_update(self) -> int:
+        """Send the weights of the delayed update still pending to the model now, so that
+        the model holds the masters (the next step then starts from them, as after a
+        synchronous step); :meth:`close` does it when training ends.  A weight something
+        else wrote since the last step keeps the write.  Returns how many weights it sent."""
+        return self.schedule.apply_pending()
+
+    @property
+    def _delayed(self) -> DelayedUpdates | None:
+        """The delayed updates' record (``delayed_update=True``), else None."""
+        return self.schedule.updates if isinstance(self.schedule, DelayedStep) else None
 
     # ------------------------------------------------------------------ masters
     def refresh_master_weights(self, only_changed: bool = False) -> int:
@@ -476,7 +375,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self._timer.end_step()
 
     def _inners(self) -> list[FusedOptimizer]:
-        return [self._device_inner] + [b.inner for b in self._buckets]
+        return self.layout.inners()
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -550,12 +449,3 @@ def _host_state_dtype(optimizer: FusedOptimizer, asked: Any) -> torch.dtype | No
                          f"(FusedAdam), got {type(optimizer).__name__}")
     return None if dtype == torch.float32 else dtype
 
-
-def _to_like(value: Any, master: Tensor) -> Any:
-    """A saved state value ready for a master tensor: tensors of the master's dtype on its
-    device (a ``step`` stays a float32 scalar on the CPU), anything else as it is."""
-    if not isinstance(value, Tensor):
-        return value
-    if value.dim() == 0:
-        return value.detach().to("cpu", torch.float32).clone()
-    return value.detach().to(master.device, master.dtype, copy=True).contiguous()
