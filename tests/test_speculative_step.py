@@ -279,7 +279,7 @@ def test_under_the_trainer_fp16_and_clipping_end_where_the_synchronous_step_ends
 def test_the_memory_kept_aside_is_said_and_speculation_falls_back_without_it(caplog, monkeypatch):
     import logging
 
-    from lightning_fastopt.offload import optimizer as offload_optimizer
+    from lightning_fastopt.offload import speculative
 
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     model = _net()
@@ -289,7 +289,7 @@ def test_the_memory_kept_aside_is_said_and_speculation_falls_back_without_it(cap
     assert "speculate=True keeps the offloaded masters and optimizer state aside: 0.00 GiB more host memory" \
         in caplog.text and isinstance(opt.schedule, SpeculativeStep)
     opt.close()
-    monkeypatch.setattr(offload_optimizer, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(speculative, "available_host_bytes", lambda: 1000)
     with caplog.at_level(logging.INFO):
         opt = OffloadOptimizer(SGD(model.parameters()), names, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
     assert "speculate=True not used: keeping the offloaded masters and optimizer state aside takes 0.00 GiB of " \

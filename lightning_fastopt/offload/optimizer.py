@@ -76,7 +76,7 @@ from lightning_fastopt.offload.share_updates import ShareUpdates
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others
-from lightning_fastopt.offload.speculative import SpeculativeStep, available_host_bytes, snapshot_bytes
+from lightning_fastopt.offload.speculative import SpeculativeStep, afford_speculation
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
@@ -152,15 +152,8 @@ class OffloadOptimizer(OptimizerWrapper):
                  delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
                  forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None) -> None:
         super().__init__(optimizer)
-        check_range("offload_fraction", offload_fraction, 0.0, 1.0)
-        check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
-        check_device_grads(device_grads, stream_cpu_step, reduced_by)
-        check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
-        if not isinstance(speculate, bool) or (speculate and not stream_cpu_step):
-            raise ValueError(f"speculate=True checks the updates stream_cpu_step=True starts during backward: it "
-                             f"needs stream_cpu_step=True, got speculate={speculate!r}, "
-                             f"stream_cpu_step={stream_cpu_step!r}")
-        check_forward_waits(forward_waits)
+        _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
+                         delayed_update_warmup, forward_waits, reduced_by)
         # every argument but the fraction, for with_fraction()
         self._settings = dict(bucket_size_mb=bucket_size_mb, overlap=overlap, pin_memory=pin_memory,
                               device_grads=device_grads, wall_clock_breakdown=wall_clock_breakdown,
@@ -198,23 +191,9 @@ class OffloadOptimizer(OptimizerWrapper):
         self._said_refreshed = False
         self.layout.add(params)
         self.layout.take_state(optimizer)
-        if isinstance(self.schedule, SpeculativeStep):
-            self._afford_speculation()
-        self._ready = True
-
-    def _afford_speculation(self) -> None:
-        """Say what speculating keeps aside in host memory, or fall back to the step at the
-        step (one line, saying why) where the host does not have it available."""
-        needed, available = snapshot_bytes(self._buckets), available_host_bytes()
-        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        if available is not None and needed > available:
+        if isinstance(self.schedule, SpeculativeStep) and not afford_speculation(self._buckets):
             self.schedule = SynchronousStep(self)
-            rank_zero_info(f"lightning_fastopt: speculate=True not used: keeping the offloaded masters and optimizer "
-                           f"state aside takes {gib(needed)} of host memory, {gib(available)} is available; the CPU "
-                           "step runs at the step")
-            return
-        rank_zero_info(f"lightning_fastopt: speculate=True keeps the offloaded masters and optimizer state aside: "
-                       f"{gib(needed)} more host memory" + (f" ({gib(available)} available)" if available else ""))
+        self._ready = True
 
     # ------------------------------------------------------------------ construction
     @override
@@ -434,6 +413,20 @@ class OffloadOptimizer(OptimizerWrapper):
         return (f"OffloadOptimizer({type(self.optimizer).__name__}, offload_fraction={self.offload_fraction}, "
                 f"offloaded={self.offloaded_numel} of {total} elements ({share:.0%}{why}), "
                 f"{len(self._buckets)} host bucket(s), CPU step {self.schedule.name}, device={self.device})")
+
+
+def _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
+                     delayed_update_warmup, forward_waits, reduced_by) -> None:
+    """Refuse, by name, an argument of :class:`OffloadOptimizer` or a combination that cannot work."""
+    check_range("offload_fraction", offload_fraction, 0.0, 1.0)
+    check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
+    check_device_grads(device_grads, stream_cpu_step, reduced_by)
+    check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
+    if not isinstance(speculate, bool) or (speculate and not stream_cpu_step):
+        raise ValueError(f"speculate=True checks the updates stream_cpu_step=True starts during backward: it "
+                         f"needs stream_cpu_step=True, got speculate={speculate!r}, "
+                         f"stream_cpu_step={stream_cpu_step!r}")
+    check_forward_waits(forward_waits)
 
 
 def _host_state_dtype(optimizer: FusedOptimizer, asked: Any) -> torch.dtype | None:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
@@ -170,6 +171,21 @@ class SpeculativeStep(CpuStepSchedule):
         for b in self._join():
             self._counts["dropped"] += 1
             self.snapshots[b].restore(b.inner)
+
+
+def afford_speculation(buckets: list[HostBucket]) -> bool:
+    """Whether the host has the memory speculating on ``buckets`` keeps aside (said in one
+    line, either way; without it the CPU step runs at the step)."""
+    needed, available = snapshot_bytes(buckets), available_host_bytes()
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    if available is not None and needed > available:
+        rank_zero_info(f"lightning_fastopt: speculate=True not used: keeping the offloaded masters and optimizer "
+                       f"state aside takes {gib(needed)} of host memory, {gib(available)} is available; the CPU "
+                       "step runs at the step")
+        return False
+    rank_zero_info(f"lightning_fastopt: speculate=True keeps the offloaded masters and optimizer state aside: "
+                   f"{gib(needed)} more host memory" + (f" ({gib(available)} available)" if available else ""))
+    return True
 
 
 def snapshot_bytes(buckets: list[HostBucket]) -> int:
