@@ -85,6 +85,13 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     return OffloadOptimizer(fused, names, **offload_args)
 
 
+def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:
+    """The one line that says an optimizer whose step evaluates the closure again after
+    changing the weights (``needs_closure``) is not taken over: it runs as torch runs it."""
+    rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's weights, "
+                   "not offloaded: its step evaluates the closure again after changing them")
+
+
 def _say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:
     """One line when half-precision parameters train under a precision that keeps the
     weights as they are (``"32-true"``): they get float32 master weights and state here,

@@ -63,7 +63,8 @@ from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
-from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
+from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
+                                            wrap_fused_optimizer)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 
@@ -223,8 +224,7 @@ class FastOptFabricStrategy(DDPStrategy):
                 raise ValueError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights, "
                                  "so it runs as torch runs it, on the model's weights: with zero_stage=2 nothing "
                                  "reduces its gradients; use zero_stage 0 or 1")
-            rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
-                           "weights, not offloaded: its step evaluates the closure again after changing them")
+            say_runs_as_torch(optimizer)
             return optimizer
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
         fused = fused_for(optimizer, self._module, self.precision.precision)

@@ -183,9 +183,6 @@ class OffloadOptimizer(OptimizerWrapper):
         self._param_names = param_names if param_names is not None else {}
         self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20),
                                   pin_memory and self.copies.is_cuda, self._host_state_dtype)
-        # the layout's lists and device share, under the names the schedules and parts read
-        self._slots, self._slot_of, self._buckets = self.layout.slots, self.layout.slot_of, self.layout.buckets
-        self._device_slots, self._device_inner = self.layout.device_slots, self.layout.device_inner
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
@@ -196,6 +193,27 @@ class OffloadOptimizer(OptimizerWrapper):
         self._ready = True
 
     # ------------------------------------------------------------------ construction
+    # the layout's slots and shares, under the names the schedules and parts read
+    @property
+    def _slots(self) -> list[ParamSlot]:
+        return self.layout.slots
+
+    @property
+    def _slot_of(self) -> dict[Tensor, ParamSlot]:
+        return self.layout.slot_of
+
+    @property
+    def _buckets(self) -> list[HostBucket]:
+        return self.layout.buckets
+
+    @property
+    def _device_slots(self) -> list[ParamSlot]:
+        return self.layout.device_slots
+
+    @property
+    def _device_inner(self) -> FusedOptimizer:
+        return self.layout.device_inner
+
     @override
     def _adopt_group(self, group: dict[str, Any]) -> None:
         self.schedule.wait()  # the worker reads the inner optimizers' groups

@@ -56,7 +56,8 @@ from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
-from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
+from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
+                                            wrap_fused_optimizer)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.offload import OffloadOptimizer
@@ -350,8 +351,7 @@ class TrainerStrategy:
         if isinstance(optimizer, self.package.MockOptimizer):
             return False
         if needs_closure(optimizer, self.closure_optimizers):
-            rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's "
-                           "weights, not offloaded: its step evaluates the closure again after changing them")
+            say_runs_as_torch(optimizer)
             return False
         return True
 
