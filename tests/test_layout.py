@@ -100,7 +100,7 @@ def test_only_the_package_imports_a_front_end():
 # The layers, ground floor first: a module imports from its own layer or those before it.
 # The engines (offload, zero) sit below what the front-ends share (core); the helpers they
 # need from torch's runtime (runtime) below them all.
-LAYERS = ("ops", "runtime", "functional", "optim", "checkpoint", "offload", "zero", "core", "trainer", "fabric",
+LAYERS = ("ops", "runtime", "functional", "optim", "checkpoint", "offload", "zero", "fsdp", "core", "trainer", "fabric",
           "memory", "")
 
 

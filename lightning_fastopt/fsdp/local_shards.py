@@ -1,0 +1,211 @@
+"""LocalShardOptimizer: the offloaded compiled step on the local shards of FSDP2's
+parameters (ZeRO stage 3).
+
+torch's ``fully_shard`` turns each parameter into a DTensor sharded on its first
+dimension: a rank holds its rows (``_local_tensor``, a view into FSDP's sharded storage,
+which it all-gathers before each forward), and after backward ``p.grad`` is a DTensor
+holding that rank's rows of the reduce-scattered gradient.  torch's optimizers update
+the DTensors elementwise, shard by shard, with no communication; so does this one: it
+gives each DTensor parameter a plain parameter that aliases its local rows (same storage:
+an update written there is what FSDP gathers next) and runs an
+:class:`~lightning_fastopt.offload.OffloadOptimizer` over them, so ``offload_fraction``
+of each rank's fp32 masters and optimizer state lives in host memory, stepped by the CPU
+kernels, the rest by the device's.  Each step the local rows of every ``p.grad`` are
+handed to the aliases (``device_grads="copy_at_step"``: the offloaded ones are copied to
+the host then).  What is not elementwise spans the shards as torch computes it over
+DTensors: the clipping norm is torch's ``get_total_norm`` of the DTensor gradients,
+the overflow check is agreed over the ranks.
+
+The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
+schedulers work); :meth:`state_of` gives a parameter's state as torch keeps it for a
+DTensor parameter (DTensors with the parameter's placements), so torch's distributed
+state dicts read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters, hyperparameters, needs_step_context
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.runtime.distributed import all_reduce_scalar
+
+__all__ = ["LocalShardOptimizer", "local_alias"]
+
+
+def local_alias(param: Tensor) -> torch.nn.Parameter:
+    """A plain parameter over ``param``'s local rows (the same storage), or over ``param``
+    itself when it is not a DTensor (a module ``fully_shard`` did not reach)."""
+    local = param._local_tensor if isinstance(param, DTensor) else param.detach()
+    return torch.nn.Parameter(local, requires_grad=param.requires_grad)
+
+
+def _local_grad(param: Tensor) -> Tensor | None:
+    grad = param.grad
+    return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+class LocalShardOptimizer(OptimizerWrapper):
+    """Args:
+        optimizer: the fused optimizer over the model's (DTensor) parameters, the user's groups.
+        param_names: a name for each parameter (state dicts are keyed by them).
+        process_group: the group the parameters are sharded over (overflow checks agree
+            over it; default: the whole world).
+        **offload_args: for this rank's :class:`~lightning_fastopt.offload.OffloadOptimizer`
+            (``offload_fraction``, ``bucket_size_mb``, ``copy_on_cpu``, ...); its
+            gradients arrive at the step (``device_grads`` is this class's to choose).
+    """
+
+    shards_gradients = True  # gradients() holds this rank's rows: overflow flags and norms span the ranks
+
+    def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
+                 process_group=None, **offload_args: Any) -> None:
+        super().__init__(optimizer)
+        if "device_grads" in offload_args:
+            raise TypeError("LocalShardOptimizer takes the gradients' local rows at the step; it sets device_grads")
+        self.group = process_group
+        self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
+        names = dict(param_names or {})
+        self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
+        if needs_step_context(optimizer):
+            raise ValueError(f"{type(optimizer).__name__} computes a norm over every gradient before stepping "
+                             "(LAMB, LARS); on FSDP2's shards that is not supported yet: use AdamW, SGD, Adagrad, Lion "
+                             "or a torch optimizer")
+        self._alias = {p: local_alias(p) for p in self._params}
+        self._alias_names = {self._alias[p]: n for p, n in self.param_names.items()}  # the local optimizer reads it
+        shard = optimizer.sibling([[self._alias[p] for p in g["params"]] for g in self.param_groups])
+        for p in self._params:  # state the wrapped optimizer had moves with its parameter, as local rows
+            if optimizer.state.get(p):
+                shard.state[self._alias[p]] = {k: _local(v) for k, v in optimizer.state[p].items()}
+        optimizer.state.clear()
+        self.local = OffloadOptimizer(shard, self._alias_names, device_grads="copy_at_step", **offload_args)
+        self._ready = True
+
+    @override
+    def _adopt_group(self, group: dict[str, Any]) -> None:
+        new = [p for p in dict.fromkeys(group["params"]) if p not in self._alias]
+        for i, p in enumerate(new, start=len(self._params)):
+            self.param_names.setdefault(p, f"param{i}")
+            self._alias[p] = local_alias(p)
+            self._alias_names[self._alias[p]] = self.param_names[p]
+        self._params += new
+        self.local.add_param_group(dict(hyperparameters(group), params=[self._alias[p] for p in group["params"]]))
+
+    # ------------------------------------------------------------------ passed to the local optimizer
+    @property
+    def expected_grad_scale(self):
+        return self.local.expected_grad_scale
+
+    @expected_grad_scale.setter
+    def expected_grad_scale(self, scale) -> None:
+        self.local.expected_grad_scale = scale
+
+    @property
+    def accumulating(self) -> bool:
+        return self.local.accumulating
+
+    @accumulating.setter
+    def accumulating(self, value: bool) -> None:
+        self.local.accumulating = value
+
+    @property
+    def last_step_times(self) -> dict[str, float]:
+        return self.local.last_step_times
+
+    def owns(self, param: Tensor) -> bool:
+        return param in self._alias
+
+    def alias_of(self, param: Tensor) -> torch.nn.Parameter:
+        """The plain parameter over ``param``'s local rows that the local optimizer steps."""
+        return self._alias[param]
+
+    def state_of(self, param: Tensor) -> dict[str, Any]:
+        """``param``'s state as torch keeps it for a DTensor parameter: each tensor of the
+        parameter's shape a DTensor with its placements (the rows this rank holds)."""
+        state = self.local.state_of(self._alias[param])
+        if not isinstance(param, DTensor):
+            return state
+        rows = param._local_tensor.shape
+        return {k: DTensor.from_local(v, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                      stride=param.stride())
+                if isinstance(v, Tensor) and v.shape == rows and v.dim() > 0 else v for k, v in state.items()}
+
+    @property
+    def held_numel(self) -> int:
+        """The elements of the rows this rank holds (and steps)."""
+        return sum(a.numel() for a in self._alias.values())
+
+    # ------------------------------------------------------------------ gradients and step
+    def _take_gradients(self) -> None:
+        """Hand the local rows of every ``p.grad`` (the reduce-scattered gradient) to the
+        aliases the local optimizer reads."""
+        for p, alias in self._alias.items():
+            if alias.grad is None:
+                alias.grad = _local_grad(p)
+
+    def gradients(self) -> list[Tensor]:
+        """The gradients this rank's step reads: its rows of each (in host memory for the
+        offloaded share).  Overflow checks and norms over them span the ranks."""
+        self._take_gradients()
+        return self.local.gradients()
+
+    @override
+    def gradient_norm(self) -> Tensor:
+        """torch's ``get_total_norm`` of the DTensor gradients (what ``clip_grad_norm_``
+        takes under FSDP2), as a plain tensor; before the gradients leave for the host."""
+        self._take_gradients()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # the DTensor gradients
+        self.local.zero_grad(set_to_none)  # and the aliases' (and the host copies)
+        for alias in self._alias.values():
+            alias.grad = None
+
+    def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
+        copy_hyperparameters(self.local.optimizer, self.param_groups)
+        self._take_gradients()
+        if check_finite:
+            finite = grads_all_finite(self.local.gradients())
+            if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere
+                self.zero_grad()
+                return True
+        self.local.step(self.step_closure, grad_scale=grad_scale, step_context=step_context, **self.step_kwargs)
+        for alias in self._alias.values():
+            alias.grad = None  # the step read them; p.grad keeps the DTensor gradient, as torch does
+        return False
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's rows of every state tensor, keyed by parameter name."""
+        copy_hyperparameters(self.local.optimizer, self.param_groups)
+        return self.local.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A state dict of this class, from this rank (its rows, keyed by name)."""
+        self.local.load_state_dict(state_dict)
+        for group, saved in zip(self.param_groups, self.local.param_groups):
+            group.update(hyperparameters(saved))  # in place: LR schedulers hold these dicts
+
+    def close(self) -> None:
+        self.local.close()
+
+    def _describe(self) -> str:
+        rank = dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        total = sum(p.numel() for p in self._params)
+        return f"LocalShardOptimizer(rank {rank}, holds {self.held_numel} of {total} elements, {self.local!r})"
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value

@@ -1,0 +1,122 @@
+"""The offloaded step on FSDP2's local shards across two gloo processes, against torch's
+optimizer stepping the same DTensor parameters.
+
+    python tests/scripts/fsdp_local_shards_run.py OUT_DIR
+
+A model sharded by ``fully_shard`` (each Linear, then the root) whose rows do not divide
+evenly (33 rows: 17 and 16; one row: rank 1 holds none) trains on each rank's own batches
+twice from the same initial weights: with the torch optimizer (clipping by
+``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients), and with the same optimizer
+taken over by a :class:`~lightning_fastopt.fsdp.LocalShardOptimizer` (through the
+accelerator code path on the CPU, ``copy_on_cpu=True``; clipping as the fastopt precision
+plugin clips).  Writes OUT_DIR/rank<r>.pt: for each configuration, both runs' full weights
+and full optimizer state (gathered DTensors), the clipping norms, and what the engine says
+of itself.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_fastopt.functional import by_device  # noqa: E402
+from lightning_fastopt.fsdp import LocalShardOptimizer  # noqa: E402
+from lightning_fastopt.optim.from_torch import to_fused_optimizer  # noqa: E402
+from lightning_fastopt.optim.takeover import take_over  # noqa: E402
+
+STEPS = 6
+# name: (torch optimizer, offload fraction, clipping norm, micro-batches per step)
+CONFIGS = {
+    "adamw-0": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.0, 0.0, 1),
+    "adamw-half": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1),
+    "adamw-1": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 1.0, 0.0, 1),
+    "adamw-clip-accumulate": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.8, 2),
+    "sgd-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), 1.0, 0.0, 1),
+    "adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=0.05), 0.5, 0.0, 1),
+    "radam-own-step": (lambda ps: torch.optim.RAdam(ps, lr=1e-2), 0.5, 0.8, 1),
+}
+
+
+def _net(mesh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(), nn.Linear(16, 1))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batches(rank, micro_batches):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [[(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(micro_batches)]
+            for _ in range(STEPS)]
+
+
+def _full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
+    model = _net(mesh)
+    opt = make_opt(model.parameters())
+    engine = None
+    if ours:
+        names = {p: n for n, p in model.named_parameters()}
+        engine = LocalShardOptimizer(to_fused_optimizer(opt), names, offload_fraction=fraction, copy_on_cpu=True,
+                                     bucket_size_mb=0.0005)
+        take_over(opt, engine)
+    norms = []
+    for batches in _batches(rank, micro_batches):
+        for x, y in batches:
+            (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
+        if clip and ours:  # as the fastopt precision plugin clips (core.precision.clip_scaled_gradients)
+            total = engine.gradient_norm()
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            if coef != 1.0:
+                for same in by_device(engine.gradients()):
+                    torch._foreach_mul_(same, coef.to(same[0].device))
+            norms.append(total)
+        elif clip:
+            norms.append(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    names = {p: n for n, p in model.named_parameters()}
+    if ours:
+        state = {names[p]: {k: _full(v) for k, v in engine.state_of(p).items()} for p in names}
+    else:
+        state = {names[p]: {k: _full(v) for k, v in s.items()} for p, s in opt.state.items()}
+    return {"weights": {n: _full(p.detach()) for n, p in model.named_parameters()}, "state": state, "norms": norms,
+            "engine": repr(engine) if engine is not None else None,
+            "held": engine.held_numel if engine is not None else None}
+
+
+def _worker(rank, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    initial = {n: _full(p.detach()) for n, p in _net(mesh).named_parameters()}
+    results = {"initial": initial}
+    results.update({name: {"torch": _train(rank, mesh, False, *config), "ours": _train(rank, mesh, True, *config)}
+               for name, config in CONFIGS.items()})
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def main():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(port, sys.argv[1]), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
