@@ -5,7 +5,8 @@ from the cache) on first use, and if that is impossible a warning says why and a
 pure-PyTorch path computes the same results.
 
 Three front-ends over one core (:mod:`lightning_fastopt.core`): the Trainer of
-``lightning.pytorch`` (:class:`FastOptStrategy`, :class:`FastOptPrecision`), the Trainer
+``lightning.pytorch`` (:class:`FastOptStrategy`, :class:`FastOptPrecision`, and ZeRO
+stage 3 on FSDP2, :class:`FastOptFSDPStrategy`), the Trainer
 of the standalone ``pytorch_lightning`` (the same names in
 :mod:`lightning_fastopt.trainer.pytorch_lightning`), and Fabric
 (:class:`FastOptFabricStrategy`, :class:`FastOptFabricPrecision`).  Importing the package
@@ -26,7 +27,7 @@ with lightnings_logging_kept():  # importing lightning.pytorch here does not mov
     from lightning_fastopt.optim import (
         CPUAdam, FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, FusedLion, FusedOptimizer, FusedSGD,
     )
-    from lightning_fastopt.trainer import FastOptPrecision, FastOptStrategy
+    from lightning_fastopt.trainer import FastOptFSDPStrategy, FastOptPrecision, FastOptStrategy
 
 __version__ = "0.1.0"
 
@@ -38,19 +39,22 @@ def _register_strategies() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     FastOptStrategy.register_strategies(FastOptStrategy.package.StrategyRegistry)
+    FastOptFSDPStrategy.register_strategies(FastOptFSDPStrategy.package.StrategyRegistry)
     FastOptFabricStrategy.register_strategies(STRATEGY_REGISTRY)
     if importlib.util.find_spec("pytorch_lightning") is not None:
         with lightnings_logging_kept():  # Lightning's messages stay where they went
             from lightning_fastopt.trainer import pytorch_lightning
 
         pytorch_lightning.FastOptStrategy.register_strategies(pytorch_lightning.PACKAGE.StrategyRegistry)
+        pytorch_lightning.FastOptFSDPStrategy.register_strategies(pytorch_lightning.PACKAGE.StrategyRegistry)
 
 
 _register_strategies()
 load_guard.install()  # a sharded checkpoint given to Lightning's own loaders: a clear error
 
 __all__ = [
-    "CPUAdam", "DynamicLossScaler", "FastOptFabricPrecision", "FastOptFabricStrategy", "FastOptPrecision",
+    "CPUAdam", "DynamicLossScaler", "FastOptFSDPStrategy", "FastOptFabricPrecision", "FastOptFabricStrategy",
+    "FastOptPrecision",
     "FastOptStrategy", "FusedAdagrad", "FusedAdam",
     "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "LossScaleAtMinimumError", "MemoryEstimate",
     "OffloadOptimizer",

@@ -6,7 +6,9 @@ Bit for bit (``torch.equal`` on the gathered weights and optimizer state) at off
 fractions 0, 0.5 and 1 through the accelerator code path on the CPU: AdamW, SGD with
 Nesterov momentum, Adagrad, RAdam (its own step, not fused), clipping by norm (the norm
 torch takes of the DTensor gradients) with gradient accumulation; shards that do not
-divide evenly, and a rank that holds no row of a parameter."""
+divide evenly, and a rank that holds no row of a parameter.  In one process: parameters
+``fully_shard`` did not reach (plain tensors) step as torch steps them, with an fp16 overflow
+skipped; what it cannot run is refused when it is built."""
 
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import torch
 
 from tests.helpers import subprocess_env
 
-pytestmark = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
+slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_local_shards_run.py"
@@ -34,6 +36,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+@slow
 @pytest.mark.parametrize("config", CONFIGS)
 def test_the_step_on_local_shards_ends_where_torchs_step_on_the_dtensors_ends(ranks, config):
     for rank in ranks:
@@ -48,6 +51,7 @@ def test_the_step_on_local_shards_ends_where_torchs_step_on_the_dtensors_ends(ra
     assert ranks[0][config]["ours"]["weights"].keys() == ranks[1][config]["ours"]["weights"].keys()
 
 
+@slow
 def test_each_rank_steps_its_own_rows_and_clipping_sometimes_triggered(ranks):
     """33 rows split 17/16, one row held by rank 0 only: the ranks hold different shares,
     which add up to the model; the clipped runs were clipped on some steps and not others."""
@@ -58,3 +62,47 @@ def test_each_rank_steps_its_own_rows_and_clipping_sometimes_triggered(ranks):
         if clip:
             norms = [n.item() for n in ranks[0][config]["ours"]["norms"]]
             assert min(norms) < clip < max(norms), (config, norms)
+
+
+def test_plain_parameters_step_as_torch_steps_them_and_an_overflow_is_skipped():
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+    from lightning_fastopt.optim.from_torch import to_fused_optimizer
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+    ref, ours = net(), net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = LocalShardOptimizer(to_fused_optimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2)),
+                                 offload_fraction=0.5, copy_on_cpu=True, bucket_size_mb=0.0001)
+    g = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = torch.randn(4, 6, generator=g)
+        ours(x).square().mean().backward()
+        if step == 2:  # an inf: skipped, the weights untouched
+            next(ours.parameters()).grad[0, 0] = float("inf")
+            before = [p.clone() for p in ours.parameters()]
+            assert engine.step(check_finite=True) is None and engine.last_step_skipped
+            assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+            engine.zero_grad()
+            continue
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.step(check_finite=True)
+        engine.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert engine.skipped_steps == 1 and "holds 47 of 47 elements" in repr(engine)
+
+
+def test_what_it_cannot_run_is_refused_when_built():
+    from lightning_fastopt import FusedAdam, FusedLAMB
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="FusedLAMB computes a norm over every gradient.*not supported yet"):
+        LocalShardOptimizer(FusedLAMB(params, lr=1e-3))
+    with pytest.raises(TypeError, match="it sets device_grads"):
+        LocalShardOptimizer(FusedAdam(params, lr=1e-3), device_grads="keep")

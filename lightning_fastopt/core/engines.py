@@ -19,7 +19,7 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
-__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "fused_for", "register_names", "wrap_fused_optimizer"]
+__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for", "register_names", "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -45,18 +45,26 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
     DistributedDataParallel, which is not built with one process: a misspelt argument
     would be silently ignored there.  Refuse anything neither accepts, suggesting the
     nearest name (among ``ours``'s arguments too)."""
+    check_passed_kwargs(kwargs, (base.__init__, DistributedDataParallel.__init__), ours,
+                        "DDPStrategy's and DistributedDataParallel's")
+
+
+def check_passed_kwargs(kwargs: dict[str, Any], takers: tuple[Any, ...], ours: type, whose: str) -> None:
+    """Refuse the ``**kwargs`` a strategy passes on that none of ``takers`` (functions)
+    accepts, suggesting the nearest name (among ``ours``'s arguments too); ``whose`` says
+    whose arguments it accepts besides its own."""
     def names(fn) -> set[str]:
         return {n for n, p in inspect.signature(fn).parameters.items()
                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}
 
-    forwarded = names(base.__init__) | names(DistributedDataParallel.__init__)
+    forwarded = set().union(*(names(fn) for fn in takers))
     unknown = sorted(set(kwargs) - forwarded)
     if unknown:
         known = names(ours.__init__) | forwarded
         hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1))
                              else "") for k in unknown]
         raise TypeError(f"{ours.__name__} got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
-                        "own arguments, DDPStrategy's and DistributedDataParallel's")
+                        f"own arguments and {whose}")
 
 
 def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module, precision: str) -> FusedOptimizer:

@@ -198,6 +198,16 @@ class LocalShardOptimizer(OptimizerWrapper):
         for group, saved in zip(self.param_groups, self.local.param_groups):
             group.update(hyperparameters(saved))  # in place: LR schedulers hold these dicts
 
+    def load_param_state(self, state: Mapping[Tensor, Mapping[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """Load the state as torch holds it for the DTensor parameters (``optimizer.state``
+        keyed by parameter, each tensor a DTensor over this rank's rows) and the groups'
+        settings (``groups``, in this optimizer's order)."""
+        names = [[self.param_names[p] for p in g["params"]] for g in self.param_groups]
+        self.load_state_dict({
+            "state": {self.param_names[p]: {k: _local(v) for k, v in s.items()} for p, s in state.items() if s},
+            "param_groups": [dict(hyperparameters(g), params=n) for g, n in zip(groups, names)],
+        })
+
     def close(self) -> None:
         self.local.close()
 

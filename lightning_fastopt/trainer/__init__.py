@@ -3,6 +3,6 @@
 (:mod:`.lightning_pytorch`) and to the standalone ``pytorch_lightning`` in
 :mod:`.pytorch_lightning` (imported only where that package is installed)."""
 
-from lightning_fastopt.trainer.lightning_pytorch import FastOptPrecision, FastOptStrategy
+from lightning_fastopt.trainer.lightning_pytorch import FastOptFSDPStrategy, FastOptPrecision, FastOptStrategy
 
-__all__ = ["FastOptPrecision", "FastOptStrategy"]
+__all__ = ["FastOptFSDPStrategy", "FastOptPrecision", "FastOptStrategy"]

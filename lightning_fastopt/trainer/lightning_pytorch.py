@@ -5,14 +5,15 @@
 from __future__ import annotations
 
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+from lightning_fastopt.trainer.fsdp_strategy import FSDPTrainerStrategy
 from lightning_fastopt.trainer.one_process import HasOneProcessTwin, OneProcessTrainerStrategy
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision import TrainerPrecision
 from lightning_fastopt.trainer.strategy import TrainerStrategy
 
-__all__ = ["FastOptPrecision", "FastOptSingleDeviceStrategy", "FastOptStrategy"]
+__all__ = ["FastOptFSDPStrategy", "FastOptPrecision", "FastOptSingleDeviceStrategy", "FastOptStrategy"]
 
 PACKAGE = TrainerPackage.load("lightning.pytorch")
 
@@ -38,3 +39,9 @@ class FastOptStrategy(TrainerStrategy, DDPStrategy, metaclass=HasOneProcessTwin)
 
 
 FastOptSingleDeviceStrategy.processes_type = FastOptStrategy
+
+
+class FastOptFSDPStrategy(FSDPTrainerStrategy, ModelParallelStrategy):
+    __doc__ = FSDPTrainerStrategy.__doc__
+    package = PACKAGE
+    precision_type = FastOptPrecision

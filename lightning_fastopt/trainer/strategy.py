@@ -70,6 +70,7 @@ from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_read
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
+from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 
 __all__ = ["TrainerStrategy"]
 
@@ -79,7 +80,7 @@ def _user_comm_hook(strategy) -> bool:
     return any(getattr(strategy, a, None) is not None for a in ("_ddp_comm_hook", "_ddp_comm_wrapper"))
 
 
-class TrainerStrategy:
+class TrainerStrategy(PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -205,7 +206,7 @@ class TrainerStrategy:
         self._engine_at: dict[int, OptimizerWrapper] = {}
         self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
-        self._foreign_precision: TypeError | None = None  # a plugin we cannot step with, kept for evaluation
+        self._foreign_precision = None  # a plugin we cannot step with, kept for evaluation (PrecisionSlot)
         self._threads = TorchThreads()
         super().__init__(**kwargs)
 
@@ -235,27 +236,6 @@ class TrainerStrategy:
     @override
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
-
-    # ------------------------------------------------------------------ precision
-    @property
-    @override
-    def precision_plugin(self) -> TrainerPrecision:
-        if self._precision_plugin is None:
-            self._precision_plugin = self.precision_type("32-true")
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin) -> None:
-        """Lightning's plugin, as ours; one we cannot step with (TransformerEngine's, a
-        project's own) is kept as it is for validate, test and predict, and refused when
-        ``fit`` sets up the optimizers (:meth:`setup_optimizers`)."""
-        self._foreign_precision = None
-        try:
-            self._precision_plugin = None if plugin is None else self.precision_type.from_lightning(
-                plugin, **self._scale_knobs)
-        except TypeError as refusal:
-            self._precision_plugin, self._foreign_precision = plugin, refusal
 
     # ------------------------------------------------------------------ environment
     @override
@@ -301,8 +281,7 @@ class TrainerStrategy:
     # ------------------------------------------------------------------ optimizers
     @override
     def setup_optimizers(self, trainer) -> None:
-        if self._foreign_precision is not None:  # fit: our step would run under a plugin it cannot take
-            raise self._foreign_precision
+        self._refuse_foreign_precision()
         super().setup_optimizers(trainer)
         # the kernels load (or build, saying so) now, not after the first training step
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)

@@ -1,0 +1,108 @@
+"""One Trainer fit on two gloo processes under Lightning's ``ModelParallelStrategy`` (FSDP2)
+or lightning_fastopt's ``FastOptFSDPStrategy``: a model the LightningModule shards in
+``configure_model`` (each Linear, then the root; rows that do not divide evenly, one
+that only rank 0 holds), clipping by norm and gradient accumulation.
+
+    python tests/scripts/fsdp_trainer_run.py STRATEGY OPTIMIZER OUT [resume[:FIRST]]
+
+STRATEGY: ``reference`` (``ModelParallelStrategy``) or ``fastopt-<fraction>`` (through
+the accelerator code path on the CPU, ``copy_on_cpu=True``); OPTIMIZER: a name of
+:data:`OPTIMIZERS`.  Writes OUT.rank<r>: the full weights and the full optimizer state
+(gathered DTensors) after fit.  With ``resume``: a first fit (under the strategy
+FIRST, by default STRATEGY) stops after the first of two epochs with a distributed
+checkpoint, which a second Trainer, under STRATEGY, resumes to the end.
+"""
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+
+from lightning_fastopt import FastOptFSDPStrategy  # noqa: E402
+
+STEPS = 6  # two epochs: 6 batches of 4 per rank, 2 per step
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+}
+
+
+class ShardedNet(L.LightningModule):
+    def __init__(self, optimizer: str):
+        super().__init__()
+        self.optimizer = optimizer
+        self.net = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer](self.parameters())
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
+
+
+def _strategy(name):
+    if name == "reference":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return FastOptFSDPStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=True, bucket_size_mb=0.0005,
+                               data_parallel_size=2, tensor_parallel_size=1)
+
+
+def _trainer(name, root, **kw):
+    return L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(name),
+                     gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=root, **kw)
+
+
+def _full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def main():
+    name, optimizer, out = sys.argv[1:4]
+    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    torch.manual_seed(0)
+    model = ShardedNet(optimizer)
+    root = Path(out).parent / f"{Path(out).name}.root"
+    data = torch.utils.data.DataLoader(_data(), batch_size=4)
+    path = None
+    if resume:
+        first = _trainer(resume.partition(":")[2] or name, root, max_epochs=1, enable_checkpointing=True)
+        first.fit(model, data)
+        path = first.checkpoint_callback.best_model_path
+        torch.manual_seed(1)  # the second run's weights come from the checkpoint
+        model = ShardedNet(optimizer)
+    trainer = _trainer(name, root, max_steps=STEPS, enable_checkpointing=False)
+    trainer.fit(model, data, ckpt_path=path)
+    opt = trainer.optimizers[0]
+    names = {p: n for n, p in model.named_parameters()}
+    result = {f"weight/{n}": _full(p.detach()) for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in state.items()})
+    result["global_step"] = torch.tensor(trainer.global_step)
+    torch.save(result, f"{out}.rank{trainer.global_rank}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""``FastOptFSDPStrategy`` (``fastopt_fsdp``, ZeRO stage 3 on Lightning's
+``ModelParallelStrategy``) with two real processes (gloo), through the accelerator code
+path on the CPU (``copy_on_cpu=True``): a model sharded by the LightningModule's
+``configure_model`` ends bit for bit where ``ModelParallelStrategy`` with the same torch
+optimizer ends (``torch.equal`` on the gathered weights and optimizer state), with
+clipping by norm and gradient accumulation, at offload fractions 0, 0.5 and 1, for AdamW,
+SGD, Adagrad and RAdam (its own step); distributed checkpoints resume across the two
+strategies both ways (``tests/scripts/fsdp_trainer_run.py``).  And, in one process: the
+names it is registered under in both Lightning packages, and its arguments checked when
+it is built."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import subprocess_env
+
+slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "scripts" / "fsdp_trainer_run.py"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Each run's two ranks, run once per module."""
+    runs = {}
+
+    def fit(strategy, optimizer="adamw", *extra):
+        key = (strategy, optimizer, *extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("fsdp") / "run.pt"
+            proc = subprocess.run([sys.executable, str(SCRIPT), strategy, optimizer, str(out), *extra], cwd=REPO,
+                                  env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[key] = [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+        return runs[key]
+    return fit
+
+
+FRONT_ENDS = {"lightning.pytorch": "lightning_fastopt.trainer.lightning_pytorch",
+              "pytorch_lightning": "lightning_fastopt.trainer.pytorch_lightning"}
+
+
+def _assert_same(ours, ref):
+    for a, b in zip(ours, ref):
+        assert a.keys() == b.keys()
+        assert any(k.startswith("state/") for k in a) and int(a["global_step"]) == 6
+        for key in b:
+            assert torch.equal(a[key], b[key]), key
+
+
+@slow
+@pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
+def test_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fraction):
+    _assert_same(run(f"fastopt-{fraction}"), run("reference"))
+
+
+@slow
+@pytest.mark.parametrize("optimizer, fraction", [("sgd", "1"), ("adagrad", "0.5"), ("radam", "0.5")])
+def test_other_optimizers_too(run, optimizer, fraction):
+    _assert_same(run(f"fastopt-{fraction}", optimizer), run("reference", optimizer))
+
+
+@slow
+@pytest.mark.parametrize("strategy, first", [("fastopt-0.5", "fastopt-0.5"), ("fastopt-1", "reference"),
+                                             ("reference", "fastopt-0")])
+def test_a_distributed_checkpoint_resumes_as_under_model_parallel_strategy(run, strategy, first):
+    """Written and resumed by ours, written by ``ModelParallelStrategy`` and resumed by ours,
+    and back: each ends where ``ModelParallelStrategy``'s own resume ends."""
+    _assert_same(run(strategy, "adamw", f"resume:{first}"), run("reference", "adamw", "resume:reference"))
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_registered_as_fastopt_fsdp_and_fastopt_fsdp_offload_in_both_packages(package):
+    import importlib
+
+    import lightning_fastopt
+
+    pl = importlib.import_module(package)
+    front = importlib.import_module(FRONT_ENDS[package])
+    registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
+    for name, fraction in (("fastopt_fsdp", 0.0), ("fastopt_fsdp_offload", 1.0)):
+        strategy = registry.get(name)
+        assert isinstance(strategy, front.FastOptFSDPStrategy)
+        assert isinstance(strategy, pl.strategies.ModelParallelStrategy)
+        assert strategy.offload_fraction == fraction
+    assert lightning_fastopt.FastOptFSDPStrategy is importlib.import_module(
+        "lightning_fastopt.trainer.lightning_pytorch").FastOptFSDPStrategy
+
+
+def test_bad_arguments_are_refused_when_built_naming_them():
+    from lightning_fastopt import FastOptFSDPStrategy
+
+    with pytest.raises(TypeError, match=r"'data_paralel_size' \(did you mean 'data_parallel_size'\?\).*"
+                                        r"ModelParallelStrategy's"):
+        FastOptFSDPStrategy(data_paralel_size=2)
+    with pytest.raises(ValueError, match="offload_fraction must be in"):
+        FastOptFSDPStrategy(offload_fraction=1.5)
+    with pytest.raises(ValueError, match="offload_fraction='auto' is not measured under FastOptFSDPStrategy"):
+        FastOptFSDPStrategy(offload_fraction="auto")
+    with pytest.raises(TypeError, match="copy_on_cpu must be True or False"):
+        FastOptFSDPStrategy(copy_on_cpu="yes")
+    strategy = FastOptFSDPStrategy(offload_fraction=0.25, data_parallel_size=2, tensor_parallel_size=1,
+                                   save_distributed_checkpoint=False)
+    assert strategy.offload_fraction == 0.25 and strategy._data_parallel_size == 2
+    assert strategy._save_distributed_checkpoint is False
