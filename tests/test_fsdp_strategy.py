@@ -60,6 +60,14 @@ def test_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fraction):
 
 
 @slow
+@pytest.mark.parametrize("form", ["0.5-classes", "1-size"])
+def test_the_one_line_form_shards_the_model_itself_and_ends_there_too(run, form):
+    """No ``configure_model``: ``FastOptFSDPStrategy(auto_wrap_policy={nn.Linear})``, or
+    modules of at least ``min_num_params``, with the mesh sizes left to it."""
+    _assert_same(run(f"fastopt-{form}"), run("reference"))
+
+
+@slow
 @pytest.mark.parametrize("optimizer, fraction", [("sgd", "1"), ("adagrad", "0.5"), ("radam", "0.5")])
 def test_other_optimizers_too(run, optimizer, fraction):
     _assert_same(run(f"fastopt-{fraction}", optimizer), run("reference", optimizer))
@@ -108,3 +116,21 @@ def test_bad_arguments_are_refused_when_built_naming_them():
                                    save_distributed_checkpoint=False)
     assert strategy.offload_fraction == 0.25 and strategy._data_parallel_size == 2
     assert strategy._save_distributed_checkpoint is False
+    with pytest.raises(TypeError, match="auto_wrap_policy must be a set of torch.nn.Module classes"):
+        FastOptFSDPStrategy(auto_wrap_policy=lambda module: True)
+    with pytest.raises(ValueError, match="min_num_params must be a positive integer"):
+        FastOptFSDPStrategy(min_num_params=0)
+    assert FastOptFSDPStrategy(auto_wrap_policy=torch.nn.Linear)._auto_wrap_classes == (torch.nn.Linear,)
+
+
+def test_a_module_with_parameters_of_its_own_is_left_to_configure_model():
+    from lightning_fastopt.fsdp.auto_shard import shard_model
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.body = torch.nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"Holder holds parameters of its own \(scale\).*configure_model"):
+        shard_model(Holder(), mesh=None, classes=(), min_num_params=1)

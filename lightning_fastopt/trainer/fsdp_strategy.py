@@ -7,7 +7,8 @@ rank's local shards; written once for both Lightning packages (the classes users
 
 Sharding, collectives, the device mesh and checkpoints are Lightning's and torch's: the
 project's ``configure_model`` applies ``fully_shard`` as it does under
-``ModelParallelStrategy``.  What the strategy adds:
+``ModelParallelStrategy``; a project without one is sharded by the strategy
+(``auto_wrap_policy``, :mod:`~lightning_fastopt.fsdp.auto_shard`).  What the strategy adds:
 
 - each optimizer from ``configure_optimizers`` runs inside a
   :class:`~lightning_fastopt.fsdp.LocalShardOptimizer` (fused kernels where they cover
@@ -25,7 +26,7 @@ project's ``configure_model`` applies ``fully_shard`` as it does under
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,7 @@ from lightning_fastopt.core.engines import check_passed_kwargs, fused_for, say_r
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fsdp import LocalShardOptimizer
+from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
 from lightning_fastopt.optim.takeover import give_back, take_over
 from lightning_fastopt.optim.wrapper import unwrapped
 from lightning_fastopt.trainer.package import TrainerPackage
@@ -63,11 +65,20 @@ class FSDPTrainerStrategy(PrecisionSlot):
             fp32 masters and optimizer state live in CPU memory, updated by the CPU
             kernels, in [0, 1]; the rest are updated on the accelerator.
         overlap, pin_memory, bucket_size_mb, cpu_threads, wall_clock_breakdown,
-            copy_on_cpu, closure_optimizers, loss_scale, initial_scale_power,
+                copy_on_cpu, closure_optimizers, loss_scale, initial_scale_power,
             loss_scale_window, hysteresis, min_loss_scale, at_min_loss_scale: as for
             ``FastOptStrategy``.
+        auto_wrap_policy: for a LightningModule without ``configure_model`` (the strategy
+            shards the model itself, :mod:`~lightning_fastopt.fsdp.auto_shard`): the
+            module classes whose instances are sharded (a transformer's block class), or
+            None: every submodule with at least ``min_num_params`` parameters not sharded
+            below it (torch's size-based policy).  A ``configure_model`` that calls
+            ``fully_shard`` keeps its own sharding.
+        min_num_params: the size-based policy's threshold (default 100 million, torch's).
         data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
             process_group_backend, timeout: Lightning's ``ModelParallelStrategy``'s.
+            Without ``configure_model`` (no tensor-parallel plan), both ``"auto"`` mean
+            every process in the data-parallel dimension.
 
     A mixin: each front-end's ``FastOptFSDPStrategy`` puts it before its package's
     ``ModelParallelStrategy`` and names the package (``package``) and its precision
@@ -82,6 +93,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (),
+                 auto_wrap_policy: Iterable[type] | None = None, min_num_params: int = 100_000_000,
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -99,6 +111,8 @@ class FSDPTrainerStrategy(PrecisionSlot):
             delayed_update_warmup=40, gpu_memory_budget_gb=None, host_state_dtype="float32", forward_waits="step",
             closure_optimizers=closure_optimizers)
         self.options = options
+        self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
+        self._min_num_params = min_num_params
         self._scale_knobs = options.scale_knobs  # before Lightning's __init__, which sets the precision plugin
         self._foreign_precision = None
         self._threads = TorchThreads()
@@ -111,10 +125,34 @@ class FSDPTrainerStrategy(PrecisionSlot):
     def offload_fraction(self) -> float:
         return self.options.offload_fraction
 
+    def _shards_itself(self) -> bool:
+        """The LightningModule has no ``configure_model``: the strategy shards it."""
+        return type(self.lightning_module).configure_model is self.package.LightningModule.configure_model
+
     @override
     def setup_environment(self) -> None:
+        if self._shards_itself() and self._data_parallel_size == self._tensor_parallel_size == "auto":
+            self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
         self._threads.set(self.options.cpu_threads, self.num_processes)
+
+    @override
+    def setup(self, trainer) -> None:
+        """``ModelParallelStrategy``'s, after sharding a model that has no ``configure_model``
+        (which Lightning's set-up otherwise refuses)."""
+        if not self._shards_itself():
+            return super().setup(trainer)
+        module = self.lightning_module
+        count = shard_model(module, self.device_mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params)
+        policy = (f"each {', '.join(c.__name__ for c in self._auto_wrap_classes)}" if self._auto_wrap_classes
+                  else f"modules of at least {self._min_num_params:,} parameters")
+        rank_zero_info(f"lightning_fastopt: {type(module).__name__} has no configure_model: sharded {count} module(s) "
+                       f"with fully_shard ({policy}, then the children that hold the rest)")
+        module.configure_model = _sharded_by_the_strategy  # Lightning's set-up checks that the hook is overridden
+        try:
+            super().setup(trainer)
+        finally:
+            del module.configure_model
 
     # ------------------------------------------------------------------ optimizers
     @override
@@ -184,6 +222,10 @@ class FSDPTrainerStrategy(PrecisionSlot):
         for name, description, offload_fraction in FSDP_STRATEGY_NAMES:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction)
+
+
+def _sharded_by_the_strategy() -> None:
+    """The LightningModule's ``configure_model`` while Lightning's set-up runs: the strategy sharded it."""
 
 
 def _torch_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -6,7 +6,10 @@ that only rank 0 holds), clipping by norm and gradient accumulation.
     python tests/scripts/fsdp_trainer_run.py STRATEGY OPTIMIZER OUT [resume[:FIRST]]
 
 STRATEGY: ``reference`` (``ModelParallelStrategy``) or ``fastopt-<fraction>`` (through
-the accelerator code path on the CPU, ``copy_on_cpu=True``); OPTIMIZER: a name of
+the accelerator code path on the CPU, ``copy_on_cpu=True``), ``fastopt-<fraction>-classes``
+or ``fastopt-<fraction>-size`` (the one-line form: the LightningModule has no
+``configure_model``, the strategy shards each Linear, or the modules of at least 200
+parameters); OPTIMIZER: a name of
 :data:`OPTIMIZERS`.  Writes OUT.rank<r>: the full weights and the full optimizer state
 (gathered DTensors) after fit.  With ``resume``: a first fit (under the strategy
 FIRST, by default STRATEGY) stops after the first of two epochs with a distributed
@@ -36,18 +39,13 @@ OPTIMIZERS = {
 }
 
 
-class ShardedNet(L.LightningModule):
+class Net(L.LightningModule):
+    """No ``configure_model``: the one-line form."""
+
     def __init__(self, optimizer: str):
         super().__init__()
         self.optimizer = optimizer
         self.net = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def configure_model(self):
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -55,6 +53,15 @@ class ShardedNet(L.LightningModule):
 
     def configure_optimizers(self):
         return OPTIMIZERS[self.optimizer](self.parameters())
+
+
+class ShardedNet(Net):
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
 
 def _data():
@@ -65,8 +72,17 @@ def _data():
 def _strategy(name):
     if name == "reference":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    return FastOptFSDPStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=True, bucket_size_mb=0.0005,
+    _, fraction, *form = name.split("-")
+    if form:  # the one-line form: the mesh sizes left to the strategy too
+        policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
+        return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
+                                   **policy)
+    return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
                                data_parallel_size=2, tensor_parallel_size=1)
+
+
+def _model(name, optimizer):
+    return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
 
 
 def _trainer(name, root, **kw):
@@ -83,7 +99,7 @@ def main():
     name, optimizer, out = sys.argv[1:4]
     resume = sys.argv[4] if len(sys.argv) > 4 else None
     torch.manual_seed(0)
-    model = ShardedNet(optimizer)
+    model = _model(name, optimizer)
     root = Path(out).parent / f"{Path(out).name}.root"
     data = torch.utils.data.DataLoader(_data(), batch_size=4)
     path = None
@@ -92,7 +108,7 @@ def main():
         first.fit(model, data)
         path = first.checkpoint_callback.best_model_path
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
-        model = ShardedNet(optimizer)
+        model = _model(name, optimizer)
     trainer = _trainer(name, root, max_steps=STEPS, enable_checkpointing=False)
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
