@@ -4,7 +4,8 @@ path on the CPU (``copy_on_cpu=True``): a model sharded by the LightningModule's
 ``configure_model`` ends bit for bit where ``ModelParallelStrategy`` with the same torch
 optimizer ends (``torch.equal`` on the gathered weights and optimizer state), with
 clipping by norm and gradient accumulation, at offload fractions 0, 0.5 and 1, for AdamW,
-SGD, Adagrad and RAdam (its own step); distributed checkpoints resume across the two
+SGD, Adagrad and RAdam (its own step), under ``bf16-mixed`` too; the one-line form (no
+``configure_model``) as well; distributed checkpoints resume across the two
 strategies both ways (``tests/scripts/fsdp_trainer_run.py``).  And, in one process: the
 names it is registered under in both Lightning packages, and its arguments checked when
 it is built."""
@@ -57,6 +58,11 @@ def _assert_same(ours, ref):
 @pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
 def test_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fraction):
     _assert_same(run(f"fastopt-{fraction}"), run("reference"))
+
+
+@slow
+def test_bf16_mixed_too(run):
+    _assert_same(run("fastopt-0.5", "adamw", "precision=bf16-mixed"), run("reference", "adamw", "precision=bf16-mixed"))
 
 
 @slow

@@ -3,7 +3,7 @@ or lightning_fastopt's ``FastOptFSDPStrategy``: a model the LightningModule shar
 ``configure_model`` (each Linear, then the root; rows that do not divide evenly, one
 that only rank 0 holds), clipping by norm and gradient accumulation.
 
-    python tests/scripts/fsdp_trainer_run.py STRATEGY OPTIMIZER OUT [resume[:FIRST]]
+    python tests/scripts/fsdp_trainer_run.py STRATEGY OPTIMIZER OUT [resume[:FIRST]] [precision=FLAG]
 
 STRATEGY: ``reference`` (``ModelParallelStrategy``) or ``fastopt-<fraction>`` (through
 the accelerator code path on the CPU, ``copy_on_cpu=True``), ``fastopt-<fraction>-classes``
@@ -13,7 +13,8 @@ parameters); OPTIMIZER: a name of
 :data:`OPTIMIZERS`.  Writes OUT.rank<r>: the full weights and the full optimizer state
 (gathered DTensors) after fit.  With ``resume``: a first fit (under the strategy
 FIRST, by default STRATEGY) stops after the first of two epochs with a distributed
-checkpoint, which a second Trainer, under STRATEGY, resumes to the end.
+checkpoint, which a second Trainer, under STRATEGY, resumes to the end.  ``precision``:
+the Trainer's flag (default ``32-true``).
 """
 
 import sys
@@ -85,8 +86,8 @@ def _model(name, optimizer):
     return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
 
 
-def _trainer(name, root, **kw):
-    return L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(name),
+def _trainer(name, root, precision, **kw):
+    return L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(name), precision=precision,
                      gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
 
@@ -97,19 +98,21 @@ def _full(value):
 
 def main():
     name, optimizer, out = sys.argv[1:4]
-    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
+    resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
+    precision = extra.get("precision", "32-true")
     torch.manual_seed(0)
     model = _model(name, optimizer)
     root = Path(out).parent / f"{Path(out).name}.root"
     data = torch.utils.data.DataLoader(_data(), batch_size=4)
     path = None
     if resume:
-        first = _trainer(resume.partition(":")[2] or name, root, max_epochs=1, enable_checkpointing=True)
+        first = _trainer(resume.partition(":")[2] or name, root, precision, max_epochs=1, enable_checkpointing=True)
         first.fit(model, data)
         path = first.checkpoint_callback.best_model_path
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
         model = _model(name, optimizer)
-    trainer = _trainer(name, root, max_steps=STEPS, enable_checkpointing=False)
+    trainer = _trainer(name, root, precision, max_steps=STEPS, enable_checkpointing=False)
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
