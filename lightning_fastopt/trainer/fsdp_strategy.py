@@ -127,7 +127,9 @@ class FSDPTrainerStrategy(PrecisionSlot):
 
     def _shards_itself(self) -> bool:
         """The LightningModule has no ``configure_model``: the strategy shards it."""
-        return type(self.lightning_module).configure_model is self.package.LightningModule.configure_model
+        module = self.lightning_module
+        base = self.package.LightningModule
+        return isinstance(module, base) and type(module).configure_model is base.configure_model
 
     @override
     def setup_environment(self) -> None:
