@@ -248,6 +248,34 @@ def test_a_copy_of_the_optimizer_is_the_users_with_its_state(strategy):
     assert len(ours_cb.callbacks) == len(ref_cb.callbacks)
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_the_optimizer_given_back_counts_each_parameters_steps_apart(strategy):
+    """The engines keep one Adam step count per group; given back after fit (and in copies,
+    and in the torch-layout state ``fastopt_fsdp``'s checkpoints hold) every parameter got
+    that one tensor, so the user's AdamW, stepping on, counted each parameter's step into
+    it (a ``ModelParallelStrategy`` run resumed from such a checkpoint went astray).  Each
+    parameter has its own count, and a plain step after fit lands where ``Trainer()``'s does."""
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-2)
+
+    ours, ref = Net(adamw), Net(adamw)
+    ours_trainer, ref_trainer = _trainer(STRATEGIES[strategy]()), _trainer("auto")
+    ours_trainer.fit(ours, _data())
+    ref_trainer.fit(ref, _data())
+    runs = []
+    for trainer, model in ((ours_trainer, ours), (ref_trainer, ref)):
+        opt = trainer.optimizers[0]
+        steps = [opt.state[p]["step"] for p in model.parameters()]
+        assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)
+        x, y = next(iter(_data()))
+        opt.zero_grad()  # Lightning leaves the last gradients in p.grad; ours freed the offloaded ones
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        runs.append((model, [float(s) for s in steps]))
+    assert runs[0][1] == runs[1][1] == [9.0] * 4
+    assert_modules_equal(ours, ref)
+
+
 # ---------------------------------------------------------------------------- any optimizer
 class MySGD(torch.optim.SGD):
     """A subclass that only adds an attribute: torch's SGD step, so the kernels run it."""

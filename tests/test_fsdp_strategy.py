@@ -5,7 +5,7 @@ path on the CPU (``copy_on_cpu=True``): a model sharded by the LightningModule's
 optimizer ends (``torch.equal`` on the gathered weights and optimizer state), with
 clipping by norm and gradient accumulation, at offload fractions 0, 0.5 and 1, for AdamW,
 SGD, Adagrad and RAdam (its own step), under ``bf16-mixed`` too; the one-line form (no
-``configure_model``) as well; distributed checkpoints resume across the two
+``configure_model``) as well; distributed and full checkpoints resume across the two
 strategies both ways (``tests/scripts/fsdp_trainer_run.py``).  And, in one process: the
 names it is registered under in both Lightning packages, and its arguments checked when
 it is built."""
@@ -82,10 +82,15 @@ def test_other_optimizers_too(run, optimizer, fraction):
 @slow
 @pytest.mark.parametrize("strategy, first", [("fastopt-0.5", "fastopt-0.5"), ("fastopt-1", "reference"),
                                              ("reference", "fastopt-0")])
-def test_a_distributed_checkpoint_resumes_as_under_model_parallel_strategy(run, strategy, first):
+@pytest.mark.parametrize("kind", ["distributed", "full"])
+def test_a_checkpoint_resumes_as_under_model_parallel_strategy(run, strategy, first, kind):
     """Written and resumed by ours, written by ``ModelParallelStrategy`` and resumed by ours,
-    and back: each ends where ``ModelParallelStrategy``'s own resume ends."""
-    _assert_same(run(strategy, "adamw", f"resume:{first}"), run("reference", "adamw", "resume:reference"))
+    and back, a directory of shards or one full file: each ends where
+    ``ModelParallelStrategy``'s own resume ends.  (A full checkpoint of ours held one Adam
+    step count for every parameter, the engine's per group: torch's AdamW resumed from it
+    counted each parameter's step into it.)"""
+    extra = ("checkpoint=full",) if kind == "full" else ()
+    _assert_same(run(strategy, "adamw", f"resume:{first}", *extra), run("reference", "adamw", "resume:reference", *extra))
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])

@@ -117,13 +117,28 @@ def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]
     attributes.update(shadowed)
     attributes["param_groups"] = engine.param_groups
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for group in engine.param_groups:
         for p in group["params"]:
             held = engine.state_of(p) if engine.owns(p) else None
             if held:
-                state[p] = dict(held)
+                state[p] = {k: _own(v, seen) for k, v in held.items()}
     attributes["state"] = state
     return cls, attributes
+
+
+def _own(value: Any, seen: set[tuple[int, int, tuple[int, ...]]]) -> Any:
+    """``value``, or a copy where another parameter's state holds the same tensor (an engine
+    keeps one ``step`` per group; torch keeps one per parameter and increments each in
+    place, so a shared one would count every parameter's step)."""
+    if not isinstance(value, Tensor) or value.numel() == 0:
+        return value
+    local = getattr(value, "_local_tensor", value)  # a DTensor's rows (the FSDP engine's state)
+    region = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+    if region in seen:
+        return value.clone()
+    seen.add(region)
+    return value
 
 
 def _instance_of(cls: type) -> torch.optim.Optimizer:

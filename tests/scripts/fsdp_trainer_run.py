@@ -14,7 +14,8 @@ parameters); OPTIMIZER: a name of
 (gathered DTensors) after fit.  With ``resume``: a first fit (under the strategy
 FIRST, by default STRATEGY) stops after the first of two epochs with a distributed
 checkpoint, which a second Trainer, under STRATEGY, resumes to the end.  ``precision``:
-the Trainer's flag (default ``32-true``).
+the Trainer's flag (default ``32-true``); ``checkpoint=full``: the resumed checkpoint is
+one full file (``save_distributed_checkpoint=False``), not a directory of shards.
 """
 
 import sys
@@ -70,24 +71,24 @@ def _data():
     return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
 
 
-def _strategy(name):
+def _strategy(name, full):
     if name == "reference":
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
     if form:  # the one-line form: the mesh sizes left to the strategy too
         policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
         return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
                                    **policy)
     return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
-                               data_parallel_size=2, tensor_parallel_size=1)
+                               data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not full)
 
 
 def _model(name, optimizer):
     return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
 
 
-def _trainer(name, root, precision, **kw):
-    return L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(name), precision=precision,
+def _trainer(name, root, precision, full=False, **kw):
+    return L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(name, full), precision=precision,
                      gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
 
@@ -107,7 +108,7 @@ def main():
     data = torch.utils.data.DataLoader(_data(), batch_size=4)
     path = None
     if resume:
-        first = _trainer(resume.partition(":")[2] or name, root, precision, max_epochs=1, enable_checkpointing=True)
+        first = _trainer(resume.partition(":")[2] or name, root, precision, extra.get("checkpoint") == "full", max_epochs=1, enable_checkpointing=True)
         first.fit(model, data)
         path = first.checkpoint_callback.best_model_path
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
