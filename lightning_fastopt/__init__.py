@@ -21,7 +21,7 @@ with lightnings_logging_kept():  # importing lightning.pytorch here does not mov
     from lightning_fastopt import functional
     from lightning_fastopt.checkpoint import load_guard
     from lightning_fastopt.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
-    from lightning_fastopt.fabric import FastOptFabricPrecision, FastOptFabricStrategy
+    from lightning_fastopt.fabric import FastOptFabricFSDPStrategy, FastOptFabricPrecision, FastOptFabricStrategy
     from lightning_fastopt.memory import MemoryEstimate, estimate_memory
     from lightning_fastopt.offload import OffloadOptimizer
     from lightning_fastopt.optim import (
@@ -41,6 +41,7 @@ def _register_strategies() -> None:
     FastOptStrategy.register_strategies(FastOptStrategy.package.StrategyRegistry)
     FastOptFSDPStrategy.register_strategies(FastOptFSDPStrategy.package.StrategyRegistry)
     FastOptFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    FastOptFabricFSDPStrategy.register_strategies(STRATEGY_REGISTRY)
     if importlib.util.find_spec("pytorch_lightning") is not None:
         with lightnings_logging_kept():  # Lightning's messages stay where they went
             from lightning_fastopt.trainer import pytorch_lightning
@@ -53,7 +54,8 @@ _register_strategies()
 load_guard.install()  # a sharded checkpoint given to Lightning's own loaders: a clear error
 
 __all__ = [
-    "CPUAdam", "DynamicLossScaler", "FastOptFSDPStrategy", "FastOptFabricPrecision", "FastOptFabricStrategy",
+    "CPUAdam", "DynamicLossScaler", "FastOptFSDPStrategy", "FastOptFabricFSDPStrategy", "FastOptFabricPrecision",
+    "FastOptFabricStrategy",
     "FastOptPrecision",
     "FastOptStrategy", "FusedAdagrad", "FusedAdam",
     "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "LossScaleAtMinimumError", "MemoryEstimate",

@@ -19,7 +19,8 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
-__all__ = ["STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for", "register_names", "wrap_fused_optimizer"]
+__all__ = ["FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
+           "register_fsdp_names", "register_names", "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -31,6 +32,14 @@ STRATEGY_NAMES = (
 )
 
 
+# The names of ZeRO stage 3 on FSDP2 (the Trainer's and Fabric's): (name, description, offload_fraction).
+FSDP_STRATEGY_NAMES = (
+    ("fastopt_fsdp", "Lightning's ModelParallelStrategy (FSDP2, ZeRO-3) with lightning_fastopt's fused step on each "
+                     "rank's shards", 0.0),
+    ("fastopt_fsdp_offload", "fastopt_fsdp with every rank's shard of masters and optimizer state in CPU memory", 1.0),
+)
+
+
 def register_names(cls, strategy_registry) -> None:
     """Register :data:`STRATEGY_NAMES` for ``cls`` (a Trainer's strategy or Fabric's) in a
     registry that lacks them."""
@@ -38,6 +47,14 @@ def register_names(cls, strategy_registry) -> None:
         if name not in strategy_registry:
             strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction,
                                        zero_stage=zero_stage)
+
+
+def register_fsdp_names(cls, strategy_registry) -> None:
+    """Register :data:`FSDP_STRATEGY_NAMES` for ``cls`` (a Trainer's FSDP strategy or
+    Fabric's) in a registry that lacks them."""
+    for name, description, offload_fraction in FSDP_STRATEGY_NAMES:
+        if name not in strategy_registry:
+            strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction)
 
 
 def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:

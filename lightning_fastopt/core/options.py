@@ -96,6 +96,17 @@ class StrategyOptions:
         return cls.check(**{n: arguments[n] for n in names})
 
 
+    @classmethod
+    def for_fsdp(cls, strategy: str, **arguments: Any) -> StrategyOptions:
+        """:meth:`check` of the arguments the FSDP strategies take (``strategy``: the class
+        name, for the message refusing ``offload_fraction="auto"``); the others as off."""
+        if arguments.get("offload_fraction") == "auto":
+            raise ValueError(f"offload_fraction='auto' is not measured under {strategy} yet: give a number in "
+                             "[0.0, 1.0]")
+        return cls.check(**arguments, zero_stage=0, keep_gradients=False, stream_cpu_step=False,
+                         delayed_update=False, delayed_update_warmup=40, gpu_memory_budget_gb=None,
+                         host_state_dtype="float32", forward_waits="step")
+
 
 def offload_arguments(options: Any) -> dict[str, Any]:
     """The arguments of the offload (or ZeRO) optimizer that come from the options (without

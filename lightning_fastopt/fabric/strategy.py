@@ -60,7 +60,7 @@ from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.fabric.precision import FastOptFabricPrecision, to_fabric_precision
+from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
@@ -71,7 +71,7 @@ from lightning_fastopt.core.precision import needs_closure
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
 
 
-class FastOptFabricStrategy(DDPStrategy):
+class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
     """The arguments are :class:`~lightning_fastopt.FastOptStrategy`'s, with
     ``keep_gradients=True`` by default (see the module's documentation); ``**kwargs`` go
     to Fabric's ``DDPStrategy``."""
@@ -124,19 +124,6 @@ class FastOptFabricStrategy(DDPStrategy):
     @override
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
-
-    # ------------------------------------------------------------------ precision
-    @property
-    @override
-    def precision(self) -> FastOptFabricPrecision:
-        if self._precision is None:
-            self._precision = FastOptFabricPrecision("32-true")
-        return self._precision
-
-    @precision.setter
-    @override
-    def precision(self, precision) -> None:
-        self._precision = None if precision is None else to_fabric_precision(precision, **self.options.scale_knobs)
 
     # ------------------------------------------------------------------ environment
     @property
@@ -260,25 +247,6 @@ class FastOptFabricStrategy(DDPStrategy):
             return "keep"
         ddp = not self._one_process and self._effective_stage < 2
         return "copy_at_step" if ddp else "copy_in_backward"
-
-    # ------------------------------------------------------------------ steps
-    @override
-    def clip_gradients_norm(self, module: Module, optimizer, max_norm: float | int, norm_type: float | int = 2.0,
-                            error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Clip what the step reads by its L2 norm (fp16: as if unscaled); returns the norm."""
-        if norm_type != 2.0:
-            raise ValueError(f"the fastopt strategies clip by the L2 norm (norm_type=2), got norm_type={norm_type!r}")
-        total = self.precision.clip_scaled_gradients(optimizer, max_norm)
-        if total is None:
-            return torch.tensor(0.0)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"the total norm of the gradients is {total.item()}: clip_gradients(..., "
-                               "error_if_nonfinite=False) clips anyway")
-        return total
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer, clip_val: float | int) -> None:
-        self.precision.clip_scaled_gradients(optimizer, clip_val, by_value=True)
 
     # ------------------------------------------------------------------ checkpoints
     @override

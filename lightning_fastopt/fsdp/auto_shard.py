@@ -4,12 +4,13 @@
 As an FSDP auto-wrap policy decides: either every submodule of the given classes
 (``auto_wrap_policy={Block}``, the usual choice for transformers), or, without classes,
 every submodule whose parameters not yet sharded below it number at least
-``min_num_params`` (torch's size-based policy, visited children first).  Then each child
-of the LightningModule that still holds unsharded parameters is sharded as a root
-(FSDP2 all-gathers a module's parameters when its forward runs; a LightningModule's own
-forward may never run, its children's do).  A LightningModule that holds parameters
-itself, outside any child, cannot be sharded this way: that is an error saying to
-shard it in ``configure_model``.
+``min_num_params`` (torch's size-based policy, visited children first).  Then the root:
+a Fabric model, whose forward the loop calls, is sharded itself; of a LightningModule,
+whose own forward may never run (``training_step`` calls its children's), each child that
+still holds unsharded parameters is sharded as a root (FSDP2 all-gathers a module's
+parameters when its forward runs).  A LightningModule that holds parameters itself,
+outside any child, cannot be sharded this way: that is an error saying to shard it in
+``configure_model``.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ def check_auto_wrap_policy(policy: Any, min_num_params: Any) -> tuple[type, ...]
     return tuple(classes)
 
 
-def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_params: int, **shard_args: Any) -> int:
+def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_params: int, *,
+                forward_runs: bool = False, **shard_args: Any) -> int:
     """Shard ``module``'s submodules with ``fully_shard(..., mesh=mesh, **shard_args)`` by
-    the policy (``classes``, or ``min_num_params``), then its children that still hold
-    unsharded parameters, as roots; returns how many modules were sharded."""
+    the policy (``classes``, or ``min_num_params``), then ``module`` itself as the root when
+    its forward runs (``forward_runs``), else its children that still hold unsharded
+    parameters, as roots; returns how many modules were sharded."""
     from torch.distributed.fsdp import fully_shard
 
-    if any(True for _ in module.parameters(recurse=False)):
+    if not forward_runs and any(True for _ in module.parameters(recurse=False)):
         names = [n for n, _ in module.named_parameters(recurse=False)]
         raise ValueError(f"{type(module).__name__} holds parameters of its own ({', '.join(names)}), outside any "
                          "submodule: the strategy cannot shard them on its own; shard the model in the "
@@ -61,6 +64,9 @@ def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_para
         return left
 
     visit(module)
+    if forward_runs:
+        fully_shard(module, mesh=mesh, **shard_args)
+        return sharded + 1
     for child in module.children():
         if _has_unsharded(child):
             fully_shard(child, mesh=mesh, **shard_args)

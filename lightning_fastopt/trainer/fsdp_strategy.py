@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import check_passed_kwargs, fused_for, say_runs_as_torch
+from lightning_fastopt.core.engines import check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fsdp import LocalShardOptimizer
@@ -47,15 +47,7 @@ from lightning_fastopt.optim.wrapper import unwrapped
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 
-__all__ = ["FSDP_STRATEGY_NAMES", "FSDPTrainerStrategy"]
-
-# (name, description, offload_fraction)
-FSDP_STRATEGY_NAMES = (
-    ("fastopt_fsdp", "Lightning's ModelParallelStrategy (FSDP2, ZeRO-3) with lightning_fastopt's fused step on each "
-                     "rank's shards", 0.0),
-    ("fastopt_fsdp_offload", "fastopt_fsdp with every rank's shard of masters and optimizer state in CPU memory", 1.0),
-)
-
+__all__ = ["FSDPTrainerStrategy"]
 
 class FSDPTrainerStrategy(PrecisionSlot):
     """FSDP2 (ZeRO stage 3) with the fused, offloaded optimizer step on each rank's shards.
@@ -98,18 +90,13 @@ class FSDPTrainerStrategy(PrecisionSlot):
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's")
-        if offload_fraction == "auto":
-            raise ValueError("offload_fraction='auto' is not measured under FastOptFSDPStrategy yet: give a number "
-                             "in [0.0, 1.0]")
         ops.check_environment()
-        options = StrategyOptions.check(
-            offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory, bucket_size_mb=bucket_size_mb,
-            cpu_threads=cpu_threads, loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-            loss_scale_window=loss_scale_window, hysteresis=hysteresis, min_loss_scale=min_loss_scale,
-            at_min_loss_scale=at_min_loss_scale, wall_clock_breakdown=wall_clock_breakdown, zero_stage=0,
-            copy_on_cpu=copy_on_cpu, keep_gradients=False, stream_cpu_step=False, delayed_update=False,
-            delayed_update_warmup=40, gpu_memory_budget_gb=None, host_state_dtype="float32", forward_waits="step",
-            closure_optimizers=closure_optimizers)
+        options = StrategyOptions.for_fsdp(
+            type(self).__name__, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
+            bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
+            initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
+            min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
+            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -221,9 +208,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        for name, description, offload_fraction in FSDP_STRATEGY_NAMES:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction)
+        register_fsdp_names(cls, strategy_registry)
 
 
 def _sharded_by_the_strategy() -> None:

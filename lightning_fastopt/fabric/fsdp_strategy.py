@@ -1,0 +1,182 @@
+"""FastOptFabricFSDPStrategy: ZeRO stage 3 for Lightning Fabric, Fabric's
+``ModelParallelStrategy`` (torch's FSDP2) with lightning_fastopt's step on each rank's
+local shards, registered as ``fastopt_fsdp`` and ``fastopt_fsdp_offload`` in Fabric's
+registry.
+
+As under Fabric's ``ModelParallelStrategy``: ``fabric.setup_module(model)`` applies
+``parallelize_fn(model, device_mesh)`` (the project's ``fully_shard`` calls), then
+``fabric.setup_optimizers(optimizer)`` over the sharded parameters; without a
+``parallelize_fn`` the strategy shards the model itself (``auto_wrap_policy``,
+:mod:`~lightning_fastopt.fsdp.auto_shard`, the model itself as the root).  Each optimizer
+runs in a :class:`~lightning_fastopt.fsdp.LocalShardOptimizer` while it stays the user's
+object; ``fabric.clip_gradients`` clips by torch's norm of the DTensor gradients;
+``fabric.save``/``fabric.load`` are Fabric's (distributed or full checkpoints), given
+the optimizer as torch would hold it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_fastopt import ops
+from lightning_fastopt.core.cpu_threads import TorchThreads
+from lightning_fastopt.core.engines import check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch
+from lightning_fastopt.core.options import StrategyOptions, offload_arguments
+from lightning_fastopt.core.precision import needs_closure
+from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
+from lightning_fastopt.fsdp import LocalShardOptimizer
+from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
+from lightning_fastopt.optim.wrapper import unwrapped
+
+__all__ = ["FastOptFabricFSDPStrategy"]
+
+
+class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
+    """FSDP2 (ZeRO stage 3) with the fused, offloaded optimizer step on each rank's shards.
+
+    Args:
+        parallelize_fn: Fabric's ``ModelParallelStrategy``'s (``fn(module, device_mesh)``
+            returning the sharded module); None: the strategy shards the model by
+            ``auto_wrap_policy`` or ``min_num_params`` (as ``FastOptFSDPStrategy``), and
+            both mesh sizes left at ``"auto"`` mean every process data-parallel.
+        The others: as the Trainer's ``FastOptFSDPStrategy``.
+    """
+
+    def __init__(self, parallelize_fn: Callable[[Module, Any], Module] | None = None, offload_fraction: float = 1.0,
+                 overlap: bool = True, pin_memory: bool = True, bucket_size_mb: float = 64.0,
+                 cpu_threads: int | None = None, loss_scale: float = 0.0, initial_scale_power: int = 16,
+                 loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0,
+                 at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
+                 closure_optimizers: Sequence[str] = (), auto_wrap_policy: Iterable[type] | None = None,
+                 min_num_params: int = 100_000_000, data_parallel_size: int | str = "auto",
+                 tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 **kwargs: Any) -> None:
+        check_passed_kwargs(kwargs, (), type(self), "Fabric's ModelParallelStrategy's")
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, or None, got "
+                            f"{parallelize_fn!r}")
+        ops.check_environment()
+        self.options = StrategyOptions.for_fsdp(
+            type(self).__name__, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
+            bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
+            initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
+            min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
+            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers)
+        self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
+        self._min_num_params = min_num_params
+        self._shards_itself = parallelize_fn is None
+        self._threads = TorchThreads()
+        self._engines: dict[int, LocalShardOptimizer] = {}  # by id of the user's optimizer
+        self._users: list[torch.optim.Optimizer] = []
+        self._module: Module | None = None  # the model set up (its parameter names key the state)
+        super().__init__(parallelize_fn or self._shard, data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+
+    @property
+    def offload_fraction(self) -> float:
+        return self.options.offload_fraction
+
+    @override
+    def setup_environment(self) -> None:
+        if self._shards_itself and self._data_parallel_size == self._tensor_parallel_size == "auto":
+            self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        super().setup_environment()
+        self._threads.set(self.options.cpu_threads, self.num_processes)
+
+    def _shard(self, module: Module, mesh) -> Module:
+        """The ``parallelize_fn`` of a project that gives none."""
+        count = shard_model(module, mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params,
+                            forward_runs=True)
+        policy = (f"each {', '.join(c.__name__ for c in self._auto_wrap_classes)}" if self._auto_wrap_classes
+                  else f"modules of at least {self._min_num_params:,} parameters")
+        rank_zero_info(f"lightning_fastopt: sharded {count} module(s) with fully_shard ({policy}, then the model)")
+        return module
+
+    # ------------------------------------------------------------------ optimizers
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = super().setup_module(module)
+        self._module = module
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` itself, stepped by a :class:`LocalShardOptimizer` over the rows this
+        rank holds (made after ``setup_module``, over the sharded parameters)."""
+        if id(optimizer) in self._engines or needs_closure(optimizer, self.options.closure_optimizers):
+            if id(optimizer) not in self._engines:
+                say_runs_as_torch(optimizer)
+            return optimizer
+        module = self._module
+        if module is None:
+            raise RuntimeError("FastOptFabricFSDPStrategy steps the sharded parameters: set the model up first "
+                               "(fabric.setup_module(model)), then create the optimizer over its parameters and "
+                               "set it up (fabric.setup_optimizers(optimizer))")
+        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
+        fused = fused_for(optimizer, module, self.precision.precision)
+        engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
+                                     **offload_arguments(self.options))
+        rank_zero_info(f"lightning_fastopt: {engine!r}")
+        self._engines[id(optimizer)] = engine
+        self._users.append(optimizer)
+        return take_over(optimizer, engine)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _as_torch_holds_them(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with each optimizer we step replaced by a view of it as torch holds it."""
+        return {k: copy.copy(unwrapped(v)) if isinstance(v, torch.optim.Optimizer) and self._steps(v) else v
+                for k, v in state.items()}
+
+    def _steps(self, optimizer: torch.optim.Optimizer) -> bool:
+        return engine_of(optimizer) in self._engines.values()
+
+    @override
+    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict | None = None) -> None:
+        """Fabric's (a directory of shards, or one full file), the optimizers in torch's layout."""
+        super().save_checkpoint(path, self._as_torch_holds_them(state), storage_options=storage_options,
+                                filter=filter)
+
+    @override
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
+        """Fabric's, loading each optimizer we step as torch would hold it, then into its engine."""
+        if not isinstance(state, dict):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        views = self._as_torch_holds_them(state)
+        remaining = super().load_checkpoint(path, views, strict=strict, weights_only=weights_only)
+        for key, value in state.items():
+            if views[key] is not value and isinstance(value, torch.optim.Optimizer):
+                view = views[key]
+                engine_of(value).load_param_state(view.state, view.param_groups)
+            elif views[key] is not value:
+                state[key] = views[key]  # metadata Fabric loaded into the dict it was given
+        return remaining
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        for optimizer in self._users:
+            give_back(optimizer)
+        self._threads.restore()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        register_fsdp_names(cls, strategy_registry)

@@ -1,0 +1,111 @@
+"""One Fabric loop on two gloo processes under Fabric's ``ModelParallelStrategy`` (FSDP2)
+or lightning_fastopt's ``FastOptFabricFSDPStrategy``: a model sharded by a
+``parallelize_fn`` (each Linear, then the model; rows that do not divide evenly, one
+that only rank 0 holds), clipping by norm and gradient accumulation.
+
+    python tests/scripts/fsdp_fabric_run.py STRATEGY OUT [resume:FIRST] [checkpoint=full]
+
+STRATEGY: ``reference`` or ``fastopt-<fraction>`` (``copy_on_cpu=True``), or
+``fastopt-<fraction>-classes`` (no ``parallelize_fn``: the strategy shards each Linear).
+Writes OUT.rank<r>: the full weights and optimizer state (gathered DTensors) after
+:data:`STEPS` steps.  With ``resume:FIRST``: the loop under FIRST saves a checkpoint
+(``fabric.save``) after half the steps and stops; a new Fabric under STRATEGY loads it
+and runs the rest.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_fastopt import FastOptFabricFSDPStrategy  # noqa: E402
+
+STEPS = 6
+MICRO_BATCHES = 2
+
+
+def _parallelize(model, mesh):
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def _strategy(name, full):
+    if name == "reference":
+        return ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=not full)
+    _, fraction, *form = name.split("-")
+    if form:
+        return FastOptFabricFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
+                                         auto_wrap_policy={nn.Linear}, save_distributed_checkpoint=not full)
+    return FastOptFabricFSDPStrategy(_parallelize, offload_fraction=float(fraction), copy_on_cpu=True,
+                                     bucket_size_mb=0.0005, data_parallel_size=2, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=not full)
+
+
+def _batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS * MICRO_BATCHES)]
+
+
+def _full(value):
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _run(name, full, first_step, last_step, load=None, save=None):
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(name, full))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(),
+                                              nn.Linear(16, 1)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if load is not None:
+        fabric.load(load, state)
+    batches = _batches(fabric.global_rank)
+    for step in range(first_step, last_step):
+        for i in range(MICRO_BATCHES):
+            x, y = batches[step * MICRO_BATCHES + i]
+            with fabric.no_backward_sync(model, enabled=i < MICRO_BATCHES - 1):
+                fabric.backward(nn.functional.mse_loss(model(x), y) / MICRO_BATCHES)
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    state["step"] = last_step
+    if save is not None:
+        fabric.save(save, state)
+    return fabric, model, optimizer, state
+
+
+def main():
+    name, out = sys.argv[1:3]
+    extra = sys.argv[3:]
+    full = "checkpoint=full" in extra
+    resume = next((a for a in extra if a.startswith("resume:")), None)
+    if resume:
+        path = Path(f"{out}.ckpt")
+        _run(resume.partition(":")[2], full, 0, STEPS // 2, save=path)
+        fabric, model, optimizer, state = _run(name, full, STEPS // 2, STEPS, load=path)
+        assert state["step"] == STEPS
+    else:
+        fabric, model, optimizer, state = _run(name, full, 0, STEPS)
+    names = {p: n for n, p in model.named_parameters()}
+    result = {f"weight/{n}": _full(p.detach()) for n, p in model.named_parameters()}
+    held_by_torch = copy.copy(optimizer.optimizer)  # ours: as torch would hold it (the engine holds the state)
+    for p in names:
+        held = held_by_torch.state.get(p) or {}
+        result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in held.items()})
+    torch.save(result, f"{out}.rank{fabric.global_rank}")
+
+
+if __name__ == "__main__":
+    main()

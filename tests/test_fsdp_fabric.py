@@ -1,0 +1,81 @@
+"""``FastOptFabricFSDPStrategy`` (Fabric's ``fastopt_fsdp``: ZeRO stage 3 on Fabric's
+``ModelParallelStrategy``) on two gloo processes through the accelerator code path on
+the CPU (``copy_on_cpu=True``): a Fabric loop with ``fabric.clip_gradients`` and
+accumulation under ``no_backward_sync`` ends bit for bit where Fabric's
+``ModelParallelStrategy`` with torch's AdamW ends (``torch.equal`` on the gathered weights
+and optimizer state), at fractions 0, 0.5 and 1, the model sharded by a
+``parallelize_fn`` or by the strategy itself; ``fabric.save`` mid-loop and ``fabric.load``
+in a new Fabric end there too, across the two strategies both ways, with distributed and
+full checkpoints (``tests/scripts/fsdp_fabric_run.py``).  In one process: the names
+registered with Fabric, and bad arguments refused when built."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import subprocess_env
+
+slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "tests" / "scripts" / "fsdp_fabric_run.py"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    runs = {}
+
+    def loop(strategy, *extra):
+        key = (strategy, *extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("fsdp_fabric") / "run.pt"
+            proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out), *extra], cwd=REPO,
+                                  env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[key] = [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+        return runs[key]
+    return loop
+
+
+def _assert_same(ours, ref):
+    for a, b in zip(ours, ref):
+        assert a.keys() == b.keys() and any(k.startswith("state/") for k in a)
+        for key in b:
+            assert torch.equal(a[key], b[key]), key
+
+
+@slow
+@pytest.mark.parametrize("strategy", ["fastopt-0", "fastopt-0.5", "fastopt-1-classes"])
+def test_a_fabric_loop_ends_where_model_parallel_strategy_ends(run, strategy):
+    _assert_same(run(strategy), run("reference"))
+
+
+@slow
+@pytest.mark.parametrize("strategy, first, kind", [
+    ("fastopt-0.5", "fastopt-0.5", "distributed"), ("fastopt-1", "reference", "distributed"),
+    ("reference", "fastopt-0", "distributed"), ("fastopt-0.5", "reference", "full"),
+    ("reference", "fastopt-1", "full")])
+def test_fabric_save_and_load_mid_loop_end_there_too(run, strategy, first, kind):
+    extra = ("checkpoint=full",) if kind == "full" else ()
+    _assert_same(run(strategy, f"resume:{first}", *extra), run("reference"))
+
+
+def test_registered_with_fabric_and_bad_arguments_refused():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_fastopt import FastOptFabricFSDPStrategy
+
+    for name, fraction in (("fastopt_fsdp", 0.0), ("fastopt_fsdp_offload", 1.0)):
+        strategy = STRATEGY_REGISTRY.get(name)
+        assert isinstance(strategy, FastOptFabricFSDPStrategy) and strategy.offload_fraction == fraction
+    with pytest.raises(TypeError, match="parallelize_fn must be a function"):
+        FastOptFabricFSDPStrategy("shard it")
+    with pytest.raises(ValueError, match="offload_fraction='auto' is not measured under FastOptFabricFSDPStrategy"):
+        FastOptFabricFSDPStrategy(offload_fraction="auto")
+    with pytest.raises(TypeError, match=r"'tensor_paralel_size' \(did you mean 'tensor_parallel_size'\?\)"):
+        FastOptFabricFSDPStrategy(tensor_paralel_size=1)
+    with pytest.raises(RuntimeError, match="set the model up first"):
+        FastOptFabricFSDPStrategy().setup_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))
