@@ -4,7 +4,8 @@ The figures are exact for what the strategy allocates per parameter (weights,
 gradients, float32 masters, optimizer state, host buffers), for the same split of
 parameters the strategy makes, on one rank (with ZeRO, the rank's shard); activations,
 the CUDA context, allocator slack and communication buffers (DDP's gradient buckets,
-ZeRO's reduction and broadcast buckets of ``bucket_size_mb``) are not included.
+ZeRO's reduction and broadcast buckets of ``bucket_size_mb``, FSDP's gathered weights and
+unsharded gradients of the layers in flight) are not included.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class MemoryEstimate:
         rows.append(f"{'total':16s}{_gib(self.gpu_total):>12s}{_gib(self.cpu_total):>12s}")
         rows.append(f"({self.offloaded_params:,} of {self.total_params:,} parameters offloaded)")
         if self.zero_stage and self.world_size > 1:
+            what = "rows of every parameter" if self.zero_stage == 3 else "parameters"
             rows.append(f"(ZeRO stage {self.zero_stage}, rank {self.rank} of {self.world_size}: "
-                        f"a shard of {self.owned_params:,} parameters)")
+                        f"a shard of {self.owned_params:,} {what})")
         return "\n".join(rows)
 
 
@@ -88,6 +90,12 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       non-offloaded parameters.  Each rank on a machine holds its own host share: the
       machine's host memory needs the sum over its ranks.  Without ZeRO (``zero_stage=0``,
       DDP) every rank holds what one process would, whatever ``world_size``.
+    - ``zero_stage=3`` (``fastopt_fsdp``, FSDP2 over ``world_size`` data-parallel ranks;
+      ``model`` unsharded): a rank holds its rows of every parameter (the first dimension
+      chunked as ``fully_shard`` chunks it; the padding of the last chunk not counted),
+      their gradients until ``zero_grad`` (offloaded ones too: they are copied to the host
+      at the step), and the masters and state of those rows, ``offload_fraction`` of them
+      in host memory.
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -97,6 +105,12 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     state_tensors = _STATE_TENSORS[key] + (1 if amsgrad and key in ("adam", "adamw") else 0)
     params = [p for p in model.parameters() if p.requires_grad]
     owners = _owners(params, zero_stage, world_size, rank)
+    if zero_stage == 3:  # each rank its rows of every parameter
+        ranks = range(world_size) if rank is None else [rank]
+        each = [_rank_estimate(_local_rows(params, r, world_size), [True] * len(params), offload_fraction,
+                               state_tensors, speculate, 3, world_size, r, sum(p.numel() for p in params))
+                for r in ranks]
+        return max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
 
     def estimate(r: int, owned: list[bool]) -> MemoryEstimate:
         return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r)
@@ -109,12 +123,15 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
 
 
 def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fraction: float, state_tensors: int,
-                   speculate: bool, zero_stage: int, world_size: int, rank: int) -> MemoryEstimate:
-    """One rank's figures, owning the parameters ``owned`` marks (see :func:`estimate_memory`)."""
+                   speculate: bool, zero_stage: int, world_size: int, rank: int,
+                   total: int | None = None) -> MemoryEstimate:
+    """One rank's figures, owning the parameters ``owned`` marks (see :func:`estimate_memory`;
+    at stage 3 ``params`` are the rank's rows, ``total`` the model's elements)."""
     mine = [p for p, o in zip(params, owned) if o]
     chosen = iter(choose_offloaded(mine, offload_fraction))
-    est = MemoryEstimate(total_params=sum(p.numel() for p in params), owned_params=sum(p.numel() for p in mine),
-                         rank=rank, world_size=world_size, zero_stage=zero_stage)
+    est = MemoryEstimate(total_params=sum(p.numel() for p in params) if total is None else total,
+                         owned_params=sum(p.numel() for p in mine), rank=rank, world_size=world_size,
+                         zero_stage=zero_stage)
     sharded = zero_stage > 0 and world_size > 1
     for p, own in zip(params, owned):
         n, size = p.numel(), p.element_size()
@@ -125,7 +142,8 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             est.gpu["grads"] += n * size if zero_stage == 1 else 0
         elif next(chosen):
             est.offloaded_params += n
-            est.gpu["grads"] += n * size if sharded and zero_stage == 1 else 0  # copied at the step
+            # copied at the step: stage 1's (DDP's) and stage 3's (FSDP's p.grad) stay until zero_grad
+            est.gpu["grads"] += n * size if sharded and zero_stage in (1, 3) else 0
             est.cpu["grads"] += n * size
             est.cpu["master_weights"] += m * n + (n * size if half else 0)
             est.cpu["optimizer_state"] += m * n * state_tensors
@@ -140,15 +158,28 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
 def _owners(params: list[torch.Tensor], zero_stage: int, world_size: int, rank: int | None) -> list[int] | None:
     """The owning rank of each of ``params`` (ZeRO's partition), or None without sharding;
     checks the arguments."""
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (fastopt_fsdp), got {zero_stage!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
         raise ValueError(f"rank must be an int in [0, {world_size}) (world_size={world_size}), got {rank!r}")
-    if zero_stage == 0 or world_size == 1:
+    if zero_stage in (0, 3) or world_size == 1:
         return None
     return assign_owners([p.numel() for p in params], world_size)
+
+
+def _local_rows(params: list[torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:
+    """``rank``'s rows of each parameter as ``fully_shard`` chunks the first dimension
+    (``torch.chunk``: chunks of ``ceil(rows / world_size)``, the last ones shorter or
+    empty), as tensors on the meta device."""
+    local = []
+    for p in params:
+        shape = tuple(p.shape) or (1,)
+        chunk = -(-shape[0] // world_size)
+        rows = max(0, min(shape[0], (rank + 1) * chunk) - rank * chunk)
+        local.append(torch.empty((rows, *shape[1:]), dtype=p.dtype, device="meta"))
+    return local
 
 
 def _gib(n: int) -> str:

@@ -122,12 +122,15 @@ def allocated_bytes(opt):
     return total, 3 * 64 * sum(len(b.slots) for b in opt._buckets)
 
 
-def memory_model(dtype=torch.float32, layers=None):
+def memory_model(dtype=torch.float32, layers=None, rows=()):
     """The small model of the memory estimate's tests (tests/test_memory.py); with
-    ``layers``, that many Linear(32, 32) instead (ZeRO: several tensors per rank)."""
+    ``layers``, that many Linear(32, 32) instead (ZeRO: several tensors per rank), and with
+    ``rows`` Linear(32, r) after them (FSDP: rows that do not divide evenly)."""
     torch.manual_seed(0)
     if layers:
-        return torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).to(dtype)
+        sizes = [32] * layers + list(rows)
+        return torch.nn.Sequential(*[torch.nn.Linear(32 if i == 0 else sizes[i - 1], n)
+                                     for i, n in enumerate(sizes)]).to(dtype)
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).to(dtype)
 
 

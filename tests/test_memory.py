@@ -87,6 +87,33 @@ def test_a_zero_estimate_is_what_each_rank_allocates(tmp_path, stage):
     assert f"ZeRO stage {stage}, rank {default.rank} of 2" in str(default)
 
 
+def test_an_fsdp_estimate_is_what_each_rank_holds(tmp_path):
+    """Two gloo processes, the model sharded by ``fully_shard`` (rows 33, 32 and 1 over two
+    ranks: 17 and 16, 16 and 16, 1 and 0) and a LocalShardOptimizer at 0.5 of each rank's
+    rows offloaded: each rank's rows, their gradients (kept until ``zero_grad``), masters,
+    host buffers and state are its estimate (``zero_stage=3``, rank 0 and 1)."""
+    subprocess.run([sys.executable, str(REPO / "tests/scripts/zero_memory_run.py"), str(tmp_path), "3", "0.5"],
+                   check=True, timeout=300, cwd=REPO, env=subprocess_env(REPO))
+    model = _model(layers=4, rows=(33, 32, 1))
+    ranks = []
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        est = estimate_memory(model, offload_fraction=0.5, optimizer="adam", amsgrad=True, zero_stage=3,
+                              world_size=2, rank=rank)
+        assert (est.owned_params, est.offloaded_params) == (got["owned"], got["offloaded"]) and got["owned"] == got["rows"]
+        assert 0 < est.offloaded_params < est.owned_params < est.total_params
+        expected = est.cpu_total + est.gpu["master_weights"] + est.gpu["optimizer_state"]
+        assert 0 <= got["allocated"] - expected <= got["padding"]
+        assert est.gpu["params"] == 4 * got["rows"] and est.gpu["grads"] == 4 * got["grad_rows"]
+        assert all(got["kept_after_step"])
+        ranks.append(est)
+    assert ranks[0].owned_params + ranks[1].owned_params == ranks[0].total_params
+    assert ranks[0].owned_params != ranks[1].owned_params
+    default = estimate_memory(model, offload_fraction=0.5, optimizer="adam", amsgrad=True, zero_stage=3, world_size=2)
+    assert default == max(ranks, key=lambda e: (e.gpu_total, e.cpu_total))
+    assert "ZeRO stage 3, rank 0 of 2: a shard of" in str(default) and "rows of every parameter" in str(default)
+
+
 def test_the_default_rank_is_the_one_needing_the_most_accelerator_memory():
     """Offloading whole tensors from the end of each shard: rank 0 owns the most elements
     (61 + 40) but offloads all of them at 0.5, rank 1 (10 + 89) keeps 10 on the GPU.  The
@@ -112,8 +139,8 @@ def test_bad_arguments():
         estimate_memory(_model(), optimizer="rmsprop")
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\]"):
         estimate_memory(_model(), offload_fraction=2)
-    with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2, got 3"):
-        estimate_memory(_model(), zero_stage=3)
+    with pytest.raises(ValueError, match=r"zero_stage must be 0, 1, 2 or 3 \(fastopt_fsdp\), got 4"):
+        estimate_memory(_model(), zero_stage=4)
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         estimate_memory(_model(), world_size=0)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\) \(world_size=2\), got 2"):

@@ -6,7 +6,9 @@ Two gloo processes (a file store in OUT) build ZeroOptimizer(FusedAdam(amsgrad=T
 STAGE with FRACTION of each shard offloaded through the accelerator's code path
 (copy_on_cpu), run a step and write OUT/rank{R}.json: the bytes its optimizer allocated
 (and the padding allowance), its owned and offloaded element counts, and which parameters
-still held a gradient when backward had ended and after the step.
+still held a gradient when backward had ended and after the step.  STAGE 3: the model
+sharded by ``fully_shard`` (each Linear, then the model) and a LocalShardOptimizer; the
+elements of the rank's rows of the parameters and of their gradients are written too.
 """
 
 import json
@@ -19,26 +21,50 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fastopt import FusedAdam  # noqa: E402
+from lightning_fastopt.fsdp import LocalShardOptimizer  # noqa: E402
 from lightning_fastopt.zero import ZeroOptimizer  # noqa: E402
 from tests.helpers import allocated_bytes, end_process_group, memory_model  # noqa: E402
 
 
 def run(rank: int, out: str, stage: int, fraction: float) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=2)
-    model = memory_model(layers=4)
-    opt = ZeroOptimizer(FusedAdam(model.parameters(), amsgrad=True), stage=stage, offload_fraction=fraction,
-                        bucket_size_mb=0.001, copy_on_cpu=True)
+    model = memory_model(layers=4) if stage < 3 else _sharded(memory_model(layers=4, rows=(33, 32, 1)))
+    if stage < 3:
+        opt = ZeroOptimizer(FusedAdam(model.parameters(), amsgrad=True), stage=stage, offload_fraction=fraction,
+                            bucket_size_mb=0.001, copy_on_cpu=True)
+    else:
+        opt = LocalShardOptimizer(FusedAdam(model.parameters(), amsgrad=True), offload_fraction=fraction,
+                                  bucket_size_mb=0.001, copy_on_cpu=True)
     torch.manual_seed(1)  # the same batch on both ranks: no DDP wrapper needed at stage 1
     model(torch.randn(4, 32)).sum().backward()
     kept_grads = [p.grad is not None for p in model.parameters()]
     opt.step()
     kept_after_step = [p.grad is not None for p in model.parameters()]
     allocated, padding = allocated_bytes(opt.local)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(dict(
-        allocated=allocated, padding=padding, owned=opt.owned_numel, offloaded=opt.local.offloaded_numel,
-        kept_grads=kept_grads, kept_after_step=kept_after_step)))
+    facts = dict(allocated=allocated, padding=padding, offloaded=opt.local.offloaded_numel, kept_grads=kept_grads,
+                 kept_after_step=kept_after_step)
+    if stage < 3:
+        facts["owned"] = opt.owned_numel
+    else:
+        facts.update(owned=opt.held_numel, rows=sum(_local(p).numel() for p in model.parameters()),
+                     grad_rows=sum(_local(p.grad).numel() for p in model.parameters() if p.grad is not None))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
     opt.close()
     end_process_group()
+
+
+def _sharded(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _local(tensor):
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 if __name__ == "__main__":
