@@ -6,7 +6,7 @@ optimizer ends (``torch.equal`` on the gathered weights and optimizer state), wi
 clipping by norm and gradient accumulation, at offload fractions 0, 0.5 and 1, for AdamW,
 SGD, Adagrad and RAdam (its own step), under ``bf16-mixed`` too; the one-line form (no
 ``configure_model``) as well; distributed and full checkpoints resume across the two
-strategies both ways (``tests/scripts/fsdp_trainer_run.py``).  And, in one process: the
+strategies both ways, and at another number of processes (``tests/scripts/fsdp_trainer_run.py``).  And, in one process: the
 names it is registered under in both Lightning packages, and its arguments checked when
 it is built."""
 
@@ -37,7 +37,11 @@ def run(tmp_path_factory):
             proc = subprocess.run([sys.executable, str(SCRIPT), strategy, optimizer, str(out), *extra], cwd=REPO,
                                   env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[key] = [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+            if "first-only" in extra:
+                runs[key] = Path(f"{out}.checkpoint").read_text()
+            else:
+                ranks = (0, 1) if "devices=1" not in extra else (0,)
+                runs[key] = [torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks]
         return runs[key]
     return fit
 
@@ -91,6 +95,19 @@ def test_a_checkpoint_resumes_as_under_model_parallel_strategy(run, strategy, fi
     counted each parameter's step into it.)"""
     extra = ("checkpoint=full",) if kind == "full" else ()
     _assert_same(run(strategy, "adamw", f"resume:{first}", *extra), run("reference", "adamw", "resume:reference", *extra))
+
+
+@slow
+@pytest.mark.parametrize("first, then, devices", [("fastopt-0.5", "fastopt-1", (2, 1)),
+                                                  ("reference", "fastopt-0.5", (1, 2))])
+def test_a_distributed_checkpoint_resumes_at_another_world_size(run, first, then, devices):
+    """Written on two processes, resumed on one, and the other way: ours ends where
+    ``ModelParallelStrategy`` resuming the same checkpoint ends (DCP re-shards it)."""
+    path = run(first, "adamw", "first-only", f"devices={devices[0]}")
+    ours = run(then, "adamw", f"from={path}", f"devices={devices[1]}")
+    ref = run("reference", "adamw", f"from={path}", f"devices={devices[1]}")
+    assert len(ours) == len(ref) == devices[1]
+    _assert_same(ours, ref)
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])

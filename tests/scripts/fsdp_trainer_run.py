@@ -4,6 +4,7 @@ or lightning_fastopt's ``FastOptFSDPStrategy``: a model the LightningModule shar
 that only rank 0 holds), clipping by norm and gradient accumulation.
 
     python tests/scripts/fsdp_trainer_run.py STRATEGY OPTIMIZER OUT [resume[:FIRST]] [precision=FLAG]
+        [checkpoint=full] [first-only] [from=CHECKPOINT] [devices=N]
 
 STRATEGY: ``reference`` (``ModelParallelStrategy``) or ``fastopt-<fraction>`` (through
 the accelerator code path on the CPU, ``copy_on_cpu=True``), ``fastopt-<fraction>-classes``
@@ -12,10 +13,13 @@ or ``fastopt-<fraction>-size`` (the one-line form: the LightningModule has no
 parameters); OPTIMIZER: a name of
 :data:`OPTIMIZERS`.  Writes OUT.rank<r>: the full weights and the full optimizer state
 (gathered DTensors) after fit.  With ``resume``: a first fit (under the strategy
-FIRST, by default STRATEGY) stops after the first of two epochs with a distributed
-checkpoint, which a second Trainer, under STRATEGY, resumes to the end.  ``precision``:
+FIRST, by default STRATEGY) stops after half the steps (on two processes: the first of
+two epochs) with a distributed checkpoint, which a second Trainer, under STRATEGY, resumes to the end.  ``precision``:
 the Trainer's flag (default ``32-true``); ``checkpoint=full``: the resumed checkpoint is
 one full file (``save_distributed_checkpoint=False``), not a directory of shards.
+``first-only``: only the first fit of ``resume`` (its checkpoint's path in OUT.checkpoint);
+``from=CHECKPOINT``: only the second, from that checkpoint; either on ``devices`` processes
+(default 2: resuming at another world size).
 """
 
 import sys
@@ -71,24 +75,26 @@ def _data():
     return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
 
 
-def _strategy(name, full):
+def _strategy(name, full, devices):
     if name == "reference":
-        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not full)
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
     if form:  # the one-line form: the mesh sizes left to the strategy too
         policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
         return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
                                    **policy)
     return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
-                               data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not full)
+                               data_parallel_size=devices, tensor_parallel_size=1,
+                               save_distributed_checkpoint=not full)
 
 
 def _model(name, optimizer):
     return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
 
 
-def _trainer(name, root, precision, full=False, **kw):
-    return L.Trainer(accelerator="cpu", devices=2, strategy=_strategy(name, full), precision=precision,
+def _trainer(name, root, precision, full=False, devices=2, **kw):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(name, full, devices), precision=precision,
                      gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
 
@@ -106,14 +112,19 @@ def main():
     model = _model(name, optimizer)
     root = Path(out).parent / f"{Path(out).name}.root"
     data = torch.utils.data.DataLoader(_data(), batch_size=4)
-    path = None
-    if resume:
-        first = _trainer(resume.partition(":")[2] or name, root, precision, extra.get("checkpoint") == "full", max_epochs=1, enable_checkpointing=True)
+    path, devices = extra.get("from"), int(extra.get("devices", 2))
+    if resume or "first-only" in extra:
+        first = _trainer(resume.partition(":")[2] or name if resume else name, root, precision,
+                         extra.get("checkpoint") == "full", devices, max_steps=STEPS // 2, enable_checkpointing=True)
         first.fit(model, data)
         path = first.checkpoint_callback.best_model_path
+        if "first-only" in extra:
+            Path(f"{out}.checkpoint").write_text(path)
+            return
+    if path is not None:
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
         model = _model(name, optimizer)
-    trainer = _trainer(name, root, precision, max_steps=STEPS, enable_checkpointing=False)
+    trainer = _trainer(name, root, precision, devices=devices, max_steps=STEPS, enable_checkpointing=False)
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
