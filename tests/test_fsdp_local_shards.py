@@ -58,6 +58,8 @@ def test_each_rank_steps_its_own_rows_and_clipping_sometimes_triggered(ranks):
     held = [rank["adamw-1"]["ours"]["held"] for rank in ranks]
     assert held[0] != held[1] and sum(held) == sum(w.numel() for w in ranks[0]["initial"].values())
     assert "offload_fraction=1.0" in ranks[0]["adamw-1"]["ours"]["engine"]
+    for rank in ranks:  # the overflow one rank saw skipped the step on both; nothing else was skipped
+        assert [rank[c]["ours"]["skipped"] for c in CONFIGS] == [1 if c == "adamw-overflow" else 0 for c in CONFIGS]
     for config, (_, _, clip, _) in CONFIGS.items():
         if clip:
             norms = [n.item() for n in ranks[0][config]["ours"]["norms"]]

@@ -9,7 +9,9 @@ twice from the same initial weights: with the torch optimizer (clipping by
 ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients), and with the same optimizer
 taken over by a :class:`~lightning_fastopt.fsdp.LocalShardOptimizer` (through the
 accelerator code path on the CPU, ``copy_on_cpu=True``; clipping as the fastopt precision
-plugin clips).  Writes OUT_DIR/rank<r>.pt: for each configuration, both runs' full weights
+plugin clips; every step checks the gradients for overflow, as under fp16 loss scaling:
+in ``adamw-overflow`` rank 1 alone finds an inf, and the step is skipped on both ranks,
+as torch's run skips it).  Writes OUT_DIR/rank<r>.pt: for each configuration, both runs' full weights
 and full optimizer state (gathered DTensors), the clipping norms, and what the engine says
 of itself.
 """
@@ -33,7 +35,9 @@ from lightning_fastopt.optim.takeover import take_over  # noqa: E402
 
 STEPS = 6
 # name: (torch optimizer, offload fraction, clipping norm, micro-batches per step)
+OVERFLOW_AT = 2  # "adamw-overflow": rank 1 finds an inf in its rows of a gradient at this step
 CONFIGS = {
+    "adamw-overflow": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1),
     "adamw-0": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.0, 0.0, 1),
     "adamw-half": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1),
     "adamw-1": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 1.0, 0.0, 1),
@@ -73,10 +77,19 @@ def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
         engine = LocalShardOptimizer(to_fused_optimizer(opt), names, offload_fraction=fraction, copy_on_cpu=True,
                                      bucket_size_mb=0.0005)
         take_over(opt, engine)
-    norms = []
-    for batches in _batches(rank, micro_batches):
+    norms, overflow = [], make_opt is CONFIGS["adamw-overflow"][0]
+    for step, batches in enumerate(_batches(rank, micro_batches)):
         for x, y in batches:
             (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
+        if overflow and step == OVERFLOW_AT:  # skipped on every rank; torch's run skips it too
+            if ours:
+                if rank == 1:
+                    p = next(p for p in model.parameters() if p.grad._local_tensor.numel())
+                    p.grad._local_tensor.view(-1)[0] = float("inf")
+                engine.step(check_finite=True)
+                assert engine.last_step_skipped
+            opt.zero_grad()
+            continue
         if clip and ours:  # as the fastopt precision plugin clips (core.precision.clip_scaled_gradients)
             total = engine.gradient_norm()
             coef = torch.clamp(clip / (total + 1e-6), max=1.0)
@@ -86,7 +99,10 @@ def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
             norms.append(total)
         elif clip:
             norms.append(_full(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
+        if ours:
+            engine.step(check_finite=True)
+        else:
+            opt.step()
         opt.zero_grad()
     names = {p: n for n, p in model.named_parameters()}
     if ours:
@@ -95,7 +111,8 @@ def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
         state = {names[p]: {k: _full(v) for k, v in s.items()} for p, s in opt.state.items()}
     return {"weights": {n: _full(p.detach()) for n, p in model.named_parameters()}, "state": state, "norms": norms,
             "engine": repr(engine) if engine is not None else None,
-            "held": engine.held_numel if engine is not None else None}
+            "held": engine.held_numel if engine is not None else None,
+            "skipped": engine.skipped_steps if engine is not None else None}
 
 
 def _worker(rank, port, out_dir):
