@@ -60,7 +60,7 @@ def test_each_rank_steps_its_own_rows_and_clipping_sometimes_triggered(ranks):
     assert "offload_fraction=1.0" in ranks[0]["adamw-1"]["ours"]["engine"]
     for rank in ranks:  # the overflow one rank saw skipped the step on both; nothing else was skipped
         assert [rank[c]["ours"]["skipped"] for c in CONFIGS] == [1 if c == "adamw-overflow" else 0 for c in CONFIGS]
-    for config, (_, _, clip, _) in CONFIGS.items():
+    for config, (_, _, clip, _, _) in CONFIGS.items():
         if clip:
             norms = [n.item() for n in ranks[0][config]["ours"]["norms"]]
             assert min(norms) < clip < max(norms), (config, norms)
@@ -106,5 +106,24 @@ def test_what_it_cannot_run_is_refused_when_built():
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="FusedLAMB computes a norm over every gradient.*not supported yet"):
         LocalShardOptimizer(FusedLAMB(params, lr=1e-3))
-    with pytest.raises(TypeError, match="it sets device_grads"):
+    with pytest.raises(ValueError, match=r"takes device_grads \('copy_at_step', 'copy_when_reduced'\).*got 'keep'"):
         LocalShardOptimizer(FusedAdam(params, lr=1e-3), device_grads="keep")
+
+
+@slow
+def test_streamed_gradients_leave_the_device_during_backward_and_updates_start_there(ranks):
+    """Streamed: by the end of backward the offloaded parameters' ``p.grad`` are gone (4
+    of the 6 at fraction 0.5, every one at 1); speculated: every host bucket's update was
+    started during backward and, with clipping that sometimes scales, some were committed
+    and some redone."""
+    for rank in ranks:
+        for config, (_, fraction, _, _, options) in CONFIGS.items():
+            freed = rank[config]["ours"]["freed"]
+            if options.get("device_grads") == "copy_when_reduced":
+                assert set(freed) == ({6} if fraction == 1.0 else {4}), (config, freed)
+            else:
+                assert set(freed) == {0}, (config, freed)
+            totals = rank[config]["ours"]["totals"]
+            if options.get("speculate"):
+                assert totals["speculated"] == totals["committed"] + totals["redone"] and totals["committed"] > 0
+                assert totals["redone"] > 0

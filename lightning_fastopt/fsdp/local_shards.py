@@ -10,11 +10,24 @@ gives each DTensor parameter a plain parameter that aliases its local rows (same
 an update written there is what FSDP gathers next) and runs an
 :class:`~lightning_fastopt.offload.OffloadOptimizer` over them, so ``offload_fraction``
 of each rank's fp32 masters and optimizer state lives in host memory, stepped by the CPU
-kernels, the rest by the device's.  Each step the local rows of every ``p.grad`` are
-handed to the aliases (``device_grads="copy_at_step"``: the offloaded ones are copied to
-the host then).  What is not elementwise spans the shards as torch computes it over
-DTensors: the clipping norm is torch's ``get_total_norm`` of the DTensor gradients,
-the overflow check is agreed over the ranks.
+kernels, the rest by the device's.  The gradients' local rows reach the aliases in one of
+two ways (``device_grads``):
+
+- ``"copy_at_step"``: when the step starts (the offloaded ones are copied to the host
+  then); ``p.grad`` keeps every DTensor gradient until ``zero_grad``, as under torch;
+- ``"copy_when_reduced"``: as FSDP's reduce-scatter lands each one during backward (its
+  post-accumulate-grad hooks on the sharded parameters), the offloaded ones leave for the
+  host at once and their ``p.grad`` is dropped (the device memory saving), so nothing
+  outside the optimizer may read those between backward and the step; with
+  ``stream_cpu_step`` a host bucket's CPU update starts as its last gradient lands
+  (speculated with ``speculate``, as everywhere).  During gradient accumulation
+  (``accumulating``) FSDP adds each micro-batch into ``p.grad`` and nothing leaves.
+
+What is not elementwise spans the shards as torch computes it over DTensors: the clipping
+norm is torch's ``get_total_norm`` of the DTensor gradients (once some have left for the
+host, the same bits from the rows: each gradient's norm, squared, summed over the ranks
+and rooted, as DTensor reduces a partial norm, then the norm of those), the overflow
+check is agreed over the ranks.
 
 The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
 schedulers work); :meth:`state_of` gives a parameter's state as torch keeps it for a
@@ -41,6 +54,8 @@ from lightning_fastopt.runtime.distributed import all_reduce_scalar
 
 __all__ = ["LocalShardOptimizer", "local_alias"]
 
+_DEVICE_GRADS = ("copy_at_step", "copy_when_reduced")
+
 
 def local_alias(param: Tensor) -> torch.nn.Parameter:
     """A plain parameter over ``param``'s local rows (the same storage), or over ``param``
@@ -60,19 +75,22 @@ class LocalShardOptimizer(OptimizerWrapper):
         param_names: a name for each parameter (state dicts are keyed by them).
         process_group: the group the parameters are sharded over (overflow checks agree
             over it; default: the whole world).
+        device_grads: ``"copy_at_step"`` (default) or ``"copy_when_reduced"`` (see above).
         **offload_args: for this rank's :class:`~lightning_fastopt.offload.OffloadOptimizer`
-            (``offload_fraction``, ``bucket_size_mb``, ``copy_on_cpu``, ...); its
-            gradients arrive at the step (``device_grads`` is this class's to choose).
+            (``offload_fraction``, ``bucket_size_mb``, ``copy_on_cpu``, ``stream_cpu_step``,
+            ``speculate``, ...).
     """
 
     shards_gradients = True  # gradients() holds this rank's rows: overflow flags and norms span the ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
-                 process_group=None, **offload_args: Any) -> None:
+                 process_group=None, device_grads: str = "copy_at_step", **offload_args: Any) -> None:
         super().__init__(optimizer)
-        if "device_grads" in offload_args:
-            raise TypeError("LocalShardOptimizer takes the gradients' local rows at the step; it sets device_grads")
+        if device_grads not in _DEVICE_GRADS:
+            raise ValueError(f"LocalShardOptimizer takes device_grads {_DEVICE_GRADS} (the gradients' rows at the "
+                             f"step, or as FSDP's reduce-scatter lands them), got {device_grads!r}")
         self.group = process_group
+        self.device_grads = device_grads
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
@@ -87,7 +105,12 @@ class LocalShardOptimizer(OptimizerWrapper):
             if optimizer.state.get(p):
                 shard.state[self._alias[p]] = {k: _local(v) for k, v in optimizer.state[p].items()}
         optimizer.state.clear()
-        self.local = OffloadOptimizer(shard, self._alias_names, device_grads="copy_at_step", **offload_args)
+        streaming = device_grads == "copy_when_reduced"
+        self.local = OffloadOptimizer(shard, self._alias_names, device_grads=device_grads,
+                                      reduced_by=(lambda alias: alias.requires_grad) if streaming else None,
+                                      **offload_args)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._landed) for p in self._params
+                       if p.requires_grad] if streaming else []
         self._ready = True
 
     @override
@@ -98,6 +121,8 @@ class LocalShardOptimizer(OptimizerWrapper):
             self._alias[p] = local_alias(p)
             self._alias_names[self._alias[p]] = self.param_names[p]
         self._params += new
+        if self.device_grads == "copy_when_reduced":
+            self._hooks += [p.register_post_accumulate_grad_hook(self._landed) for p in new if p.requires_grad]
         self.local.add_param_group(dict(hyperparameters(group), params=[self._alias[p] for p in group["params"]]))
 
     # ------------------------------------------------------------------ passed to the local optimizer
@@ -145,6 +170,18 @@ class LocalShardOptimizer(OptimizerWrapper):
         return sum(a.numel() for a in self._alias.values())
 
     # ------------------------------------------------------------------ gradients and step
+    def _landed(self, param: Tensor) -> None:
+        """FSDP's reduce-scatter landed ``param``'s gradient (``device_grads="copy_when_reduced"``):
+        its rows go to the local optimizer, and an offloaded one's ``p.grad`` is dropped
+        once its copy to the host is on its way."""
+        if self.local.accumulating:
+            return  # FSDP adds the next micro-batch's into p.grad
+        alias = self._alias[param]
+        alias.grad = _local_grad(param)
+        self.local.grad_reduced(alias)
+        if alias.grad is None:  # taken to the host (the intake let go of it): the device copy goes too
+            param.grad = None
+
     def _take_gradients(self) -> None:
         """Hand the local rows of every ``p.grad`` (the reduce-scattered gradient) to the
         aliases the local optimizer reads."""
@@ -161,11 +198,15 @@ class LocalShardOptimizer(OptimizerWrapper):
     @override
     def gradient_norm(self) -> Tensor:
         """torch's ``get_total_norm`` of the DTensor gradients (what ``clip_grad_norm_``
-        takes under FSDP2), as a plain tensor; before the gradients leave for the host."""
+        takes under FSDP2), as a plain tensor; where some have left for the host, the same
+        bits from the rows (:func:`_total_norm_of_rows`)."""
         self._take_gradients()
-        grads = [p.grad for p in self._params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if self.device_grads == "copy_at_step" or not self.local.copies.needed:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        rows = self.local.gradients_by_param()
+        return _total_norm_of_rows([(p, rows.get(self._alias[p])) for p in self._params], self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # the DTensor gradients
@@ -209,12 +250,41 @@ class LocalShardOptimizer(OptimizerWrapper):
         })
 
     def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self.local.close()
 
     def _describe(self) -> str:
         rank = dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
         total = sum(p.numel() for p in self._params)
         return f"LocalShardOptimizer(rank {rank}, holds {self.held_numel} of {total} elements, {self.local!r})"
+
+
+def _total_norm_of_rows(grads: list[tuple[Tensor, Tensor | None]], group) -> Tensor:
+    """The bits of torch's ``get_total_norm`` over the DTensor gradients of the parameters
+    in ``grads``, from this rank's rows of each (wherever they are): the parameters grouped
+    as torch groups their gradients (device, dtype), each group's norms by
+    ``_foreach_norm``; each norm, a partial norm over the ranks, reduced as DTensor reduces
+    one (squared, summed over ``group``, rooted: one reduction per gradient, as there);
+    then the norm of them all, stacked in that order.  (Rows on the host are normed there:
+    on a GPU those norms may differ in the last bit from the device's, as for the other
+    strategies' offloaded gradients.)"""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for param, rows in grads:
+        if rows is not None:
+            groups.setdefault((param.device, rows.dtype), []).append(rows)
+    norms = []
+    reduce = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    for (device, _), rows in groups.items():
+        for norm in torch._foreach_norm(rows, 2.0):
+            square = norm.to(device) ** 2  # where DTensor reduces it: the parameter's device
+            if reduce:
+                dist.all_reduce(square, group=group)
+            norms.append(square ** 0.5)
+    if not norms:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 def _local(value: Any) -> Any:

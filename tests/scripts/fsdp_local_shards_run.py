@@ -34,17 +34,24 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer  # noqa: E402
 from lightning_fastopt.optim.takeover import take_over  # noqa: E402
 
 STEPS = 6
-# name: (torch optimizer, offload fraction, clipping norm, micro-batches per step)
+# name: (torch optimizer, offload fraction, clipping norm, micro-batches per step, LocalShardOptimizer's options)
 OVERFLOW_AT = 2  # "adamw-overflow": rank 1 finds an inf in its rows of a gradient at this step
+ADAMW = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)  # noqa: E731
+STREAMED = {"device_grads": "copy_when_reduced"}
+SPECULATED = {"device_grads": "copy_when_reduced", "stream_cpu_step": True, "speculate": True}
 CONFIGS = {
-    "adamw-overflow": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1),
-    "adamw-0": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.0, 0.0, 1),
-    "adamw-half": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1),
-    "adamw-1": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 1.0, 0.0, 1),
-    "adamw-clip-accumulate": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.8, 2),
-    "sgd-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), 1.0, 0.0, 1),
-    "adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=0.05), 0.5, 0.0, 1),
-    "radam-own-step": (lambda ps: torch.optim.RAdam(ps, lr=1e-2), 0.5, 0.8, 1),
+    "adamw-overflow": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1, {}),
+    "adamw-0": (ADAMW, 0.0, 0.0, 1, {}),
+    "adamw-half": (ADAMW, 0.5, 0.0, 1, {}),
+    "adamw-1": (ADAMW, 1.0, 0.0, 1, {}),
+    "adamw-clip-accumulate": (ADAMW, 0.5, 0.8, 2, {}),
+    "sgd-momentum": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), 1.0, 0.0, 1, {}),
+    "adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=0.05), 0.5, 0.0, 1, {}),
+    "radam-own-step": (lambda ps: torch.optim.RAdam(ps, lr=1e-2), 0.5, 0.8, 1, {}),
+    "streamed-clip-accumulate": (ADAMW, 0.5, 0.8, 2, STREAMED),
+    "streamed-1-clip": (ADAMW, 1.0, 0.8, 1, STREAMED),
+    "speculated-clip-accumulate": (ADAMW, 1.0, 0.8, 2, SPECULATED),
+    "speculated-sgd-clip": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), 0.5, 0.8, 1, SPECULATED),
 }
 
 
@@ -68,18 +75,21 @@ def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
+def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches, options):
     model = _net(mesh)
     opt = make_opt(model.parameters())
     engine = None
     if ours:
         names = {p: n for n, p in model.named_parameters()}
         engine = LocalShardOptimizer(to_fused_optimizer(opt), names, offload_fraction=fraction, copy_on_cpu=True,
-                                     bucket_size_mb=0.0005)
+                                     bucket_size_mb=0.0005, **options)
         take_over(opt, engine)
     norms, overflow = [], make_opt is CONFIGS["adamw-overflow"][0]
+    freed = []  # the offloaded gradients' p.grad dropped by the end of backward (streamed)
     for step, batches in enumerate(_batches(rank, micro_batches)):
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
+            if engine is not None:  # as the strategies say it: the micro-batches that do not step
+                engine.accumulating = i < micro_batches - 1
             (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
         if overflow and step == OVERFLOW_AT:  # skipped on every rank; torch's run skips it too
             if ours:
@@ -90,6 +100,8 @@ def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
                 assert engine.last_step_skipped
             opt.zero_grad()
             continue
+        if ours:
+            freed.append(sum(p.grad is None for p in model.parameters()))
         if clip and ours:  # as the fastopt precision plugin clips (core.precision.clip_scaled_gradients)
             total = engine.gradient_norm()
             coef = torch.clamp(clip / (total + 1e-6), max=1.0)
@@ -112,7 +124,9 @@ def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches):
     return {"weights": {n: _full(p.detach()) for n, p in model.named_parameters()}, "state": state, "norms": norms,
             "engine": repr(engine) if engine is not None else None,
             "held": engine.held_numel if engine is not None else None,
-            "skipped": engine.skipped_steps if engine is not None else None}
+            "skipped": engine.skipped_steps if engine is not None else None, "freed": freed,
+            "totals": dict(engine.local.schedule.totals) if engine is not None and hasattr(engine.local.schedule,
+                                                                                       "totals") else {}}
 
 
 def _worker(rank, port, out_dir):
