@@ -20,7 +20,7 @@ from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
 __all__ = ["FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
-           "register_fsdp_names", "register_names", "wrap_fused_optimizer"]
+           "register_fsdp_names", "register_names", "stream_arguments", "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -108,6 +108,21 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     if zero_stage:
         return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
     return OffloadOptimizer(fused, names, **offload_args)
+
+
+def stream_arguments(checks: list[str], landed: str) -> dict[str, bool]:
+    """The offload optimizer's arguments of ``stream_cpu_step``, said in one line: each host
+    bucket's CPU update starts during backward once its gradients have ``landed``;
+    speculated, and checked at the step, where the step checks the gradients first
+    (``checks``: what it checks)."""
+    if checks:
+        rank_zero_info(f"lightning_fastopt: each host bucket's CPU update is speculated during backward, once its "
+                       f"gradients have {landed}, and checked at the step ({', '.join(checks)}): committed, or "
+                       "redone where the check changed it (stream_cpu_step=True)")
+        return {"stream_cpu_step": True, "speculate": True}
+    rank_zero_info(f"lightning_fastopt: each host bucket's CPU update starts during backward, once its "
+                   f"gradients have {landed} (stream_cpu_step=True)")
+    return {"stream_cpu_step": True}
 
 
 def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:

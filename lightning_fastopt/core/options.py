@@ -103,9 +103,9 @@ class StrategyOptions:
         if arguments.get("offload_fraction") == "auto":
             raise ValueError(f"offload_fraction='auto' is not measured under {strategy} yet: give a number in "
                              "[0.0, 1.0]")
-        return cls.check(**arguments, zero_stage=0, keep_gradients=False, stream_cpu_step=False,
-                         delayed_update=False, delayed_update_warmup=40, gpu_memory_budget_gb=None,
-                         host_state_dtype="float32", forward_waits="step")
+        arguments = {"keep_gradients": False, "stream_cpu_step": False, **arguments}
+        return cls.check(**arguments, zero_stage=0, delayed_update=False, delayed_update_warmup=40,
+                         gpu_memory_budget_gb=None, host_state_dtype="float32", forward_waits="step")
 
 
 def offload_arguments(options: Any) -> dict[str, Any]:

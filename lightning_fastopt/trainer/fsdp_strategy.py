@@ -25,8 +25,9 @@ project's ``configure_model`` applies ``fully_shard`` as it does under
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,13 +38,15 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch
+from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
+                                            stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
 from lightning_fastopt.optim.takeover import give_back, take_over
 from lightning_fastopt.optim.wrapper import unwrapped
+from lightning_fastopt.trainer.grad_readers import gradient_readers
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 
@@ -60,6 +63,14 @@ class FSDPTrainerStrategy(PrecisionSlot):
                 copy_on_cpu, closure_optimizers, loss_scale, initial_scale_power,
             loss_scale_window, hysteresis, min_loss_scale, at_min_loss_scale: as for
             ``FastOptStrategy``.
+        keep_gradients: as for ``FastOptStrategy``: without it, where no hook or
+            callback of the run reads ``p.grad``, the offloaded rows' gradients leave for
+            the host as FSDP's reduce-scatter lands them and are freed on the device
+            (``LocalShardOptimizer(device_grads="copy_when_reduced")``); else they stay in
+            ``p.grad`` until the step.
+        stream_cpu_step: start each host bucket's CPU update during backward, once its
+            gradients have landed (speculated where the step checks them first: clipping,
+            fp16); bit for bit the step at the step.
         auto_wrap_policy: for a LightningModule without ``configure_model`` (the strategy
             shards the model itself, :mod:`~lightning_fastopt.fsdp.auto_shard`): the
             module classes whose instances are sharded (a transformer's block class), or
@@ -84,8 +95,8 @@ class FSDPTrainerStrategy(PrecisionSlot):
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
-                 copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (),
-                 auto_wrap_policy: Iterable[type] | None = None, min_num_params: int = 100_000_000,
+                 copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
+                 stream_cpu_step: bool = False, auto_wrap_policy: Iterable[type] | None = None, min_num_params: int = 100_000_000,
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -96,7 +107,8 @@ class FSDPTrainerStrategy(PrecisionSlot):
             bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
-            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers)
+            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
+            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -151,6 +163,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
+        device_grads = self._device_grads(trainer)
         self._engine_at = {}
         for i, opt in enumerate(self.optimizers):
             if isinstance(opt, self.package.MockOptimizer):
@@ -159,11 +172,60 @@ class FSDPTrainerStrategy(PrecisionSlot):
                 say_runs_as_torch(opt)
                 continue
             fused = fused_for(opt, module, self.precision_plugin.precision)
-            engine = LocalShardOptimizer(fused, names, **offload_arguments(self.options))
+            engine = LocalShardOptimizer(fused, names, device_grads=device_grads, **offload_arguments(self.options),
+                                         **self._streams(trainer, fused, device_grads))
             rank_zero_info(f"lightning_fastopt: {engine!r}")
             self._engine_at[i] = engine
             take_over(opt, engine)
         self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew for the new classes
+
+    def _device_grads(self, trainer) -> str:
+        """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line."""
+        readers = gradient_readers(self.lightning_module, trainer.callbacks, self.package)
+        if self.options.keep_gradients:
+            readers.insert(0, "code anywhere (keep_gradients=True)")
+        if readers:
+            rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step, as in torch: "
+                           f"{', '.join(readers)} can read them")
+            return "copy_at_step"
+        if self.offload_fraction != 0 and (self.root_device.type != "cpu" or self.options.copy_on_cpu):
+            rank_zero_info("lightning_fastopt: the offloaded rows' gradients go to the host as FSDP's reduce-scatter "
+                           "lands them, and are freed on the device (no hook or callback reads p.grad; "
+                           "FastOptFSDPStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
+        return "copy_when_reduced"
+
+    def _streams(self, trainer, fused, device_grads: str) -> dict[str, bool]:
+        """``stream_cpu_step``'s arguments for the local optimizers, said in one line."""
+        if not self.options.stream_cpu_step:
+            return {}
+        why_not = [reason for reason, applies in (
+            ("user code reads gradients before the step", device_grads != "copy_when_reduced"),
+            ("nothing is offloaded", self.offload_fraction == 0),
+            ("a CPU run updates in place, with nothing to copy",
+             self.root_device.type == "cpu" and not self.options.copy_on_cpu),
+        ) if applies]
+        if why_not:
+            rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
+            return {}
+        checks = [check for check, applies in (
+            ("fp16 loss scaling", self.precision_plugin.scaler is not None),
+            ("gradient clipping", bool(trainer.gradient_clip_val)),
+        ) if applies]
+        return stream_arguments(checks, "been reduce-scattered")
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning enters this for the micro-batches that do not step: FSDP adds their
+        gradients into ``p.grad``, and nothing leaves for the host yet."""
+        for engine in self._engine_at.values():
+            engine.accumulating = True
+        try:
+            with super().block_backward_sync():
+                yield
+        finally:
+            for engine in self._engine_at.values():
+                engine.accumulating = False
 
     def _engine_for(self, optimizer) -> LocalShardOptimizer | None:
         optimizer = unwrapped(optimizer)

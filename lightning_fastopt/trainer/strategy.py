@@ -57,7 +57,7 @@ from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
-                                            wrap_fused_optimizer)
+                                            stream_arguments, wrap_fused_optimizer)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.offload import OffloadOptimizer
@@ -357,19 +357,11 @@ class TrainerStrategy(PrecisionSlot):
             ("gradient clipping", bool(trainer.gradient_clip_val)),
             (f"{type(fused).__name__}'s global norm", needs_step_context(fused)),
         ) if applies]
-        streams = {"stream_cpu_step": True}
+        streams = stream_arguments(checks, "been reduced and landed" if ddp else "landed")
         if ddp:  # DDP's buckets, each handed over once its all-reduce has completed
             if self._ddp_reductions is None:
                 self._ddp_reductions = DDPReductions(self.model, self._hand_over)
             streams["reduced_by"] = self._ddp_reductions.reduces
-        landed = "been reduced and landed" if ddp else "landed"
-        if checks:
-            rank_zero_info(f"lightning_fastopt: each host bucket's CPU update is speculated during backward, once its "
-                           f"gradients have {landed}, and checked at the step ({', '.join(checks)}): committed, or "
-                           "redone where the check changed it (stream_cpu_step=True)")
-            return dict(streams, speculate=True)
-        rank_zero_info(f"lightning_fastopt: each host bucket's CPU update starts during backward, once its "
-                       f"gradients have {landed} (stream_cpu_step=True)")
         return streams
 
     def _hand_over(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

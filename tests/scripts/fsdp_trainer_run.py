@@ -19,7 +19,9 @@ the Trainer's flag (default ``32-true``); ``checkpoint=full``: the resumed check
 one full file (``save_distributed_checkpoint=False``), not a directory of shards.
 ``first-only``: only the first fit of ``resume`` (its checkpoint's path in OUT.checkpoint);
 ``from=CHECKPOINT``: only the second, from that checkpoint; either on ``devices`` processes
-(default 2: resuming at another world size).
+(default 2: resuming at another world size).  ``stream_cpu_step``, ``keep_gradients``: those
+options of ours, True (by default the offloaded gradients leave for the host as they are
+reduce-scattered, nothing in the model reading them).
 """
 
 import sys
@@ -75,7 +77,7 @@ def _data():
     return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
 
 
-def _strategy(name, full, devices):
+def _strategy(name, full, devices, **options):
     if name == "reference":
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                      save_distributed_checkpoint=not full)
@@ -83,18 +85,19 @@ def _strategy(name, full, devices):
     if form:  # the one-line form: the mesh sizes left to the strategy too
         policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
         return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
-                                   **policy)
+                                   **policy, **options)
     return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
                                data_parallel_size=devices, tensor_parallel_size=1,
-                               save_distributed_checkpoint=not full)
+                               save_distributed_checkpoint=not full, **options)
 
 
 def _model(name, optimizer):
     return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
 
 
-def _trainer(name, root, precision, full=False, devices=2, **kw):
-    return L.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(name, full, devices), precision=precision,
+def _trainer(name, root, precision, full=False, devices=2, options=None, **kw):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(name, full, devices, **(options or {})),
+                     precision=precision,
                      gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
 
@@ -124,7 +127,9 @@ def main():
     if path is not None:
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
         model = _model(name, optimizer)
-    trainer = _trainer(name, root, precision, devices=devices, max_steps=STEPS, enable_checkpointing=False)
+    options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
+    trainer = _trainer(name, root, precision, devices=devices, options=options, max_steps=STEPS,
+                       enable_checkpointing=False)
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
