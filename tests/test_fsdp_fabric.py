@@ -54,6 +54,15 @@ def test_a_fabric_loop_ends_where_model_parallel_strategy_ends(run, strategy):
 
 
 @slow
+@pytest.mark.parametrize("grads", ["free", "stream"])
+def test_gradients_freed_during_backward_and_the_streamed_step_end_there_too(run, grads):
+    """``keep_gradients=False``: the offloaded rows' gradients leave as FSDP reduce-scatters
+    them (the micro-batches under ``no_backward_sync`` are not reduce-scattered); with
+    ``stream_cpu_step=True`` host updates start then, speculated, checked at the step."""
+    _assert_same(run("fastopt-1", f"grads={grads}"), run("reference"))
+
+
+@slow
 @pytest.mark.parametrize("strategy, first, kind", [
     ("fastopt-0.5", "fastopt-0.5", "distributed"), ("fastopt-1", "reference", "distributed"),
     ("reference", "fastopt-0", "distributed"), ("fastopt-0.5", "reference", "full"),
@@ -77,5 +86,7 @@ def test_registered_with_fabric_and_bad_arguments_refused():
         FastOptFabricFSDPStrategy(offload_fraction="auto")
     with pytest.raises(TypeError, match=r"'tensor_paralel_size' \(did you mean 'tensor_parallel_size'\?\)"):
         FastOptFabricFSDPStrategy(tensor_paralel_size=1)
+    with pytest.raises(ValueError, match="stream_cpu_step=True .* needs keep_gradients=False"):
+        FastOptFabricFSDPStrategy(stream_cpu_step=True)
     with pytest.raises(RuntimeError, match="set the model up first"):
         FastOptFabricFSDPStrategy().setup_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))

@@ -30,7 +30,8 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch
+from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
+                                            stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
@@ -50,6 +51,14 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             returning the sharded module); None: the strategy shards the model by
             ``auto_wrap_policy`` or ``min_num_params`` (as ``FastOptFSDPStrategy``), and
             both mesh sizes left at ``"auto"`` mean every process data-parallel.
+        keep_gradients: True (the default, as for ``FastOptFabricStrategy``: Fabric cannot
+            tell which code of the loop reads ``p.grad``): gradients stay in ``p.grad``
+            until the step; False: the offloaded rows' gradients leave for the host as
+            FSDP's reduce-scatter lands them and are freed on the device (read them then
+            only through ``fabric.clip_gradients``).
+        stream_cpu_step: with ``keep_gradients=False``, start each host bucket's CPU
+            update during backward (speculated: Fabric cannot tell whether the loop will
+            clip, so the step checks); bit for bit the update at the step.
         The others: as the Trainer's ``FastOptFSDPStrategy``.
     """
 
@@ -58,7 +67,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  cpu_threads: int | None = None, loss_scale: float = 0.0, initial_scale_power: int = 16,
                  loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0,
                  at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
-                 closure_optimizers: Sequence[str] = (), auto_wrap_policy: Iterable[type] | None = None,
+                 closure_optimizers: Sequence[str] = (), keep_gradients: bool = True,
+                 stream_cpu_step: bool = False, auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
@@ -73,7 +83,11 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
-            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers)
+            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
+            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step)
+        if stream_cpu_step and keep_gradients:
+            raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it needs "
+                             "keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
         self._shards_itself = parallelize_fn is None
@@ -128,8 +142,12 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                                "set it up (fabric.setup_optimizers(optimizer))")
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         fused = fused_for(optimizer, module, self.precision.precision)
+        streaming = not self.options.keep_gradients
+        streams = stream_arguments(["clipping or fp16 loss scaling, where the loop applies them"], "been reduce-scattered") \
+            if self.options.stream_cpu_step and self.offload_fraction > 0 else {}
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
-                                     **offload_arguments(self.options))
+                                     device_grads="copy_when_reduced" if streaming else "copy_at_step",
+                                     **offload_arguments(self.options), **streams)
         rank_zero_info(f"lightning_fastopt: {engine!r}")
         self._engines[id(optimizer)] = engine
         self._users.append(optimizer)

@@ -3,14 +3,15 @@ or lightning_fastopt's ``FastOptFabricFSDPStrategy``: a model sharded by a
 ``parallelize_fn`` (each Linear, then the model; rows that do not divide evenly, one
 that only rank 0 holds), clipping by norm and gradient accumulation.
 
-    python tests/scripts/fsdp_fabric_run.py STRATEGY OUT [resume:FIRST] [checkpoint=full]
+    python tests/scripts/fsdp_fabric_run.py STRATEGY OUT [resume:FIRST] [checkpoint=full] [grads=free|stream]
 
 STRATEGY: ``reference`` or ``fastopt-<fraction>`` (``copy_on_cpu=True``), or
 ``fastopt-<fraction>-classes`` (no ``parallelize_fn``: the strategy shards each Linear).
 Writes OUT.rank<r>: the full weights and optimizer state (gathered DTensors) after
 :data:`STEPS` steps.  With ``resume:FIRST``: the loop under FIRST saves a checkpoint
 (``fabric.save``) after half the steps and stops; a new Fabric under STRATEGY loads it
-and runs the rest.
+and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded gradients leave
+during backward); ``grads=stream``: and ``stream_cpu_step=True``.
 """
 
 import copy
@@ -39,17 +40,18 @@ def _parallelize(model, mesh):
     return model
 
 
-def _strategy(name, full):
+def _strategy(name, full, options):
     if name == "reference":
         return ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1,
                                      save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
     if form:
         return FastOptFabricFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
-                                         auto_wrap_policy={nn.Linear}, save_distributed_checkpoint=not full)
+                                         auto_wrap_policy={nn.Linear}, save_distributed_checkpoint=not full,
+                                         **options)
     return FastOptFabricFSDPStrategy(_parallelize, offload_fraction=float(fraction), copy_on_cpu=True,
                                      bucket_size_mb=0.0005, data_parallel_size=2, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=not full)
+                                     save_distributed_checkpoint=not full, **options)
 
 
 def _batches(rank):
@@ -61,8 +63,8 @@ def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _run(name, full, first_step, last_step, load=None, save=None):
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(name, full))
+def _run(name, full, first_step, last_step, load=None, save=None, options=None):
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(name, full, options or {}))
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(),
@@ -90,14 +92,17 @@ def main():
     name, out = sys.argv[1:3]
     extra = sys.argv[3:]
     full = "checkpoint=full" in extra
+    options = {"free": dict(keep_gradients=False),
+               "stream": dict(keep_gradients=False, stream_cpu_step=True)}.get(next(
+                   (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
     resume = next((a for a in extra if a.startswith("resume:")), None)
     if resume:
         path = Path(f"{out}.ckpt")
         _run(resume.partition(":")[2], full, 0, STEPS // 2, save=path)
-        fabric, model, optimizer, state = _run(name, full, STEPS // 2, STEPS, load=path)
+        fabric, model, optimizer, state = _run(name, full, STEPS // 2, STEPS, load=path, options=options)
         assert state["step"] == STEPS
     else:
-        fabric, model, optimizer, state = _run(name, full, 0, STEPS)
+        fabric, model, optimizer, state = _run(name, full, 0, STEPS, options=options)
     names = {p: n for n, p in model.named_parameters()}
     result = {f"weight/{n}": _full(p.detach()) for n, p in model.named_parameters()}
     held_by_torch = copy.copy(optimizer.optimizer)  # ours: as torch would hold it (the engine holds the state)
