@@ -143,8 +143,10 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         fused = fused_for(optimizer, module, self.precision.precision)
         streaming = not self.options.keep_gradients
-        streams = stream_arguments(["clipping or fp16 loss scaling, where the loop applies them"], "been reduce-scattered") \
-            if self.options.stream_cpu_step and self.offload_fraction > 0 else {}
+        streams = {}
+        if self.options.stream_cpu_step and self.offload_fraction > 0:
+            streams = stream_arguments(["clipping or fp16 loss scaling, where the loop applies them"],
+                                       "been reduce-scattered")
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
                                      **offload_arguments(self.options), **streams)
