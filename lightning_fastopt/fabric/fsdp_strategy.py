@@ -86,8 +86,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step)
         if stream_cpu_step and keep_gradients:
-            raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it needs "
-                             "keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
+            raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
+                             "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
         self._shards_itself = parallelize_fn is None

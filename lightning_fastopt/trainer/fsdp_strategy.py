@@ -96,7 +96,8 @@ class FSDPTrainerStrategy(PrecisionSlot):
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
-                 stream_cpu_step: bool = False, auto_wrap_policy: Iterable[type] | None = None, min_num_params: int = 100_000_000,
+                 stream_cpu_step: bool = False, auto_wrap_policy: Iterable[type] | None = None,
+                 min_num_params: int = 100_000_000,
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
