@@ -40,7 +40,7 @@ def run(tmp_path_factory):
             if "first-only" in extra:
                 runs[key] = Path(f"{out}.checkpoint").read_text()
             else:
-                ranks = (0, 1) if "devices=1" not in extra else (0,)
+                ranks = (0, 1) if "devices=1" not in extra else (0,)  # a run on one process: rank 0's
                 runs[key] = [torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks]
         return runs[key]
     return fit
@@ -119,6 +119,17 @@ def test_a_distributed_checkpoint_resumes_at_another_world_size(run, first, then
     ref = run("reference", "adamw", f"from={path}", f"devices={devices[1]}")
     assert len(ours) == len(ref) == devices[1]
     _assert_same(ours, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fraction, option", [("1", "keep_gradients"), ("1", "stream_cpu_step"), ("0.5", "")])
+def test_on_one_gpu_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fraction, option):
+    """On one GPU (FSDP over one rank, NCCL): our CUDA and CPU kernels on the shards, the
+    copies on their streams, against torch's AdamW stepping the DTensors (its foreach
+    step on CUDA), with clipping and accumulation (benchmarks/gpu_session.sh rest)."""
+    gpu = ("accelerator=cuda", "devices=1")
+    _assert_same(run(f"fastopt-{fraction}", "adamw", *gpu, *([option] if option else [])),
+                 run("reference", "adamw", *gpu))
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])

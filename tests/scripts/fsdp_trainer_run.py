@@ -21,7 +21,8 @@ one full file (``save_distributed_checkpoint=False``), not a directory of shards
 ``from=CHECKPOINT``: only the second, from that checkpoint; either on ``devices`` processes
 (default 2: resuming at another world size).  ``stream_cpu_step``, ``keep_gradients``: those
 options of ours, True (by default the offloaded gradients leave for the host as they are
-reduce-scattered, nothing in the model reading them).
+reduce-scattered, nothing in the model reading them).  ``accelerator=cuda``: on GPUs (the
+prepared GPU command runs it on one).
 """
 
 import sys
@@ -95,8 +96,12 @@ def _model(name, optimizer):
     return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
 
 
+ACCELERATOR = "cpu"  # "cuda" with accelerator=cuda: one GPU per process
+
+
 def _trainer(name, root, precision, full=False, devices=2, options=None, **kw):
-    return L.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(name, full, devices, **(options or {})),
+    return L.Trainer(accelerator=ACCELERATOR, devices=devices,
+                     strategy=_strategy(name, full, devices, **(options or {})),
                      precision=precision,
                      gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
@@ -111,6 +116,8 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
+    global ACCELERATOR
+    ACCELERATOR = extra.get("accelerator", ACCELERATOR)
     torch.manual_seed(0)
     model = _model(name, optimizer)
     root = Path(out).parent / f"{Path(out).name}.root"
