@@ -148,6 +148,33 @@ def test_auto_fraction_and_the_delayed_update_from_the_command_line(tmp_path):
     assert strategy._engine_for(strategy._lightning_optimizers[0]) is opt
 
 
+@pytest.mark.slow
+def test_the_main_job_under_fastopt_fsdp_offload_by_name(tmp_path):
+    """``--trainer.strategy fastopt_fsdp_offload`` on the example GPT, which has no
+    configure_model, a ModuleList of blocks and tied embeddings: the strategy shards it
+    (nothing reaches the size threshold; the embeddings are tied, so the GPT itself is the
+    root) and it trains, in a process of its own."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO / 'examples')!r})
+from train_gpt import main
+cli = main(sys.argv[1:])
+s = cli.trainer.strategy
+print("RESULT", type(s).__name__, s.offload_fraction, type(cli.trainer.optimizers[0]).__name__, cli.trainer.global_step)
+"""
+    args = ["fit", "--config", str(CONFIGS / "gpt_offload.yaml"), "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.max_steps", "2", *SMALL, "--trainer.strategy", "fastopt_fsdp_offload", "--trainer.precision",
+            "32-true"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=subprocess_env(REPO),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    assert result.split()[1:] == ["FastOptFSDPStrategy", "1.0", "AdamW", "2"]
+    said = proc.stdout + proc.stderr
+    assert "share a parameter: TinyGPT itself is sharded as the root" in said
+    assert "TinyGPT has no configure_model: sharded 0 module(s) with fully_shard (modules of at least" in said
+
+
 def test_bad_value_in_a_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\], got 1.5"):
         _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.strategy", "lightning_fastopt.FastOptStrategy",

@@ -87,6 +87,13 @@ def test_the_one_line_form_shards_the_model_itself_and_ends_there_too(run, form)
 
 
 @slow
+def test_the_one_line_form_shards_tied_embeddings_with_their_common_root(run):
+    """Input and output embeddings sharing one parameter cannot each be a root: the
+    LightningModule is, as a project's configure_model shards it (``fully_shard(self)``)."""
+    _assert_same(run("fastopt-0.5-classes", "adamw", "model=tied"), run("reference", "adamw", "model=tied"))
+
+
+@slow
 @pytest.mark.parametrize("optimizer, fraction", [("radam", "0.5")])
 def test_other_optimizers_too(run, optimizer, fraction):
     """RAdam runs its own step on the rows (not fused); SGD and Adagrad, fused, are compared

@@ -113,11 +113,9 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
 
     def _shard(self, module: Module, mesh) -> Module:
         """The ``parallelize_fn`` of a project that gives none."""
-        count = shard_model(module, mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params,
-                            forward_runs=True)
-        policy = (f"each {', '.join(c.__name__ for c in self._auto_wrap_classes)}" if self._auto_wrap_classes
-                  else f"modules of at least {self._min_num_params:,} parameters")
-        rank_zero_info(f"lightning_fastopt: sharded {count} module(s) with fully_shard ({policy}, then the model)")
+        done = shard_model(module, mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params,
+                           forward_runs=True)
+        rank_zero_info(f"lightning_fastopt: {done}")
         return module
 
     # ------------------------------------------------------------------ optimizers

@@ -8,9 +8,16 @@ every submodule whose parameters not yet sharded below it number at least
 a Fabric model, whose forward the loop calls, is sharded itself; of a LightningModule,
 whose own forward may never run (``training_step`` calls its children's), each child that
 still holds unsharded parameters is sharded as a root (FSDP2 all-gathers a module's
-parameters when its forward runs).  A LightningModule that holds parameters itself,
-outside any child, cannot be sharded this way: that is an error saying to shard it in
-``configure_model``.
+parameters when its forward runs; a container without forward, such as a ModuleList, is
+never sharded itself: its children are, the same way).
+
+A parameter shared by several modules (tied input and output embeddings) must be sharded
+with all of them at once: a module is picked only when every module holding its shared
+parameters lies within it; where two children of the LightningModule are tied that way,
+the LightningModule itself is sharded as the root (one log line says so: its forward must
+then run, as when ``training_step`` calls ``self(...)``).  A LightningModule that holds
+parameters itself, outside any child, cannot be sharded this way: that is an error
+saying to shard it in ``configure_model``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 __all__ = ["check_auto_wrap_policy", "shard_model"]
@@ -37,11 +45,14 @@ def check_auto_wrap_policy(policy: Any, min_num_params: Any) -> tuple[type, ...]
 
 
 def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_params: int, *,
-                forward_runs: bool = False, **shard_args: Any) -> int:
+                forward_runs: bool = False, **shard_args: Any) -> str:
     """Shard ``module``'s submodules with ``fully_shard(..., mesh=mesh, **shard_args)`` by
     the policy (``classes``, or ``min_num_params``), then ``module`` itself as the root when
     its forward runs (``forward_runs``), else its children that still hold unsharded
-    parameters, as roots; returns how many modules were sharded."""
+    parameters, as roots; returns what it did, in words, for a log line."""
+    name = type(module).__name__
+    policy = (f"each {', '.join(c.__name__ for c in classes)}" if classes
+              else f"modules of at least {min_num_params:,} parameters")
     from torch.distributed.fsdp import fully_shard
 
     if not forward_runs and any(True for _ in module.parameters(recurse=False)):
@@ -49,32 +60,96 @@ def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_para
         raise ValueError(f"{type(module).__name__} holds parameters of its own ({', '.join(names)}), outside any "
                          "submodule: the strategy cannot shard them on its own; shard the model in the "
                          "LightningModule's configure_model (with torch's fully_shard), as under ModelParallelStrategy")
+    holders = _holders(module)
+    done: set[int] = set()  # the parameters sharded so far
     sharded = 0
 
-    def visit(sub: nn.Module) -> int:
-        """Shard what the policy picks below ``sub`` (and ``sub``); the unsharded parameters left."""
+    def shard(modules: list[nn.Module]) -> None:
         nonlocal sharded
-        left = sum(p.numel() for p in sub.parameters(recurse=False))
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **shard_args)
+        done.update(id(p) for m in modules for p in m.parameters())
+        sharded += len(modules)
+
+    def visit(sub: nn.Module) -> None:
+        """Shard what the policy picks below ``sub``, then ``sub`` if it picks it."""
         for child in sub.children():
-            left += visit(child)
-        if sub is not module and left and (isinstance(sub, classes) if classes else left >= min_num_params):
-            fully_shard(sub, mesh=mesh, **shard_args)
-            sharded += 1
-            return 0
-        return left
+            visit(child)
+        left = sum(p.numel() for p in sub.parameters() if id(p) not in done)
+        picked = isinstance(sub, classes) if classes else left >= min_num_params
+        if sub is not module and left and picked and _has_forward(sub) and _holds_its_ties(sub, holders):
+            shard([sub])
+
+    def roots(sub: nn.Module) -> list[nn.Module]:
+        """The modules below ``sub`` that hold the rest, to be sharded as roots: its
+        children, or a container's children; raises :class:`_Tied` where a shared
+        parameter ties two of them (FSDP takes one root module per parameter group)."""
+        found = []
+        pending = [c for c in sub.children() if any(id(p) not in done for p in c.parameters())]
+        for group in _tied_groups(pending, holders):
+            if len(group) > 1:
+                raise _Tied(group)
+            if _has_forward(group[0]):
+                found.append(group[0])
+            elif not any(True for _ in group[0].parameters(recurse=False)):
+                found += roots(group[0])  # a container: its children, the same way
+            else:
+                raise ValueError(f"{type(group[0]).__name__} (a container without forward) holds parameters of its "
+                                 "own: the strategy cannot shard them on its own; shard the model in the "
+                                 "LightningModule's configure_model")
+        return found
 
     visit(module)
-    if forward_runs:
-        fully_shard(module, mesh=mesh, **shard_args)
-        return sharded + 1
-    for child in module.children():
-        if _has_unsharded(child):
-            fully_shard(child, mesh=mesh, **shard_args)
-            sharded += 1
-    return sharded
+    picked = sharded
+    if not forward_runs:
+        try:
+            for root in roots(module):
+                shard([root])
+            return f"sharded {picked} module(s) with fully_shard ({policy}), then {sharded - picked} holding the rest"
+        except _Tied as tied:
+            rank_zero_info(f"lightning_fastopt: {' and '.join(type(m).__name__ for m in tied.modules)} share a "
+                           f"parameter: {name} itself is sharded as the root, so its forward must run "
+                           "(training_step calling self(...)); else shard the model in configure_model")
+    shard([module])
+    return f"sharded {picked} module(s) with fully_shard ({policy}), then {name} itself"
 
 
-def _has_unsharded(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
+class _Tied(Exception):
+    """Modules that share a parameter and cannot each be a root."""
 
-    return any(not isinstance(p, DTensor) for p in module.parameters())
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.modules = modules
+
+
+def _holders(module: nn.Module) -> dict[int, set[int]]:
+    """For each parameter held by more than one module: the ids of the modules holding it."""
+    holders: dict[int, set[int]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(sub))
+    return {p: mods for p, mods in holders.items() if len(mods) > 1}
+
+
+def _holds_its_ties(sub: nn.Module, holders: dict[int, set[int]]) -> bool:
+    """Whether every module holding a shared parameter of ``sub`` lies within ``sub``."""
+    inside = {id(m) for m in sub.modules()}
+    return all(holders[id(p)] <= inside for p in sub.parameters() if id(p) in holders)
+
+
+def _tied_groups(children: list[nn.Module], holders: dict[int, set[int]]) -> list[list[nn.Module]]:
+    """``children`` in groups: those that share a parameter (through any module below them) together."""
+    groups: list[list[nn.Module]] = []
+    shared_of = [{id(p) for p in c.parameters() if id(p) in holders} for c in children]
+    for child, shared in zip(children, shared_of):
+        joined = [g for g in groups if any(shared & s for _, s in g)]
+        merged = [(child, shared)] + [member for g in joined for member in g]
+        groups = [g for g in groups if g not in joined] + [merged]
+    order = {id(c): i for i, c in enumerate(children)}
+    return [sorted((c for c, _ in g), key=lambda c: order[id(c)]) for g in sorted(
+        groups, key=lambda g: min(order[id(c)] for c, _ in g))]
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """Whether the module's class implements ``forward`` (containers such as ModuleList do not)."""
+    return type(module).forward is not nn.Module.forward
+

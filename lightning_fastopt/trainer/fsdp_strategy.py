@@ -145,11 +145,9 @@ class FSDPTrainerStrategy(PrecisionSlot):
         if not self._shards_itself():
             return super().setup(trainer)
         module = self.lightning_module
-        count = shard_model(module, self.device_mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params)
-        policy = (f"each {', '.join(c.__name__ for c in self._auto_wrap_classes)}" if self._auto_wrap_classes
-                  else f"modules of at least {self._min_num_params:,} parameters")
-        rank_zero_info(f"lightning_fastopt: {type(module).__name__} has no configure_model: sharded {count} module(s) "
-                       f"with fully_shard ({policy}, then the children that hold the rest)")
+        name = type(module).__name__
+        done = shard_model(module, self.device_mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params)
+        rank_zero_info(f"lightning_fastopt: {name} has no configure_model: {done}")
         module.configure_model = _sharded_by_the_strategy  # Lightning's set-up checks that the hook is overridden
         try:
             super().setup(trainer)

@@ -22,7 +22,8 @@ one full file (``save_distributed_checkpoint=False``), not a directory of shards
 (default 2: resuming at another world size).  ``stream_cpu_step``, ``keep_gradients``: those
 options of ours, True (by default the offloaded gradients leave for the host as they are
 reduce-scattered, nothing in the model reading them).  ``accelerator=cuda``: on GPUs (the
-prepared GPU command runs it on one).
+prepared GPU command runs it on one).  ``model=tied``: a model with tied input and output
+embeddings (:class:`TiedNet`).
 """
 
 import sys
@@ -73,8 +74,41 @@ class ShardedNet(Net):
         fully_shard(self.net, mesh=mesh)
 
 
-def _data():
+class TiedNet(L.LightningModule):
+    """Tied input and output embeddings, ``training_step`` calling ``self(...)``; no
+    ``configure_model`` (the one-line form shards the middle Linear, then the module itself)."""
+
+    def __init__(self, optimizer: str):
+        super().__init__()
+        self.optimizer = optimizer
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Sequential(nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.out = nn.Linear(8, 16, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.out(self.mid(self.embed(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer](self.parameters())
+
+
+class ShardedTiedNet(TiedNet):
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.mid[1], mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def _data(tied=False):
     g = torch.Generator().manual_seed(7)
+    if tied:
+        return torch.utils.data.TensorDataset(torch.randint(0, 16, (48,), generator=g),
+                                              torch.randint(0, 16, (48,), generator=g))
     return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
 
 
@@ -92,8 +126,9 @@ def _strategy(name, full, devices, **options):
                                save_distributed_checkpoint=not full, **options)
 
 
-def _model(name, optimizer):
-    return (Net if name.count("-") == 2 else ShardedNet)(optimizer)
+def _model(name, optimizer, tied=False):
+    one_line = name.count("-") == 2
+    return ((TiedNet if one_line else ShardedTiedNet) if tied else (Net if one_line else ShardedNet))(optimizer)
 
 
 ACCELERATOR = "cpu"  # "cuda" with accelerator=cuda: one GPU per process
@@ -118,10 +153,11 @@ def main():
     precision = extra.get("precision", "32-true")
     global ACCELERATOR
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
+    tied = extra.get("model") == "tied"
     torch.manual_seed(0)
-    model = _model(name, optimizer)
+    model = _model(name, optimizer, tied)
     root = Path(out).parent / f"{Path(out).name}.root"
-    data = torch.utils.data.DataLoader(_data(), batch_size=4)
+    data = torch.utils.data.DataLoader(_data(tied), batch_size=4)
     path, devices = extra.get("from"), int(extra.get("devices", 2))
     if resume or "first-only" in extra:
         first = _trainer(resume.partition(":")[2] or name if resume else name, root, precision,
@@ -133,7 +169,7 @@ def main():
             return
     if path is not None:
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
-        model = _model(name, optimizer)
+        model = _model(name, optimizer, tied)
     options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
     trainer = _trainer(name, root, precision, devices=devices, options=options, max_steps=STEPS,
                        enable_checkpointing=False)
