@@ -128,6 +128,32 @@ def test_a_distributed_checkpoint_resumes_at_another_world_size(run, first, then
     _assert_same(ours, ref)
 
 
+def _two_nodes(strategy, out):
+    """``strategy``'s run on two nodes of one process each, launched as a cluster would:
+    torchrun once per node (``--nnodes 2 --node-rank i``) on this machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(SCRIPT), strategy, "adamw", str(out), "devices=1", "nodes=2"], cwd=REPO,
+                              env=subprocess_env(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    for node in nodes:
+        _, err = node.communicate(timeout=600)
+        assert node.returncode == 0, err[-3000:]
+    return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+
+
+@slow
+def test_two_nodes_under_torchrun_end_where_model_parallel_strategy_ends(tmp_path):
+    """Two nodes (torchrun ``--nnodes 2`` on localhost), one process each: bit for bit with
+    the same launch under ``ModelParallelStrategy``."""
+    _assert_same(_two_nodes("fastopt-0.5", tmp_path / "ours.pt"), _two_nodes("reference", tmp_path / "ref.pt"))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fraction, option", [("1", "keep_gradients"), ("1", "stream_cpu_step"), ("0.5", "")])
 def test_on_one_gpu_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fraction, option):

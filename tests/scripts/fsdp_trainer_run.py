@@ -23,7 +23,8 @@ one full file (``save_distributed_checkpoint=False``), not a directory of shards
 options of ours, True (by default the offloaded gradients leave for the host as they are
 reduce-scattered, nothing in the model reading them).  ``accelerator=cuda``: on GPUs (the
 prepared GPU command runs it on one).  ``model=tied``: a model with tied input and output
-embeddings (:class:`TiedNet`).
+embeddings (:class:`TiedNet`).  ``nodes=N``: the Trainer's ``num_nodes`` (launched by torchrun,
+one process per node with ``devices=1``).
 """
 
 import sys
@@ -134,9 +135,12 @@ def _model(name, optimizer, tied=False):
 ACCELERATOR = "cpu"  # "cuda" with accelerator=cuda: one GPU per process
 
 
+NODES = 1  # with nodes=N: N nodes (torchrun --nnodes N), each running `devices` processes
+
+
 def _trainer(name, root, precision, full=False, devices=2, options=None, **kw):
-    return L.Trainer(accelerator=ACCELERATOR, devices=devices,
-                     strategy=_strategy(name, full, devices, **(options or {})),
+    return L.Trainer(accelerator=ACCELERATOR, devices=devices, num_nodes=NODES,
+                     strategy=_strategy(name, full, devices * NODES, **(options or {})),
                      precision=precision,
                      gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
@@ -151,8 +155,9 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
-    global ACCELERATOR
+    global ACCELERATOR, NODES
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
+    NODES = int(extra.get("nodes", NODES))
     tied = extra.get("model") == "tied"
     torch.manual_seed(0)
     model = _model(name, optimizer, tied)
