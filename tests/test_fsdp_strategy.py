@@ -148,6 +148,26 @@ def test_two_nodes_under_torchrun_end_where_model_parallel_strategy_ends(tmp_pat
     _assert_same(_two_nodes("fastopt-0.5", tmp_path / "ours.pt"), _two_nodes("reference", tmp_path / "ref.pt"))
 
 
+@slow
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """SIGKILL after the shards of a second save to the same path are written, before its
+    metadata: the path still holds the first save whole (saved in place, as Lightning
+    saves, it held the new shards beside the old metadata), and a new run resumes from it."""
+    script = REPO / "tests" / "scripts" / "fsdp_kill_run.py"
+    killed = subprocess.run([sys.executable, str(script), "save", str(tmp_path)], cwd=REPO, env=subprocess_env(REPO),
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    staging = [p.name for p in tmp_path.glob(".last.ckpt.*.tmp")]  # the killed save's
+    resumed = subprocess.run([sys.executable, str(script), "resume", str(tmp_path)], cwd=REPO,
+                             env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    saved, loaded = (torch.load(tmp_path / f, weights_only=True) for f in ("saved.pt", "resumed.pt"))
+    assert loaded["global_step"] == saved["global_step"] == 3
+    for name, weight in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], weight), name
+    assert len(staging) == 1  # what the killed save left beside it (the next save to the path removes it)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fraction, option", [("1", "keep_gradients"), ("1", "stream_cpu_step"), ("0.5", "")])
 def test_on_one_gpu_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fraction, option):

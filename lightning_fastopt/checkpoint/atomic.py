@@ -9,6 +9,9 @@ directory entry: a process killed mid-write (out of memory, SIGKILL, node failur
 leaves the previous file, never a truncated one under the final name.
 :func:`replace_path` is that rename, also over a directory (a sharded checkpoint saved
 under the same name by a ZeRO run) and for a directory (the sharded writer).
+:func:`save_staged` does the same for a checkpoint that every rank writes part of (torch's
+distributed checkpoints under FSDP): into a staging path, moved over the target once all
+have written.
 
 Temporary files and staging directories are named by :func:`temp_path`
 (``.NAME.HOST.PID.RANDOM.tmp`` beside ``NAME``), so that a save killed mid-write leaves
@@ -129,6 +132,27 @@ def save_atomically(obj: Any, path) -> None:
             os.unlink(tmp)
         raise
     fsync_directory(directory)
+
+
+def save_staged(path, write: Callable[[str], None], ranks) -> None:
+    """Every rank's part of writing a checkpoint (a file or a directory) whole or not at all
+    (call it on every rank at once): ``write(staging)`` writes into a staging path beside
+    ``path`` (rank 0's name), then rank 0 moves it over ``path`` once every rank has
+    written.  A process killed meanwhile leaves what ``path`` held, and a staging path the
+    next save removes.  ``ranks``: ``broadcast``, ``barrier`` and ``is_global_zero``, as a
+    Lightning strategy has them."""
+    path = ranks.broadcast(os.path.abspath(os.fspath(path)))
+    staging = ranks.broadcast(temp_path(path))
+    if ranks.is_global_zero:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        remove_stale_temps(path)
+    ranks.barrier("fastopt_checkpoint_staging")
+    write(staging)
+    ranks.barrier("fastopt_checkpoint_written")
+    if ranks.is_global_zero:
+        replace_path(staging, path)
+        fsync_directory(os.path.dirname(path))
+    ranks.barrier("fastopt_checkpoint_moved")
 
 
 def replace_path(src: str, dst: str) -> None:

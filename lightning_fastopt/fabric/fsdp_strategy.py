@@ -29,6 +29,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_fastopt import ops
+from lightning_fastopt.checkpoint.atomic import save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
                                             stream_arguments)
@@ -165,9 +166,11 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
     @override
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
-        """Fabric's (a directory of shards, or one full file), the optimizers in torch's layout."""
-        super().save_checkpoint(path, self._as_torch_holds_them(state), storage_options=storage_options,
-                                filter=filter)
+        """Fabric's (a directory of shards, or one full file), the optimizers in torch's layout,
+        written whole or not at all (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`)."""
+        views = self._as_torch_holds_them(state)
+        save_staged(path, lambda staging: super(FastOptFabricFSDPStrategy, self).save_checkpoint(
+            staging, views, storage_options=storage_options, filter=filter), self)
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):

@@ -37,6 +37,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
+from lightning_fastopt.checkpoint.atomic import save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
                                             stream_arguments)
@@ -237,6 +238,15 @@ class FSDPTrainerStrategy(PrecisionSlot):
         the optimizer as torch would hold it: the user's class with the engine's state,
         DTensors over this rank's rows."""
         return super().optimizer_state(_torch_view(optimizer) if self._engine_for(optimizer) else optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """``ModelParallelStrategy``'s (a directory of shards, or one full file), written
+        whole or not at all: into a staging path, moved over ``filepath`` once every rank
+        has written (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`); a process
+        killed mid-save leaves the previous checkpoint."""
+        save_staged(filepath, lambda staging: super(FSDPTrainerStrategy, self).save_checkpoint(
+            checkpoint, staging, storage_options), self)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
