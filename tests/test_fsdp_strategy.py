@@ -3,13 +3,15 @@
 path on the CPU (``copy_on_cpu=True``): a model sharded by the LightningModule's
 ``configure_model`` ends bit for bit where ``ModelParallelStrategy`` with the same torch
 optimizer ends (``torch.equal`` on the gathered weights and optimizer state), with
-clipping by norm and gradient accumulation, at offload fractions 0, 0.5 and 1, for AdamW
-(SGD, Adagrad and RAdam, its own step, are compared with torch on the shards in
-``tests/test_fsdp_local_shards.py``), under ``bf16-mixed`` too; the one-line form (no
-``configure_model``) as well; distributed and full checkpoints resume across the two
-strategies both ways, and at another number of processes (``tests/scripts/fsdp_trainer_run.py``).  And, in one process: the
-names it is registered under in both Lightning packages, and its arguments checked when
-it is built."""
+clipping by norm, gradient accumulation and an LR scheduler stepped every step, at
+offload fractions 0, 0.5 and 1, for AdamW (SGD, Adagrad and RAdam, its own step, are
+compared with torch on the shards in ``tests/test_fsdp_local_shards.py``), under
+``bf16-mixed`` too; the one-line form (no ``configure_model``, tied embeddings included)
+as well; two nodes under torchrun; distributed and full checkpoints resume across the two
+strategies both ways, and at another number of processes; a save killed mid-write leaves
+the previous checkpoint (``tests/scripts/fsdp_trainer_run.py``, ``fsdp_kill_run.py``).
+And, in one process: the names it is registered under in both Lightning packages, and
+its arguments checked when it is built."""
 
 import subprocess
 import sys

@@ -1,7 +1,8 @@
 """One Trainer fit on two gloo processes under Lightning's ``ModelParallelStrategy`` (FSDP2)
 or lightning_fastopt's ``FastOptFSDPStrategy``: a model the LightningModule shards in
 ``configure_model`` (each Linear, then the root; rows that do not divide evenly, one
-that only rank 0 holds), clipping by norm and gradient accumulation.
+that only rank 0 holds), clipping by norm, gradient accumulation and an LR scheduler
+stepped every optimizer step.
 
     python tests/scripts/fsdp_trainer_run.py STRATEGY OPTIMIZER OUT [resume[:FIRST]] [precision=FLAG]
         [checkpoint=full] [first-only] [from=CHECKPOINT] [devices=N]
@@ -63,7 +64,14 @@ class Net(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return OPTIMIZERS[self.optimizer](self.parameters())
+        return _with_scheduler(OPTIMIZERS[self.optimizer](self.parameters()))
+
+
+def _with_scheduler(optimizer):
+    """The optimizer and an LR scheduler bound to it, stepped every optimizer step (the
+    engine must follow the learning rate it writes into the user's groups)."""
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class ShardedNet(Net):
@@ -95,7 +103,7 @@ class TiedNet(L.LightningModule):
         return nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
-        return OPTIMIZERS[self.optimizer](self.parameters())
+        return _with_scheduler(OPTIMIZERS[self.optimizer](self.parameters()))
 
 
 class ShardedTiedNet(TiedNet):
