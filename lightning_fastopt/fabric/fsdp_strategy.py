@@ -16,7 +16,6 @@ the optimizer as torch would hold it.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,8 +37,7 @@ from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
-from lightning_fastopt.optim.wrapper import unwrapped
+from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]
 
@@ -157,7 +155,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     def _as_torch_holds_them(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with each optimizer we step replaced by a view of it as torch holds it."""
-        return {k: copy.copy(unwrapped(v)) if isinstance(v, torch.optim.Optimizer) and self._steps(v) else v
+        return {k: held_as_torch(v) if isinstance(v, torch.optim.Optimizer) and self._steps(v) else v
                 for k, v in state.items()}
 
     def _steps(self, optimizer: torch.optim.Optimizer) -> bool:

@@ -141,6 +141,20 @@ def _own(value: Any, seen: set[tuple[int, int, tuple[int, ...]]]) -> Any:
     return value
 
 
+def held_as_torch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` as torch would hold it (the user's class, the engine's groups,
+    the state keyed by the model's parameters) that the engine does not step: its ``step``
+    is its class's, not an LR scheduler's wrapper around the original's step, so that
+    torch's distributed state dicts, which may step an optimizer without state to make
+    its state, make it in the copy."""
+    optimizer = unwrapped(optimizer)
+    cls, attributes = _given_back(optimizer)
+    attributes.pop("step", None)
+    copy = _instance_of(cls)
+    copy.__dict__.update(attributes)
+    return copy
+
+
 def _instance_of(cls: type) -> torch.optim.Optimizer:
     """A new, empty object of ``cls`` (a copy's or an unpickled one's state is set next)."""
     return cls.__new__(cls)

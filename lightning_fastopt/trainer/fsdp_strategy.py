@@ -26,7 +26,6 @@ project's ``configure_model`` applies ``fully_shard`` as it does under
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -45,7 +44,7 @@ from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.optim.takeover import give_back, take_over
+from lightning_fastopt.optim.takeover import give_back, held_as_torch, take_over
 from lightning_fastopt.optim.wrapper import unwrapped
 from lightning_fastopt.trainer.grad_readers import gradient_readers
 from lightning_fastopt.trainer.package import TrainerPackage
@@ -287,6 +286,5 @@ def _sharded_by_the_strategy() -> None:
 
 
 def _torch_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer as torch would hold it (the user's class, the engine's groups and its
-    state keyed by the model's parameters), a copy the engine does not step."""
-    return copy.copy(unwrapped(optimizer))
+    """The optimizer as torch would hold it, a copy the engine does not step (:func:`held_as_torch`)."""
+    return held_as_torch(optimizer)
