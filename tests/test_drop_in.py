@@ -276,6 +276,32 @@ def test_the_optimizer_given_back_counts_each_parameters_steps_apart(strategy):
     assert_modules_equal(ours, ref)
 
 
+def test_the_view_held_as_torch_steps_itself_not_the_engine():
+    """``held_as_torch`` (what the FSDP strategies hand to torch's distributed state dicts,
+    which step an optimizer without state to make its state): with an LR scheduler the
+    user's optimizer carries the scheduler's wrapper around its own step, which stepped
+    the engine instead and left the view empty (a resume then lost the optimizer state)."""
+    from lightning_fastopt.optim.from_torch import to_fused_optimizer
+    from lightning_fastopt.optim.takeover import give_back, held_as_torch, take_over
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step
+    engine = OffloadOptimizer(to_fused_optimizer(opt), offload_fraction=0.5, copy_on_cpu=True)
+    take_over(opt, engine)
+    view = held_as_torch(opt)
+    assert type(view) is torch.optim.AdamW and "step" not in vars(view)
+    assert view.param_groups is engine.param_groups
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    view.step()
+    assert all(view.state[p] for p in model.parameters())
+    assert not any(engine.state_of(p) for p in model.parameters())
+    give_back(opt)  # after fit: the user's optimizer itself, its step still the scheduler's wrapper
+    after = held_as_torch(opt)
+    assert type(after) is torch.optim.AdamW and "step" not in vars(after) and "step" in vars(opt)
+
+
 # ---------------------------------------------------------------------------- any optimizer
 class MySGD(torch.optim.SGD):
     """A subclass that only adds an attribute: torch's SGD step, so the kernels run it."""

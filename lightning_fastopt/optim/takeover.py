@@ -148,7 +148,10 @@ def held_as_torch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     torch's distributed state dicts, which may step an optimizer without state to make
     its state, make it in the copy."""
     optimizer = unwrapped(optimizer)
-    cls, attributes = _given_back(optimizer)
+    if _ENGINE in optimizer.__dict__:
+        cls, attributes = _given_back(optimizer)
+    else:  # given back already (a checkpoint saved after fit)
+        cls, attributes = type(optimizer), dict(vars(optimizer))
     attributes.pop("step", None)
     copy = _instance_of(cls)
     copy.__dict__.update(attributes)
