@@ -69,6 +69,36 @@ def assert_params_close(a, b, rtol, atol):
                                    msg=lambda m: f"param {i} (numel {x.numel()}): {m}")
 
 
+def free_port() -> int:
+    """A TCP port on this machine free now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_script(*args, timeout: int = 600):
+    """``python ARGS`` (a script of tests/scripts and its arguments, or ``-m MODULE ...``)
+    from the repository root in a child process's environment (:func:`subprocess_env`);
+    the test fails, with the end of its stderr, unless it exits 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=repo, env=subprocess_env(repo),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def spawn_two_ranks(worker, *args) -> None:
+    """``worker(rank, port, *args)`` in two processes (torch.multiprocessing), ``port`` a
+    free one for their process group's rendezvous on this machine."""
+    torch.multiprocessing.spawn(worker, args=(free_port(), *args), nprocs=2)
+
+
 def subprocess_env(repo):
     """The environment for a child training process: this one without the distributed
     variables that in-process Lightning runs leave behind (with their port still held)."""

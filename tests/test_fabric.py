@@ -39,7 +39,8 @@ from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
-from tests.helpers import assert_params_equal, counting_checkpoint_io, said_lines, subprocess_env
+from tests.helpers import (assert_params_equal, counting_checkpoint_io, free_port, run_script, said_lines,
+                           subprocess_env)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -456,16 +457,9 @@ def test_two_processes_equal_fabrics_ddp(tmp_path, fabric_ddp, zero2_freeing, na
 
 def test_under_torchrun_equals_fabrics_ddp(tmp_path, fabric_ddp):
     """torchrun starts the two processes; Fabric takes the ranks from its environment."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = tmp_path / "torchrun.pt"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), str(REPO / "tests" / "scripts" / "fabric_run.py"), "half_offloaded", str(out)],
-                          cwd=REPO, env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
+               REPO / "tests" / "scripts" / "fabric_run.py", "half_offloaded", out)
     ours, rank1 = (torch.load(f"{out}.rank{r}", weights_only=True)["weights"] for r in (0, 1))
     for k in fabric_ddp:
         assert torch.equal(ours[k], rank1[k])

@@ -9,14 +9,12 @@ in a new Fabric end there too, across the two strategies both ways, with distrib
 full checkpoints (``tests/scripts/fsdp_fabric_run.py``).  In one process: the names
 registered with Fabric, and bad arguments refused when built."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import subprocess_env
+from tests.helpers import run_script
 
 slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
 
@@ -32,9 +30,7 @@ def run(tmp_path_factory):
         key = (strategy, *extra)
         if key not in runs:
             out = tmp_path_factory.mktemp("fsdp_fabric") / "run.pt"
-            proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out), *extra], cwd=REPO,
-                                  env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            run_script(SCRIPT, strategy, out, *extra)
             runs[key] = [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
         return runs[key]
     return loop

@@ -10,14 +10,13 @@ divide evenly, and a rank that holds no row of a parameter.  In one process: par
 ``fully_shard`` did not reach (plain tensors) step as torch steps them, with an fp16 overflow
 skipped; what it cannot run is refused when it is built."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import subprocess_env
+from tests.helpers import run_script
 
 slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
 
@@ -30,9 +29,7 @@ from fsdp_local_shards_run import CONFIGS  # noqa: E402
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_local_shards")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=REPO, env=subprocess_env(REPO),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(SCRIPT, out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import subprocess_env
+from tests.helpers import free_port, run_script, subprocess_env
 
 slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
 
@@ -37,9 +37,7 @@ def run(tmp_path_factory):
         key = (strategy, optimizer, *extra)
         if key not in runs:
             out = tmp_path_factory.mktemp("fsdp") / "run.pt"
-            proc = subprocess.run([sys.executable, str(SCRIPT), strategy, optimizer, str(out), *extra], cwd=REPO,
-                                  env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            run_script(SCRIPT, strategy, optimizer, out, *extra)
             if "first-only" in extra:
                 runs[key] = Path(f"{out}.checkpoint").read_text()
             else:
@@ -127,11 +125,7 @@ def test_a_distributed_checkpoint_resumes_at_another_world_size(run, first, then
 def _two_nodes(strategy, out):
     """``strategy``'s run on two nodes of one process each, launched as a cluster would:
     torchrun once per node (``--nnodes 2 --node-rank i``) on this machine."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
                                str(SCRIPT), strategy, "adamw", str(out), "devices=1", "nodes=2"], cwd=REPO,
@@ -160,9 +154,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
     staging = [p.name for p in tmp_path.glob(".last.ckpt.*.tmp")]  # the killed save's
-    resumed = subprocess.run([sys.executable, str(script), "resume", str(tmp_path)], cwd=REPO,
-                             env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_script(script, "resume", tmp_path)
     saved, loaded = (torch.load(tmp_path / f, weights_only=True) for f in ("saved.pt", "resumed.pt"))
     assert loaded["global_step"] == saved["global_step"] == 3
     for name, weight in saved["weights"].items():

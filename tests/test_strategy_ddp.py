@@ -5,14 +5,12 @@ torchrun too) and ``forward_waits="module"`` included; with ``delayed_update`` b
 Tolerances remain where the sum runs in another order than the unsharded run's (ZeRO's
 fp16 gradients, LAMB's norm over the shards: no torch reference either)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import subprocess_env
+from tests.helpers import free_port, run_script
 
 # real processes: README's test command leaves these to CI (pytest -m slow)
 pytestmark = pytest.mark.slow
@@ -22,9 +20,7 @@ SCRIPT = REPO / "tests" / "scripts" / "ddp_run.py"
 
 
 def _run(strategy, out, *extra):
-    proc = subprocess.run([sys.executable, str(SCRIPT), strategy, str(out), *extra], cwd=REPO,
-                          env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(SCRIPT, strategy, out, *extra)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
@@ -136,23 +132,13 @@ def test_zero_fp16_loss_scaling_matches_unsharded(tmp_path, reference, strategy)
 def test_zero2_under_torchrun(tmp_path, reference):
     """torchrun starts the processes; Lightning takes the ranks from its environment."""
     out = tmp_path / "torchrun.pt"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(SCRIPT), "zero2", str(out)], cwd=REPO,
-                          env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), SCRIPT, "zero2",
+               out)
     ours, rank1 = (torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1))
     ref, _ = reference("ddp")
     for k in ref:
         assert torch.equal(ours[k], ref[k]), k
         assert torch.equal(ours[k], rank1[k])
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.cuda

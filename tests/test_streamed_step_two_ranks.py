@@ -14,14 +14,12 @@ clipping, fp16 with overflows, and ``gradient_as_bucket_view=True``; and ZeRO st
 DDP) so fed, each rank's shard.  The Trainer-level runs against ``ddp`` are in
 ``tests/test_strategy_ddp.py`` (``zero2_speculate``, ``ddp_speculate``)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import subprocess_env
+from tests.helpers import run_script
 
 # real processes: README's test command leaves these to CI (pytest -m slow)
 pytestmark = pytest.mark.slow
@@ -35,9 +33,7 @@ CONFIGS = ["clip-never", "clip-always", "clip-sometimes", "clip-sometimes-half",
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("streamed_two_ranks")
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], cwd=REPO, env=subprocess_env(REPO),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(SCRIPT, out)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

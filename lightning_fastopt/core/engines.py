@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,7 +21,8 @@ from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
 __all__ = ["FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
-           "register_fsdp_names", "register_names", "stream_arguments", "wrap_fused_optimizer"]
+           "in_place_refusals", "register_fsdp_names", "register_names", "stream_arguments",
+           "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -110,11 +112,18 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     return OffloadOptimizer(fused, names, **offload_args)
 
 
-def stream_arguments(checks: list[str], landed: str) -> dict[str, bool]:
+def stream_arguments(landed: str, checks: Iterable[tuple[str, bool]],
+                     refusals: Iterable[tuple[str, bool]] = ()) -> dict[str, bool]:
     """The offload optimizer's arguments of ``stream_cpu_step``, said in one line: each host
     bucket's CPU update starts during backward once its gradients have ``landed``;
     speculated, and checked at the step, where the step checks the gradients first
-    (``checks``: what it checks)."""
+    (``checks``: what it may check, each with whether it does); none, and why, where one
+    of ``refusals`` (reasons, each with whether it applies) applies."""
+    why_not = [reason for reason, applies in refusals if applies]
+    if why_not:
+        rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
+        return {}
+    checks = [check for check, applies in checks if applies]
     if checks:
         rank_zero_info(f"lightning_fastopt: each host bucket's CPU update is speculated during backward, once its "
                        f"gradients have {landed}, and checked at the step ({', '.join(checks)}): committed, or "
@@ -123,6 +132,13 @@ def stream_arguments(checks: list[str], landed: str) -> dict[str, bool]:
     rank_zero_info(f"lightning_fastopt: each host bucket's CPU update starts during backward, once its "
                    f"gradients have {landed} (stream_cpu_step=True)")
     return {"stream_cpu_step": True}
+
+
+def in_place_refusals(offload_fraction: float, device: torch.device, copy_on_cpu: bool) -> list[tuple[str, bool]]:
+    """The reasons not to stream the CPU step that every strategy shares (for
+    :func:`stream_arguments`): nothing offloaded, or a CPU run updating in place."""
+    return [("nothing is offloaded", offload_fraction == 0),
+            ("a CPU run updates in place, with nothing to copy", device.type == "cpu" and not copy_on_cpu)]
 
 
 def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:

@@ -142,8 +142,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         streaming = not self.options.keep_gradients
         streams = {}
         if self.options.stream_cpu_step and self.offload_fraction > 0:
-            streams = stream_arguments(["clipping or fp16 loss scaling, where the loop applies them"],
-                                       "been reduce-scattered")
+            streams = stream_arguments("been reduce-scattered",
+                                       [("clipping or fp16 loss scaling, where the loop applies them", True)])
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
                                      **offload_arguments(self.options), **streams)

@@ -48,9 +48,9 @@ from typing_extensions import override
 
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters, hyperparameters, needs_step_context
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
-from lightning_fastopt.runtime.distributed import all_reduce_scalar
+from lightning_fastopt.runtime.distributed import all_reduce_scalar, world_size
 
 __all__ = ["LocalShardOptimizer", "local_alias"]
 
@@ -69,7 +69,7 @@ def _local_grad(param: Tensor) -> Tensor | None:
     return grad._local_tensor if isinstance(grad, DTensor) else grad
 
 
-class LocalShardOptimizer(OptimizerWrapper):
+class LocalShardOptimizer(LocalOffloadWrapper):
     """Args:
         optimizer: the fused optimizer over the model's (DTensor) parameters, the user's groups.
         param_names: a name for each parameter (state dicts are keyed by them).
@@ -125,27 +125,7 @@ class LocalShardOptimizer(OptimizerWrapper):
             self._hooks += [p.register_post_accumulate_grad_hook(self._landed) for p in new if p.requires_grad]
         self.local.add_param_group(dict(hyperparameters(group), params=[self._alias[p] for p in group["params"]]))
 
-    # ------------------------------------------------------------------ passed to the local optimizer
-    @property
-    def expected_grad_scale(self):
-        return self.local.expected_grad_scale
-
-    @expected_grad_scale.setter
-    def expected_grad_scale(self, scale) -> None:
-        self.local.expected_grad_scale = scale
-
-    @property
-    def accumulating(self) -> bool:
-        return self.local.accumulating
-
-    @accumulating.setter
-    def accumulating(self, value: bool) -> None:
-        self.local.accumulating = value
-
-    @property
-    def last_step_times(self) -> dict[str, float]:
-        return self.local.last_step_times
-
+    # ------------------------------------------------------------------ what users read
     def owns(self, param: Tensor) -> bool:
         return param in self._alias
 
@@ -256,7 +236,7 @@ class LocalShardOptimizer(OptimizerWrapper):
         self.local.close()
 
     def _describe(self) -> str:
-        rank = dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        rank = dist.get_rank(self.group) if world_size(self.group) > 1 else 0
         total = sum(p.numel() for p in self._params)
         return f"LocalShardOptimizer(rank {rank}, holds {self.held_numel} of {total} elements, {self.local!r})"
 
@@ -275,7 +255,7 @@ def _total_norm_of_rows(grads: list[tuple[Tensor, Tensor | None]], group) -> Ten
         if rows is not None:
             groups.setdefault((param.device, rows.dtype), []).append(rows)
     norms = []
-    reduce = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    reduce = world_size(group) > 1
     for (device, _), rows in groups.items():
         for norm in torch._foreach_norm(rows, 2.0):
             square = norm.to(device) ** 2  # where DTensor reduces it: the parameter's device

@@ -30,7 +30,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 from torch.distributed.constants import default_pg_timeout
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -38,8 +37,8 @@ from typing_extensions import override
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
-                                            stream_arguments)
+from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, in_place_refusals, register_fsdp_names,
+                                            say_runs_as_torch, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fsdp import LocalShardOptimizer
@@ -172,7 +171,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
                 continue
             fused = fused_for(opt, module, self.precision_plugin.precision)
             engine = LocalShardOptimizer(fused, names, device_grads=device_grads, **offload_arguments(self.options),
-                                         **self._streams(trainer, fused, device_grads))
+                                         **self._streams(trainer, device_grads))
             rank_zero_info(f"lightning_fastopt: {engine!r}")
             self._engine_at[i] = engine
             take_over(opt, engine)
@@ -193,24 +192,13 @@ class FSDPTrainerStrategy(PrecisionSlot):
                            "FastOptFSDPStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
         return "copy_when_reduced"
 
-    def _streams(self, trainer, fused, device_grads: str) -> dict[str, bool]:
+    def _streams(self, trainer, device_grads: str) -> dict[str, bool]:
         """``stream_cpu_step``'s arguments for the local optimizers, said in one line."""
         if not self.options.stream_cpu_step:
             return {}
-        why_not = [reason for reason, applies in (
-            ("user code reads gradients before the step", device_grads != "copy_when_reduced"),
-            ("nothing is offloaded", self.offload_fraction == 0),
-            ("a CPU run updates in place, with nothing to copy",
-             self.root_device.type == "cpu" and not self.options.copy_on_cpu),
-        ) if applies]
-        if why_not:
-            rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
-            return {}
-        checks = [check for check, applies in (
-            ("fp16 loss scaling", self.precision_plugin.scaler is not None),
-            ("gradient clipping", bool(trainer.gradient_clip_val)),
-        ) if applies]
-        return stream_arguments(checks, "been reduce-scattered")
+        refusals = [("user code reads gradients before the step", device_grads != "copy_when_reduced"),
+                    *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu)]
+        return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals)
 
     @contextlib.contextmanager
     @override
@@ -236,7 +224,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
         """``ModelParallelStrategy``'s (torch's distributed state dict, in torch's layout) of
         the optimizer as torch would hold it: the user's class with the engine's state,
         DTensors over this rank's rows."""
-        return super().optimizer_state(_torch_view(optimizer) if self._engine_for(optimizer) else optimizer)
+        return super().optimizer_state(held_as_torch(optimizer) if self._engine_for(optimizer) else optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -253,7 +241,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
         distributed or full checkpoint): each engine's optimizer state is loaded into the
         optimizer as torch would hold it, then taken over by the engine."""
         taken = list(self._optimizers)
-        views = [_torch_view(o) if self._engine_for(o) else o for o in taken]
+        views = [held_as_torch(o) if self._engine_for(o) else o for o in taken]
         self._optimizers = views
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
@@ -285,6 +273,3 @@ def _sharded_by_the_strategy() -> None:
     """The LightningModule's ``configure_model`` while Lightning's set-up runs: the strategy sharded it."""
 
 
-def _torch_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer as torch would hold it, a copy the engine does not step (:func:`held_as_torch`)."""
-    return held_as_torch(optimizer)

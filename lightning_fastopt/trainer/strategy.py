@@ -56,8 +56,8 @@ from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
-from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
-                                            stream_arguments, wrap_fused_optimizer)
+from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, in_place_refusals, register_names,
+                                            say_runs_as_torch, stream_arguments, wrap_fused_optimizer)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.offload import OffloadOptimizer
@@ -340,24 +340,17 @@ class TrainerStrategy(PrecisionSlot):
         if not self.stream_cpu_step:
             return {}
         ddp = device_grads == "copy_at_step"
-        why_not = [reason for reason, applies in (
+        refusals = [
             ("user code reads gradients before the step", device_grads == "keep"),
-            ("a DDP communication hook of the run's own reduces the gradients",
-             ddp and _user_comm_hook(self)),
+            ("a DDP communication hook of the run's own reduces the gradients", ddp and _user_comm_hook(self)),
             ("DDP finds the parameters no rank used only when backward has ended (find_unused_parameters=True)",
              ddp and getattr(self.model, "find_unused_parameters", False)),
-            ("nothing is offloaded", self.offload_fraction == 0),
-            ("a CPU run updates in place, with nothing to copy", self.root_device.type == "cpu" and not self.copy_on_cpu),
-        ) if applies]
-        if why_not:
-            rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
+            *in_place_refusals(self.offload_fraction, self.root_device, self.copy_on_cpu),
+        ]
+        checks = [*self._step_checks(trainer), (f"{type(fused).__name__}'s global norm", needs_step_context(fused))]
+        streams = stream_arguments("been reduced and landed" if ddp else "landed", checks, refusals)
+        if not streams:
             return {}
-        checks = [check for check, applies in (
-            ("fp16 loss scaling", self.precision_plugin.scaler is not None),
-            ("gradient clipping", bool(trainer.gradient_clip_val)),
-            (f"{type(fused).__name__}'s global norm", needs_step_context(fused)),
-        ) if applies]
-        streams = stream_arguments(checks, "been reduced and landed" if ddp else "landed")
         if ddp:  # DDP's buckets, each handed over once its all-reduce has completed
             if self._ddp_reductions is None:
                 self._ddp_reductions = DDPReductions(self.model, self._hand_over)

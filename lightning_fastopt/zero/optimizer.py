@@ -37,11 +37,11 @@ from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
 from lightning_fastopt.runtime.distributed import all_reduce_scalar, all_reduce_sum, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
                                           needs_step_context)
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero.grad_reducer import GradReducer
 from lightning_fastopt.zero.partition import assign_owners, owner_buckets
 
@@ -58,7 +58,7 @@ def _grouped(grads: dict[Tensor, Tensor]) -> dict[tuple[torch.device, torch.dtyp
     return groups
 
 
-class ZeroOptimizer(OptimizerWrapper):
+class ZeroOptimizer(LocalOffloadWrapper):
     """Args:
         optimizer: the fused optimizer with every parameter (the user's groups).
         param_names: a name for each parameter (state dicts are keyed by them).
@@ -164,23 +164,10 @@ class ZeroOptimizer(OptimizerWrapper):
         for p, g in zip(params, grads or [None] * len(params)):
             self.local.grad_reduced(p, g)
 
-    @property
-    def expected_grad_scale(self):
-        return self.local.expected_grad_scale
-
-    @expected_grad_scale.setter
-    def expected_grad_scale(self, scale) -> None:
-        """The loss scale the next step will take (the local optimizer speculates with it)."""
-        self.local.expected_grad_scale = scale
-
-    @property
-    def accumulating(self) -> bool:
-        return self.local.accumulating
-
-    @accumulating.setter
+    @LocalOffloadWrapper.accumulating.setter
     def accumulating(self, value: bool) -> None:
         """Set while Lightning accumulates gradients: nothing is communicated or copied."""
-        self.local.accumulating = value
+        LocalOffloadWrapper.accumulating.fset(self, value)
         if self.reducer is not None:
             self.reducer.accumulating = value
 
@@ -199,10 +186,6 @@ class ZeroOptimizer(OptimizerWrapper):
     def partition(self) -> dict[str, int]:
         """The owning rank of each parameter, by name."""
         return {self.param_names[p]: o for p, o in zip(self._params, self.owners)}
-
-    @property
-    def last_step_times(self) -> dict[str, float]:
-        return self.local.last_step_times
 
     # ------------------------------------------------------------------ gradients and step
     def gradients(self) -> list[Tensor]:

@@ -32,6 +32,7 @@ from lightning_fastopt.functional import by_device  # noqa: E402
 from lightning_fastopt.fsdp import LocalShardOptimizer  # noqa: E402
 from lightning_fastopt.optim.from_torch import to_fused_optimizer  # noqa: E402
 from lightning_fastopt.optim.takeover import take_over  # noqa: E402
+from tests.helpers import spawn_two_ranks  # noqa: E402
 
 STEPS = 6
 # name: (torch optimizer, offload fraction, clipping norm, micro-batches per step, LocalShardOptimizer's options)
@@ -140,14 +141,5 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def main():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, sys.argv[1]), nprocs=2)
-
-
 if __name__ == "__main__":
-    main()
+    spawn_two_ranks(_worker, sys.argv[1])

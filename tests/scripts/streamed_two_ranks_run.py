@@ -28,7 +28,7 @@ from lightning_fastopt.core.ddp_reductions import DDPReductions  # noqa: E402
 from lightning_fastopt.offload import OffloadOptimizer  # noqa: E402
 from lightning_fastopt.offload.speculative import SpeculativeStep  # noqa: E402
 from lightning_fastopt.zero import ZeroOptimizer  # noqa: E402
-from tests.helpers import SlowBackward  # noqa: E402
+from tests.helpers import SlowBackward, spawn_two_ranks  # noqa: E402
 from tests.test_speculative_step import Driver, _inputs  # noqa: E402
 from tests.test_streamed_step import _net  # noqa: E402
 
@@ -177,14 +177,5 @@ def _worker(rank, port, out_dir):
     dist.destroy_process_group()
 
 
-def main():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, sys.argv[1]), nprocs=2)
-
-
 if __name__ == "__main__":
-    main()
+    spawn_two_ranks(_worker, sys.argv[1])

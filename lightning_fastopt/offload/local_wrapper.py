@@ -1,0 +1,38 @@
+"""LocalOffloadWrapper: an optimizer wrapper that steps its share of the parameters through
+an :class:`~lightning_fastopt.offload.OffloadOptimizer` of its own (``local``): ZeRO's
+shard of whole parameters (:class:`~lightning_fastopt.zero.ZeroOptimizer`), FSDP's local
+rows of every parameter (:class:`~lightning_fastopt.fsdp.LocalShardOptimizer`).  What the
+driver sets and reads of the step itself goes straight to that one."""
+
+from __future__ import annotations
+
+from lightning_fastopt.offload.optimizer import OffloadOptimizer
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
+
+
+class LocalOffloadWrapper(OptimizerWrapper):
+    """A subclass builds ``local`` in its ``__init__``."""
+
+    local: OffloadOptimizer
+
+    @property
+    def expected_grad_scale(self):
+        return self.local.expected_grad_scale
+
+    @expected_grad_scale.setter
+    def expected_grad_scale(self, scale) -> None:
+        """The loss scale the next step will take (the local optimizer speculates with it)."""
+        self.local.expected_grad_scale = scale
+
+    @property
+    def accumulating(self) -> bool:
+        return self.local.accumulating
+
+    @accumulating.setter
+    def accumulating(self, value: bool) -> None:
+        """Set while Lightning accumulates gradients: nothing is copied (or communicated) yet."""
+        self.local.accumulating = value
+
+    @property
+    def last_step_times(self) -> dict[str, float]:
+        return self.local.last_step_times
