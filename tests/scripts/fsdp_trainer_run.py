@@ -38,6 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import end_process_group  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_fastopt import FastOptFSDPStrategy  # noqa: E402
@@ -194,6 +195,7 @@ def main():
         result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in state.items()})
     result["global_step"] = torch.tensor(trainer.global_step)
     torch.save(result, f"{out}.rank{trainer.global_rank}")
+    end_process_group()  # gloo's threads alive at interpreter exit can abort the process
 
 
 if __name__ == "__main__":
