@@ -573,6 +573,138 @@ def test_the_closure_runs_inside_the_optimizers_step_as_under_lightning(strategy
     assert calls == ["step", "training_step"] * 4
 
 
+class RecordedSGD(torch.optim.SGD):
+    """The optimizer of Lightning's ``test_train_loop_system``: it records its step (and
+    when that step ends) and its ``zero_grad``."""
+
+    calls: list = []
+
+    def step(self, closure=None):
+        type(self).calls.append("step")
+        loss = super().step(closure)
+        type(self).calls.append("stepped")
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        type(self).calls.append("zero_grad")
+        return super().zero_grad(set_to_none)
+
+
+class RecordedNet(Net):
+    def training_step(self, batch, batch_idx):
+        RecordedSGD.calls.append("training_step")
+        return super().training_step(batch, batch_idx)
+
+    def backward(self, loss, *args, **kwargs):
+        RecordedSGD.calls.append("backward")
+        return super().backward(loss, *args, **kwargs)
+
+
+def _leading_steps_only(calls):
+    """The calls without the steps of the shares after the first: those are given the
+    closure already evaluated, so each ends without a call between its beginning and its
+    end (under ``Trainer()`` the closure's ``training_step`` always lies between)."""
+    out = []
+    for c in calls:
+        if c == "stepped" and out and out[-1] == "step":
+            out.pop()
+        else:
+            out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_an_own_step_is_entered_before_the_closure_runs_as_torch_enters_it(strategy, accumulate):
+    """Lightning's ``test_train_loop_system``: ``optimizer.step`` first, then, from the
+    closure it calls, ``training_step``, ``zero_grad`` and ``backward``.  The share updated
+    first runs the user's step from its top before the closure is evaluated (it once saw
+    ``training_step`` before ``step``); the other shares' steps come after it.  The calls
+    are ``Trainer()``'s, one share's exactly, and the weights bit for bit."""
+    def run(chosen):
+        RecordedSGD.calls = []
+        model = RecordedNet(lambda ps: RecordedSGD(ps, lr=0.05, momentum=0.9))
+        _trainer(chosen, max_epochs=1, accumulate_grad_batches=accumulate).fit(model, _data())
+        return model, RecordedSGD.calls
+
+    ours, ours_calls = run(STRATEGIES[strategy]())
+    ref, ref_calls = run("auto")
+    assert_modules_equal(ours, ref)
+    assert ref_calls[:5] == (["step", "training_step", "zero_grad", "backward", "stepped"] if accumulate == 1 else
+                             ["training_step", "zero_grad", "backward", "training_step", "backward"])
+    assert _leading_steps_only(ours_calls) == ref_calls
+    if strategy != "part-offloaded-accelerator-path":  # one share
+        assert ours_calls == ref_calls
+    else:
+        assert len(ours_calls) > len(ref_calls)
+
+
+def _recording_engine(model, events):
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None, before=None):
+            events.append("step")
+            if before == "raise":
+                raise RuntimeError("the step failed before its closure")
+            if before == "change":
+                with torch.no_grad():
+                    self.param_groups[0]["params"][0].add_(1.0)
+            return super().step(closure)
+
+    return OffloadOptimizer(UserStepOptimizer(Recording(model.parameters(), lr=0.1)),
+                            {p: n for n, p in model.named_parameters()}, offload_fraction=1.0, copy_on_cpu=True)
+
+
+def test_the_leading_shares_step_runs_first_and_ends_with_the_engines_step_whatever_happens():
+    """The user's step on the leading share is entered before the closure runs (on a thread
+    of its own, which waits there): a step that fails before calling the closure raises with
+    the closure never run; a closure that raises leaves no step waiting; a skipped step
+    (an inf gradient) lets the user's step go on without gradients, changing nothing; a
+    step that changes its weights before calling the closure is refused by name."""
+    import threading
+
+    from lightning_fastopt.optim.closure import ClosureEvaluatedAgain
+
+    model, events = Net(), []
+    opt = _recording_engine(model, events)
+    x, y = next(iter(_data()))
+
+    def closure(scale=1.0):
+        events.append("closure")
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y) * scale
+        loss.backward()
+        return loss
+
+    def waiting_steps():
+        return [t for t in threading.enumerate() if t.name == "fastopt-leading-step" and t.is_alive()]
+
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = opt.step(closure)
+    assert events == ["step", "closure"] and isinstance(loss, torch.Tensor) and loss.grad_fn is not None
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="the step failed before its closure"):
+        opt.step(closure, before="raise")
+    assert events == ["step"]
+
+    events.clear()
+    with pytest.raises(ValueError, match="training_step failed"):
+        opt.step(lambda: (events.append("closure"), (_ for _ in ()).throw(ValueError("training_step failed"))))
+    assert events == ["step", "closure"] and waiting_steps() == []
+
+    events.clear()
+    now = [p.detach().clone() for p in model.parameters()]
+    opt.step(lambda: closure(float("inf")), grad_scale=1.0, check_finite=True)
+    assert events == ["step", "closure"] and opt.last_step_skipped and opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(now, model.parameters()))
+
+    with pytest.raises(ClosureEvaluatedAgain, match="Recording's step evaluates the closure again"):
+        opt.step(closure, before="change")
+    assert waiting_steps() == []
+    opt.close()
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: FastOptStrategy(closure_optimizers=[3]), "closure_optimizers must be optimizer classes or class names"),
     (lambda: FastOptStrategy(closure_optimizers=None), "closure_optimizers must be"),

@@ -96,6 +96,7 @@ class DelayedStep(CpuStepSchedule):
     device and launches this step's on the worker thread."""
 
     name = "delayed by one step"
+    host_updates_at_step = False
     needs_spare_grads = True  # the next step's gradients land while an update reads these
 
     def __init__(self, optimizer, warmup: int) -> None:

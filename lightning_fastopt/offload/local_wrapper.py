@@ -36,3 +36,6 @@ class LocalOffloadWrapper(OptimizerWrapper):
     @property
     def last_step_times(self) -> dict[str, float]:
         return self.local.last_step_times
+
+    def leading_share(self):
+        return self.local.leading_share()

@@ -82,6 +82,7 @@ from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
 from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, check_range, needs_step_context
 from lightning_fastopt.optim.adam import FusedAdam, check_state_dtype
+from lightning_fastopt.optim.user_step import UserStepOptimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
 
@@ -248,6 +249,15 @@ class OffloadOptimizer(OptimizerWrapper):
 
     def owns(self, param: Tensor) -> bool:
         return param in self._slot_of
+
+    def leading_share(self) -> FusedOptimizer | None:
+        """The inner optimizer updated first at ``step()`` when the user's own ``step`` runs:
+        the device share's, else the first host bucket's where buckets are updated at the step."""
+        if not isinstance(self.optimizer, UserStepOptimizer):
+            return None
+        if self._device_slots:
+            return self._device_inner
+        return self._buckets[0].inner if self._buckets and self.schedule.host_updates_at_step else None
 
     # ------------------------------------------------------------------ weights on their way
     def modules_wait_for(self, params: set[Tensor]) -> None:

@@ -31,6 +31,7 @@ class CpuStepSchedule:
 
     name = "at the step"  # how the optimizer's repr and the strategy's log line say it
     needs_spare_grads = False  # a second gradient buffer per offloaded parameter
+    host_updates_at_step = True  # every host bucket is updated at step(), in order (none earlier or later)
 
     def __init__(self, optimizer) -> None:
         self.opt = optimizer  # the OffloadOptimizer whose host buckets it updates (it imports this module)

@@ -66,6 +66,7 @@ class Speculation:
 
 class SpeculativeStep(CpuStepSchedule):
     name = "speculated during backward, checked at the step"
+    host_updates_at_step = False
 
     def __init__(self, optimizer) -> None:
         super().__init__(optimizer)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.optim.closure import StepClosure
+from lightning_fastopt.optim.closure import LeadingStep, StepClosure
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 COMPUTE = object()  # step(step_context=COMPUTE): the optimizer computes its step context itself
@@ -474,22 +474,46 @@ def _once_each(params: list[Tensor]) -> list[Tensor]:
 
 
 def run_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-             take_step: Callable[[StepClosure | None], bool]) -> Any:
+             take_step: Callable[[StepClosure | None], bool], leading: LeadingStep | None = None) -> Any:
     """What every ``step()`` of lightning_fastopt does around the step itself: run the
     closure (with gradients enabled, as torch's optimizers do at the top of ``step``), then
     ``take_step(evaluated)``, counting it in the optimizer's ``skipped_steps`` and
     ``last_step_skipped`` when it returns True.  ``evaluated``: the closure with what it
     returned, for an optimizer's own step (:mod:`~lightning_fastopt.optim.closure`); a
-    :class:`StepClosure` given as the closure (a wrapper handing its step down) is not run again."""
+    :class:`StepClosure` given as the closure (a wrapper handing its step down) is not run again.
+
+    ``leading``: the user's step on the wrapper's leading share, entered first; the closure
+    is evaluated when that step calls it, and not at all when it ends without calling it
+    (the step is then not taken, and the wrapper's ``last_step_closure`` says the closure
+    was ignored)."""
     loss, evaluated = None, None
     if isinstance(closure, StepClosure):
         loss, evaluated = closure.loss, closure
+    elif closure is not None and leading is not None:
+        if not leading.enter():
+            optimizer.last_step_closure = StepClosure.not_called()
+            optimizer.last_step_skipped = False
+            return None
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            optimizer.last_step_skipped = False
+            skipped = take_step(StepClosure(loss, leading))
+        except BaseException as e:
+            leading.close(error=e)
+            raise
+        leading.close()
+        return _count_skipped(optimizer, skipped, loss)
     elif closure is not None:
         with torch.enable_grad():
             loss = closure()
         evaluated = StepClosure(loss)
     optimizer.last_step_skipped = False
-    if take_step(evaluated):
+    return _count_skipped(optimizer, take_step(evaluated), loss)
+
+
+def _count_skipped(optimizer: torch.optim.Optimizer, skipped: bool, loss: Any) -> Any:
+    if skipped:
         optimizer.skipped_steps += 1
         optimizer.last_step_skipped = True
     return loss

@@ -12,8 +12,8 @@ the masters (host or device), made without calling its ``__init__`` again (torch
 each master's ``.grad`` to its gradient (unscaled first when a loss scale is given: the
 user's ``step`` knows nothing of it), calls the user's ``step`` (with the keyword
 arguments the step was given beyond the closure, ``step_kwargs``, and the step's closure
-as torch would give it, :mod:`~lightning_fastopt.optim.closure`), and writes the half
-copies.  The math is torch's (or the user's), where the masters live, so the memory
+as torch would give it, :mod:`~lightning_fastopt.optim.closure`: the share an engine updates
+first entered before the closure is evaluated), and writes the half copies.  The math is torch's (or the user's), where the masters live, so the memory
 saving and the copies' overlap still apply; only the kernels' speed does not.
 """
 
@@ -70,12 +70,16 @@ class UserStepOptimizer(FusedOptimizer):
                             capturable=False, skipped_steps=0, last_step_skipped=False)
         return new
 
+    def masters(self) -> list[Tensor]:
+        """The tensors this sibling steps, each once."""
+        return list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
+
     def _take_step(self, grad_scale, check_finite: bool, found_inf: Tensor | None, step_context: Any) -> bool:
         if self.runner is None:
             raise RuntimeError("UserStepOptimizer steps through its siblings (the offload optimizer's)")
         if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
             return True
-        params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
+        params = self.masters()
         source = self.grad_source
         grads = {p: p.grad if source is None else source.get(p) for p in params}
         given = [g for g in grads.values() if g is not None]
@@ -92,10 +96,12 @@ class UserStepOptimizer(FusedOptimizer):
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(inverse)
-            # the closure ran when the engine's step began: this share gets it as torch would give it
             evaluated = self.step_closure
-            closure = evaluated.for_share(self.user_class.__name__, params) if evaluated is not None else None
-            self.runner.step(closure, **self.step_kwargs)
+            if evaluated is not None and evaluated.leading is not None and evaluated.leading.share is self:
+                evaluated.leading.resume()  # this share's step called the closure, and goes on from there
+            else:  # the closure ran when the engine's step began: this share gets it as torch would give it
+                given = {} if evaluated is None else {"closure": evaluated.for_share(self.user_class.__name__, params)}
+                self.runner.step(**given, **self.step_kwargs)  # as the step was called: Lightning names the closure
         finally:
             for p in params:
                 p.grad = before[p]

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, duplicates_warned_already, run_step
-from lightning_fastopt.optim.closure import StepClosure
+from lightning_fastopt.optim.closure import LeadingStep, StepClosure
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -126,11 +126,21 @@ class OptimizerWrapper(torch.optim.Optimizer):
                             f"optimizer runs as {type(self.optimizer).__name__}, whose step (like torch's own) takes "
                             f"none beyond the closure; keyword arguments reach an optimizer that runs its own step")
         self.step_kwargs = step_kwargs
+        share = self.leading_share() if callable(closure) and not isinstance(closure, StepClosure) else None
         try:
             return run_step(self, closure, lambda evaluated: self._take_step_with(evaluated, grad_scale, check_finite,
-                                                                                 step_context))
+                                                                                 step_context),
+                            LeadingStep(share, step_kwargs) if share is not None else None)
         finally:
             self.step_kwargs = {}
+
+    def leading_share(self) -> FusedOptimizer | None:
+        """The inner optimizer this wrapper's step updates first, when it runs the user's own
+        ``step`` (:class:`~lightning_fastopt.optim.user_step.UserStepOptimizer`) and is
+        updated at ``step()``: its ``step`` is entered before the closure is evaluated, as
+        torch's is (:class:`~lightning_fastopt.optim.closure.LeadingStep`).  None: the
+        closure is evaluated when the step begins."""
+        return None
 
     def _take_step_with(self, evaluated: StepClosure | None, grad_scale, check_finite: bool, step_context: Any) -> bool:
         """:meth:`_take_step` with :attr:`step_closure` set to the step's evaluated closure
