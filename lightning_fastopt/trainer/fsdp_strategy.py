@@ -25,8 +25,7 @@ project's ``configure_model`` applies ``fully_shard`` as it does under
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -38,20 +37,19 @@ from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, in_place_refusals, register_fsdp_names,
-                                            say_runs_as_torch, stream_arguments)
+                                            stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
-from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.optim.takeover import give_back, held_as_torch, take_over
-from lightning_fastopt.optim.wrapper import unwrapped
+from lightning_fastopt.optim.takeover import held_as_torch
+from lightning_fastopt.trainer.engine_table import EngineTable
 from lightning_fastopt.trainer.grad_readers import gradient_readers
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 
 __all__ = ["FSDPTrainerStrategy"]
 
-class FSDPTrainerStrategy(PrecisionSlot):
+class FSDPTrainerStrategy(EngineTable, PrecisionSlot):
     """FSDP2 (ZeRO stage 3) with the fused, offloaded optimizer step on each rank's shards.
 
     Args:
@@ -124,6 +122,10 @@ class FSDPTrainerStrategy(PrecisionSlot):
     def offload_fraction(self) -> float:
         return self.options.offload_fraction
 
+    @property
+    def closure_optimizers(self) -> tuple[str, ...]:
+        return self.options.closure_optimizers
+
     def _shards_itself(self) -> bool:
         """The LightningModule has no ``configure_model``: the strategy shards it."""
         module = self.lightning_module
@@ -162,20 +164,9 @@ class FSDPTrainerStrategy(PrecisionSlot):
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
         device_grads = self._device_grads(trainer)
-        self._engine_at = {}
-        for i, opt in enumerate(self.optimizers):
-            if isinstance(opt, self.package.MockOptimizer):
-                continue
-            if needs_closure(opt, self.options.closure_optimizers):
-                say_runs_as_torch(opt)
-                continue
-            fused = fused_for(opt, module, self.precision_plugin.precision)
-            engine = LocalShardOptimizer(fused, names, device_grads=device_grads, **offload_arguments(self.options),
-                                         **self._streams(trainer, device_grads))
-            rank_zero_info(f"lightning_fastopt: {engine!r}")
-            self._engine_at[i] = engine
-            take_over(opt, engine)
-        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew for the new classes
+        self._take_over_optimizers(lambda opt: LocalShardOptimizer(
+            fused_for(opt, module, self.precision_plugin.precision), names, device_grads=device_grads,
+            **offload_arguments(self.options), **self._streams(trainer, device_grads)))
 
     def _device_grads(self, trainer) -> str:
         """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line."""
@@ -199,24 +190,6 @@ class FSDPTrainerStrategy(PrecisionSlot):
         refusals = [("user code reads gradients before the step", device_grads != "copy_when_reduced"),
                     *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu)]
         return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals)
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning enters this for the micro-batches that do not step: FSDP adds their
-        gradients into ``p.grad``, and nothing leaves for the host yet."""
-        for engine in self._engine_at.values():
-            engine.accumulating = True
-        try:
-            with super().block_backward_sync():
-                yield
-        finally:
-            for engine in self._engine_at.values():
-                engine.accumulating = False
-
-    def _engine_for(self, optimizer) -> LocalShardOptimizer | None:
-        optimizer = unwrapped(optimizer)
-        return next((self._engine_at.get(i) for i, opt in enumerate(self.optimizers) if opt is optimizer), None)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -256,11 +229,7 @@ class FSDPTrainerStrategy(PrecisionSlot):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        for engine in self._engine_at.values():
-            engine.close()
-        for opt in self.optimizers:
-            give_back(opt)
-        self._threads.restore()
+        self._release_engines()
         super().teardown()
 
     @classmethod

@@ -39,10 +39,9 @@ The work is done in those modules; the hooks here call them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,15 +56,15 @@ from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, in_place_refusals, register_names,
-                                            say_runs_as_torch, stream_arguments, wrap_fused_optimizer)
+                                            stream_arguments, wrap_fused_optimizer)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
-from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
-from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.optim.takeover import engine_of, take_over
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.trainer.engine_table import EngineTable
 from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
@@ -80,7 +79,7 @@ def _user_comm_hook(strategy) -> bool:
     return any(getattr(strategy, a, None) is not None for a in ("_ddp_comm_hook", "_ddp_comm_wrapper"))
 
 
-class TrainerStrategy(PrecisionSlot):
+class TrainerStrategy(EngineTable, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -288,21 +287,18 @@ class TrainerStrategy(PrecisionSlot):
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
         by_module = self._waits_by_module(trainer)
-        self._engine_at = {}
-        for i, opt in enumerate(self.optimizers):
-            if not self._runs_in_engine(opt):
-                continue
+
+        def make_engine(opt) -> OptimizerWrapper:
             fused = fused_for(opt, self.lightning_module, self.precision_plugin.precision)
             extra = self._streams(trainer, fused, device_grads)
             if by_module:
                 extra["forward_waits"] = "module"
-            engine = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
-                                          **offload_arguments(self), **extra)
-            rank_zero_info(f"lightning_fastopt: {engine!r}")
+            return wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
+                                        **offload_arguments(self), **extra)
+
+        self._take_over_optimizers(make_engine)
+        if self._engine_at:
             self._say_delays()
-            self._engine_at[i] = engine
-            take_over(opt, engine)
-        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew for the new classes
         if by_module:
             self._forward_waits = ForwardWaits(self.lightning_module, self._offload_optimizers)
             for o in self._offload_optimizers():
@@ -320,19 +316,6 @@ class TrainerStrategy(PrecisionSlot):
                            f"with everything offloaded, the last {PROBE_STEPS} of them measured")
             self._auto = AutoFraction(self.root_device, self.gpu_memory_budget_gb, trainer.accumulate_grad_batches,
                                       agree=lambda f: float(self.broadcast(f)))
-
-    def _runs_in_engine(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether an offload or ZeRO optimizer can step ``optimizer``, else it runs as under
-        Lightning's own strategy (said in one line): Lightning's stand-in when
-        ``configure_optimizers`` returns None, and LBFGS and the classes named in
-        ``closure_optimizers``, whose step evaluates the closure again after changing the
-        weights (the weights it changes must be the model's)."""
-        if isinstance(optimizer, self.package.MockOptimizer):
-            return False
-        if needs_closure(optimizer, self.closure_optimizers):
-            say_runs_as_torch(optimizer)
-            return False
-        return True
 
     def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> dict[str, bool]:
         """How the CPU step streams into backward (``stream_cpu_step``): the offload
@@ -387,14 +370,6 @@ class TrainerStrategy(PrecisionSlot):
                        "(forward_waits='module')")
         return True
 
-    @property
-    def engines(self) -> list[OptimizerWrapper]:
-        """The offload or ZeRO optimizer that steps each of the user's optimizers (in
-        ``trainer.optimizers``, which stay the user's), from the last set-up of a fit on:
-        kept after the fit, to read (``offloaded_numel``, ``skipped_steps``,
-        ``last_step_times``, ...)."""
-        return list(self._engine_at.values())
-
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
         return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]
 
@@ -447,28 +422,6 @@ class TrainerStrategy(PrecisionSlot):
                            "on the device during backward (no hook or callback reads p.grad; "
                            "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
         return "copy_at_step" if isinstance(self.model, DistributedDataParallel) else "copy_in_backward"
-
-    @contextlib.contextmanager
-    def _accumulating(self) -> Iterator[None]:
-        """A micro-batch of an accumulation window that does not step: gradients are not
-        final, so nothing is copied to the host or (ZeRO stage 2) sent to its owner yet."""
-        self._set_accumulating(True)
-        try:
-            yield
-        finally:
-            self._set_accumulating(False)
-
-    def _set_accumulating(self, value: bool) -> None:
-        for o in self.engines:
-            o.accumulating = value
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning enters this for the micro-batches that do not step, with several
-        processes (with one, see ``OneProcessTrainerStrategy.pre_backward``)."""
-        with self._accumulating(), super().block_backward_sync():
-            yield
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -528,12 +481,6 @@ class TrainerStrategy(PrecisionSlot):
         engine = self._engine_for(optimizer)
         return engine.state_dict() if engine is not None else super().optimizer_state(optimizer)
 
-    def _engine_for(self, optimizer) -> OptimizerWrapper | None:
-        """The engine of one of ``self.optimizers`` (or of Lightning's wrapper around it),
-        also after fit gave the optimizer back."""
-        optimizer = unwrapped(optimizer)
-        return next((self._engine_at.get(i) for i, opt in enumerate(self.optimizers) if opt is optimizer), None)
-
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Sharded (ZeRO) directories are merged, to be re-sharded for this world size; a
@@ -561,17 +508,13 @@ class TrainerStrategy(PrecisionSlot):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        for engine in self._engine_at.values():  # kept: trainer.save_checkpoint after fit saves their state
-            engine.close()
-        for opt in self.optimizers:
-            give_back(opt)
+        self._release_engines()
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None
         if self._ddp_reductions is not None:
             self._ddp_reductions.close()
             self._ddp_reductions = None
-        self._threads.restore()
         super().teardown()
 
     # ------------------------------------------------------------------ registry
