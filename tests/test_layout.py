@@ -128,7 +128,7 @@ def test_the_graph_is_read_right():
     """The reader sees the imports that exist (a test that finds nothing proves nothing)."""
     graph = _graph()
     assert "lightning_fastopt.optim.wrapper" in graph["lightning_fastopt.offload.optimizer"]
-    assert "lightning_fastopt.checkpoint.sharded" in graph["lightning_fastopt.trainer.strategy"]
+    assert "lightning_fastopt.checkpoint.sharded" in graph["lightning_fastopt.trainer.engine_checkpoints"]
     assert "lightning_fastopt.core.engines" in graph["lightning_fastopt.fabric.strategy"]
     assert "lightning_fastopt.ops" in graph["lightning_fastopt.functional"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

@@ -181,7 +181,7 @@ def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch,
     import types
 
     from lightning_fastopt import FastOptPrecision
-    from lightning_fastopt.trainer import strategy as trainer_strategy
+    from lightning_fastopt.trainer import copy_plan
 
     class Reductions:  # DDP's, without processes: what the strategy hands the optimizer
         def __init__(self, ddp, on_reduced):
@@ -190,7 +190,7 @@ def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch,
         def reduces(self, param):
             return True
 
-    monkeypatch.setattr(trainer_strategy, "DDPReductions", Reductions)
+    monkeypatch.setattr(copy_plan, "DDPReductions", Reductions)
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     own = {"ddp_comm_hook": lambda state, bucket: None} if device_grads == "own-comm-hook" else {}
     strategy = FastOptStrategy(zero_stage=zero_stage, offload_fraction=fraction, copy_on_cpu=True, stream_cpu_step=True,

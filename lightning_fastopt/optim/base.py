@@ -15,7 +15,6 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.optim.bucketing import Bucket, kernel_buckets, split_buckets
 from lightning_fastopt.optim.closure import LeadingStep, StepClosure
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,20 +68,6 @@ def check_lr(lr) -> None:
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}")
     check_range("lr", lr, 0.0)
-
-
-@dataclass
-class Bucket:
-    """Parameters of one group that are updated by one kernel call."""
-
-    params: list[Tensor]
-    grads: list[Tensor]
-    states: dict[str, list[Tensor]]
-    step_tensor: Tensor | None = None  # the shared step count (optimizers that count steps)
-    first: bool = False  # no state before this step (optimizers that do not count steps)
-    step: int | Tensor = 1  # the step number after this update (a device tensor when capturable)
-    copies: list[Tensor] | None = None  # tensors that receive the updated params (model-dtype copies)
-    found_inf: Tensor | None = None  # a device flag: when set the kernels skip the update
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -224,115 +210,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
 
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
-        """The parameters of a group that have gradients, in buckets of one device and one
-        step count, creating missing state.  Step counts are not advanced here.
-
-        Fast path (the common case): one device, every parameter either new or sharing
-        the group's step tensor, and no parameter with state but without a gradient (its
-        count must not move); one pass, one bucket.  Otherwise parameters are split by
-        device and step count, and the parameters of a bucket are given a new shared tensor.
-        """
-        keys = self._bucket_state_keys(group)
-        state_of = self.state
-        counts = self.counts_steps
-        source = self.grad_source
-        params, grads, fresh = [], [], []
-        lists: dict[str, list[Tensor]] = {k: [] for k in keys}
-        shared = None
-        device = None
-        copy_kinds = set()
-        uniform = True
-        for p in _once_each(group["params"]):
-            g = p.grad if source is None else source.get(p)
-            if g is None:
-                if counts and uniform and state_of.get(p):
-                    uniform = False  # it may share the step tensor that the others advance
-                continue
-            if g.layout is not torch.strided:
-                raise ValueError(f"{type(self).__name__} does not support sparse gradients: "
-                                 f"{_describe(self.param_groups, p)} got one")
-            st = state_of[p]
-            if not st:
-                self._init_state(group, p, st)
-                fresh.append(st)
-            elif counts:
-                step_t = st["step"]
-                if shared is None and isinstance(step_t, Tensor):
-                    shared = step_t
-                elif step_t is not shared:
-                    uniform = False
-            d = p.device
-            if device is None:
-                device = d
-            elif d != device:
-                uniform = False
-            copy_kinds.add(self._copy_kind(p))
-            if len(copy_kinds) > 1:
-                uniform = False  # one kernel call writes one kind of copy, or none
-            params.append(p)
-            grads.append(g)
-            for k in keys:
-                lists[k].append(st[k])
-        if not params:
-            return []
-        if counts:
-            if uniform and (shared is None or not fresh or float(shared) == 0.0):
-                if shared is None:  # every parameter is new
-                    shared = self._new_step_tensor(0.0, device)
-                for st in fresh:
-                    st["step"] = shared
-                return [Bucket(params, grads, lists, step_tensor=shared, copies=self._copies(params))]
-            for st in fresh:
-                st["step"] = self._new_step_tensor(0.0, device)
-            return self._split(group, params, grads, keys)
-        if uniform and (not fresh or len(fresh) == len(params)):
-            return [Bucket(params, grads, lists, first=bool(fresh), copies=self._copies(params))]
-        fresh_ids = {id(st) for st in fresh}
-        return self._split(group, params, grads, keys, fresh_ids)
-
-    def _split(self, group, params, grads, keys, fresh_ids=frozenset()) -> list[Bucket]:
-        """The general case: buckets by device and step count (or first-step-ness)."""
-        buckets: dict[tuple, Bucket] = {}
-        for p, g in zip(params, grads):
-            st = self.state[p]
-            if self.counts_steps:
-                step_t = st["step"]
-                value = float(step_t)
-                key = (p.device, value, self._copy_kind(p))
-            else:
-                key = (p.device, id(st) in fresh_ids, self._copy_kind(p))
-            b = buckets.get(key)
-            if b is None:
-                b = buckets[key] = Bucket([], [], {k: [] for k in keys}, first=not self.counts_steps and key[1])
-                if self.counts_steps:
-                    # a new tensor: the old one may be shared with parameters not stepped now
-                    b.step_tensor = self._new_step_tensor(value, p.device)
-            if self.counts_steps:
-                st["step"] = b.step_tensor  # parameters at the same count share one tensor
-            b.params.append(p)
-            b.grads.append(g)
-            for k in keys:
-                b.states[k].append(st[k])
-        out = list(buckets.values())
-        for b in out:
-            b.copies = self._copies(b.params)
-        return out
-
-    def _copy_kind(self, param: Tensor) -> torch.dtype | None:
-        """The dtype of the copy a step writes for ``param`` (``copies_to``), or None."""
-        copy = (self.copies_to or {}).get(param)
-        return None if copy is None else copy.dtype
-
-    def _copies(self, params: list[Tensor]) -> list[Tensor] | None:
-        targets = self.copies_to
-        if not targets:
-            return None
-        copies = [targets.get(p) for p in params]
-        if all(c is None for c in copies):
-            return None
-        if any(c is None for c in copies):
-            raise ValueError("copies_to must name a copy for every parameter of a bucket, or none")
-        return copies
+        """The parameters of a group that have gradients, in kernel calls
+        (:func:`~lightning_fastopt.optim.bucketing.kernel_buckets`)."""
+        return kernel_buckets(self, group)
 
     def _bucket_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state tensors a bucket passes to the kernel (override when options add some)."""
@@ -418,7 +298,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for round_ in range(1, max(times.values())):
             again = [p for p, n in times.items() if n > round_ and p in stepped]
             first = {id(self.state[p]) for p in again if stepped[p][1]}
-            yield from self._split(group, again, [stepped[p][0] for p in again], keys, first)
+            yield from split_buckets(self, again, [stepped[p][0] for p in again], keys, first)
 
     def step_context(self, grads: list[Tensor], grad_scale) -> Any:
         """Computed once per step from every gradient, before any update; None for
@@ -454,23 +334,6 @@ def duplicates_warned_already():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
         yield
-
-
-def _describe(groups: list[dict[str, Any]], p: Tensor) -> str:
-    """A parameter in words for an error: its name when the groups carry torch's
-    ``param_names``, else its position, and its shape."""
-    for gi, group in enumerate(groups):
-        for i, q in enumerate(group["params"]):
-            if q is p:
-                names = group.get("param_names")
-                where = repr(names[i]) if names else f"parameter {i} of group {gi}"
-                return f"{where} (shape {tuple(p.shape)})"
-    return f"a parameter of shape {tuple(p.shape)}"
-
-
-def _once_each(params: list[Tensor]) -> list[Tensor]:
-    """The parameters of a group in order, each once (torch accepts duplicates, with a warning)."""
-    return params if len(set(params)) == len(params) else list(dict.fromkeys(params))
 
 
 def run_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,

@@ -39,33 +39,26 @@ The work is done in those modules; the hooks here call them.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.nn.parallel import DistributedDataParallel
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.reading import read_checkpoint_file
-from lightning_fastopt.checkpoint.sharded import load_sharded, save_sharded
-from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
-from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, in_place_refusals, register_names,
-                                            stream_arguments, wrap_fused_optimizer)
+from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.forward_waits import ForwardWaits
-from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.takeover import engine_of, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.trainer.copy_plan import CopyPlan
+from lightning_fastopt.trainer.engine_checkpoints import EngineCheckpoints
 from lightning_fastopt.trainer.engine_table import EngineTable
-from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
@@ -74,12 +67,7 @@ from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 __all__ = ["TrainerStrategy"]
 
 
-def _user_comm_hook(strategy) -> bool:
-    """Whether the run registers a DDP communication hook of its own (``DDPStrategy(ddp_comm_hook=...)``)."""
-    return any(getattr(strategy, a, None) is not None for a in ("_ddp_comm_hook", "_ddp_comm_wrapper"))
-
-
-class TrainerStrategy(EngineTable, PrecisionSlot):
+class TrainerStrategy(EngineTable, EngineCheckpoints, CopyPlan, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -217,25 +205,6 @@ class TrainerStrategy(EngineTable, PrecisionSlot):
             refuse_in_the_other_package("FastOptStrategy", self.package, sys._getframe(1).f_globals.get("__name__", ""))
         return super().__ne__(other)
 
-    # ------------------------------------------------------------------ checkpoint_io
-    @property
-    @override
-    def checkpoint_io(self) -> Any:
-        """As Lightning's strategies fill theirs, when first asked (so that a user's plugin
-        given through ``plugins=`` is taken, not refused as set twice): the user's, or
-        :class:`AtomicCheckpointIO`; a wrapping plugin given without a writer of its own
-        (``AsyncCheckpointIO()``) wraps an ``AtomicCheckpointIO``."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        elif isinstance(self._checkpoint_io, self.package.WrappingCheckpointIO):
-            self._checkpoint_io.checkpoint_io = AtomicCheckpointIO()  # taken only where it wraps none yet
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Any) -> None:
-        self._checkpoint_io = io
-
     # ------------------------------------------------------------------ environment
     @override
     def set_world_ranks(self) -> None:
@@ -254,20 +223,6 @@ class TrainerStrategy(EngineTable, PrecisionSlot):
         if note:
             rank_zero_info(note)
         self._grad_readers = None  # decided again for every run (the model or callbacks may differ)
-
-    @property
-    def _effective_stage(self) -> int:
-        """The ZeRO stage that runs: stage 2 frees other ranks' gradients during backward,
-        so it reduces them as stage 1 does when user code reads them."""
-        return 1 if self.zero_stage == 2 and self._readers() else self.zero_stage
-
-    def _readers(self) -> list[str]:
-        if self._grad_readers is None:
-            module = self.lightning_module
-            self._grad_readers = gradient_readers(module, module.trainer.callbacks, self.package)
-            if self.keep_gradients:
-                self._grad_readers.insert(0, "code anywhere (keep_gradients=True)")
-        return self._grad_readers
 
     @override
     def configure_ddp(self) -> None:
@@ -317,59 +272,6 @@ class TrainerStrategy(EngineTable, PrecisionSlot):
             self._auto = AutoFraction(self.root_device, self.gpu_memory_budget_gb, trainer.accumulate_grad_batches,
                                       agree=lambda f: float(self.broadcast(f)))
 
-    def _streams(self, trainer, fused: FusedOptimizer, device_grads: str) -> dict[str, bool]:
-        """How the CPU step streams into backward (``stream_cpu_step``): the offload
-        optimizer's arguments, said in one line."""
-        if not self.stream_cpu_step:
-            return {}
-        ddp = device_grads == "copy_at_step"
-        refusals = [
-            ("user code reads gradients before the step", device_grads == "keep"),
-            ("a DDP communication hook of the run's own reduces the gradients", ddp and _user_comm_hook(self)),
-            ("DDP finds the parameters no rank used only when backward has ended (find_unused_parameters=True)",
-             ddp and getattr(self.model, "find_unused_parameters", False)),
-            *in_place_refusals(self.offload_fraction, self.root_device, self.copy_on_cpu),
-        ]
-        checks = [*self._step_checks(trainer), (f"{type(fused).__name__}'s global norm", needs_step_context(fused))]
-        streams = stream_arguments("been reduced and landed" if ddp else "landed", checks, refusals)
-        if not streams:
-            return {}
-        if ddp:  # DDP's buckets, each handed over once its all-reduce has completed
-            if self._ddp_reductions is None:
-                self._ddp_reductions = DDPReductions(self.model, self._hand_over)
-            streams["reduced_by"] = self._ddp_reductions.reduces
-        return streams
-
-    def _hand_over(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """DDP's averaged gradients of a bucket, to the engines that step them (with ZeRO
-        stage 1, each rank's to the shard it owns)."""
-        for engine in self.engines:
-            for p, g in grads:
-                if engine.owns(p):
-                    engine.grad_reduced(p, g)
-
-    def _waits_by_module(self, trainer) -> bool:
-        """Whether each module's forward waits only for its own new weights
-        (``forward_waits="module"``), said in one line."""
-        if self.forward_waits == "step":
-            return False
-        why_not = weight_readers(self.lightning_module, trainer.callbacks, self.package)
-        if why_not:
-            why_not = [f"{', '.join(why_not)} can read the weights between steps"]
-        why_not += [reason for reason, applies in (
-            ("the model is compiled (torch.compile), where the forward pre-hooks would be traced or break the graph",
-             _compiled(self.lightning_module)),
-            ("nothing is offloaded", self.offload_fraction == 0 and not self.auto_fraction),
-            ("a CPU run updates in place, with nothing to copy",
-             self.root_device.type == "cpu" and not (self.copy_on_cpu or self.delayed_update)),
-        ) if applies]
-        if why_not:
-            rank_zero_info(f"lightning_fastopt: forward_waits='module' not used: {'; '.join(why_not)}")
-            return False
-        rank_zero_info("lightning_fastopt: each module's forward waits only for its own new weights "
-                       "(forward_waits='module')")
-        return True
-
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
         return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]
 
@@ -408,20 +310,6 @@ class TrainerStrategy(EngineTable, PrecisionSlot):
             rank_zero_info(f"lightning_fastopt: after {self.delayed_update_warmup} synchronous step(s), each CPU "
                            "update runs during the next forward and backward, which use weights one update old "
                            "(delayed_update=True)")
-
-    def _device_grads(self) -> str:
-        """The offload optimizers' ``device_grads``, said in one log line with the reason."""
-        readers = self._readers()
-        if readers:
-            note = " (ZeRO stage 2 reduces them as stage 1 does)" if self.zero_stage == 2 else ""
-            rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step{note}, as in "
-                           f"torch: {', '.join(readers)} can read them")
-            return "keep"
-        if self.offload_fraction != 0:  # with nothing offloaded nothing is copied: no line to say so
-            rank_zero_info("lightning_fastopt: gradients of offloaded parameters are copied to the host and freed "
-                           "on the device during backward (no hook or callback reads p.grad; "
-                           "FastOptStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
-        return "copy_at_step" if isinstance(self.model, DistributedDataParallel) else "copy_in_backward"
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -463,48 +351,6 @@ class TrainerStrategy(EngineTable, PrecisionSlot):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
-    # ------------------------------------------------------------------ checkpoints
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """ZeRO: every rank writes its optimizer shard into a directory (see
-        :mod:`lightning_fastopt.checkpoint.sharded`); otherwise one file, written atomically."""
-        partitions = [p for p in (e.partition() for e in self._engine_at.values()) if p is not None]
-        if not partitions:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(checkpoint, filepath, self, zero_stage=self.zero_stage, partitions=partitions)
-
-    @override
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """The state dict of the engine that steps (or stepped, in the last fit) the user's
-        optimizer: a checkpoint written after fit holds the same as one written during it
-        (with ZeRO, each rank's shard, saved as shards)."""
-        engine = self._engine_for(optimizer)
-        return engine.state_dict() if engine is not None else super().optimizer_state(optimizer)
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Sharded (ZeRO) directories are merged, to be re-sharded for this world size; a
-        damaged file or directory is one message naming it (BrokenCheckpointError)."""
-        if _is_local_dir(checkpoint_path):
-            return load_sharded(checkpoint_path, weights_only)
-        return read_checkpoint_file(checkpoint_path, lambda path: super(TrainerStrategy, self).load_checkpoint(
-            path, weights_only))
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Each optimizer loads its saved state where its parameters live (the base class
-        would move offloaded state to the accelerator)."""
-        saved = checkpoint["optimizer_states"]
-        if not saved and self.optimizers:  # hand-built, or from a run without an optimizer: Lightning loads nothing
-            rank_zero_warn(f"lightning_fastopt: the checkpoint holds no optimizer state; the {len(self.optimizers)} "
-                           "optimizer(s) of this run start afresh (as Lightning's own strategies do)")
-            return
-        if len(saved) != len(self.optimizers):
-            raise ValueError(f"the checkpoint has {len(saved)} optimizer state(s), this run has "
-                             f"{len(self.optimizers)} optimizer(s)")
-        for opt, state in zip(self.optimizers, saved):
-            opt.load_state_dict(state)
-
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
@@ -522,20 +368,3 @@ class TrainerStrategy(EngineTable, PrecisionSlot):
     @override
     def register_strategies(cls, strategy_registry) -> None:
         register_names(cls, strategy_registry)
-
-
-def _is_local_dir(path) -> bool:
-    """A directory on this machine (a sharded checkpoint, or something that should be one)."""
-    try:
-        return os.path.isdir(path)
-    except TypeError:
-        return False
-
-
-def _compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) runs through torch.compile: a compiled submodule,
-    or a LightningModule the Trainer was given compiled (Lightning notes ``_compiler_ctx``)."""
-    from torch._dynamo import OptimizedModule
-
-    return getattr(module, "_compiler_ctx", None) is not None or any(
-        isinstance(m, OptimizedModule) for m in module.modules())
