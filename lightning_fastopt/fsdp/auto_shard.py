@@ -53,64 +53,73 @@ def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_para
     name = type(module).__name__
     policy = (f"each {', '.join(c.__name__ for c in classes)}" if classes
               else f"modules of at least {min_num_params:,} parameters")
-    from torch.distributed.fsdp import fully_shard
-
     if not forward_runs and any(True for _ in module.parameters(recurse=False)):
         names = [n for n, _ in module.named_parameters(recurse=False)]
-        raise ValueError(f"{type(module).__name__} holds parameters of its own ({', '.join(names)}), outside any "
+        raise ValueError(f"{name} holds parameters of its own ({', '.join(names)}), outside any "
                          "submodule: the strategy cannot shard them on its own; shard the model in the "
                          "LightningModule's configure_model (with torch's fully_shard), as under ModelParallelStrategy")
-    holders = _holders(module)
-    done: set[int] = set()  # the parameters sharded so far
-    sharded = 0
+    sharder = _Sharder(module, mesh, classes, min_num_params, shard_args)
+    sharder.visit(module)
+    picked = sharder.sharded
+    if not forward_runs:
+        try:
+            for root in sharder.roots(module):
+                sharder.shard([root])
+            rest = sharder.sharded - picked
+            return f"sharded {picked} module(s) with fully_shard ({policy}), then {rest} holding the rest"
+        except _Tied as tied:
+            rank_zero_info(f"lightning_fastopt: {' and '.join(type(m).__name__ for m in tied.modules)} share a "
+                           f"parameter: {name} itself is sharded as the root, so its forward must run "
+                           "(training_step calling self(...)); else shard the model in configure_model")
+    sharder.shard([module])
+    return f"sharded {picked} module(s) with fully_shard ({policy}), then {name} itself"
 
-    def shard(modules: list[nn.Module]) -> None:
-        nonlocal sharded
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **shard_args)
-        done.update(id(p) for m in modules for p in m.parameters())
-        sharded += len(modules)
 
-    def visit(sub: nn.Module) -> None:
+class _Sharder:
+    """One pass of :func:`shard_model` over ``module``: what is sharded so far."""
+
+    def __init__(self, module: nn.Module, mesh, classes: tuple[type, ...], min_num_params: int,
+                 shard_args: dict[str, Any]) -> None:
+        self.module, self.mesh, self.classes, self.min_num_params = module, mesh, classes, min_num_params
+        self.shard_args = shard_args
+        self.holders = _holders(module)
+        self.done: set[int] = set()  # the parameters sharded so far
+        self.sharded = 0  # fully_shard calls made
+
+    def shard(self, modules: list[nn.Module]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=self.mesh, **self.shard_args)
+        self.done.update(id(p) for m in modules for p in m.parameters())
+        self.sharded += len(modules)
+
+    def visit(self, sub: nn.Module) -> None:
         """Shard what the policy picks below ``sub``, then ``sub`` if it picks it."""
         for child in sub.children():
-            visit(child)
-        left = sum(p.numel() for p in sub.parameters() if id(p) not in done)
-        picked = isinstance(sub, classes) if classes else left >= min_num_params
-        if sub is not module and left and picked and _has_forward(sub) and _holds_its_ties(sub, holders):
-            shard([sub])
+            self.visit(child)
+        left = sum(p.numel() for p in sub.parameters() if id(p) not in self.done)
+        picked = isinstance(sub, self.classes) if self.classes else left >= self.min_num_params
+        if sub is not self.module and left and picked and _has_forward(sub) and _holds_its_ties(sub, self.holders):
+            self.shard([sub])
 
-    def roots(sub: nn.Module) -> list[nn.Module]:
+    def roots(self, sub: nn.Module) -> list[nn.Module]:
         """The modules below ``sub`` that hold the rest, to be sharded as roots: its
         children, or a container's children; raises :class:`_Tied` where a shared
         parameter ties two of them (FSDP takes one root module per parameter group)."""
         found = []
-        pending = [c for c in sub.children() if any(id(p) not in done for p in c.parameters())]
-        for group in _tied_groups(pending, holders):
+        pending = [c for c in sub.children() if any(id(p) not in self.done for p in c.parameters())]
+        for group in _tied_groups(pending, self.holders):
             if len(group) > 1:
                 raise _Tied(group)
             if _has_forward(group[0]):
                 found.append(group[0])
             elif not any(True for _ in group[0].parameters(recurse=False)):
-                found += roots(group[0])  # a container: its children, the same way
+                found += self.roots(group[0])  # a container: its children, the same way
             else:
                 raise ValueError(f"{type(group[0]).__name__} (a container without forward) holds parameters of its "
                                  "own: the strategy cannot shard them on its own; shard the model in the "
                                  "LightningModule's configure_model")
         return found
-
-    visit(module)
-    picked = sharded
-    if not forward_runs:
-        try:
-            for root in roots(module):
-                shard([root])
-            return f"sharded {picked} module(s) with fully_shard ({policy}), then {sharded - picked} holding the rest"
-        except _Tied as tied:
-            rank_zero_info(f"lightning_fastopt: {' and '.join(type(m).__name__ for m in tied.modules)} share a "
-                           f"parameter: {name} itself is sharded as the root, so its forward must run "
-                           "(training_step calling self(...)); else shard the model in configure_model")
-    shard([module])
-    return f"sharded {picked} module(s) with fully_shard ({policy}), then {name} itself"
 
 
 class _Tied(Exception):
