@@ -2,7 +2,9 @@
 plain (torch AdamW(fused=True)) against ``fastopt_offload`` at offload_fraction 0, 0.25,
 0.5, 1 and ``"auto"``, exact, streamed (``stream_cpu_step=True``) and delayed
 (``delayed_update=True``), with bf16-mixed or half weights (``precision="bf16-true"``),
-and DeepSpeed's ``deepspeed_stage_2_offload`` when deepspeed is installed (see CONFIGS).
+DeepSpeed's ``deepspeed_stage_2_offload`` when deepspeed is installed, and ZeRO-3 on one rank:
+Lightning's ``ModelParallelStrategy`` (FSDP2) with torch's fused AdamW, the same with FSDP's
+``CPUOffloadPolicy``, and ``fastopt_fsdp`` at fraction 1 (see CONFIGS).
 
     python benchmarks/gpt_offload.py                # ~1B parameters on a GPU (about 10 minutes on an H100)
     python benchmarks/gpt_offload.py --tiny         # a tiny model on any device: checks the script runs
@@ -53,6 +55,13 @@ CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:
            "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "fastopt:0.5:module",
            "fastopt:1:delayed:bf16-true:module", "plain:clip", "fastopt:1:clip", "fastopt:1:stream:clip",
            "deepspeed_stage_2_offload"]
+# ZeRO-3 on one rank (issue 41; FSDP2 through Lightning's ModelParallelStrategy, each block then the root
+# sharded with fully_shard, bf16-mixed): "fsdp" is ModelParallelStrategy with torch AdamW(fused=True) on the
+# GPU; "fsdp:cpu_offload" adds FSDP's CPUOffloadPolicy (parameters, gradients and optimizer state in host
+# memory, torch's fused AdamW stepping on the CPU after backward); "fastopt_fsdp:F[:stream]" is
+# FastOptFSDPStrategy(offload_fraction=F[, stream_cpu_step=True]) over the same sharding and optimizer
+FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
+CONFIGS += FSDP_CONFIGS
 CLIP = ":clip"
 DELAYED_WARMUP = 2
 
@@ -73,6 +82,24 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
     if "delayed" in mode:
         arguments.update(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
     return arguments, "bf16-true" in mode
+
+
+def fsdp_strategy(config: str):
+    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream]`` (one rank)."""
+    name, *mode = config.split(":")
+    if name == "fsdp":
+        if set(mode) - {"cpu_offload"}:
+            raise ValueError(f"{config!r}: expected 'fsdp' or 'fsdp:cpu_offload'")
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    from lightning_fastopt import FastOptFSDPStrategy
+
+    fraction, *rest = mode
+    if set(rest) - {"stream"}:
+        raise ValueError(f"{config!r}: expected 'fastopt_fsdp:F' or 'fastopt_fsdp:F:stream'")
+    return FastOptFSDPStrategy(offload_fraction=float(fraction), stream_cpu_step="stream" in rest,
+                               data_parallel_size=1, tensor_parallel_size=1)
 
 
 PROFILED_STEPS = 2  # the last warm-up steps, profiled: a delayed update runs into the next step
@@ -104,6 +131,17 @@ def child(config: str, args) -> dict:
 
                 return DeepSpeedCPUAdam(self.parameters(), lr=1e-4, weight_decay=0.01)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+
+    class ShardedBenchGPT(BenchGPT):
+        def configure_model(self):  # under ModelParallelStrategy: each block, then the root
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            pinned = torch.cuda.is_available()  # (pinned host memory needs an accelerator: a --tiny CPU run)
+            extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=pinned)) if config.endswith(":cpu_offload") else {}
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh, **extra)
+            fully_shard(self, mesh=mesh, **extra)
 
     class Measure(L.Callback):
         reads_weights_between_steps = False  # it times steps: forward_waits="module" may apply
@@ -142,7 +180,9 @@ def child(config: str, args) -> dict:
                 self.t1 = time.perf_counter()
 
     torch.manual_seed(0)
-    model = BenchGPT(n_layer=args.layers, n_head=args.heads, n_embd=args.width, block_size=args.seq)
+    sharded = config.startswith(("fsdp", "fastopt_fsdp"))
+    model = (ShardedBenchGPT if sharded else BenchGPT)(n_layer=args.layers, n_head=args.heads, n_embd=args.width,
+                                                       block_size=args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     text = torch.tensor(list((REPO / "examples/data/workshop_notes.txt").read_bytes()), dtype=torch.long)
     while len(text) < (args.warmup + args.steps) * args.batch * 16 + args.seq + 2:
@@ -153,12 +193,14 @@ def child(config: str, args) -> dict:
     base = config[:-len(CLIP)] if clip else config
     if base == "plain":
         strategy = "auto"
+    elif sharded:
+        strategy = fsdp_strategy(base)
     elif base.startswith("fastopt"):
         strategy = FastOptStrategy(**fastopt_arguments(base)[0])
     else:
         strategy = base
     measure = Measure()
-    half = base.startswith("fastopt") and fastopt_arguments(base)[1]
+    half = base.startswith("fastopt:") and fastopt_arguments(base)[1]
     precision = ("bf16-true" if half else "bf16-mixed") if gpu else "32-true"
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=strategy,
                         precision=precision, max_steps=args.warmup + args.steps,

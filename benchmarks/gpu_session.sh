@@ -39,7 +39,9 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # with bf16-true (the peak-memory target); auto.  The warm-up is 7 steps ("auto" settles
 # after 5 probe steps), then 8 timed ones (the full table: 7 and 20).
 HEADLINE="plain,fastopt:1,fastopt:1:stream,fastopt:1:stream:clip,fastopt:1:delayed,fastopt:0.5:stream,fastopt:1:stream:bf16-true,fastopt:auto:stream"
-OTHERS="plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
+# then ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, with FSDP's CPUOffloadPolicy, and
+# fastopt_fsdp at fraction 1 (exact, streamed), before the rest of the table
+OTHERS="fsdp,fsdp:cpu_offload,fastopt_fsdp:1,fastopt_fsdp:1:stream,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
 HEADLINE_STEPS="--warmup 7 --steps 8"
 
 # The CUDA bit-exactness tests against torch: Adam, AdamW, SGD and Adagrad in torch's foreach,

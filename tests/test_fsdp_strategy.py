@@ -75,6 +75,19 @@ def test_the_cpu_step_streamed_into_backward_and_kept_gradients_end_there_too(ru
 
 
 @slow
+def test_offload_fraction_auto_chooses_on_each_ranks_shards_and_ends_there_too(run, tmp_path_factory):
+    """``offload_fraction="auto"``: five steps with every row offloaded, the last three
+    timed, then each rank's local optimizer rebuilt at the fraction rank 0 chose (here 0:
+    the step is exact, nothing runs beside the CPU update, no memory budget) for the last
+    step; the run ends where ``ModelParallelStrategy``'s ends."""
+    out = tmp_path_factory.mktemp("fsdp-auto") / "run.pt"
+    proc = run_script(SCRIPT, "fastopt-auto", "adamw", out)
+    assert "offload_fraction='auto' chose 0:" in proc.stderr
+    assert [float(Path(f"{out}.fraction.rank{r}").read_text()) for r in (0, 1)] == [0.0, 0.0]
+    _assert_same([torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)], run("reference"))
+
+
+@slow
 def test_bf16_mixed_too(run):
     _assert_same(run("fastopt-0.5", "adamw", "precision=bf16-mixed"), run("reference", "adamw", "precision=bf16-mixed"))
 
@@ -199,8 +212,10 @@ def test_bad_arguments_are_refused_when_built_naming_them():
         FastOptFSDPStrategy(data_paralel_size=2)
     with pytest.raises(ValueError, match="offload_fraction must be in"):
         FastOptFSDPStrategy(offload_fraction=1.5)
-    with pytest.raises(ValueError, match="offload_fraction='auto' is not measured under FastOptFSDPStrategy"):
-        FastOptFSDPStrategy(offload_fraction="auto")
+    with pytest.raises(ValueError, match="gpu_memory_budget_gb is for offload_fraction='auto'"):
+        FastOptFSDPStrategy(offload_fraction=0.5, gpu_memory_budget_gb=10)
+    auto = FastOptFSDPStrategy(offload_fraction="auto")
+    assert auto.options.auto_fraction and auto.offload_fraction == 1.0  # the probe starts with every row offloaded
     with pytest.raises(TypeError, match="copy_on_cpu must be True or False"):
         FastOptFSDPStrategy(copy_on_cpu="yes")
     strategy = FastOptFSDPStrategy(offload_fraction=0.25, data_parallel_size=2, tensor_parallel_size=1,

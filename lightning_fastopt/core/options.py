@@ -99,13 +99,15 @@ class StrategyOptions:
     @classmethod
     def for_fsdp(cls, strategy: str, **arguments: Any) -> StrategyOptions:
         """:meth:`check` of the arguments the FSDP strategies take (``strategy``: the class
-        name, for the message refusing ``offload_fraction="auto"``); the others as off."""
-        if arguments.get("offload_fraction") == "auto":
-            raise ValueError(f"offload_fraction='auto' is not measured under {strategy} yet: give a number in "
-                             "[0.0, 1.0]")
-        arguments = {"keep_gradients": False, "stream_cpu_step": False, **arguments}
+        name, for the message refusing ``offload_fraction="auto"`` where it is not given
+        ``gpu_memory_budget_gb``, which only the Trainer's takes: Fabric's has no closure to
+        time); the others as off."""
+        if arguments.get("offload_fraction") == "auto" and "gpu_memory_budget_gb" not in arguments:
+            raise ValueError(f"offload_fraction='auto' is for the Trainer (it times the step's closure); with "
+                             f"{strategy} give a number in [0.0, 1.0]")
+        arguments = {"keep_gradients": False, "stream_cpu_step": False, "gpu_memory_budget_gb": None, **arguments}
         return cls.check(**arguments, zero_stage=0, delayed_update=False, delayed_update_warmup=40,
-                         gpu_memory_budget_gb=None, host_state_dtype="float32", forward_waits="step")
+                         host_state_dtype="float32", forward_waits="step")
 
 
 def offload_arguments(options: Any) -> dict[str, Any]:

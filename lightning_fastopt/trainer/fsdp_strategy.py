@@ -42,6 +42,7 @@ from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
 from lightning_fastopt.optim.takeover import held_as_torch
+from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_table import EngineTable
 from lightning_fastopt.trainer.grad_readers import gradient_readers
 from lightning_fastopt.trainer.package import TrainerPackage
@@ -49,13 +50,16 @@ from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 
 __all__ = ["FSDPTrainerStrategy"]
 
-class FSDPTrainerStrategy(EngineTable, PrecisionSlot):
+class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
     """FSDP2 (ZeRO stage 3) with the fused, offloaded optimizer step on each rank's shards.
 
     Args:
         offload_fraction: share of each rank's parameter shards (by element count) whose
             fp32 masters and optimizer state live in CPU memory, updated by the CPU
-            kernels, in [0, 1]; the rest are updated on the accelerator.
+            kernels, in [0, 1]; the rest are updated on the accelerator.  ``"auto"``: as
+            for ``FastOptStrategy``, chosen after the first steps from their timings (on
+            each rank's shards; every rank takes rank 0's choice).
+        gpu_memory_budget_gb: with ``offload_fraction="auto"``, as for ``FastOptStrategy``.
         overlap, pin_memory, bucket_size_mb, cpu_threads, wall_clock_breakdown,
                 copy_on_cpu, closure_optimizers, loss_scale, initial_scale_power,
             loss_scale_window, hysteresis, min_loss_scale, at_min_loss_scale: as for
@@ -88,12 +92,13 @@ class FSDPTrainerStrategy(EngineTable, PrecisionSlot):
     strategy_name = "fastopt_fsdp"
     package: TrainerPackage
 
-    def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
+    def __init__(self, offload_fraction: float | str = 1.0, overlap: bool = True, pin_memory: bool = True,
                  bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
-                 stream_cpu_step: bool = False, auto_wrap_policy: Iterable[type] | None = None,
+                 stream_cpu_step: bool = False, gpu_memory_budget_gb: float | None = None,
+                 auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000,
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
@@ -106,7 +111,7 @@ class FSDPTrainerStrategy(EngineTable, PrecisionSlot):
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
-            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step)
+            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, gpu_memory_budget_gb=gpu_memory_budget_gb)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -167,6 +172,12 @@ class FSDPTrainerStrategy(EngineTable, PrecisionSlot):
         self._take_over_optimizers(lambda opt: LocalShardOptimizer(
             fused_for(opt, module, self.precision_plugin.precision), names, device_grads=device_grads,
             **offload_arguments(self.options), **self._streams(trainer, device_grads)))
+        self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        return self._step_probed(optimizer, closure, lambda timed: super(FSDPTrainerStrategy, self).optimizer_step(
+            optimizer, timed, model, **kwargs))
 
     def _device_grads(self, trainer) -> str:
         """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line."""

@@ -52,10 +52,10 @@ from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.forward_waits import ForwardWaits
-from lightning_fastopt.optim.takeover import engine_of, take_over
+from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.copy_plan import CopyPlan
 from lightning_fastopt.trainer.engine_checkpoints import EngineCheckpoints
 from lightning_fastopt.trainer.engine_table import EngineTable
@@ -67,7 +67,7 @@ from lightning_fastopt.trainer.precision_slot import PrecisionSlot
 __all__ = ["TrainerStrategy"]
 
 
-class TrainerStrategy(EngineTable, EngineCheckpoints, CopyPlan, PrecisionSlot):
+class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPlan, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -185,7 +185,6 @@ class TrainerStrategy(EngineTable, EngineCheckpoints, CopyPlan, PrecisionSlot):
         for name, value in vars(options).items():
             if name != "scale_knobs":
                 setattr(self, name, value)
-        self._auto: AutoFraction | None = None  # the probe of a fit with offload_fraction="auto"
         self._grad_readers: list[str] | None = None  # decided at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
@@ -258,19 +257,7 @@ class TrainerStrategy(EngineTable, EngineCheckpoints, CopyPlan, PrecisionSlot):
             self._forward_waits = ForwardWaits(self.lightning_module, self._offload_optimizers)
             for o in self._offload_optimizers():
                 o.modules_wait_for(self._forward_waits.covered)
-        self._auto = None
-        if self.auto_fraction:
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError("offload_fraction='auto' measures the forward and backward that Lightning runs in "
-                                 "each step's closure (automatic optimization); with manual optimization give a "
-                                 "number")
-            if self.gpu_memory_budget_gb is not None and self.root_device.type != "cuda":
-                raise ValueError(f"gpu_memory_budget_gb needs a CUDA device to measure memory on, this run is on "
-                                 f"{self.root_device}")
-            rank_zero_info(f"lightning_fastopt: offload_fraction='auto': the first {PROBE_SKIP + PROBE_STEPS} steps run "
-                           f"with everything offloaded, the last {PROBE_STEPS} of them measured")
-            self._auto = AutoFraction(self.root_device, self.gpu_memory_budget_gb, trainer.accumulate_grad_batches,
-                                      agree=lambda f: float(self.broadcast(f)))
+        self._start_auto_fraction(trainer, self.auto_fraction, self.gpu_memory_budget_gb)
 
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
         return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]
@@ -314,30 +301,15 @@ class TrainerStrategy(EngineTable, EngineCheckpoints, CopyPlan, PrecisionSlot):
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         raw = engine_of(optimizer)
-        auto = self._auto if isinstance(raw, OffloadOptimizer) else None
-        if auto is not None:
-            closure = auto.closure(raw, closure)
         self._stepping = True
         try:
-            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            out = self._step_probed(optimizer, closure, lambda timed: super(TrainerStrategy, self).optimizer_step(
+                optimizer, timed, model, **kwargs))
         finally:
             self._stepping = False
         if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
             self._log_step_times(raw.last_step_times)
-        if auto is not None:
-            self._settle_fraction(raw, auto.after_step(raw, self.precision_plugin.last_step_skipped))
         return out
-
-    def _settle_fraction(self, old: OffloadOptimizer, settled: tuple[OffloadOptimizer, str] | None) -> None:
-        """The probe of ``offload_fraction="auto"`` has chosen: the optimizer is rebuilt with that fraction."""
-        if settled is None:
-            return
-        new, why = settled
-        rank_zero_info(f"lightning_fastopt: {why}")
-        for i, engine in self._engine_at.items():
-            if engine is old:
-                self._engine_at[i] = new
-                take_over(self.optimizers[i], new)
 
     def _log_step_times(self, step_times: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer

@@ -8,7 +8,8 @@ stepped every optimizer step.
         [checkpoint=full] [first-only] [from=CHECKPOINT] [devices=N]
 
 STRATEGY: ``reference`` (``ModelParallelStrategy``) or ``fastopt-<fraction>`` (through
-the accelerator code path on the CPU, ``copy_on_cpu=True``), ``fastopt-<fraction>-classes``
+the accelerator code path on the CPU, ``copy_on_cpu=True``; the fraction a number or
+``auto``, the one each rank's local optimizer ends at written to OUT.fraction.rank<r>), ``fastopt-<fraction>-classes``
 or ``fastopt-<fraction>-size`` (the one-line form: the LightningModule has no
 ``configure_model``, the strategy shards each Linear, or the modules of at least 200
 parameters); OPTIMIZER: a name of
@@ -127,11 +128,12 @@ def _strategy(name, full, devices, **options):
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                      save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
+    fraction = fraction if fraction == "auto" else float(fraction)
     if form:  # the one-line form: the mesh sizes left to the strategy too
         policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
-        return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
+        return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
                                    **policy, **options)
-    return FastOptFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
+    return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
                                data_parallel_size=devices, tensor_parallel_size=1,
                                save_distributed_checkpoint=not full, **options)
 
@@ -195,6 +197,8 @@ def main():
         result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in state.items()})
     result["global_step"] = torch.tensor(trainer.global_step)
     torch.save(result, f"{out}.rank{trainer.global_rank}")
+    for engine in getattr(trainer.strategy, "engines", []):  # the offload fraction each local optimizer ended at
+        Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(engine.local.offload_fraction))
     end_process_group()  # gloo's threads alive at interpreter exit can abort the process
 
 
