@@ -39,6 +39,25 @@ class EngineState:
     def __init__(self, optimizer) -> None:
         self.opt = optimizer
 
+    def moved_to(self, new):
+        """Close this optimizer and give ``new`` (built over the same parameters and groups,
+        at another fraction) its state, float32 masters, skipped-step count and pending
+        delayed update (moved over, not applied); returns ``new``."""
+        opt = self.opt
+        saved = self.saved()  # the state and a delayed update's pending masters, by name
+        masters = {s.name: s.master for s in opt._slots if s.separate_master}
+        opt.close(apply_pending=False)
+        new.load_state_dict(saved)
+        pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))
+        kept = [s for s in new._slots if s.separate_master and s.name in masters and s.name not in pending]
+        for s in kept:  # a half-precision weight's master has more bits than the weight
+            put_master(s, masters[s.name])
+        remember_weights(kept)
+        new.skipped_steps = opt.skipped_steps
+        new.accumulating = opt.accumulating
+        new.modules_wait_for(opt._in_flight.covered)
+        return new
+
     def _names(self) -> list[list[str]]:
         return [[self.opt._slot_of[p].name for p in g["params"]] for g in self.opt.param_groups]
 

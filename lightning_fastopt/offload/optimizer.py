@@ -68,7 +68,7 @@ from typing_extensions import override
 
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.offload.copies import CopyStreams
-from lightning_fastopt.offload.delayed import SAVED_KEY, DelayedStep, DelayedUpdates, check_delayed_update, put_master
+from lightning_fastopt.offload.delayed import DelayedStep, DelayedUpdates, check_delayed_update
 from lightning_fastopt.offload.engine_state import EngineState
 from lightning_fastopt.offload.grad_intake import GradIntake, check_device_grads
 from lightning_fastopt.offload.share_layout import ShareLayout
@@ -402,21 +402,8 @@ class OffloadOptimizer(OptimizerWrapper):
         delayed update moved over; the result is what this one would have computed.
         This one is closed."""
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
-        saved = self.state_dict()  # the state and a delayed update's pending masters, by name
-        masters = {s.name: s.master for s in self._slots if s.separate_master}
-        self.close(apply_pending=False)  # the pending update moves over, it is not applied here
-        new = OffloadOptimizer(self.optimizer, self._param_names, offload_fraction=offload_fraction,
-                               **self._settings)
-        new.load_state_dict(saved)
-        pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))
-        kept = [s for s in new._slots if s.separate_master and s.name in masters and s.name not in pending]
-        for s in kept:  # a half-precision weight's master has more bits than the weight
-            put_master(s, masters[s.name])
-        remember_weights(kept)
-        new.skipped_steps = self.skipped_steps
-        new.accumulating = self.accumulating
-        new.modules_wait_for(self._in_flight.covered)
-        return new
+        return EngineState(self).moved_to(type(self)(self.optimizer, self._param_names,
+                                                     offload_fraction=offload_fraction, **self._settings))
 
     # ------------------------------------------------------------------ teardown
     def close(self, apply_pending: bool = True) -> None:
