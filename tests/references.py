@@ -79,9 +79,18 @@ class DelayedTorchUpdate(L.Callback):
     steps the float32 masters (kept here); once ``warmup`` steps are done the model keeps
     the masters of before the last update, and gets the last one when training ends."""
 
-    def __init__(self, warmup, delayed=None):
+    def __init__(self, warmup, delayed=None, sync_at_epoch_end=False):
         self.warmup = warmup
         self.delayed = delayed  # which parameters the delay applies to (default: all)
+        # the model gets the masters at each epoch's end, before ModelCheckpoint saves there (as a
+        # checkpoint of FastOptFSDPStrategy holds the pending update applied)
+        self.sync_at_epoch_end = sync_at_epoch_end
+
+    @torch.no_grad()
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.sync_at_epoch_end:
+            for p, m in zip(pl_module.parameters(), self.masters):
+                p.copy_(m)
 
     def on_train_start(self, trainer, pl_module):
         self.masters = [p.detach().clone() for p in pl_module.parameters()]

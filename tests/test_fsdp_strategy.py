@@ -88,6 +88,26 @@ def test_offload_fraction_auto_chooses_on_each_ranks_shards_and_ends_there_too(r
 
 
 @slow
+@pytest.mark.parametrize("mode", [(), ("checkpointing",), ("resume",)], ids=["uninterrupted", "saving", "resumed"])
+def test_the_delayed_update_ends_where_torchs_update_delayed_the_same_way_ends(run, mode):
+    """``delayed_update=True`` after 2 steps at fraction 1 (each update's weights reach the
+    model at the next step): as ``ModelParallelStrategy`` with torch's AdamW delayed by a
+    callback (``tests.references.DelayedTorchUpdate``), clipping, accumulation and the LR
+    scheduler on.  A checkpoint holds the model with the pending update applied (torch's
+    layout has no place for it): the run that saves (at each epoch's end) matches the
+    reference that gives the model its masters there, and the run resumed from the first
+    epoch's checkpoint (its warm-up counted from the saved step) matches the reference's
+    resume."""
+    first = ("resume:reference",) if mode == ("resume",) else mode
+    _assert_same(run("fastopt-1", "adamw", "delayed", *mode), run("reference", "adamw", "delayed", *first))
+
+
+@slow
+def test_the_delayed_update_with_nothing_offloaded_delays_nothing(run):
+    _assert_same(run("fastopt-0", "adamw", "delayed"), run("reference"))
+
+
+@slow
 def test_bf16_mixed_too(run):
     _assert_same(run("fastopt-0.5", "adamw", "precision=bf16-mixed"), run("reference", "adamw", "precision=bf16-mixed"))
 

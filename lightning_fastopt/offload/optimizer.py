@@ -314,6 +314,14 @@ class OffloadOptimizer(OptimizerWrapper):
         else wrote since the last step keeps the write.  Returns how many weights it sent."""
         return self.schedule.apply_pending()
 
+    def count_steps_from(self, steps: int) -> None:
+        """A run resumed at step ``steps`` from a checkpoint that holds no delayed update
+        (torch's layout, written with the update applied): the delayed update's warm-up
+        counts from there, as the saving run's did."""
+        delayed = self._delayed
+        if delayed is not None:
+            delayed.steps = max(delayed.steps, steps)
+
     @property
     def _delayed(self) -> DelayedUpdates | None:
         """The delayed updates' record (``delayed_update=True``), else None."""

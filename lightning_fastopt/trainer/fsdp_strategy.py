@@ -72,6 +72,11 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         stream_cpu_step: start each host bucket's CPU update during backward, once its
             gradients have landed (speculated where the step checks them first: clipping,
             fp16); bit for bit the step at the step.
+        delayed_update, delayed_update_warmup: as for ``FastOptStrategy`` (each offloaded
+            update runs during the next forward and backward, which use weights one update
+            old).  A checkpoint holds the model with the pending update applied (torch's
+            layout has no place for it): the save ends that step synchronously, in the
+            run that saves as in the one resumed from it.
         auto_wrap_policy: for a LightningModule without ``configure_model`` (the strategy
             shards the model itself, :mod:`~lightning_fastopt.fsdp.auto_shard`): the
             module classes whose instances are sharded (a transformer's block class), or
@@ -97,7 +102,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
-                 stream_cpu_step: bool = False, gpu_memory_budget_gb: float | None = None,
+                 stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
+                 gpu_memory_budget_gb: float | None = None,
                  auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000,
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
@@ -111,7 +117,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
-            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, gpu_memory_budget_gb=gpu_memory_budget_gb)
+            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
+            delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -202,7 +209,22 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                     *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu)]
         return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals)
 
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        for engine in self.engines:  # resumed: the delayed update's warm-up was done before the save
+            engine.local.count_steps_from(self.lightning_module.trainer.global_step)
+
     # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """``ModelParallelStrategy``'s, once a delayed update still pending is in the model:
+        torch's layout has no place for it, so a checkpoint is the end of a synchronous step
+        for the delayed update (the run that saves goes on from there, as the resumed one)."""
+        for engine in self.engines:
+            engine.local.apply_pending_update()
+        return super().lightning_module_state_dict()
+
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """``ModelParallelStrategy``'s (torch's distributed state dict, in torch's layout) of

@@ -26,7 +26,10 @@ options of ours, True (by default the offloaded gradients leave for the host as 
 reduce-scattered, nothing in the model reading them).  ``accelerator=cuda``: on GPUs (the
 prepared GPU command runs it on one).  ``model=tied``: a model with tied input and output
 embeddings (:class:`TiedNet`).  ``nodes=N``: the Trainer's ``num_nodes`` (launched by torchrun,
-one process per node with ``devices=1``).
+one process per node with ``devices=1``).  ``delayed``: ``delayed_update=True`` after 2
+synchronous steps (the reference: torch's update delayed the same way,
+``tests.references.DelayedTorchUpdate``).  ``checkpointing``: the (last) fit saves a
+checkpoint at each epoch's end, as Lightning's default does.
 """
 
 import sys
@@ -40,11 +43,13 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import end_process_group  # noqa: E402
+from tests.references import DelayedTorchUpdate  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_fastopt import FastOptFSDPStrategy  # noqa: E402
 
 STEPS = 6  # two epochs: 6 batches of 4 per rank, 2 per step
+DELAYED_WARMUP = 2  # with delayed: the synchronous steps before each offloaded update is delayed
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
@@ -157,6 +162,22 @@ def _trainer(name, root, precision, full=False, devices=2, options=None, **kw):
                      enable_model_summary=False, default_root_dir=root, **kw)
 
 
+def _delayed(name, extra, options):
+    """With ``delayed``: our strategy's options with the update delayed (after the warm-up)."""
+    if "delayed" in extra and name != "reference":
+        return dict(options, delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
+    return options
+
+
+def _callbacks(name, extra, saves):
+    """With ``delayed``, the reference's: torch's update delayed as ours is, and where the
+    fit saves a checkpoint at each epoch's end (``saves``), the model given the masters
+    there first (as our strategy applies a pending update to the checkpoint it saves)."""
+    if "delayed" not in extra or name != "reference":
+        return []
+    return [DelayedTorchUpdate(DELAYED_WARMUP, sync_at_epoch_end=saves)]
+
+
 def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -175,9 +196,12 @@ def main():
     root = Path(out).parent / f"{Path(out).name}.root"
     data = torch.utils.data.DataLoader(_data(tied), batch_size=4)
     path, devices = extra.get("from"), int(extra.get("devices", 2))
+    options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
     if resume or "first-only" in extra:
-        first = _trainer(resume.partition(":")[2] or name if resume else name, root, precision,
-                         extra.get("checkpoint") == "full", devices, max_steps=STEPS // 2, enable_checkpointing=True)
+        first_name = resume.partition(":")[2] or name if resume else name
+        first = _trainer(first_name, root, precision, extra.get("checkpoint") == "full", devices,
+                         options=_delayed(first_name, extra, options), max_steps=STEPS // 2,
+                         enable_checkpointing=True, callbacks=_callbacks(first_name, extra, saves=True))
         first.fit(model, data)
         path = first.checkpoint_callback.best_model_path
         if "first-only" in extra:
@@ -186,9 +210,9 @@ def main():
     if path is not None:
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
         model = _model(name, optimizer, tied)
-    options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
-    trainer = _trainer(name, root, precision, devices=devices, options=options, max_steps=STEPS,
-                       enable_checkpointing=False)
+    trainer = _trainer(name, root, precision, devices=devices, options=_delayed(name, extra, options),
+                       max_steps=STEPS, enable_checkpointing="checkpointing" in extra,
+                       callbacks=_callbacks(name, extra, saves="checkpointing" in extra))
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
