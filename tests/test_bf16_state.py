@@ -185,6 +185,14 @@ def test_under_the_trainer_bfloat16_moments_follow_float32(compiled):
         runs[dtype] = model
         opt = trainer.strategy.engines[0]
         assert opt.state_of(model.net[0].weight)["exp_avg"].dtype == getattr(torch, dtype)
+        # given back after fit as torch keeps it: float32 moments, as checkpoints hold them (a torch.optim.AdamW
+        # given back with the bfloat16 ones raised at its next step); its step runs
+        given = trainer.optimizers[0]
+        assert {v.dtype for st in given.state.values() for k, v in st.items() if k != "step"} == {torch.float32}
+        x, y = next(iter(_data()))
+        given.zero_grad()
+        torch.nn.functional.mse_loss(model.net(x), y).backward()
+        given.step()
     assert runs["bfloat16"].losses[-1] < 0.5 * runs["bfloat16"].losses[0]
     for a, b in zip(runs["bfloat16"].parameters(), runs["float32"].parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * 24 * 1e-2)  # 24 steps of lr 1e-2

@@ -122,9 +122,18 @@ def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]
         for p in group["params"]:
             held = engine.state_of(p) if engine.owns(p) else None
             if held:
-                state[p] = {k: _own(v, seen) for k, v in held.items()}
+                state[p] = {k: _own(_as_torch_keeps(v, p), seen) for k, v in held.items()}
     attributes["state"] = state
     return cls, attributes
+
+
+def _as_torch_keeps(value: Any, param: Tensor) -> Any:
+    """A state tensor as torch keeps it: bfloat16 moments of a float32 parameter
+    (``host_state_dtype="bfloat16"``) as float32, as checkpoints hold them (torch's step
+    would refuse them beside float32 gradients)."""
+    if isinstance(value, Tensor) and value.dtype == torch.bfloat16 and param.dtype == torch.float32:
+        return value.float()
+    return value
 
 
 def _own(value: Any, seen: set[tuple[int, int, tuple[int, ...]]]) -> Any:
