@@ -106,8 +106,8 @@ class StrategyOptions:
             raise ValueError(f"offload_fraction='auto' is for the Trainer (it times the step's closure); with "
                              f"{strategy} give a number in [0.0, 1.0]")
         arguments = {"keep_gradients": False, "stream_cpu_step": False, "gpu_memory_budget_gb": None,
-                     "delayed_update": False, "delayed_update_warmup": 40, **arguments}
-        return cls.check(**arguments, zero_stage=0, host_state_dtype="float32", forward_waits="step")
+                     "delayed_update": False, "delayed_update_warmup": 40, "host_state_dtype": "float32", **arguments}
+        return cls.check(**arguments, zero_stage=0, forward_waits="step")
 
 
 def offload_arguments(options: Any) -> dict[str, Any]:

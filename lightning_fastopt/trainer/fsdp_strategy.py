@@ -72,6 +72,9 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         stream_cpu_step: start each host bucket's CPU update during backward, once its
             gradients have landed (speculated where the step checks them first: clipping,
             fp16); bit for bit the step at the step.
+        host_state_dtype: as for ``FastOptStrategy``: ``"bfloat16"`` keeps the offloaded
+            rows' Adam moments in bfloat16 (stochastic rounding; changes the math);
+            checkpoints and the optimizer given back after fit hold them as float32.
         delayed_update, delayed_update_warmup: as for ``FastOptStrategy`` (each offloaded
             update runs during the next forward and backward, which use weights one update
             old).  A checkpoint holds the model with the pending update applied (torch's
@@ -103,7 +106,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
-                 gpu_memory_budget_gb: float | None = None,
+                 gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000,
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
@@ -118,7 +121,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
-            delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb)
+            delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb,
+            host_state_dtype=host_state_dtype)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params

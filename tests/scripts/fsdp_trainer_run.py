@@ -29,7 +29,8 @@ embeddings (:class:`TiedNet`).  ``nodes=N``: the Trainer's ``num_nodes`` (launch
 one process per node with ``devices=1``).  ``delayed``: ``delayed_update=True`` after 2
 synchronous steps (the reference: torch's update delayed the same way,
 ``tests.references.DelayedTorchUpdate``).  ``checkpointing``: the (last) fit saves a
-checkpoint at each epoch's end, as Lightning's default does.
+checkpoint at each epoch's end, as Lightning's default does.  ``host_state_dtype=bfloat16``:
+that option of ours.
 """
 
 import sys
@@ -197,6 +198,8 @@ def main():
     data = torch.utils.data.DataLoader(_data(tied), batch_size=4)
     path, devices = extra.get("from"), int(extra.get("devices", 2))
     options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
+    if "host_state_dtype" in extra:
+        options["host_state_dtype"] = extra["host_state_dtype"]
     if resume or "first-only" in extra:
         first_name = resume.partition(":")[2] or name if resume else name
         first = _trainer(first_name, root, precision, extra.get("checkpoint") == "full", devices,
