@@ -3,8 +3,6 @@ run on the CPU with copy_on_cpu=True), and against what each rank of a two-proce
 run allocates (gloo); its argument checks."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +11,7 @@ from torch import nn
 
 from lightning_fastopt import FusedAdam, FusedSGD, OffloadOptimizer, estimate_memory
 from lightning_fastopt.zero import assign_owners
-from tests.helpers import allocated_bytes, memory_model as _model, subprocess_env
+from tests.helpers import allocated_bytes, memory_model as _model, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,8 +59,7 @@ def test_a_zero_estimate_is_what_each_rank_allocates(tmp_path, stage):
     step); at stage 2 the rank's own non-offloaded ones (the others' are freed by the end
     of backward; the reductions still landing then are its communication buckets, which
     the estimate leaves out: here, at the step)."""
-    subprocess.run([sys.executable, str(REPO / "tests/scripts/zero_memory_run.py"), str(tmp_path), str(stage), "0.5"],
-                   check=True, timeout=300, cwd=REPO, env=subprocess_env(REPO))
+    run_script(REPO / "tests/scripts/zero_memory_run.py", tmp_path, stage, "0.5", timeout=300)
     model = _model(layers=4)
     numels = [p.numel() for p in model.parameters()]
     owners = assign_owners(numels, 2)
@@ -92,8 +89,7 @@ def test_an_fsdp_estimate_is_what_each_rank_holds(tmp_path):
     ranks: 17 and 16, 16 and 16, 1 and 0) and a LocalShardOptimizer at 0.5 of each rank's
     rows offloaded: each rank's rows, their gradients (kept until ``zero_grad``), masters,
     host buffers and state are its estimate (``zero_stage=3``, rank 0 and 1)."""
-    subprocess.run([sys.executable, str(REPO / "tests/scripts/zero_memory_run.py"), str(tmp_path), "3", "0.5"],
-                   check=True, timeout=300, cwd=REPO, env=subprocess_env(REPO))
+    run_script(REPO / "tests/scripts/zero_memory_run.py", tmp_path, "3", "0.5", timeout=300)
     model = _model(layers=4, rows=(33, 32, 1))
     ranks = []
     for rank in (0, 1):
