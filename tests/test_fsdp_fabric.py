@@ -20,6 +20,7 @@ slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_fabric_run.py"
+STEPS = 6  # the script's optimizer steps (lr 1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,18 @@ def test_gradients_freed_during_backward_and_the_streamed_step_end_there_too(run
     them (the micro-batches under ``no_backward_sync`` are not reduce-scattered); with
     ``stream_cpu_step=True`` host updates start then, speculated, checked at the step."""
     _assert_same(run("fastopt-1", f"grads={grads}"), run("reference"))
+
+
+@slow
+def test_bfloat16_host_moments_follow_float32_in_a_fabric_loop_too(run):
+    """As the Trainer's (no exact reference: the stochastic rounding): within 2% of a step
+    of the float32 loop, not equal to it, the state as torch would hold it in float32."""
+    for a, b in zip(run("fastopt-1", "host_state_dtype=bfloat16"), run("fastopt-1")):
+        weights = [k for k in b if k.startswith("weight/")]
+        for k in weights:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0.02 * STEPS * 1e-2)
+        assert not all(torch.equal(a[k], b[k]) for k in weights)
+        assert {a[k].dtype for k in a if k.startswith("state/") and not k.endswith("/step")} == {torch.float32}
 
 
 @slow

@@ -67,7 +67,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0,
                  at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
                  closure_optimizers: Sequence[str] = (), keep_gradients: bool = True,
-                 stream_cpu_step: bool = False, auto_wrap_policy: Iterable[type] | None = None,
+                 stream_cpu_step: bool = False, host_state_dtype: str = "float32",
+                 auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
@@ -83,7 +84,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
-            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step)
+            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, host_state_dtype=host_state_dtype)
         if stream_cpu_step and keep_gradients:
             raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
                              "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")

@@ -96,6 +96,7 @@ def main():
     options = {"free": dict(keep_gradients=False),
                "stream": dict(keep_gradients=False, stream_cpu_step=True)}.get(next(
                    (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
+    options.update(a.split("=", 1) for a in extra if a.startswith("host_state_dtype="))
     resume = next((a for a in extra if a.startswith("resume:")), None)
     if resume:
         path = Path(f"{out}.ckpt")
