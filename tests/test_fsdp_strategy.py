@@ -265,6 +265,26 @@ def test_bad_arguments_are_refused_when_built_naming_them():
     assert FastOptFSDPStrategy(auto_wrap_policy=torch.nn.Linear)._auto_wrap_classes == (torch.nn.Linear,)
 
 
+def test_a_full_checkpoint_does_not_replace_a_directory_that_is_not_a_checkpoint(tmp_path, monkeypatch):
+    """As ``ModelParallelStrategy`` (and Fabric's) refuse it: the staged save would have
+    moved the directory, and what it held, out of the way (Lightning's
+    ``test_save_checkpoint_path_exists`` with our strategy swapped in)."""
+    from lightning_fastopt import FastOptFabricFSDPStrategy, FastOptFSDPStrategy
+
+    folder = tmp_path / "not-a-checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    for strategy in (FastOptFSDPStrategy(save_distributed_checkpoint=False),
+                     FastOptFabricFSDPStrategy(save_distributed_checkpoint=False)):
+        monkeypatch.setattr(strategy, "broadcast", lambda obj, src=0: obj)
+        with pytest.raises(IsADirectoryError, match="The checkpoint path exists and is a directory"):
+            if isinstance(strategy, FastOptFSDPStrategy):
+                strategy.save_checkpoint({}, folder)
+            else:
+                strategy.save_checkpoint(folder, {})
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
 def test_a_module_with_parameters_of_its_own_is_left_to_configure_model():
     from lightning_fastopt.fsdp.auto_shard import shard_model
 

@@ -134,6 +134,18 @@ def save_atomically(obj: Any, path) -> None:
     fsync_directory(directory)
 
 
+# Lightning's FSDP strategies mark a sharded checkpoint directory with this file
+SHARDED_METADATA = "meta.pt"
+
+
+def refuse_to_replace_a_directory(path) -> None:
+    """As Lightning's and Fabric's FSDP strategies refuse it: a full checkpoint (one file)
+    does not replace a directory that is not a sharded checkpoint (it may hold anything)."""
+    path = os.fspath(path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, SHARDED_METADATA)):
+        raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+
+
 def save_staged(path, write: Callable[[str], None], ranks) -> None:
     """Every rank's part of writing a checkpoint (a file or a directory) whole or not at all
     (call it on every rank at once): ``write(staging)`` writes into a staging path beside

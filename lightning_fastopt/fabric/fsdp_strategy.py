@@ -28,7 +28,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.atomic import save_staged
+from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
                                             stream_arguments)
@@ -166,7 +166,11 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
         """Fabric's (a directory of shards, or one full file), the optimizers in torch's layout,
-        written whole or not at all (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`)."""
+        written whole or not at all (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`).
+        A full checkpoint does not replace a directory that is not a checkpoint, as Fabric's
+        strategy refuses it."""
+        if not self._save_distributed_checkpoint:
+            refuse_to_replace_a_directory(self.broadcast(path))
         views = self._as_torch_holds_them(state)
         save_staged(path, lambda staging: super(FastOptFabricFSDPStrategy, self).save_checkpoint(
             staging, views, storage_options=storage_options, filter=filter), self)
