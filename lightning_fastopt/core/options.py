@@ -97,12 +97,11 @@ class StrategyOptions:
 
 
     @classmethod
-    def for_fsdp(cls, strategy: str, **arguments: Any) -> StrategyOptions:
+    def for_fsdp(cls, strategy: str, times_closure: bool, **arguments: Any) -> StrategyOptions:
         """:meth:`check` of the arguments the FSDP strategies take (``strategy``: the class
-        name, for the message refusing ``offload_fraction="auto"`` where it is not given
-        ``gpu_memory_budget_gb``, which only the Trainer's takes: Fabric's has no closure to
-        time); the others as off."""
-        if arguments.get("offload_fraction") == "auto" and "gpu_memory_budget_gb" not in arguments:
+        name, for the message refusing ``offload_fraction="auto"`` where the strategy has no
+        closure to time, ``times_closure`` False: Fabric's); the others as off."""
+        if arguments.get("offload_fraction") == "auto" and not times_closure:
             raise ValueError(f"offload_fraction='auto' is for the Trainer (it times the step's closure); with "
                              f"{strategy} give a number in [0.0, 1.0]")
         arguments = {"keep_gradients": False, "stream_cpu_step": False, "gpu_memory_budget_gb": None,

@@ -79,7 +79,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                             f"{parallelize_fn!r}")
         ops.check_environment()
         self.options = StrategyOptions.for_fsdp(
-            type(self).__name__, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
+            type(self).__name__, False, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
             bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,

@@ -115,7 +115,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's")
         ops.check_environment()
         options = StrategyOptions.for_fsdp(
-            type(self).__name__, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
+            type(self).__name__, True, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
             bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
