@@ -12,9 +12,10 @@ the masters (host or device), made without calling its ``__init__`` again (torch
 each master's ``.grad`` to its gradient (unscaled first when a loss scale is given: the
 user's ``step`` knows nothing of it), calls the user's ``step`` (with the keyword
 arguments the step was given beyond the closure, ``step_kwargs``, and the step's closure
-as torch would give it, :mod:`~lightning_fastopt.optim.closure`: the share an engine updates
-first entered before the closure is evaluated), and writes the half copies.  The math is torch's (or the user's), where the masters live, so the memory
-saving and the copies' overlap still apply; only the kernels' speed does not.
+as torch would give it, :mod:`~lightning_fastopt.optim.closure`: the share an engine
+updates first is entered before the closure is evaluated), and writes the half copies.
+The math is torch's (or the user's), where the masters live, so the memory saving and
+the copies' overlap still apply; only the kernels' speed does not.
 """
 
 from __future__ import annotations
