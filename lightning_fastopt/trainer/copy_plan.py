@@ -45,9 +45,7 @@ class CopyPlan:
     def _readers(self) -> list[str]:
         if self._grad_readers is None:
             module = self.lightning_module
-            self._grad_readers = gradient_readers(module, module.trainer.callbacks, self.package)
-            if self.keep_gradients:
-                self._grad_readers.insert(0, "code anywhere (keep_gradients=True)")
+            self._grad_readers = gradient_readers(module, module.trainer.callbacks, self.package, self.keep_gradients)
         return self._grad_readers
 
     def _device_grads(self) -> str:

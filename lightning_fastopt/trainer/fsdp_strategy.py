@@ -192,9 +192,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
 
     def _device_grads(self, trainer) -> str:
         """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line."""
-        readers = gradient_readers(self.lightning_module, trainer.callbacks, self.package)
-        if self.options.keep_gradients:
-            readers.insert(0, "code anywhere (keep_gradients=True)")
+        readers = gradient_readers(self.lightning_module, trainer.callbacks, self.package, self.options.keep_gradients)
         if readers:
             rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step, as in torch: "
                            f"{', '.join(readers)} can read them")

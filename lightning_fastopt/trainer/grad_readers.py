@@ -30,11 +30,13 @@ CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_ze
 MODULE_HOOKS = CALLBACK_HOOKS + ("configure_gradient_clipping", "optimizer_step")
 
 
-def gradient_readers(module, callbacks: Iterable, package: TrainerPackage) -> list[str]:
-    """Why gradients must stay in ``p.grad`` until the step: each overridden hook as
+def gradient_readers(module, callbacks: Iterable, package: TrainerPackage, keep_gradients: bool = False) -> list[str]:
+    """Why gradients must stay in ``p.grad`` until the step: the strategy's
+    ``keep_gradients=True`` (code anywhere may read them), each overridden hook as
     ``Class.hook``, and ``manual optimization``; empty when nothing reads them
     (``module`` and ``callbacks``: of ``package``)."""
-    readers = [] if module.automatic_optimization else ["manual optimization"]
+    readers = ["code anywhere (keep_gradients=True)"] if keep_gradients else []
+    readers += [] if module.automatic_optimization else ["manual optimization"]
     readers += [f"{type(module).__name__}.{hook}" for hook in MODULE_HOOKS
                 if is_overridden(hook, module, package.LightningModule)]
     for callback in callbacks:
