@@ -92,7 +92,17 @@ def fsdp_strategy(config: str):
             raise ValueError(f"{config!r}: expected 'fsdp' or 'fsdp:cpu_offload'")
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        class KeepsOffloadedShards(ModelParallelStrategy):
+            """ModelParallelStrategy moves the whole model to the GPU after ``configure_model``
+            (``model.to(root_device)``), CPUOffloadPolicy's host shards too, and FSDP then refuses
+            to run (seen on the H100, 2026-11-26): here every module is sharded by
+            ``configure_model``, which already placed what belongs on the GPU."""
+
+            def model_to_device(self) -> None:
+                pass
+
+        cls = KeepsOffloadedShards if "cpu_offload" in mode else ModelParallelStrategy
+        return cls(data_parallel_size=1, tensor_parallel_size=1)
     from lightning_fastopt import FastOptFSDPStrategy
 
     fraction, *rest = mode

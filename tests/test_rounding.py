@@ -481,6 +481,17 @@ def _cuda_model(device="cuda"):
     return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 7), nn.Linear(7, 300)).to(device)
 
 
+def _made_or_skipped(make, params, name):
+    """The user's torch optimizer, or the test skipped where this torch has no such step on
+    CUDA (fused Adagrad is CPU-only in torch 2.11; later torch steps it on CUDA too)."""
+    try:
+        return make(params)
+    except RuntimeError as e:
+        if "fused=True" not in str(e):
+            raise
+        pytest.skip(f"torch {torch.__version__} has no CUDA step for {name}: {e}")
+
+
 def _cuda_train(model, opt, steps=30):
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(1)
@@ -535,7 +546,7 @@ def test_torch_optimizer_on_cuda_bit_for_bit(fraction, name, make, device="cuda"
     through the offload optimizer: at 0.5 and 1 the CPU kernels update the offloaded
     share in the GPU's rounding), ends on the bits torch's own CUDA step ends on."""
     ref_model, model = _cuda_model(device), _cuda_model(device)
-    ref = make(ref_model.parameters())
+    ref = _made_or_skipped(make, ref_model.parameters(), name)
     _cuda_train(ref_model, ref)
     opt = to_fused_optimizer(make(model.parameters()))
     if fraction is not None:
@@ -556,7 +567,7 @@ def test_torch_optimizer_on_cuda_bit_for_bit_on_the_pytorch_fallback(monkeypatch
     monkeypatch.setenv(ops.BACKEND_ENV, "torch")
     assert ops.backend_for("cuda") is ops.torch_backend
     ref_model, model = _cuda_model(), _cuda_model()
-    _cuda_train(ref_model, make(ref_model.parameters()))
+    _cuda_train(ref_model, _made_or_skipped(make, ref_model.parameters(), name))
     _cuda_train(model, to_fused_optimizer(make(model.parameters())))
     assert_modules_equal(model, ref_model)
 
