@@ -24,7 +24,7 @@ from lightning_fastopt.core.precision import PrecisionCore
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.optim.takeover import engine_of
-from tests.helpers import ACCELERATOR
+from tests.helpers import ACCELERATOR, assert_modules_equal
 from tests.test_precision import _data
 from tests.test_streamed_step import _net, cpu_updates_and_backward_end
 from tests.test_strategy import Model
@@ -63,12 +63,16 @@ def _inputs(steps, overflow_at=(), seed=1):
     return xs
 
 
-def _offload(model, make_opt, speculate, fraction=1.0, **kw):
+def _offload(model, make_opt, speculate, fraction=1.0, always=True, **kw):
     """The optimizer the comparisons run: several small buckets on the accelerator path,
-    speculative or synchronous."""
-    return OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
-                            offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
-                            stream_cpu_step=speculate, speculate=speculate, **kw)
+    speculative or synchronous; speculating at every step where ``always`` (the mechanism's
+    tests: every path runs often), else as the schedule decides."""
+    opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
+                           offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
+                           stream_cpu_step=speculate, speculate=speculate, **kw)
+    if speculate and always:
+        opt.schedule.misses_allowed = opt.schedule.history
+    return opt
 
 
 def _train(speculate, make_opt, fraction, *, clip=0.0, precision="32-true", overflow_at=(), steps=14,
@@ -177,6 +181,36 @@ def test_a_step_given_another_scale_or_learning_rate_redoes_the_update(backend):
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     buckets = schedule.totals["speculated"] // 4
     assert schedule.totals["redone"] == 2 * buckets and schedule.totals["committed"] == 2 * buckets
+
+
+def test_speculation_is_held_back_while_more_than_one_of_the_last_8_steps_did_not_hold(backend):
+    """Clipping fires at steps 3 and 5 to 7; step 10 overflows (fp16).  Speculation goes on
+    past one miss (step 3), stops after the second (5), and the held-back steps update at
+    the step while still checked: speculation resumes once at most one of the last 8
+    counted steps would not have held (step 16; the skipped step 10 is not counted).  The
+    weights are the synchronous step's, as speculating at every step gives them."""
+    clipped, overflow_at, steps = {3, 5, 6, 7}, (10,), 18
+
+    def train(speculate, always=False):
+        model = _net()
+        opt = _offload(model, ADAMW, speculate, always=always, wall_clock_breakdown=True)
+        driver = Driver("16-mixed", initial_scale_power=20, loss_scale_window=4, hysteresis=1)
+        labels = []
+        for t, x in enumerate(_inputs(steps, overflow_at)):
+            skipped = driver.skipped_steps
+            driver.train_step(opt, model, x, 1e-4 if t in clipped else 1e9)
+            times = opt.last_step_times
+            labels.append("skipped" if driver.skipped_steps > skipped else
+                          "/".join(k[len("buckets_"):] for k in ("buckets_committed", "buckets_redone",
+                                                                 "buckets_held_back") if times.get(k)))
+        opt.close()
+        return model, labels
+
+    model, labels = train(True)
+    assert labels == ["committed"] * 3 + ["redone", "committed", "redone"] + ["held_back"] * 4 + ["skipped"] + \
+        ["held_back"] * 5 + ["committed"] * 2
+    for other, _ in (train(False), train(True, always=True)):
+        assert_modules_equal(model, other)
 
 
 def test_state_read_between_backward_and_the_step_is_the_state_before_it(backend):
