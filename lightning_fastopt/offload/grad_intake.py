@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_fastopt.offload.grad_norms import DeviceGradNorms
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.offload.weight_watch import changed_flags
 from lightning_fastopt.runtime.grad_hooks import GradReadyHooks
@@ -59,6 +60,7 @@ class GradIntake:
         self.mode = device_grads
         self.hooks = GradReadyHooks([], self.ready)
         self.handed_over = reduced_by or self.hooks.hooked  # whose gradients arrive during backward
+        self.norms = DeviceGradNorms()  # the clipping norm's per-tensor norms, taken before gradients leave
 
     def add(self, offloaded: list[ParamSlot], buckets: list[HostBucket]) -> None:
         """Take in the gradients of new offloaded parameters, in their new buckets."""
@@ -100,7 +102,9 @@ class GradIntake:
         copies = self.opt.copies
         if slot.grad_sent:  # another backward before the step: torch would add to p.grad
             copies.add_grad_to_host(g, slot.host_grad)
+            self.norms.added_on_host(slot)
         else:
+            self.norms.leaving(slot, g)
             copies.grad_to_host(g, slot.host_grad)
             slot.grad_sent = True
         if self.mode != "keep":
@@ -113,6 +117,7 @@ class GradIntake:
         (user code cannot write them in between: gradients leave during backward only
         when no user code runs between backward and the step, see ``device_grads``)."""
         copies = self.opt.copies
+        self.norms.bucket_sent(bucket)
         params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
         copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
         copies.mark_grads_sent(bucket.grads_ready)
@@ -154,10 +159,18 @@ class GradIntake:
             opt.copies.wait_on_host(b.grads_ready)
         return [(s.param, g) for s, g in ((s, self.grad_of(s)) for s in opt._slots) if g is not None]
 
+    def gradient_norm(self) -> Tensor:
+        """The clipping norm of the gradients the next step reads (:meth:`read`), as torch
+        computes it (:mod:`~lightning_fastopt.offload.grad_norms`)."""
+        grads = dict(self.read())
+        opt = self.opt
+        return self.norms.total(opt.param_groups, opt._slot_of, lambda s: grads.get(s.param))
+
     # ------------------------------------------------------------------ between steps
     def renew(self) -> None:
         """Forget this step's gradients (the step ended, or ``zero_grad``)."""
         self.opt.schedule.end()
+        self.norms.clear()
         self.hooks.refresh()  # parameters unfrozen since the last step get their hook
         for b in self.opt._buckets:
             self.reset(b)

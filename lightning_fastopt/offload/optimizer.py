@@ -298,6 +298,10 @@ class OffloadOptimizer(OptimizerWrapper):
         clipping, which may scale them in place."""
         return [g for _, g in self._intake.read()]
 
+    @override
+    def gradient_norm(self) -> Tensor:
+        return self._intake.gradient_norm()
+
     def gradients_by_param(self) -> dict[Tensor, Tensor]:
         """:meth:`gradients`, each under its parameter."""
         return dict(self._intake.read())

@@ -1,0 +1,86 @@
+"""The clipping norm of an accelerator run whose offloaded gradients left the device:
+each per-tensor norm taken where torch takes it.
+
+``torch.nn.utils.clip_grad_norm_`` (Lightning's clipping by norm) computes the norm of
+each gradient with ``torch._foreach_norm`` on the gradient's device, grouped by dtype,
+then the norm of those norms, stacked in the parameters' order, on the first gradient's
+device.  A CUDA reduction sums in another order than a CPU one, so the norms of the
+offloaded gradients taken from their host copies differ from torch's in the last bits,
+and with them the clipping coefficient and every clipped gradient (seen on an H100,
+2026-11-26: SGD and Adam with L2 decay, clipped by norm at fraction 0.5, an ulp or two
+from ``Trainer()``).  So each offloaded gradient's norm is taken on the device as it
+leaves (one ``_foreach_norm`` per bucket and dtype: a tensor's norm does not depend on
+the list it is in), and the total is computed as torch computes it, on the device.
+
+A gradient added to its host copy by a second backward before the step has no device
+norm (the sum exists on the host only): its norm is taken from the host copy there.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+
+
+class DeviceGradNorms:
+    """The per-tensor norms of one offload optimizer's gradients, taken on the device."""
+
+    def __init__(self) -> None:
+        self._leaving: dict[HostBucket, list[tuple[ParamSlot, Tensor]]] = defaultdict(list)
+        self._norms: dict[ParamSlot, Tensor] = {}
+
+    def leaving(self, slot: ParamSlot, grad: Tensor) -> None:
+        """``grad``, the slot's gradient on the device, is about to be copied to the host
+        (kept here until its bucket's norms are taken)."""
+        self._leaving[slot.bucket].append((slot, grad))
+
+    def added_on_host(self, slot: ParamSlot) -> None:
+        """A second backward's gradient was added to the host copy: no device norm of the sum."""
+        self._norms.pop(slot, None)
+        pending = self._leaving.get(slot.bucket)
+        if pending:
+            self._leaving[slot.bucket] = [(s, g) for s, g in pending if s is not slot]
+
+    def bucket_sent(self, bucket: HostBucket) -> None:
+        """Every gradient of ``bucket`` is on its way: their norms, on the device, now."""
+        for slots, grads in _by_dtype(self._leaving.pop(bucket, [])):
+            self._norms.update(zip(slots, torch._foreach_norm(grads, 2.0)))
+
+    def clear(self) -> None:
+        self._leaving.clear()
+        self._norms.clear()
+
+    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of) -> Tensor:
+        """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
+        (every listing of a parameter, in the groups' order), each per-tensor norm from the
+        device where one was taken; the others (the device share's gradients, host-only
+        sums) with ``_foreach_norm`` where the gradient is."""
+        listed = [slot_of[p] for g in param_groups for p in g["params"]]
+        listed = [s for s in listed if grad_of(s) is not None]
+        if not listed:
+            return torch.tensor(0.0)
+        missing = list(dict.fromkeys(s for s in listed if s not in self._norms))
+        for slots, grads in _by_dtype([(s, grad_of(s)) for s in missing]):
+            self._norms.update(zip(slots, torch._foreach_norm(grads, 2.0)))
+        # get_total_norm's grouping: by the gradients' dtype (the parameters'), in order of appearance
+        groups: dict[torch.dtype, list[Tensor]] = defaultdict(list)
+        for s in listed:
+            groups[s.param.dtype].append(self._norms[s])
+        device = listed[0].param.device
+        norms = [n.to(device) for group in groups.values() for n in group]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def _by_dtype(pairs: list[tuple[ParamSlot, Tensor]]) -> list[tuple[list[ParamSlot], list[Tensor]]]:
+    """The (slot, tensor) pairs split by the tensor's dtype and device (``_foreach_norm``
+    takes its fast path on lists of one dtype and device), in order."""
+    groups: dict[tuple, tuple[list[ParamSlot], list[Tensor]]] = {}
+    for slot, t in pairs:
+        slots, tensors = groups.setdefault((t.device, t.dtype), ([], []))
+        slots.append(slot)
+        tensors.append(t)
+    return list(groups.values())
