@@ -10,6 +10,11 @@ ACCELERATOR = os.environ.get("FASTOPT_TEST_ACCELERATOR", "cpu")
 if ACCELERATOR not in ("cpu", "gpu"):
     raise ValueError(f"FASTOPT_TEST_ACCELERATOR must be 'cpu' or 'gpu', got {ACCELERATOR!r}")
 
+# Our FusedAdam made to round as torch.optim.AdamW's default step on the tests' accelerator:
+# its CPU step (torch's square root) or, on a GPU, its CUDA foreach step (FusedAdam's
+# default rounding is torch's CPU step wherever its parameters are).
+ADAM_AS_TORCH = dict(torch_sqrt=True) if ACCELERATOR == "cpu" else dict(rounding="torch_cuda_foreach")
+
 SIZES = (0, 1, 7, 1023)  # odd sizes: empty, scalar-like, sub-vector, tail after full vectors
 BIG = 1_000_003  # spans many threads' shares and kernel blocks, with a tail
 STEPS = 50

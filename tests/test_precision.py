@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt import FastOptStrategy, FusedAdam
 from lightning_fastopt import FastOptPrecision
-from tests.helpers import ACCELERATOR
+from tests.helpers import ACCELERATOR, ADAM_AS_TORCH
 
 
 def _data(n=64, seed=0):
@@ -112,7 +112,7 @@ def test_fp16_without_overflow_matches_an_unscaled_run(backend):
 
 @pytest.mark.parametrize("algorithm,clip", [("norm", 0.05), ("value", 0.01)])
 def test_32_true_with_clipping_and_accumulation_matches_plain_lightning(backend, algorithm, clip):
-    ours = Regressor(make_opt=lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01, torch_sqrt=True))
+    ours = Regressor(make_opt=lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01, **ADAM_AS_TORCH))
     reference = Regressor(make_opt=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
     kw = dict(gradient_clip_val=clip, gradient_clip_algorithm=algorithm, accumulate_grad_batches=2)
     _trainer(FastOptPrecision("32-true"), **kw).fit(ours, _data())

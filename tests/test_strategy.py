@@ -12,7 +12,7 @@ from torch import nn
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedAdagrad, FusedSGD
 from lightning_fastopt.offload import OffloadOptimizer
-from tests.helpers import ACCELERATOR
+from tests.helpers import ACCELERATOR, ADAM_AS_TORCH
 from tests.test_precision import _data
 
 
@@ -86,7 +86,7 @@ def test_same_weights_as_plain_lightning(backend, make_opt, fused_cls, strategy)
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_clip_by_value_and_our_own_optimizer(backend, strategy):
-    make = lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, torch_sqrt=True)  # noqa: E731 (torch's CPU bits)
+    make = lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.01, **ADAM_AS_TORCH)  # noqa: E731
     ours, ref = Model(make, sched=False), Model(lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01),
                                                 sched=False)
     trainer = _fit(STRATEGIES[strategy](), ours, gradient_clip_val=0.01, gradient_clip_algorithm="value")
