@@ -185,8 +185,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
-        rows = self.local.gradients_by_param()
-        return _total_norm_of_rows([(p, rows.get(self._alias[p])) for p in self._params], self.group)
+        norms = self.local.gradient_norms_by_param()
+        return _total_norm_of_rows([(p, norms.get(self._alias[p])) for p in self._params], self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # the DTensor gradients
@@ -241,30 +241,29 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         return f"LocalShardOptimizer(rank {rank}, holds {self.held_numel} of {total} elements, {self.local!r})"
 
 
-def _total_norm_of_rows(grads: list[tuple[Tensor, Tensor | None]], group) -> Tensor:
+def _total_norm_of_rows(norms: list[tuple[Tensor, Tensor | None]], group) -> Tensor:
     """The bits of torch's ``get_total_norm`` over the DTensor gradients of the parameters
-    in ``grads``, from this rank's rows of each (wherever they are): the parameters grouped
-    as torch groups their gradients (device, dtype), each group's norms by
-    ``_foreach_norm``; each norm, a partial norm over the ranks, reduced as DTensor reduces
-    one (squared, summed over ``group``, rooted: one reduction per gradient, as there);
-    then the norm of them all, stacked in that order.  (Rows on the host are normed there:
-    on a GPU those norms may differ in the last bit from the device's, as for the other
-    strategies' offloaded gradients.)"""
+    in ``norms``, from the norm of this rank's rows of each (taken by ``_foreach_norm`` on
+    the device, before rows left for the host: :meth:`OffloadOptimizer.gradient_norms_by_param`):
+    the parameters grouped as torch groups their gradients (device, dtype); each norm, a
+    partial norm over the ranks, reduced as DTensor reduces one (squared, summed over
+    ``group``, rooted: one reduction per gradient, as there); then the norm of them all,
+    stacked in that order."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for param, rows in grads:
-        if rows is not None:
-            groups.setdefault((param.device, rows.dtype), []).append(rows)
-    norms = []
+    for param, norm in norms:
+        if norm is not None:
+            groups.setdefault((param.device, norm.dtype), []).append(norm)
+    reduced = []
     reduce = world_size(group) > 1
-    for (device, _), rows in groups.items():
-        for norm in torch._foreach_norm(rows, 2.0):
+    for (device, _), group_norms in groups.items():
+        for norm in group_norms:
             square = norm.to(device) ** 2  # where DTensor reduces it: the parameter's device
             if reduce:
                 dist.all_reduce(square, group=group)
-            norms.append(square ** 0.5)
-    if not norms:
+            reduced.append(square ** 0.5)
+    if not reduced:
         return torch.tensor(0.0)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    return torch.linalg.vector_norm(torch.stack(reduced), 2.0)
 
 
 def _local(value: Any) -> Any:

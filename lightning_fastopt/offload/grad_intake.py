@@ -166,6 +166,14 @@ class GradIntake:
         opt = self.opt
         return self.norms.total(opt.param_groups, opt._slot_of, lambda s: grads.get(s.param))
 
+    def gradient_norms_by_param(self) -> dict[Tensor, Tensor]:
+        """The norm of each gradient the next step reads, taken as :meth:`gradient_norm`
+        takes it (for optimizers that combine the norms over ranks)."""
+        grads = dict(self.read())
+        slots = [self.opt._slot_of[p] for p in grads]
+        norms = self.norms.of(slots, lambda s: grads[s.param])
+        return {s.param: norms[s] for s in slots}
+
     # ------------------------------------------------------------------ between steps
     def renew(self) -> None:
         """Forget this step's gradients (the step ended, or ``zero_grad``)."""

@@ -54,25 +54,29 @@ class DeviceGradNorms:
         self._leaving.clear()
         self._norms.clear()
 
+    def of(self, slots: list[ParamSlot], grad_of) -> dict[ParamSlot, Tensor]:
+        """Each slot's gradient norm (``grad_of``: where its gradient is now): the one taken
+        on the device where there is one, else ``_foreach_norm`` where the gradient is
+        (the device share's gradients, host-only sums)."""
+        missing = list(dict.fromkeys(s for s in slots if s not in self._norms))
+        for group, grads in _by_dtype([(s, grad_of(s)) for s in missing]):
+            self._norms.update(zip(group, torch._foreach_norm(grads, 2.0)))
+        return {s: self._norms[s] for s in slots}
+
     def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of) -> Tensor:
         """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
-        (every listing of a parameter, in the groups' order), each per-tensor norm from the
-        device where one was taken; the others (the device share's gradients, host-only
-        sums) with ``_foreach_norm`` where the gradient is."""
+        (every listing of a parameter, in the groups' order; :meth:`of` for each), grouped
+        by dtype as torch groups them, the norm of the norms on the first one's device."""
         listed = [slot_of[p] for g in param_groups for p in g["params"]]
         listed = [s for s in listed if grad_of(s) is not None]
         if not listed:
             return torch.tensor(0.0)
-        missing = list(dict.fromkeys(s for s in listed if s not in self._norms))
-        for slots, grads in _by_dtype([(s, grad_of(s)) for s in missing]):
-            self._norms.update(zip(slots, torch._foreach_norm(grads, 2.0)))
-        # get_total_norm's grouping: by the gradients' dtype (the parameters'), in order of appearance
+        norms = self.of(listed, grad_of)
         groups: dict[torch.dtype, list[Tensor]] = defaultdict(list)
-        for s in listed:
-            groups[s.param.dtype].append(self._norms[s])
+        for s in listed:  # get_total_norm's grouping: by the gradients' dtype (the parameters'), as they appear
+            groups[s.param.dtype].append(norms[s])
         device = listed[0].param.device
-        norms = [n.to(device) for group in groups.values() for n in group]
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return torch.linalg.vector_norm(torch.stack([n.to(device) for g in groups.values() for n in g]), 2.0)
 
 
 def _by_dtype(pairs: list[tuple[ParamSlot, Tensor]]) -> list[tuple[list[ParamSlot], list[Tensor]]]:

@@ -302,6 +302,11 @@ class OffloadOptimizer(OptimizerWrapper):
     def gradient_norm(self) -> Tensor:
         return self._intake.gradient_norm()
 
+    def gradient_norms_by_param(self) -> dict[Tensor, Tensor]:
+        """The L2 norm of each gradient the next step reads, as torch's ``_foreach_norm``
+        takes it on the gradient's device (an offloaded one: before it left the device)."""
+        return self._intake.gradient_norms_by_param()
+
     def gradients_by_param(self) -> dict[Tensor, Tensor]:
         """:meth:`gradients`, each under its parameter."""
         return dict(self._intake.read())

@@ -199,16 +199,20 @@ class ZeroOptimizer(LocalOffloadWrapper):
     def gradient_norm(self) -> Tensor:
         """The norm ``get_total_norm`` takes of the unsharded gradients, in the same bits:
         each owner takes the norms of its own gradients as ``get_total_norm`` does (torch's
-        ``_foreach_norm``, by device and dtype), and the norms of every rank, stacked in the
-        parameters' order, are normed (on the CPU: a few numbers)."""
+        ``_foreach_norm`` on the device, an offloaded gradient's before it left:
+        :meth:`OffloadOptimizer.gradient_norms_by_param`), and the norms of every rank,
+        stacked in the parameters' order, are normed on the parameters' device, as there."""
         grads = self._owned_gradients()
+        by_param = self.local.gradient_norms_by_param()
         values: dict[Tensor, tuple[float, float]] = {}
         for (_, dtype), params in _grouped(grads).items():
-            norms = torch.stack(torch._foreach_norm([grads[p] for p in params], 2.0)).to("cpu", torch.float64)
+            norms = torch.stack([by_param[p].to("cpu") for p in params]).to(torch.float64)
             code = float(_DTYPES.index(dtype))  # _foreach_norm keeps the tensors' dtype
             values.update((p, (n, code)) for p, n in zip(params, norms.tolist()))
         norms = [torch.tensor(n, dtype=_DTYPES[int(code)]) for n, code in self._gathered(values, 2)]
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.tensor(0.0)
+        if not norms:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack(norms).to(self._params[0].device), 2.0)
 
     def _owned_gradients(self) -> dict[Tensor, Tensor]:
         """The gradients this rank's step reads, by parameter (stage 2: once reduced)."""
