@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from timeline import draw, hidden_exposed, lanes_from_events, table
+from timeline import draw, hidden_exposed, lanes_from_events, profile, table
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -163,9 +163,7 @@ def child(config: str, args) -> dict:
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == max(0, args.warmup - PROFILED_STEPS):  # the last warm-up steps
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                self.prof = torch.profiler.profile(
-                    activities=activities + ([torch.profiler.ProfilerActivity.CUDA] if gpu else []))
+                self.prof = profile(gpu)
                 self.prof.__enter__()
             if batch_idx == args.warmup:
                 if gpu:

@@ -4,11 +4,14 @@ and on the CPU, what of each hid behind GPU compute, and a picture of it.
 From a ``torch.profiler`` trace (CPU and CUDA activities):
 
 - ``GPU compute``: every CUDA kernel but copies and memsets (forward, backward, the GPU
-  share's update);
+  share's update); not the ranges user annotations project onto the GPU's timeline
+  (Lightning's, ``record_function``'s), which span whole steps (on the H100, 2026-11-26,
+  they made every lane read "100% hidden");
 - ``D2H``: device-to-host copies (gradients leaving); ``H2D``: host-to-device copies
   (weights coming back);
 - ``CPU update``: the offload optimizer's CPU updates (its ``fastopt::cpu_update``
-  ranges, on the main thread or the worker).
+  ranges, on the main thread or the worker: :func:`profile` records every thread, where
+  torch's profiler records only the thread that started it by default).
 
 :func:`hidden_exposed` splits each lane's busy time into the part during which GPU
 compute ran (hidden) and the rest (exposed: the GPU waited, or nothing needed it yet);
@@ -36,6 +39,20 @@ def merge(intervals: Iterable[tuple[float, float]]) -> Intervals:
     return [(s, e) for s, e in out]
 
 
+def profile(gpu: bool):
+    """A ``torch.profiler.profile`` of the CPU (and CUDA, with ``gpu``) activities of every
+    thread, the offload optimizer's worker included (torch >= 2.7's ``profile_all_threads``;
+    the starting thread only before)."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    try:
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return torch.profiler.profile(activities=activities)
+    return torch.profiler.profile(activities=activities, experimental_config=config)
+
+
 def lanes_from_events(events) -> dict[str, Intervals]:
     """The lanes of a profiler trace (``prof.events()``), in milliseconds from its first event."""
     import torch
@@ -44,6 +61,8 @@ def lanes_from_events(events) -> dict[str, Intervals]:
     for e in events:
         span = (e.time_range.start / 1e3, e.time_range.end / 1e3)
         if e.device_type == torch.autograd.DeviceType.CUDA:
+            if getattr(e, "is_user_annotation", False):
+                continue  # a CPU range drawn on the GPU's timeline, not GPU work
             if "DtoH" in e.name or "DeviceToHost" in e.name:
                 raw["D2H"].append(span)
             elif "HtoD" in e.name or "HostToDevice" in e.name:

@@ -3,6 +3,7 @@ updates are profiler ranges), where each lane hid behind GPU compute, and the pi
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from lightning_fastopt.offload import OffloadOptimizer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 try:
-    from timeline import CPU_UPDATE, LANES, draw, hidden_exposed, lanes_from_events, merge, table
+    from timeline import CPU_UPDATE, LANES, draw, hidden_exposed, lanes_from_events, merge, profile, table
 finally:
     sys.path.pop(0)
 
@@ -33,6 +34,34 @@ def test_each_buckets_cpu_update_is_a_profiler_range():
     assert set(lanes) == set(LANES) and lanes["CPU update"] and not lanes["GPU compute"]
     assert lanes["CPU update"][0][0] >= 0.0
     opt.close()
+
+
+def test_a_streamed_steps_updates_on_the_worker_thread_are_recorded():
+    """``stream_cpu_step=True`` updates buckets on the optimizer's worker thread during
+    backward: ``timeline.profile`` records them (torch's profiler records only the thread
+    that started it by default: the GPU run of 2026-11-26 showed no CPU update when streamed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=0.005, copy_on_cpu=True, stream_cpu_step=True)
+    with profile(gpu=False) as prof:
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+    assert len(opt._buckets) >= 3
+    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
+    opt.close()
+
+
+def test_user_annotations_on_the_gpus_timeline_are_not_gpu_compute():
+    """Ranges of ``record_function`` (Lightning's, a profiler step) drawn on the GPU's
+    timeline span whole steps: counted as compute they hid every copy."""
+    def event(name, start_ms, end_ms, annotation=False):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start_ms * 1e3, end=end_ms * 1e3))
+
+    lanes = lanes_from_events([event("ProfilerStep#3", 0, 100, annotation=True), event("sm90_gemm", 10, 20),
+                               event("Memcpy DtoH (Device -> Pinned)", 30, 40)])
+    assert lanes["GPU compute"] == [(0.0, 10.0)] and lanes["D2H"] == [(20.0, 30.0)]
 
 
 LANES_MS = {
