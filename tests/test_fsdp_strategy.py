@@ -129,6 +129,21 @@ def test_bf16_mixed_too(run):
 
 
 @slow
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_half_weights_on_one_rank_end_where_fastopt_ends_in_one_process(run, precision):
+    """``16-true`` (fp16 loss scaling, two overflows skipped) and ``bf16-true``: float32
+    masters of the half weights, which ``ModelParallelStrategy`` does not keep, so the
+    reference is ours without FSDP: one rank of ``fastopt_fsdp`` ends on the bits of
+    ``FastOptStrategy`` in one process (with the batches in the one process's order: a
+    one-rank ``ModelParallelStrategy`` and ``Trainer()`` end on the same bits that way,
+    checked by hand). The fp16 run's clipping norm passed float16's range, scaled, from its
+    fourth step: before 2026-11-26 the FSDP run read it as inf and clipped every gradient
+    to zero there."""
+    flags = ("devices=1", "no-distributed-sampler", f"precision={precision}")
+    _assert_same(run("fastopt-0.5", "adamw", *flags), run("single-0.5", "adamw", *flags))
+
+
+@slow
 @pytest.mark.parametrize("form", ["1-size"])
 def test_the_one_line_form_shards_the_model_itself_and_ends_there_too(run, form):
     """No ``configure_model``: ``FastOptFSDPStrategy(auto_wrap_policy={nn.Linear})``, or

@@ -80,6 +80,23 @@ def test_a_parameter_listed_twice_counts_twice_and_a_second_backward_is_normed_w
     opt.close()
 
 
+def test_loss_scaled_float16_gradients_are_normed_in_float32_and_unscaled():
+    """Scaled by 2**10, these float16 gradients (each finite) have a norm (about 115
+    unscaled) past float16's range: taken in float32 and unscaled, it is torch's norm of the
+    unscaled gradients (before: inf, and clipping zeroed every gradient)."""
+    ours, ref = _model().half(), _model().half()
+    opt = OffloadOptimizer(FusedSGD(ours.parameters(), lr=0.1), {p: n for n, p in ours.named_parameters()},
+                           offload_fraction=0.5, bucket_size_mb=0.001, copy_on_cpu=True)
+    g = torch.Generator().manual_seed(3)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        b.grad = (torch.randn(b.shape, generator=g) * 4).half()
+        a.grad = b.grad * 2.0 ** 10
+    expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters()) and torch.isfinite(expected)
+    assert torch.equal(opt.gradient_norm(2.0 ** 10), expected)
+    opt.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("stream", [False, True], ids=["at-the-step", "speculated"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])

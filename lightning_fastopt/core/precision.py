@@ -160,10 +160,11 @@ class PrecisionCore:
         the optimizer's parameters, the coefficient ``max_norm / (total + 1e-6)`` clamped to
         1 as a float32 tensor, one multiplication of each gradient.  Unscaled, on the CPU,
         the same bits as Lightning's own clipping; on a GPU the offloaded gradients' norms
-        are taken on the host, where they were copied.  With ZeRO each rank holds its
-        shard of the gradients: the ranks share the per-tensor norms, and the total is the
-        same bits (``ZeroOptimizer.gradient_norm``).  With fp16 loss scaling the total is the scaled
-        gradients' norm divided by the scale (Lightning unscales first)."""
+        are taken on the device before they leave for the host (``offload/grad_norms.py``).
+        With ZeRO each rank holds its shard of the gradients: the ranks share the per-tensor
+        norms, and the total is the same bits (``ZeroOptimizer.gradient_norm``).  With fp16
+        loss scaling each gradient's norm is unscaled before the total (float16 ones taken
+        in float32: scaled, they pass float16's range)."""
         if clip_val <= 0:
             return None
         grads = optimizer_gradients(optimizer)
@@ -178,11 +179,11 @@ class PrecisionCore:
             return None
         engine = engine_of(optimizer)
         if isinstance(engine, OptimizerWrapper):  # where its gradients are (with ZeRO: every rank's shard)
-            total = engine.gradient_norm()
+            total = engine.gradient_norm(scale)
         else:
             total = torch.nn.utils.get_total_norm(grads, 2.0)
-        if scale != 1.0:
-            total = total / scale
+            if scale != 1.0:
+                total = total / scale
         coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
         if coef != 1.0:  # a multiplication by exactly 1 changes no bit: skipped (a NaN norm spreads, as in torch)
             for same in by_device(grads):

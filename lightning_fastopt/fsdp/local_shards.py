@@ -176,16 +176,17 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         return self.local.gradients()
 
     @override
-    def gradient_norm(self) -> Tensor:
+    def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
         """torch's ``get_total_norm`` of the DTensor gradients (what ``clip_grad_norm_``
-        takes under FSDP2), as a plain tensor; where some have left for the host, the same
-        bits from the rows (:func:`_total_norm_of_rows`)."""
+        takes under FSDP2), unscaled by ``grad_scale``, as a plain tensor; where some have
+        left for the host, or the gradients are loss-scaled (each norm unscaled before the
+        ranks combine them), the same bits from the rows (:func:`_total_norm_of_rows`)."""
         self._take_gradients()
-        if self.device_grads == "copy_at_step" or not self.local.copies.needed:
+        if grad_scale == 1.0 and (self.device_grads == "copy_at_step" or not self.local.copies.needed):
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norms = self.local.gradient_norms_by_param()
+        norms = self.local.gradient_norms_by_param(grad_scale)
         return _total_norm_of_rows([(p, norms.get(self._alias[p])) for p in self._params], self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

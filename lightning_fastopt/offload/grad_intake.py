@@ -159,19 +159,19 @@ class GradIntake:
             opt.copies.wait_on_host(b.grads_ready)
         return [(s.param, g) for s, g in ((s, self.grad_of(s)) for s in opt._slots) if g is not None]
 
-    def gradient_norm(self) -> Tensor:
-        """The clipping norm of the gradients the next step reads (:meth:`read`), as torch
-        computes it (:mod:`~lightning_fastopt.offload.grad_norms`)."""
+    def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
+        """The clipping norm of the gradients the next step reads (:meth:`read`), unscaled
+        by ``grad_scale``, as torch computes it (:mod:`~lightning_fastopt.offload.grad_norms`)."""
         grads = dict(self.read())
         opt = self.opt
-        return self.norms.total(opt.param_groups, opt._slot_of, lambda s: grads.get(s.param))
+        return self.norms.total(opt.param_groups, opt._slot_of, lambda s: grads.get(s.param), grad_scale)
 
-    def gradient_norms_by_param(self) -> dict[Tensor, Tensor]:
+    def gradient_norms_by_param(self, grad_scale: float = 1.0) -> dict[Tensor, Tensor]:
         """The norm of each gradient the next step reads, taken as :meth:`gradient_norm`
         takes it (for optimizers that combine the norms over ranks)."""
         grads = dict(self.read())
         slots = [self.opt._slot_of[p] for p in grads]
-        norms = self.norms.of(slots, lambda s: grads[s.param])
+        norms = self.norms.of(slots, lambda s: grads[s.param], grad_scale)
         return {s.param: norms[s] for s in slots}
 
     # ------------------------------------------------------------------ between steps

@@ -14,6 +14,14 @@ the list it is in), and the total is computed as torch computes it, on the devic
 
 A gradient added to its host copy by a second backward before the step has no device
 norm (the sum exists on the host only): its norm is taken from the host copy there.
+
+With fp16 loss scaling the norms are of the scaled gradients, and a float16 gradient's
+norm (``16-true``) overflows float16 once it passes 65504: a norm an fp16 run's clipping
+reads as inf, clipping every gradient to zero (a one-rank ``fastopt_fsdp`` run, whose
+norms are squared before they are summed, did so from its fourth step where
+``fastopt`` did not, 2026-11-26).  So a float16 gradient's norm is taken in float32,
+and every norm is unscaled (``grad_scale``, a power of two: exact) before the total,
+which is then torch's norm of the unscaled gradients.
 """
 
 from __future__ import annotations
@@ -48,22 +56,23 @@ class DeviceGradNorms:
     def bucket_sent(self, bucket: HostBucket) -> None:
         """Every gradient of ``bucket`` is on its way: their norms, on the device, now."""
         for slots, grads in _by_dtype(self._leaving.pop(bucket, [])):
-            self._norms.update(zip(slots, torch._foreach_norm(grads, 2.0)))
+            self._norms.update(zip(slots, _norms(grads)))
 
     def clear(self) -> None:
         self._leaving.clear()
         self._norms.clear()
 
-    def of(self, slots: list[ParamSlot], grad_of) -> dict[ParamSlot, Tensor]:
-        """Each slot's gradient norm (``grad_of``: where its gradient is now): the one taken
-        on the device where there is one, else ``_foreach_norm`` where the gradient is
-        (the device share's gradients, host-only sums)."""
+    def of(self, slots: list[ParamSlot], grad_of, grad_scale: float = 1.0) -> dict[ParamSlot, Tensor]:
+        """Each slot's gradient norm, unscaled by ``grad_scale``, in the gradient's dtype
+        (``grad_of``: where its gradient is now): the one taken on the device where there is
+        one, else ``_foreach_norm`` where the gradient is (the device share's gradients,
+        host-only sums)."""
         missing = list(dict.fromkeys(s for s in slots if s not in self._norms))
         for group, grads in _by_dtype([(s, grad_of(s)) for s in missing]):
-            self._norms.update(zip(group, torch._foreach_norm(grads, 2.0)))
-        return {s: self._norms[s] for s in slots}
+            self._norms.update(zip(group, _norms(grads)))
+        return {s: _unscaled(self._norms[s], s.param.dtype, grad_scale) for s in slots}
 
-    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of) -> Tensor:
+    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of, grad_scale: float = 1.0) -> Tensor:
         """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
         (every listing of a parameter, in the groups' order; :meth:`of` for each), grouped
         by dtype as torch groups them, the norm of the norms on the first one's device."""
@@ -71,12 +80,24 @@ class DeviceGradNorms:
         listed = [s for s in listed if grad_of(s) is not None]
         if not listed:
             return torch.tensor(0.0)
-        norms = self.of(listed, grad_of)
+        norms = self.of(listed, grad_of, grad_scale)
         groups: dict[torch.dtype, list[Tensor]] = defaultdict(list)
         for s in listed:  # get_total_norm's grouping: by the gradients' dtype (the parameters'), as they appear
             groups[s.param.dtype].append(norms[s])
         device = listed[0].param.device
         return torch.linalg.vector_norm(torch.stack([n.to(device) for g in groups.values() for n in g]), 2.0)
+
+
+def _norms(grads: list[Tensor]) -> list[Tensor]:
+    """``_foreach_norm`` of gradients of one dtype; float16 ones' in float32 (loss-scaled,
+    their norm may pass float16's range)."""
+    if grads[0].dtype == torch.float16:
+        return torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch._foreach_norm(grads, 2.0)
+
+
+def _unscaled(norm: Tensor, dtype: torch.dtype, grad_scale: float) -> Tensor:
+    return (norm / grad_scale if grad_scale != 1.0 else norm).to(dtype)
 
 
 def _by_dtype(pairs: list[tuple[ParamSlot, Tensor]]) -> list[tuple[list[ParamSlot], list[Tensor]]]:

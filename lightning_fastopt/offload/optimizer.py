@@ -299,13 +299,14 @@ class OffloadOptimizer(OptimizerWrapper):
         return [g for _, g in self._intake.read()]
 
     @override
-    def gradient_norm(self) -> Tensor:
-        return self._intake.gradient_norm()
+    def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
+        return self._intake.gradient_norm(grad_scale)
 
-    def gradient_norms_by_param(self) -> dict[Tensor, Tensor]:
-        """The L2 norm of each gradient the next step reads, as torch's ``_foreach_norm``
-        takes it on the gradient's device (an offloaded one: before it left the device)."""
-        return self._intake.gradient_norms_by_param()
+    def gradient_norms_by_param(self, grad_scale: float = 1.0) -> dict[Tensor, Tensor]:
+        """The L2 norm of each gradient the next step reads, unscaled by ``grad_scale``, as
+        torch's ``_foreach_norm`` takes it on the gradient's device (an offloaded one: before
+        it left the device; :mod:`~lightning_fastopt.offload.grad_norms`)."""
+        return self._intake.gradient_norms_by_param(grad_scale)
 
     def gradients_by_param(self) -> dict[Tensor, Tensor]:
         """:meth:`gradients`, each under its parameter."""

@@ -165,11 +165,13 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def gradients(self) -> list[Tensor]:
         raise NotImplementedError
 
-    def gradient_norm(self) -> Tensor:
-        """The L2 norm of every gradient the next step reads, as torch's ``get_total_norm``
-        computes it over the model's gradients (the norm gradient clipping takes); a
-        sharded optimizer combines the ranks' shards into the same bits."""
-        return torch.nn.utils.get_total_norm(self.gradients(), 2.0)
+    def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
+        """The L2 norm of every gradient the next step reads, unscaled by ``grad_scale``
+        (fp16 loss scaling), as torch's ``get_total_norm`` computes it over the model's
+        gradients (the norm gradient clipping takes); a sharded optimizer combines the
+        ranks' shards into the same bits."""
+        total = torch.nn.utils.get_total_norm(self.gradients(), 2.0)
+        return total / grad_scale if grad_scale != 1.0 else total
 
     def owns(self, param: Tensor) -> bool:
         """Whether this optimizer keeps (and updates) the state of ``param``."""

@@ -196,14 +196,15 @@ class ZeroOptimizer(LocalOffloadWrapper):
         return self.local.gradients()
 
     @override
-    def gradient_norm(self) -> Tensor:
+    def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
         """The norm ``get_total_norm`` takes of the unsharded gradients, in the same bits:
         each owner takes the norms of its own gradients as ``get_total_norm`` does (torch's
         ``_foreach_norm`` on the device, an offloaded gradient's before it left:
         :meth:`OffloadOptimizer.gradient_norms_by_param`), and the norms of every rank,
-        stacked in the parameters' order, are normed on the parameters' device, as there."""
+        stacked in the parameters' order, are normed on the parameters' device, as there
+        (each unscaled by ``grad_scale`` first)."""
         grads = self._owned_gradients()
-        by_param = self.local.gradient_norms_by_param()
+        by_param = self.local.gradient_norms_by_param(grad_scale)
         values: dict[Tensor, tuple[float, float]] = {}
         for (_, dtype), params in _grouped(grads).items():
             norms = torch.stack([by_param[p].to("cpu") for p in params]).to(torch.float64)

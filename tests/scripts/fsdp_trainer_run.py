@@ -30,7 +30,10 @@ one process per node with ``devices=1``).  ``delayed``: ``delayed_update=True`` 
 synchronous steps (the reference: torch's update delayed the same way,
 ``tests.references.DelayedTorchUpdate``).  ``checkpointing``: the (last) fit saves a
 checkpoint at each epoch's end, as Lightning's default does.  ``host_state_dtype=bfloat16``:
-that option of ours.
+that option of ours.  ``single-<fraction>``: ``FastOptStrategy`` in one process (no FSDP,
+the one-line model), with ``devices=1``; ``no-distributed-sampler``: the Trainer's
+``use_distributed_sampler=False`` (a one-rank FSDP run then sees the batches in the one
+process's order: the two end on the same bits).
 """
 
 import sys
@@ -47,7 +50,7 @@ from tests.helpers import end_process_group  # noqa: E402
 from tests.references import DelayedTorchUpdate  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-from lightning_fastopt import FastOptFSDPStrategy  # noqa: E402
+from lightning_fastopt import FastOptFSDPStrategy, FastOptStrategy  # noqa: E402
 
 STEPS = 6  # two epochs: 6 batches of 4 per rank, 2 per step
 DELAYED_WARMUP = 2  # with delayed: the synchronous steps before each offloaded update is delayed
@@ -130,6 +133,9 @@ def _data(tied=False):
 
 
 def _strategy(name, full, devices, **options):
+    if name.startswith("single-"):  # one process, no FSDP: FastOptStrategy, the transitive reference
+        return FastOptStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=True, bucket_size_mb=0.0005,
+                               **options)
     if name == "reference":
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                      save_distributed_checkpoint=not full)
@@ -145,7 +151,7 @@ def _strategy(name, full, devices, **options):
 
 
 def _model(name, optimizer, tied=False):
-    one_line = name.count("-") == 2
+    one_line = name.count("-") == 2 or name.startswith("single-")
     return ((TiedNet if one_line else ShardedTiedNet) if tied else (Net if one_line else ShardedNet))(optimizer)
 
 
@@ -215,7 +221,8 @@ def main():
         model = _model(name, optimizer, tied)
     trainer = _trainer(name, root, precision, devices=devices, options=_delayed(name, extra, options),
                        max_steps=STEPS, enable_checkpointing="checkpointing" in extra,
-                       callbacks=_callbacks(name, extra, saves="checkpointing" in extra))
+                       callbacks=_callbacks(name, extra, saves="checkpointing" in extra),
+                       use_distributed_sampler="no-distributed-sampler" not in extra)
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
@@ -225,7 +232,7 @@ def main():
     result["global_step"] = torch.tensor(trainer.global_step)
     torch.save(result, f"{out}.rank{trainer.global_rank}")
     for engine in getattr(trainer.strategy, "engines", []):  # the offload fraction each local optimizer ended at
-        Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(engine.local.offload_fraction))
+        Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(getattr(engine, "local", engine).offload_fraction))
     end_process_group()  # gloo's threads alive at interpreter exit can abort the process
 
 
