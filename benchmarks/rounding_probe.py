@@ -96,7 +96,8 @@ def probe(device: str, n: int, seed: int) -> list[tuple[str, str, float]]:
     denom = f32(_64(root) + eps)
     q = f32(_64(m) / _64(denom))
     ss = f32(torch.tensor(-step_size))
-    add_candidates = {"fma(-ss, m/d, p)": fma(ss, q, p), "p + float(-ss * (m/d))": f32(_64(p) + _64(f32(_64(ss) * _64(q)))),
+    add_candidates = {"fma(-ss, m/d, p)": fma(ss, q, p),
+                      "p + float(-ss * (m/d))": f32(_64(p) + _64(f32(_64(ss) * _64(q)))),
                       "p + float((-ss * m) / d)": f32(_64(p) + _64(f32(_64(f32(_64(ss) * _64(m))) / _64(denom))))}
     row("p.addcdiv_(m, d, value=-ss)", on(p).addcdiv_(on(m), on(denom), value=-step_size), add_candidates)
     ps = [on(p)]

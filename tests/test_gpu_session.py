@@ -59,8 +59,10 @@ def test_first_builds_runs_the_headline_rows_and_collects_the_exactness_tests(tm
     assert any("-k offload1-" in s for s in selections) and any("-k offload0-" in s for s in selections)
     # the log says when each step started: how the 8 minutes were spent
     steps = re.findall(r"\[gpu_session first, (\d+) s\] (\w[^\n]*)", log)
-    assert [name for _, name in steps][:3] == ["build", "GPT headline rows",
-                                              "bit-exactness tests and Trainer-level comparisons"]
+    assert [name for _, name in steps][:4] == [
+        "build", "the rounding of each ATen operation of torch's CUDA Adam steps (a few seconds)",
+        "GPT headline rows", "bit-exactness tests and Trainer-level comparisons"]
+    assert "| `v.sqrt() / bc2s` |" in files["rounding_probe.md"]  # the probe's table
     assert steps[-1][1] == "done"
 
 

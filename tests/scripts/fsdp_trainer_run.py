@@ -232,7 +232,8 @@ def main():
     result["global_step"] = torch.tensor(trainer.global_step)
     torch.save(result, f"{out}.rank{trainer.global_rank}")
     for engine in getattr(trainer.strategy, "engines", []):  # the offload fraction each local optimizer ended at
-        Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(getattr(engine, "local", engine).offload_fraction))
+        local = getattr(engine, "local", engine)  # FastOptStrategy's engine is the offload optimizer itself
+        Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(local.offload_fraction))
     end_process_group()  # gloo's threads alive at interpreter exit can abort the process
 
 

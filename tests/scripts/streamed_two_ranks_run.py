@@ -50,9 +50,18 @@ CONFIGS = {
 
 
 def _zero(model, make_opt, fraction, speculate, **kw):
-    return ZeroOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()}, stage=2,
-                         offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
-                         stream_cpu_step=speculate, speculate=speculate, **kw)
+    opt = ZeroOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()}, stage=2,
+                        offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
+                        stream_cpu_step=speculate, speculate=speculate, **kw)
+    _speculate_every_step(opt.local)
+    return opt
+
+
+def _speculate_every_step(offload) -> None:
+    """The mechanism's runs speculate at every step, whatever the last ones did (the
+    schedule holds speculation back after misses: tests/test_speculative_step.py)."""
+    if isinstance(offload.schedule, SpeculativeStep):
+        offload.schedule.misses_allowed = offload.schedule.history
 
 
 def _train(rank, speculate, make_opt, fraction, clip, precision, overflow_at, micro_batches, sched):
@@ -120,6 +129,7 @@ def _ddp(rank, speculate, fraction, clip, precision, overflow_at, bucket_views, 
     opt = (ZeroOptimizer(ADAMW(model.parameters()), names, stage=1, **kw) if zero1
            else OffloadOptimizer(ADAMW(model.parameters()), names, **kw))
     offload = opt.local if zero1 else opt
+    _speculate_every_step(offload)
     handed_over = []
     if speculate:
         def hand_over(grads):
