@@ -27,11 +27,14 @@ which is then torch's norm of the unscaled gradients.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+
+K = TypeVar("K")
 
 
 class DeviceGradNorms:
@@ -55,8 +58,7 @@ class DeviceGradNorms:
 
     def bucket_sent(self, bucket: HostBucket) -> None:
         """Every gradient of ``bucket`` is on its way: their norms, on the device, now."""
-        for slots, grads in _by_dtype(self._leaving.pop(bucket, [])):
-            self._norms.update(zip(slots, _norms(grads)))
+        self._take(dict(self._leaving.pop(bucket, [])))
 
     def clear(self) -> None:
         self._leaving.clear()
@@ -67,10 +69,14 @@ class DeviceGradNorms:
         (``grad_of``: where its gradient is now): the one taken on the device where there is
         one, else ``_foreach_norm`` where the gradient is (the device share's gradients,
         host-only sums)."""
-        missing = list(dict.fromkeys(s for s in slots if s not in self._norms))
-        for group, grads in _by_dtype([(s, grad_of(s)) for s in missing]):
-            self._norms.update(zip(group, _norms(grads)))
+        self._take({s: grad_of(s) for s in slots if s not in self._norms})
         return {s: _unscaled(self._norms[s], s.param.dtype, grad_scale) for s in slots}
+
+    def _take(self, grads: dict[ParamSlot, Tensor]) -> None:
+        """The norms of ``grads`` where they are (``_foreach_norm`` takes its fast path on
+        lists of one device and dtype)."""
+        for slots in by_device_and_dtype(grads).values():
+            self._norms.update(zip(slots, _norms([grads[s] for s in slots])))
 
     def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of, grad_scale: float = 1.0) -> Tensor:
         """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
@@ -100,12 +106,10 @@ def _unscaled(norm: Tensor, dtype: torch.dtype, grad_scale: float) -> Tensor:
     return (norm / grad_scale if grad_scale != 1.0 else norm).to(dtype)
 
 
-def _by_dtype(pairs: list[tuple[ParamSlot, Tensor]]) -> list[tuple[list[ParamSlot], list[Tensor]]]:
-    """The (slot, tensor) pairs split by the tensor's dtype and device (``_foreach_norm``
-    takes its fast path on lists of one dtype and device), in order."""
-    groups: dict[tuple, tuple[list[ParamSlot], list[Tensor]]] = {}
-    for slot, t in pairs:
-        slots, tensors = groups.setdefault((t.device, t.dtype), ([], []))
-        slots.append(slot)
-        tensors.append(t)
-    return list(groups.values())
+def by_device_and_dtype(tensors: dict[K, Tensor]) -> dict[tuple[torch.device, torch.dtype], list[K]]:
+    """The keys of ``tensors`` by their tensor's device and dtype, in order (as
+    ``get_total_norm`` groups gradients)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[K]] = {}
+    for key, t in tensors.items():
+        groups.setdefault((t.device, t.dtype), []).append(key)
+    return groups

@@ -163,7 +163,11 @@ class SpeculativeStep(CpuStepSchedule):
         return written, sent
 
     def _speculating(self) -> bool:
-        return sum(not h for h in list(self._held)[-self.history:]) <= self.misses_allowed
+        return self._misses() <= self.misses_allowed
+
+    def _misses(self) -> int:
+        """Of the last ``history`` steps, those whose speculation did not (or would not) hold."""
+        return sum(not h for h in self._held)
 
     def _predict(self, held: list[bool]) -> None:
         """This step held where every bucket speculated or watched held."""
@@ -172,7 +176,7 @@ class SpeculativeStep(CpuStepSchedule):
         self._held.append(all(held))
         if not self._speculating() and not self._said_held_back:
             self._said_held_back = True
-            rank_zero_info(f"lightning_fastopt: {sum(not h for h in self._held)} of the last {len(self._held)} "
+            rank_zero_info(f"lightning_fastopt: {self._misses()} of the last {len(self._held)} "
                            "speculated CPU updates did not hold (clipping or the loss scale changed the "
                            "gradients): host buckets are updated at the step, and speculated again once at most "
                            f"{self.misses_allowed} of the last {self.history} steps would not have held")

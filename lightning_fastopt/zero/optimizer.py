@@ -37,6 +37,7 @@ from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.grad_norms import by_device_and_dtype
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
 from lightning_fastopt.runtime.distributed import all_reduce_scalar, all_reduce_sum, global_rank, world_size
 from lightning_fastopt.functional import grads_all_finite, square_sums
@@ -47,15 +48,6 @@ from lightning_fastopt.zero.partition import assign_owners, owner_buckets
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # a gradient norm's, coded by position
-
-
-def _grouped(grads: dict[Tensor, Tensor]) -> dict[tuple[torch.device, torch.dtype], list[Tensor]]:
-    """The parameters by their gradient's device and dtype, in order (as ``get_total_norm``
-    groups the gradients)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for p, g in grads.items():
-        groups.setdefault((g.device, g.dtype), []).append(p)
-    return groups
 
 
 class ZeroOptimizer(LocalOffloadWrapper):
@@ -206,7 +198,7 @@ class ZeroOptimizer(LocalOffloadWrapper):
         grads = self._owned_gradients()
         by_param = self.local.gradient_norms_by_param(grad_scale)
         values: dict[Tensor, tuple[float, float]] = {}
-        for (_, dtype), params in _grouped(grads).items():
+        for (_, dtype), params in by_device_and_dtype(grads).items():
             norms = torch.stack([by_param[p].to("cpu") for p in params]).to(torch.float64)
             code = float(_DTYPES.index(dtype))  # _foreach_norm keeps the tensors' dtype
             values.update((p, (n, code)) for p, n in zip(params, norms.tolist()))
