@@ -120,6 +120,25 @@ def _share(split) -> float | None:
     return hidden / busy if busy else None
 
 
+class Phases:
+    """Where a configuration's process spends its wall time, phase by phase: each mark ends the
+    phase named, begun at the previous mark (the first at this module's import, after the
+    interpreter and torch started).  On the H100 (2026-11-26) a row took 46-71 s for 2-26 s
+    of steps: these say where the rest goes."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+phases = Phases()
+
+
 def child(config: str, args) -> dict:
     import lightning as L
     from gpt import ByteWindows, TinyGPT
@@ -162,6 +181,8 @@ def child(config: str, args) -> dict:
             self.prof = None
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 0:
+                phases.mark("setup")  # fit's set-up: the model to the device, the strategy's buffers
             if batch_idx == max(0, args.warmup - PROFILED_STEPS):  # the last warm-up steps
                 self.prof = profile(gpu)
                 self.prof.__enter__()
@@ -176,21 +197,29 @@ def child(config: str, args) -> dict:
                 if gpu:
                     torch.cuda.synchronize()
                 self.prof.__exit__(None, None, None)
+                phases.mark("warm-up")  # the warm-up steps, the last ones profiled
                 lanes = lanes_from_events(self.prof.events())
                 split = hidden_exposed(lanes)
                 self.profile = dict(lanes=lanes, steps_profiled=batch_idx + 1 - max(0, args.warmup - PROFILED_STEPS),
                                     d2h_ms=split["D2H"][0], h2d_ms=split["H2D"][0],
                                     d2h_hidden=_share(split["D2H"]), h2d_hidden=_share(split["H2D"]))
                 self.prof = None
+                phases.mark("profile read")  # the profiler's events turned into lanes
             if batch_idx == args.warmup + args.steps - 1:
                 if gpu:
                     torch.cuda.synchronize()
                 self.t1 = time.perf_counter()
+                phases.mark("timed steps")
 
+    phases.mark("imports")
     torch.manual_seed(0)
     sharded = config.startswith(("fsdp", "fastopt_fsdp"))
-    model = (ShardedBenchGPT if sharded else BenchGPT)(n_layer=args.layers, n_head=args.heads, n_embd=args.width,
-                                                       block_size=args.seq)
+    # built where it trains: initializing 1B parameters on the CPU took 12 s (one thread draws the
+    # random numbers), on the GPU it takes milliseconds; the timings do not depend on the values
+    with torch.device("cuda" if gpu else "cpu"):
+        model = (ShardedBenchGPT if sharded else BenchGPT)(n_layer=args.layers, n_head=args.heads,
+                                                           n_embd=args.width, block_size=args.seq)
+    phases.mark("model built")
     n_params = sum(p.numel() for p in model.parameters())
     text = torch.tensor(list((REPO / "examples/data/workshop_notes.txt").read_bytes()), dtype=torch.long)
     while len(text) < (args.warmup + args.steps) * args.batch * 16 + args.seq + 2:
@@ -215,6 +244,7 @@ def child(config: str, args) -> dict:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[measure], gradient_clip_val=1.0 if clip else None)
     trainer.fit(model, loader)
+    phases.mark("teardown")
     seconds = measure.t1 - measure.t0
     opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
     speculated = dict(getattr(getattr(opt, "schedule", None), "totals", {}))  # the speculative step's bucket counts
@@ -222,7 +252,7 @@ def child(config: str, args) -> dict:
                 tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
                 step_ms=seconds / args.steps * 1e3,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-                **(measure.profile or {}))
+                phases_s=phases.seconds, **(measure.profile or {}))
 
 
 # ---------------------------------------------------------------------------- the table (parent)
@@ -288,7 +318,7 @@ def main() -> None:
         # each row as it ends, so that a run cut off keeps what it measured
         peak = "n/a" if row["peak_gib"] is None else f"{row['peak_gib']:.1f} GiB"
         print(f"{config}: done in {wall:.0f} s: {row['step_ms']:.0f} ms a step, {row['tokens_per_s']:,.0f} tokens/s, "
-              f"peak {peak}", flush=True)
+              f"peak {peak}; {_phases(row)}", flush=True)
         if args.out:
             args.out.write_text(json.dumps(dict(device=_device_name(), rows=rows, partial=True), indent=2))
     if not rows:
@@ -340,6 +370,14 @@ def main() -> None:
             print(f"timeline: {path}")
     if args.out:
         args.out.write_text(json.dumps(dict(device=name, rows=rows), indent=2))
+
+
+def _phases(row: dict) -> str:
+    """The row's wall time by phase: the process's start (interpreter, torch) is what the child
+    did not see."""
+    phases = row.get("phases_s", {})
+    start = row["wall_s"] - sum(phases.values())
+    return ", ".join(f"{name} {s:.1f} s" for name, s in [("start", start), *phases.items()])
 
 
 def _device_name() -> str:

@@ -38,8 +38,11 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # reach or found slow first: plain; streamed with clipping (the speculative step, now held
 # back where it does not hold); delayed; half offloaded, streamed; auto; streamed with
 # bf16-true (the peak-memory target); full offload exact; streamed.  A row took 46-71 s on
-# the H100 (2026-11-26), so about 4 fit in the 240 s.  The warm-up is 7 steps ("auto"
-# settles after 5 probe steps), then 8 timed ones (the full table: 7 and 20).
+# the H100 (2026-11-26), so 4 fit in the 240 s; building the model on the CPU takes 12 s
+# on the 2-core dev machine (one thread draws the random numbers: now it is built on the GPU),
+# and each row now prints its time by phase, for the next plan.  The
+# warm-up is 7 steps ("auto" settles after 5 probe steps), then 8 timed ones (the full
+# table: 7 and 20).
 HEADLINE="plain,fastopt:1:stream:clip,fastopt:1:delayed,fastopt:0.5:stream,fastopt:auto:stream,fastopt:1:stream:bf16-true,fastopt:1,fastopt:1:stream"
 # then ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, with FSDP's CPUOffloadPolicy, and
 # fastopt_fsdp at fraction 1 (exact, streamed), before the rest of the table

@@ -47,6 +47,11 @@ def _configs_done(files, name, shell_variable):
     rows = json.loads(files[f"{name}.json"])["rows"]
     assert [r["configuration"] for r in rows] == wanted
     assert all(r["wall_s"] > 0 and r["step_ms"] > 0 for r in rows)
+    for r in rows:  # where each row's wall time went, for planning the next GPU session
+        assert list(r["phases_s"]) == ["imports", "model built", "setup", "warm-up", "profile read", "timed steps",
+                                       "teardown"], r["phases_s"]
+        assert 0 < sum(r["phases_s"].values()) < r["wall_s"]
+    assert re.search(r"done in \d+ s: .*; start [\d.]+ s, imports", files[f"{name}.md"])
     return wanted
 
 
