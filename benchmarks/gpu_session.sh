@@ -104,6 +104,12 @@ run_tests() {
     local budget="$1" file="$2"
     shift 2
     local until=$((SECONDS + budget)) selection left
+    if [ -n "$tiny" ]; then  # the plan only: each selection must name tests that exist (one process collects all)
+        say "tests collected: $#"
+        python3 benchmarks/collect_selections.py "$@" 2>&1 | tee -a "$WORK/$file"
+        pack
+        return
+    fi
     for selection in "$@"; do
         left=$((until - SECONDS))
         if [ "$left" -le 10 ]; then
@@ -113,13 +119,8 @@ run_tests() {
         fi
         say "tests ($left s left): $selection"
         echo "=== $selection" >> "$WORK/$file"
-        if [ -n "$tiny" ]; then  # the plan only: the selection must name tests that exist
-            eval "python3 -m pytest -q -p no:cacheprovider --collect-only $selection" 2>&1 | tail -1 \
-                | tee -a "$WORK/$file"
-        else
-            eval "timeout -s INT $left python3 -m pytest -q -p no:cacheprovider -rfEs $selection" 2>&1 \
-                | tee -a "$WORK/$file" | grep -E "passed|failed|error|FAILED|ERROR|Interrupt"
-        fi
+        eval "timeout -s INT $left python3 -m pytest -q -p no:cacheprovider -rfEs $selection" 2>&1 \
+            | tee -a "$WORK/$file" | grep -E "passed|failed|error|FAILED|ERROR|Interrupt"
         pack
     done
 }

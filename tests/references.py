@@ -117,3 +117,27 @@ class DelayedTorchUpdate(L.Callback):
     def on_train_end(self, trainer, pl_module):
         for p, m in zip(pl_module.parameters(), self.masters):
             p.copy_(m)
+
+
+class WholeTensorNorms(torch.optim.Optimizer):
+    """A user's optimizer whose step reads norms over whole parameters (LARS's rule, in
+    torch): under ``ModelParallelStrategy`` its step sees DTensors, whose norms span the
+    ranks."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["step"] = state.get("step", torch.tensor(0.0)) + 1
+                    ratio = p.norm() / (p.grad.norm() + 1e-3)
+                    p.sub_(p.grad * ratio * group["lr"])
+        return loss

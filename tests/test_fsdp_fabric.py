@@ -51,6 +51,14 @@ def test_a_fabric_loop_ends_where_model_parallel_strategy_ends(run, strategy):
 
 
 @slow
+def test_an_optimizer_whose_step_may_span_rows_runs_as_torch_on_the_dtensors(run):
+    """``fabric.setup_optimizers`` of a user's optimizer whose step takes norms over whole
+    parameters (``tests.references.WholeTensorNorms``): it steps the DTensors, as under
+    Fabric's ``ModelParallelStrategy`` (on each rank's rows its norms would span only those)."""
+    _assert_same(run("fastopt-0.5", "optimizer=whole_norms"), run("reference", "optimizer=whole_norms"))
+
+
+@slow
 @pytest.mark.parametrize("grads", ["free", "stream"])
 def test_gradients_freed_during_backward_and_the_streamed_step_end_there_too(run, grads):
     """``keep_gradients=False``: the offloaded rows' gradients leave as FSDP reduce-scatters

@@ -97,12 +97,16 @@ def test_plain_parameters_step_as_torch_steps_them_and_an_overflow_is_skipped():
 
 
 def test_what_it_cannot_run_is_refused_when_built():
-    from lightning_fastopt import FusedAdam, FusedLAMB
+    from lightning_fastopt import FusedAdam, FusedLAMB, FusedLars
     from lightning_fastopt.fsdp import LocalShardOptimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match="FusedLAMB computes a norm over every gradient.*not supported yet"):
+    with pytest.raises(ValueError, match="FusedLAMB takes norms over whole parameters.*not supported yet"):
         LocalShardOptimizer(FusedLAMB(params, lr=1e-3))
+    # LARS needs no global norm, but its per-tensor norms over a rank's rows would be another
+    # learning rate than the whole parameter's (before 2026-11-26 it ran, silently so)
+    with pytest.raises(ValueError, match="FusedLars takes norms over whole parameters.*not supported yet"):
+        LocalShardOptimizer(FusedLars(params, lr=1e-3))
     with pytest.raises(ValueError, match=r"takes device_grads \('copy_at_step', 'copy_when_reduced'\).*got 'keep'"):
         LocalShardOptimizer(FusedAdam(params, lr=1e-3), device_grads="keep")
 

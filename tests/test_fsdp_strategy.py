@@ -7,7 +7,7 @@ clipping by norm, gradient accumulation and an LR scheduler stepped every step, 
 offload fractions 0, 0.5 and 1, for AdamW (SGD, Adagrad and RAdam, its own step, are
 compared with torch on the shards in ``tests/test_fsdp_local_shards.py``), under
 ``bf16-mixed`` too; the one-line form (no ``configure_model``, tied embeddings included)
-as well; two nodes under torchrun; distributed and full checkpoints resume across the two
+as well; tensor parallelism then FSDP; two nodes under torchrun; distributed and full checkpoints resume across the two
 strategies both ways, and at another number of processes; a save killed mid-write leaves
 the previous checkpoint (``tests/scripts/fsdp_trainer_run.py``, ``fsdp_kill_run.py``).
 And, in one process: the names it is registered under in both Lightning packages, and
@@ -126,6 +126,36 @@ def test_bfloat16_host_moments_follow_float32_and_are_given_back_as_float32(run)
 @slow
 def test_bf16_mixed_too(run):
     _assert_same(run("fastopt-0.5", "adamw", "precision=bf16-mixed"), run("reference", "adamw", "precision=bf16-mixed"))
+
+
+@slow
+@pytest.mark.parametrize("fraction, option, devices", [("0", "", 2), ("1", "stream_cpu_step", 2), ("0.5", "", 4)])
+def test_tensor_parallel_then_fsdp_ends_where_model_parallel_strategy_ends(run, fraction, option, devices):
+    """Tensor parallelism (torch's ``parallelize_module`` on the mesh's ``tensor_parallel``
+    dimension, 2-way), then ``fully_shard`` on its ``data_parallel`` one (1-way on two
+    processes, 2-way on four): each rank steps its local piece of every parameter. The
+    clipping norm, once the offloaded rows' gradients have left for the host, reduces each
+    row norm over the mesh dimensions its parameter is sharded on, as DTensor reduces
+    torch's: summed over every rank, a parameter tensor parallelism replicates (a
+    row-parallel Linear's bias) counted twice, 3e-4 off after 6 steps, at every fraction
+    (gradients copied as they are reduced: the norm comes from the rows even at fraction 0)."""
+    mesh = ("tp=2", f"devices={devices}")
+    _assert_same(run(f"fastopt-{fraction}", "adamw", *mesh, *([option] if option else [])),
+                 run("reference", "adamw", *mesh))
+
+
+@slow
+def test_an_optimizer_whose_step_may_span_rows_runs_as_torch_on_the_dtensors(run, tmp_path_factory):
+    """A user's optimizer whose step takes norms over whole parameters (LARS's rule in torch,
+    ``WholeTensorNorms``) sees DTensors under ``ModelParallelStrategy``; stepped on each
+    rank's rows, its norms spanned only those (3e-3 off after 6 steps before 2026-11-26).
+    It now runs as torch runs it, on the DTensors, and ends on the reference's bits (named
+    in ``elementwise_optimizers`` it is stepped on the rows, as asked, and ends 3e-3 away:
+    checked by hand with the script's ``elementwise=WholeTensorNorms``)."""
+    out = tmp_path_factory.mktemp("fsdp-whole-norms") / "run.pt"
+    proc = run_script(SCRIPT, "fastopt-0.5", "whole_norms", out)
+    assert "WholeTensorNorms runs as torch runs it, on the DTensor parameters, not offloaded" in proc.stderr
+    _assert_same([torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)], run("reference", "whole_norms"))
 
 
 @slow
@@ -277,6 +307,10 @@ def test_bad_arguments_are_refused_when_built_naming_them():
         FastOptFSDPStrategy(auto_wrap_policy=lambda module: True)
     with pytest.raises(ValueError, match="min_num_params must be a positive integer"):
         FastOptFSDPStrategy(min_num_params=0)
+    with pytest.raises(TypeError, match=r"elementwise_optimizers must be optimizer classes or class names.*got 3"):
+        FastOptFSDPStrategy(elementwise_optimizers=3)
+    assert FastOptFSDPStrategy(elementwise_optimizers=torch.optim.Adafactor).options.elementwise_optimizers == (
+        "Adafactor",)
     assert FastOptFSDPStrategy(auto_wrap_policy=torch.nn.Linear)._auto_wrap_classes == (torch.nn.Linear,)
 
 

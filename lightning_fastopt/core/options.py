@@ -16,7 +16,7 @@ from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
 from lightning_fastopt.optim.adam import check_state_dtype
-from lightning_fastopt.optim.closure import check_closure_optimizers
+from lightning_fastopt.optim.closure import check_closure_optimizers, check_optimizer_names
 from lightning_fastopt.optim.base import check_range
 
 
@@ -42,6 +42,7 @@ class StrategyOptions:
     host_state_dtype: torch.dtype = torch.float32
     forward_waits: str = "step"
     closure_optimizers: tuple[str, ...] = ()
+    elementwise_optimizers: tuple[str, ...] = ()  # the FSDP strategies': stepped on each rank's rows
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -104,9 +105,12 @@ class StrategyOptions:
         if arguments.get("offload_fraction") == "auto" and not times_closure:
             raise ValueError(f"offload_fraction='auto' is for the Trainer (it times the step's closure); with "
                              f"{strategy} give a number in [0.0, 1.0]")
+        elementwise = check_optimizer_names(arguments.pop("elementwise_optimizers", ()), "elementwise_optimizers")
         arguments = {"keep_gradients": False, "stream_cpu_step": False, "gpu_memory_budget_gb": None,
                      "delayed_update": False, "delayed_update_warmup": 40, "host_state_dtype": "float32", **arguments}
-        return cls.check(**arguments, zero_stage=0, forward_waits="step")
+        options = cls.check(**arguments, zero_stage=0, forward_waits="step")
+        options.elementwise_optimizers = elementwise
+        return options
 
 
 def offload_arguments(options: Any) -> dict[str, Any]:

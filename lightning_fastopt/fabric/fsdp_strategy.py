@@ -37,6 +37,7 @@ from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.row_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]
@@ -69,7 +70,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  closure_optimizers: Sequence[str] = (), keep_gradients: bool = True,
                  stream_cpu_step: bool = False, host_state_dtype: str = "float32",
                  auto_wrap_policy: Iterable[type] | None = None,
-                 min_num_params: int = 100_000_000, data_parallel_size: int | str = "auto",
+                 min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
+                 data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
@@ -84,7 +86,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
-            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, host_state_dtype=host_state_dtype)
+            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, host_state_dtype=host_state_dtype,
+            elementwise_optimizers=elementwise_optimizers)
         if stream_cpu_step and keep_gradients:
             raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
                              "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
@@ -129,9 +132,13 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer`` itself, stepped by a :class:`LocalShardOptimizer` over the rows this
         rank holds (made after ``setup_module``, over the sharded parameters)."""
-        if id(optimizer) in self._engines or needs_closure(optimizer, self.options.closure_optimizers):
-            if id(optimizer) not in self._engines:
-                say_runs_as_torch(optimizer)
+        if id(optimizer) in self._engines:
+            return optimizer
+        if needs_closure(optimizer, self.options.closure_optimizers):
+            say_runs_as_torch(optimizer)
+            return optimizer
+        if not steps_rows(optimizer, self.options.elementwise_optimizers):  # a step that may span rows
+            say_steps_dtensors(optimizer)
             return optimizer
         module = self._module
         if module is None:

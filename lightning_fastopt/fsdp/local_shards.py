@@ -25,9 +25,10 @@ two ways (``device_grads``):
 
 What is not elementwise spans the shards as torch computes it over DTensors: the clipping
 norm is torch's ``get_total_norm`` of the DTensor gradients (once some have left for the
-host, the same bits from the rows: each gradient's norm, squared, summed over the ranks
-and rooted, as DTensor reduces a partial norm, then the norm of those), the overflow
-check is agreed over the ranks.
+host, the same bits from the rows: each row norm made the partial-norm DTensor torch's
+``vector_norm`` of the gradient gives, reduced by DTensor over the mesh dimensions the
+parameter is sharded on, so tensor parallelism's replicated parameters count once), the
+overflow check is agreed over the ranks.
 
 The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
 schedulers work); :meth:`state_of` gives a parameter's state as torch keeps it for a
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._ops._math_ops import _NormPartial  # the placement of a partial p-norm
 from typing_extensions import override
 
 from lightning_fastopt.functional import grads_all_finite
@@ -94,10 +96,10 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
-        if needs_step_context(optimizer):
-            raise ValueError(f"{type(optimizer).__name__} computes a norm over every gradient before stepping "
-                             "(LAMB, LARS); on FSDP2's shards that is not supported yet: use AdamW, SGD, Adagrad, Lion "
-                             "or a torch optimizer")
+        if optimizer.whole_tensor_norms or needs_step_context(optimizer):
+            raise ValueError(f"{type(optimizer).__name__} takes norms over whole parameters or over every gradient "
+                             "(LAMB's and LARS's trust ratios); FSDP2's shards hold rows of each parameter, and that is "
+                             "not supported yet: use AdamW, SGD, Adagrad, Lion or a torch optimizer")
         self._alias = {p: local_alias(p) for p in self._params}
         self._alias_names = {self._alias[p]: n for p, n in self.param_names.items()}  # the local optimizer reads it
         shard = optimizer.sibling([[self._alias[p] for p in g["params"]] for g in self.param_groups])
@@ -187,7 +189,7 @@ class LocalShardOptimizer(LocalOffloadWrapper):
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
         norms = self.local.gradient_norms_by_param(grad_scale)
-        return _total_norm_of_rows([(p, norms.get(self._alias[p])) for p in self._params], self.group)
+        return _total_norm_of_rows([(p, norms.get(self._alias[p])) for p in self._params])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # the DTensor gradients
@@ -242,29 +244,33 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         return f"LocalShardOptimizer(rank {rank}, holds {self.held_numel} of {total} elements, {self.local!r})"
 
 
-def _total_norm_of_rows(norms: list[tuple[Tensor, Tensor | None]], group) -> Tensor:
+def _total_norm_of_rows(norms: list[tuple[Tensor, Tensor | None]]) -> Tensor:
     """The bits of torch's ``get_total_norm`` over the DTensor gradients of the parameters
     in ``norms``, from the norm of this rank's rows of each (taken by ``_foreach_norm`` on
     the device, before rows left for the host: :meth:`OffloadOptimizer.gradient_norms_by_param`):
-    the parameters grouped as torch groups their gradients (device, dtype); each norm, a
-    partial norm over the ranks, reduced as DTensor reduces one (squared, summed over
-    ``group``, rooted: one reduction per gradient, as there); then the norm of them all,
-    stacked in that order."""
+    each norm made the DTensor torch's ``vector_norm`` of the gradient gives (a partial
+    norm over the mesh dimensions the parameter is sharded on, replicated over the others:
+    tensor parallelism replicates some), then stacked and normed as torch does, grouped by
+    device and dtype, so that DTensor reduces them over the same ranks in the same order."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for param, norm in norms:
         if norm is not None:
-            groups.setdefault((param.device, norm.dtype), []).append(norm)
-    reduced = []
-    reduce = world_size(group) > 1
-    for (device, _), group_norms in groups.items():
-        for norm in group_norms:
-            square = norm.to(device) ** 2  # where DTensor reduces it: the parameter's device
-            if reduce:
-                dist.all_reduce(square, group=group)
-            reduced.append(square ** 0.5)
-    if not reduced:
+            groups.setdefault((param.device, norm.dtype), []).append(_as_torch_norm(param, norm.to(param.device)))
+    ordered = [norm for group in groups.values() for norm in group]
+    if not ordered:
         return torch.tensor(0.0)
-    return torch.linalg.vector_norm(torch.stack(reduced), 2.0)
+    total = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2.0)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def _as_torch_norm(param: Tensor, norm: Tensor) -> Tensor:
+    """``norm``, the 2-norm of this rank's rows of ``param``'s gradient, as the DTensor
+    torch's ``vector_norm`` of that (DTensor) gradient gives: a partial norm over each mesh
+    dimension the gradient is sharded on, replicated (or partial) as it is over the others."""
+    if not isinstance(param, DTensor):
+        return norm
+    placements = [p if p.is_replicate() or p.is_partial() else _NormPartial(2.0) for p in param.placements]
+    return DTensor.from_local(norm, param.device_mesh, placements, run_check=False)
 
 
 def _local(value: Any) -> Any:

@@ -86,6 +86,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     counts_steps: bool = True
     supports_capturable = False  # capturable=True: step counts on the device, no host synchronisation
     takes_step_kwargs = False  # step() passes keyword arguments beyond its own to the user's step
+    # the update of a tensor reads norms over the whole tensor (LAMB's and LARS's trust ratios):
+    # it cannot step a piece of one (FSDP2's local rows) on its own
+    whole_tensor_norms = False
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
     step_kwargs: dict[str, Any] = {}

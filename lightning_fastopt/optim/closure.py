@@ -48,13 +48,19 @@ def evaluates_closure_again(optimizer: torch.optim.Optimizer, named: tuple[str, 
 
 def check_closure_optimizers(value: Any) -> tuple[str, ...]:
     """The strategies' ``closure_optimizers``: optimizer classes or their names, as names."""
+    return check_optimizer_names(value, "closure_optimizers")
+
+
+def check_optimizer_names(value: Any, argument: str) -> tuple[str, ...]:
+    """A strategy's ``argument`` that names optimizer classes: classes or their names (one,
+    or a list of them), as names."""
     items = [value] if isinstance(value, (str, type)) else value
     try:
         items = list(items)
     except TypeError:
         items = None
     if items is None or not all(isinstance(v, type) or (isinstance(v, str) and v) for v in items):
-        raise TypeError(f"closure_optimizers must be optimizer classes or class names (a list of them), got {value!r}")
+        raise TypeError(f"{argument} must be optimizer classes or class names (a list of them), got {value!r}")
     return tuple(v if isinstance(v, str) else v.__name__ for v in items)
 
 

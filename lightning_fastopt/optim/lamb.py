@@ -27,6 +27,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     state_keys = ("exp_avg", "exp_avg_sq")
+    whole_tensor_norms = True  # the trust ratio: norms of the whole parameter and update
 
     def __init__(self, params, lr=1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, adam_w_mode: bool = True, grad_averaging: bool = True,

@@ -18,6 +18,7 @@ class FusedLars(FusedOptimizer):
     """
 
     state_keys = ("momentum_buffer",)
+    whole_tensor_norms = True  # the local learning rate: norms of the whole parameter and gradient
     counts_steps = False
 
     def __init__(self, params, lr=1e-3, momentum: float = 0.0, eeta: float = 1e-3, weight_decay: float = 0.0,

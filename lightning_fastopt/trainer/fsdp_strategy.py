@@ -41,6 +41,7 @@ from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, in_p
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.row_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_table import EngineTable
@@ -87,6 +88,10 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             below it (torch's size-based policy).  A ``configure_model`` that calls
             ``fully_shard`` keeps its own sharding.
         min_num_params: the size-based policy's threshold (default 100 million, torch's).
+        elementwise_optimizers: optimizer classes, or their names, whose ``step`` works
+            element by element, to step on each rank's rows (offloaded) like torch's
+            elementwise optimizers; any other optimizer without our kernels runs as torch
+            runs it, on the DTensor parameters (:mod:`~lightning_fastopt.fsdp.row_steps`).
         data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
             process_group_backend, timeout: Lightning's ``ModelParallelStrategy``'s.
             Without ``configure_model`` (no tensor-parallel plan), both ``"auto"`` mean
@@ -108,7 +113,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  auto_wrap_policy: Iterable[type] | None = None,
-                 min_num_params: int = 100_000_000,
+                 min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -122,7 +127,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
             delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb,
-            host_state_dtype=host_state_dtype)
+            host_state_dtype=host_state_dtype, elementwise_optimizers=elementwise_optimizers)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -184,6 +189,18 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             fused_for(opt, module, self.precision_plugin.precision), names, device_grads=device_grads,
             **offload_arguments(self.options), **self._streams(trainer, device_grads)))
         self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
+
+    @override
+    def _runs_in_engine(self, optimizer) -> bool:
+        """As under the other strategies, and only where its step may run on each rank's
+        rows (:func:`~lightning_fastopt.fsdp.row_steps.steps_rows`); else it runs as
+        torch runs it, on the DTensors (said in one line)."""
+        if not super()._runs_in_engine(optimizer):
+            return False
+        if steps_rows(optimizer, self.options.elementwise_optimizers):
+            return True
+        say_steps_dtensors(optimizer)
+        return False
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:

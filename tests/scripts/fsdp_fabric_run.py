@@ -11,7 +11,9 @@ Writes OUT.rank<r>: the full weights and optimizer state (gathered DTensors) aft
 :data:`STEPS` steps.  With ``resume:FIRST``: the loop under FIRST saves a checkpoint
 (``fabric.save``) after half the steps and stops; a new Fabric under STRATEGY loads it
 and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded gradients leave
-during backward); ``grads=stream``: and ``stream_cpu_step=True``.
+during backward); ``grads=stream``: and ``stream_cpu_step=True``.  ``optimizer=whole_norms``:
+a user's optimizer whose step takes norms over whole parameters (``tests.references.WholeTensorNorms``)
+instead of AdamW.
 """
 
 import copy
@@ -27,10 +29,12 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import end_process_group  # noqa: E402
+from tests.references import WholeTensorNorms  # noqa: E402
 from lightning_fastopt import FastOptFabricFSDPStrategy  # noqa: E402
 
 STEPS = 6
 MICRO_BATCHES = 2
+WHOLE_NORMS = False  # with optimizer=whole_norms: tests.references.WholeTensorNorms, not AdamW
 
 
 def _parallelize(model, mesh):
@@ -70,7 +74,8 @@ def _run(name, full, first_step, last_step, load=None, save=None, options=None):
     torch.manual_seed(0)
     model = fabric.setup_module(nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(),
                                               nn.Linear(16, 1)))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    optimizer = fabric.setup_optimizers(WholeTensorNorms(model.parameters(), lr=1e-2) if WHOLE_NORMS else
+                                        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if load is not None:
         fabric.load(load, state)
@@ -98,6 +103,8 @@ def main():
                    (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
     options.update(a.split("=", 1) for a in extra if a.startswith("host_state_dtype="))
     resume = next((a for a in extra if a.startswith("resume:")), None)
+    global WHOLE_NORMS
+    WHOLE_NORMS = "optimizer=whole_norms" in extra
     if resume:
         path = Path(f"{out}.ckpt")
         _run(resume.partition(":")[2], full, 0, STEPS // 2, save=path)

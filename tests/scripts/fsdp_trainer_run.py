@@ -33,7 +33,9 @@ checkpoint at each epoch's end, as Lightning's default does.  ``host_state_dtype
 that option of ours.  ``single-<fraction>``: ``FastOptStrategy`` in one process (no FSDP,
 the one-line model), with ``devices=1``; ``no-distributed-sampler``: the Trainer's
 ``use_distributed_sampler=False`` (a one-rank FSDP run then sees the batches in the one
-process's order: the two end on the same bits).
+process's order: the two end on the same bits).  ``tp=N``: a mesh of N-way tensor parallelism
+(the rest data-parallel) and the model :class:`TensorParallelNet`.  ``elementwise=NAME``: our
+strategy's ``elementwise_optimizers=[NAME]``.
 """
 
 import sys
@@ -47,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import end_process_group  # noqa: E402
-from tests.references import DelayedTorchUpdate  # noqa: E402
+from tests.references import DelayedTorchUpdate, WholeTensorNorms  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lightning_fastopt import FastOptFSDPStrategy, FastOptStrategy  # noqa: E402
@@ -59,6 +61,7 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
     "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "whole_norms": lambda ps: WholeTensorNorms(ps, lr=1e-2),
 }
 
 
@@ -124,6 +127,31 @@ class ShardedTiedNet(TiedNet):
         fully_shard(self, mesh=mesh)
 
 
+class TensorParallelNet(Net):
+    """Tensor parallelism on the mesh's ``tensor_parallel`` dimension, then FSDP on its
+    ``data_parallel`` one (each Linear, then the root): the first Linear's rows and the
+    second's columns split (32 of them: DTensor's matmul refuses an uneven split there),
+    the last one's two rows split, its output gathered and summed.  Every parameter is
+    tensor-parallel: torch's clipping (``ModelParallelStrategy``'s) cannot stack the norms
+    of DTensors on the 2-D mesh and on its data-parallel part."""
+
+    def __init__(self, optimizer: str):
+        super().__init__(optimizer)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).sum(-1, keepdim=True), y)
+
+    def configure_model(self):
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"], {
+            "0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())})
+        ShardedNet.configure_model(self)
+
+
 def _data(tied=False):
     g = torch.Generator().manual_seed(7)
     if tied:
@@ -132,12 +160,15 @@ def _data(tied=False):
     return torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
 
 
+TENSOR_PARALLEL = 1  # with tp=N: the mesh's tensor-parallel size (the model: TensorParallelNet)
+
+
 def _strategy(name, full, devices, **options):
     if name.startswith("single-"):  # one process, no FSDP: FastOptStrategy, the transitive reference
         return FastOptStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=True, bucket_size_mb=0.0005,
                                **options)
     if name == "reference":
-        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+        return ModelParallelStrategy(data_parallel_size=devices // TENSOR_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL,
                                      save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
     fraction = fraction if fraction == "auto" else float(fraction)
@@ -146,12 +177,14 @@ def _strategy(name, full, devices, **options):
         return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
                                    **policy, **options)
     return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
-                               data_parallel_size=devices, tensor_parallel_size=1,
+                               data_parallel_size=devices // TENSOR_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL,
                                save_distributed_checkpoint=not full, **options)
 
 
 def _model(name, optimizer, tied=False):
     one_line = name.count("-") == 2 or name.startswith("single-")
+    if TENSOR_PARALLEL > 1:
+        return TensorParallelNet(optimizer)
     return ((TiedNet if one_line else ShardedTiedNet) if tied else (Net if one_line else ShardedNet))(optimizer)
 
 
@@ -194,9 +227,10 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
-    global ACCELERATOR, NODES
+    global ACCELERATOR, NODES, TENSOR_PARALLEL
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
     NODES = int(extra.get("nodes", NODES))
+    TENSOR_PARALLEL = int(extra.get("tp", TENSOR_PARALLEL))
     tied = extra.get("model") == "tied"
     torch.manual_seed(0)
     model = _model(name, optimizer, tied)
@@ -206,6 +240,8 @@ def main():
     options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
     if "host_state_dtype" in extra:
         options["host_state_dtype"] = extra["host_state_dtype"]
+    if "elementwise" in extra:
+        options["elementwise_optimizers"] = [extra["elementwise"]]
     if resume or "first-only" in extra:
         first_name = resume.partition(":")[2] or name if resume else name
         first = _trainer(first_name, root, precision, extra.get("checkpoint") == "full", devices,
