@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_fastopt  # noqa: E402,F401  (registers "fastopt")
 from lightning_fastopt import FastOptPrecision  # noqa: E402
-from tests.helpers import SlowBackward, end_process_group  # noqa: E402
+from tests.helpers import SlowBackward, finish_process  # noqa: E402
 from tests.references import DelayedTorchUpdate  # noqa: E402
 
 DELAYED_WARMUP = 2
@@ -143,4 +143,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    finish_process()

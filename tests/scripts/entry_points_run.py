@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_fastopt  # noqa: E402
-from tests.helpers import end_process_group  # noqa: E402
+from tests.helpers import finish_process  # noqa: E402
 
 ORDERS = {"fit-validate-test-predict": ("fit", "validate", "test", "predict"),
           "predict-validate-fit-test": ("predict", "validate", "fit", "test")}
@@ -97,4 +97,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    finish_process()

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_fastopt  # noqa: E402,F401  (registers the names in Fabric's registry)
-from tests.helpers import end_process_group  # noqa: E402
+from tests.helpers import finish_process  # noqa: E402
 from tests.fabric_loop import train  # noqa: E402
 
 MADE = {"half_offloaded": dict(offload_fraction=0.5, keep_gradients=False, bucket_size_mb=0.0002),
@@ -58,4 +58,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    finish_process()

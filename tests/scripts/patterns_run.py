@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fastopt import FastOptStrategy  # noqa: E402
-from tests.helpers import end_process_group  # noqa: E402
+from tests.helpers import finish_process  # noqa: E402
 from tests.test_lightning_patterns import (CallbackClipsGradients, ClampWeights, Ema, Finetuned,  # noqa: E402
                                            FrozenBackbone, Gan, GradientHooks, ManualAccumulation, Net, Tied,
                                            TiedListedTwice, _adamw)
@@ -84,4 +84,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    finish_process()

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fastopt import FastOptStrategy  # noqa: E402
-from tests.helpers import end_process_group  # noqa: E402
+from tests.helpers import finish_process  # noqa: E402
 
 
 class Model(L.LightningModule):
@@ -103,4 +103,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    finish_process()
