@@ -148,8 +148,10 @@ def finish_process():
     have written its own, destroy the process group, then leave at once, without the
     interpreter's finalization, where gloo's worker threads still alive abort the process
     now and then ("terminate called without an active exception", after the results were
-    saved; a torch issue, pytorch/pytorch#190489): 4 of about 140 FSDP runs in the
-    2026-11-26 suites, under ModelParallelStrategy's DTensor collectives as under ours."""
+    saved; gloo's threads at finalization, pytorch/pytorch#190489): 4 of about 140 FSDP test
+    runs on 2026-11-26, each a run of ours (resumes, a Fabric loop), none in 46 runs of
+    the same resume by hand, ours and the reference's; once before, in a Fabric ZeRO resume.
+    Our code starts no C++ thread; what aborted was not found."""
     import os
     import sys
 
