@@ -14,6 +14,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastopt.core.param_checks import check_parameters
+from lightning_fastopt.fsdp.row_steps import steps_rows
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.base import FusedOptimizer
 from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
@@ -96,8 +97,12 @@ def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module, precisi
     name = type(optimizer).__name__
     why_not = why_not_fused(optimizer)
     if why_not is not None:
+        shares = "" if steps_rows(optimizer) else (
+            f"; once for each share of its parameters (the accelerator's, each host bucket's, a rank's): a step "
+            f"that combines parameters, as a global gradient norm does, would see one share's "
+            f"(closure_optimizers=[{name!r}] runs it as torch does, not offloaded)")
         rank_zero_info(f"lightning_fastopt: {name} runs its own step on the master weights, where they live "
-                       f"(not fused: {why_not})")
+                       f"(not fused: {why_not}){shares}")
     elif fused is not optimizer:
         rank_zero_info(f"lightning_fastopt: running {name} as {type(fused).__name__} with the same hyperparameters")
     return fused
