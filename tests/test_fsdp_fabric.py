@@ -51,6 +51,15 @@ def test_a_fabric_loop_ends_where_model_parallel_strategy_ends(run, strategy):
 
 
 @slow
+def test_tensor_parallel_then_fsdp_ends_there_too(run):
+    """``parallelize_fn`` applying 2-way tensor parallelism then ``fully_shard``: the
+    gradients freed during backward and the CPU step streamed, so the clipping norm comes
+    from the rows (reduced by DTensor over the mesh dimensions each parameter is sharded
+    on: summed over every rank, a replicated bias counted twice before 2026-11-26)."""
+    _assert_same(run("fastopt-1", "grads=stream", "tp=2"), run("reference", "tp=2"))
+
+
+@slow
 def test_an_optimizer_whose_step_may_span_rows_runs_as_torch_on_the_dtensors(run):
     """``fabric.setup_optimizers`` of a user's optimizer whose step takes norms over whole
     parameters (``tests.references.WholeTensorNorms``): it steps the DTensors, as under

@@ -13,7 +13,8 @@ Writes OUT.rank<r>: the full weights and optimizer state (gathered DTensors) aft
 and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded gradients leave
 during backward); ``grads=stream``: and ``stream_cpu_step=True``.  ``optimizer=whole_norms``:
 a user's optimizer whose step takes norms over whole parameters (``tests.references.WholeTensorNorms``)
-instead of AdamW.
+instead of AdamW.  ``tp=2``: 2-way tensor parallelism (``parallelize_module`` in ``parallelize_fn``,
+then FSDP over the one-way data-parallel dimension).
 """
 
 import copy
@@ -35,9 +36,16 @@ from lightning_fastopt import FastOptFabricFSDPStrategy  # noqa: E402
 STEPS = 6
 MICRO_BATCHES = 2
 WHOLE_NORMS = False  # with optimizer=whole_norms: tests.references.WholeTensorNorms, not AdamW
+TENSOR_PARALLEL = 1  # with tp=2: 2-way tensor parallelism (even widths, the output summed)
 
 
 def _parallelize(model, mesh):
+    if TENSOR_PARALLEL > 1:  # the first Linear's rows, the second's columns, the last's rows split
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(model, mesh["tensor_parallel"], {
+            "0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())})
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh["data_parallel"])
@@ -47,7 +55,8 @@ def _parallelize(model, mesh):
 
 def _strategy(name, full, options):
     if name == "reference":
-        return ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1,
+        return ModelParallelStrategy(_parallelize, data_parallel_size=2 // TENSOR_PARALLEL,
+                                     tensor_parallel_size=TENSOR_PARALLEL,
                                      save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
     if form:
@@ -55,7 +64,8 @@ def _strategy(name, full, options):
                                          auto_wrap_policy={nn.Linear}, save_distributed_checkpoint=not full,
                                          **options)
     return FastOptFabricFSDPStrategy(_parallelize, offload_fraction=float(fraction), copy_on_cpu=True,
-                                     bucket_size_mb=0.0005, data_parallel_size=2, tensor_parallel_size=1,
+                                     bucket_size_mb=0.0005, data_parallel_size=2 // TENSOR_PARALLEL,
+                                     tensor_parallel_size=TENSOR_PARALLEL,
                                      save_distributed_checkpoint=not full, **options)
 
 
@@ -72,19 +82,20 @@ def _run(name, full, first_step, last_step, load=None, save=None, options=None):
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(name, full, options or {}))
     fabric.launch()
     torch.manual_seed(0)
-    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(),
-                                              nn.Linear(16, 1)))
+    tp = TENSOR_PARALLEL > 1  # DTensor's matmul refuses an uneven split: 32 columns, 2 outputs summed
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 32 if tp else 33), nn.Tanh(), nn.Linear(32 if tp else 33, 16),
+                                              nn.Tanh(), nn.Linear(16, 2 if tp else 1)))
     optimizer = fabric.setup_optimizers(WholeTensorNorms(model.parameters(), lr=1e-2) if WHOLE_NORMS else
                                         torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if load is not None:
         fabric.load(load, state)
-    batches = _batches(fabric.global_rank)
+    batches = _batches(fabric.global_rank // TENSOR_PARALLEL)  # a tensor-parallel group sees the same batches
     for step in range(first_step, last_step):
         for i in range(MICRO_BATCHES):
             x, y = batches[step * MICRO_BATCHES + i]
             with fabric.no_backward_sync(model, enabled=i < MICRO_BATCHES - 1):
-                fabric.backward(nn.functional.mse_loss(model(x), y) / MICRO_BATCHES)
+                fabric.backward(nn.functional.mse_loss(model(x).sum(-1, keepdim=True), y) / MICRO_BATCHES)
         fabric.clip_gradients(model, optimizer, max_norm=0.5)
         optimizer.step()
         optimizer.zero_grad()
@@ -103,8 +114,9 @@ def main():
                    (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
     options.update(a.split("=", 1) for a in extra if a.startswith("host_state_dtype="))
     resume = next((a for a in extra if a.startswith("resume:")), None)
-    global WHOLE_NORMS
+    global WHOLE_NORMS, TENSOR_PARALLEL
     WHOLE_NORMS = "optimizer=whole_norms" in extra
+    TENSOR_PARALLEL = 2 if "tp=2" in extra else 1
     if resume:
         path = Path(f"{out}.ckpt")
         _run(resume.partition(":")[2], full, 0, STEPS // 2, save=path)
