@@ -147,10 +147,13 @@ def in_place_refusals(offload_fraction: float, device: torch.device, copy_on_cpu
 
 
 def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:
-    """The one line that says an optimizer whose step evaluates the closure again after
-    changing the weights (``needs_closure``) is not taken over: it runs as torch runs it."""
+    """The one line that says an optimizer ``needs_closure`` holds back (LBFGS, whose step
+    evaluates the closure again after changing the weights, or a class named in
+    ``closure_optimizers``) is not taken over: it runs as torch runs it."""
+    why = ("its step evaluates the closure again after changing them" if isinstance(optimizer, torch.optim.LBFGS)
+           else "named in closure_optimizers")
     rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's weights, "
-                   "not offloaded: its step evaluates the closure again after changing them")
+                   f"not offloaded: {why}")
 
 
 def _say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:
