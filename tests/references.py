@@ -119,10 +119,8 @@ class DelayedTorchUpdate(L.Callback):
             p.copy_(m)
 
 
-class WholeTensorNorms(torch.optim.Optimizer):
-    """A user's optimizer whose step reads norms over whole parameters (LARS's rule, in
-    torch): under ``ModelParallelStrategy`` its step sees DTensors, whose norms span the
-    ranks."""
+class _UserStep(torch.optim.Optimizer):
+    """A user's optimizer in torch: ``update(groups)`` after the closure, as torch's step."""
 
     def __init__(self, params, lr):
         super().__init__(params, dict(lr=lr))
@@ -133,6 +131,16 @@ class WholeTensorNorms(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.update()
+        return loss
+
+
+class WholeTensorNorms(_UserStep):
+    """A user's optimizer whose step reads norms over whole parameters (LARS's rule, in
+    torch): under ``ModelParallelStrategy`` its step sees DTensors, whose norms span the
+    ranks."""
+
+    def update(self):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -140,4 +148,16 @@ class WholeTensorNorms(torch.optim.Optimizer):
                     state["step"] = state.get("step", torch.tensor(0.0)) + 1
                     ratio = p.norm() / (p.grad.norm() + 1e-3)
                     p.sub_(p.grad * ratio * group["lr"])
-        return loss
+
+
+class GlobalNorm(_UserStep):
+    """Every update scaled by the norm of all gradients (timm's Lamb clips that way): run once
+    per share of the parameters, each share's norm would be another (docs/compatibility.md (n))."""
+
+    def update(self):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(p.grad / (total + 1e-6) * group["lr"])

@@ -26,6 +26,7 @@ from lightning_fastopt.optim import FusedSGD
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.user_step import UserStepOptimizer
 from tests.helpers import assert_modules_equal, counting_checkpoint_io, said_lines
+from tests.references import GlobalNorm
 
 STRATEGIES = {
     "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
@@ -428,28 +429,6 @@ def test_lbfgs_runs_as_torch_runs_it(caplog, monkeypatch):
     assert_modules_equal(ours, ref)
     assert trainer.strategy.engines == []
     assert "LBFGS runs as torch runs it, on the model's weights, not offloaded" in caplog.text
-
-
-class GlobalNorm(torch.optim.Optimizer):
-    """Every update scaled by the norm of all gradients (timm's Lamb clips that way): run once
-    per share of the parameters, each share's norm would be another (docs/compatibility.md (n))."""
-
-    def __init__(self, params, lr):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        total = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.sub_(p.grad / (total + 1e-6) * group["lr"])
-        return loss
 
 
 def test_a_step_that_combines_parameters_runs_as_torch_when_named_in_closure_optimizers(caplog, monkeypatch):
