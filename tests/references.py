@@ -120,7 +120,8 @@ class DelayedTorchUpdate(L.Callback):
 
 
 class _UserStep(torch.optim.Optimizer):
-    """A user's optimizer in torch: ``update(groups)`` after the closure, as torch's step."""
+    """A user's optimizer in torch: the closure evaluated (as torch's steps do), then the
+    subclass's ``update()`` of every parameter."""
 
     def __init__(self, params, lr):
         super().__init__(params, dict(lr=lr))

@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.grad_norms import by_device_and_dtype
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters, hyperparameters, needs_step_context
 from lightning_fastopt.runtime.distributed import all_reduce_scalar, world_size
@@ -252,11 +253,8 @@ def _total_norm_of_rows(norms: list[tuple[Tensor, Tensor | None]]) -> Tensor:
     norm over the mesh dimensions the parameter is sharded on, replicated over the others:
     tensor parallelism replicates some), then stacked and normed as torch does, grouped by
     device and dtype, so that DTensor reduces them over the same ranks in the same order."""
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for param, norm in norms:
-        if norm is not None:
-            groups.setdefault((param.device, norm.dtype), []).append(_as_torch_norm(param, norm.to(param.device)))
-    ordered = [norm for group in groups.values() for norm in group]
+    on_device = {param: norm.to(param.device) for param, norm in norms if norm is not None}  # where DTensor reduces
+    ordered = [_as_torch_norm(p, on_device[p]) for group in by_device_and_dtype(on_device).values() for p in group]
     if not ordered:
         return torch.tensor(0.0)
     total = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2.0)
