@@ -7,7 +7,7 @@ clipping by norm, gradient accumulation and an LR scheduler stepped every step, 
 offload fractions 0, 0.5 and 1, for AdamW (SGD, Adagrad and RAdam, its own step, are
 compared with torch on the shards in ``tests/test_fsdp_local_shards.py``), under
 ``bf16-mixed`` too; the one-line form (no ``configure_model``, tied embeddings included)
-as well; tensor parallelism then FSDP; two nodes under torchrun; distributed and full checkpoints resume across the two
+as well; tensor parallelism then FSDP, sequence and loss parallelism; two nodes under torchrun; distributed and full checkpoints resume across the two
 strategies both ways, and at another number of processes; a save killed mid-write leaves
 the previous checkpoint (``tests/scripts/fsdp_trainer_run.py``, ``fsdp_kill_run.py``).
 And, in one process: the names it is registered under in both Lightning packages, and
@@ -142,6 +142,20 @@ def test_tensor_parallel_then_fsdp_ends_where_model_parallel_strategy_ends(run, 
     mesh = ("tp=2", f"devices={devices}")
     _assert_same(run(f"fastopt-{fraction}", "adamw", *mesh, *([option] if option else [])),
                  run("reference", "adamw", *mesh))
+
+
+@slow
+def test_sequence_and_loss_parallelism_end_where_model_parallel_strategy_ends(run):
+    """torch's recipe for a transformer block (``tests/scripts/fsdp_trainer_run.py``'s
+    ``SequenceParallelNet``): LayerNorms under ``SequenceParallel`` (weights replicated
+    over the tensor-parallel ranks, gradients summed over them by DTensor), the MLP split
+    column- then row-wise, the head's output split over the classes and its cross entropy
+    under ``loss_parallel``; then FSDP.  Half the rows offloaded, the CPU step streamed.
+    Ended 1e-9 away until 2026-11-27: the strategy set torch's thread count in every
+    process, where ``ModelParallelStrategy``'s second process keeps torch's default, and
+    the LayerNorms' gradients on the CPU depend on it (``core/cpu_threads.py``)."""
+    mesh = ("tp=2", "model=sequence_parallel")
+    _assert_same(run("fastopt-0.5", "adamw", *mesh, "stream_cpu_step"), run("reference", "adamw", *mesh))
 
 
 @slow

@@ -12,6 +12,7 @@ from torch import nn
 import lightning_fastopt  # noqa: F401  (registers the strategy names)
 from lightning_fastopt import ops
 from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedAdagrad, FusedSGD
+from lightning_fastopt.core.cpu_threads import default_cpu_threads
 from lightning_fastopt.offload import OffloadOptimizer
 from tests.helpers import ACCELERATOR, ADAM_AS_TORCH
 from tests.test_precision import _data
@@ -242,10 +243,25 @@ def test_wall_clock_breakdown_and_cpu_threads(backend):
     assert probe.threads == 1 and torch.get_num_threads() == before  # restored at teardown
 
 
+def test_a_model_on_the_cpu_keeps_torchs_thread_count_unless_cpu_threads_is_given(backend):
+    """The count is torch's for the whole process: the model's too on the CPU, where the
+    bits of a reduction can depend on it (a LayerNorm's gradient under sequence parallelism
+    ended 1e-9 away from ``ModelParallelStrategy``'s, whose second process keeps torch's
+    default, until 2026-11-27).  Without ``cpu_threads`` the run keeps the count Lightning
+    left; with it, the step (and torch) get that many."""
+    probe, before = _ThreadProbe(), torch.get_num_threads()
+    kept = 1 if default_cpu_threads(1) > 1 else 2  # a count the strategy's default would change
+    torch.set_num_threads(kept)
+    try:
+        _fit(FastOptStrategy(offload_fraction=0.5, copy_on_cpu=True), Model(lambda g: torch.optim.AdamW(g, lr=1e-2)),
+             callbacks=[probe], accelerator="cpu")
+        assert probe.threads == kept and torch.get_num_threads() == kept
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_default_cpu_threads_share_the_cores():
     import os
-
-    from lightning_fastopt.core.cpu_threads import default_cpu_threads
 
     cores = len(os.sched_getaffinity(0))
     assert default_cpu_threads(1) == cores

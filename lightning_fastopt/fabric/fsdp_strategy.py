@@ -112,7 +112,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         if self._shards_itself and self._data_parallel_size == self._tensor_parallel_size == "auto":
             self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
-        self._threads.set(self.options.cpu_threads, self.num_processes)
+        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
 
     def _shard(self, module: Module, mesh) -> Module:
         """The ``parallelize_fn`` of a project that gives none."""

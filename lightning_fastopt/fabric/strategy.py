@@ -147,7 +147,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._environment_ready = True
-        self._threads.set(self.options.cpu_threads, self.num_processes)
+        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
         if self._one_process:  # as Fabric's single-device strategy: no process group
             self.accelerator.setup_device(self.root_device)
             self._set_world_ranks()

@@ -158,7 +158,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         if self._shards_itself() and self._data_parallel_size == self._tensor_parallel_size == "auto":
             self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
         super().setup_environment()
-        self._threads.set(self.options.cpu_threads, self.num_processes)
+        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
 
     @override
     def setup(self, trainer) -> None:

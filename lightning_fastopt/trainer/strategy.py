@@ -88,7 +88,9 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             MiB (fp32): constant-size host buffers, and the CPU starts on a bucket as
             soon as its gradients have landed.
         cpu_threads: threads of the CPU optimizer step (and of torch on this process);
-            default: the cores available to this process divided by the processes per node.
+            default: on an accelerator, the cores available to this process divided by the
+            processes per node; where the model computes on the CPU, torch's count as
+            Lightning leaves it (:class:`~lightning_fastopt.core.cpu_threads.TorchThreads`).
         loss_scale: 0 for dynamic loss scaling (fp16), or a fixed scale.
         initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
         loss_scale_window: clean steps before the scale doubles.
@@ -217,7 +219,7 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._threads.set(self.cpu_threads, self.num_processes)
+        self._threads.set(self.cpu_threads, self.num_processes, self.root_device)
         note = without_twin(self)
         if note:
             rank_zero_info(note)

@@ -34,7 +34,8 @@ that option of ours.  ``single-<fraction>``: ``FastOptStrategy`` in one process 
 the one-line model), with ``devices=1``; ``no-distributed-sampler``: the Trainer's
 ``use_distributed_sampler=False`` (a one-rank FSDP run then sees the batches in the one
 process's order: the two end on the same bits).  ``tp=N``: a mesh of N-way tensor parallelism
-(the rest data-parallel) and the model :class:`TensorParallelNet`.  ``elementwise=NAME``: our
+(the rest data-parallel) and the model :class:`TensorParallelNet` (``model=sequence_parallel``:
+:class:`SequenceParallelNet`).  ``elementwise=NAME``: our
 strategy's ``elementwise_optimizers=[NAME]``.
 """
 
@@ -152,8 +153,66 @@ class TensorParallelNet(Net):
         ShardedNet.configure_model(self)
 
 
-def _data(tied=False):
+class SequenceParallelNet(L.LightningModule):
+    """Sequence and loss parallelism (torch's Llama recipe, one block): the embedding's
+    output split along the sequence, LayerNorms under ``SequenceParallel`` (their weights
+    replicated over the tensor-parallel ranks, each computing its part of the sequence),
+    the MLP's Linears column- then row-wise split, the head's output split over the
+    classes and the cross entropy taken on it under ``loss_parallel`` (forward and
+    backward); then FSDP on the ``data_parallel`` dimension (each block, then the root)."""
+
+    def __init__(self, optimizer: str):
+        super().__init__()
+        self.optimizer = optimizer
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.final_norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = h + self.mlp(self.norm(h))
+        return self.head(self.final_norm(h))
+
+    def training_step(self, batch, batch_idx):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        x, y = batch
+        with loss_parallel():
+            return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten(0, 1))
+
+    def backward(self, loss, *args, **kwargs):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            super().backward(loss, *args, **kwargs)
+
+    def configure_optimizers(self):
+        return _with_scheduler(OPTIMIZERS[self.optimizer](self.parameters()))
+
+    def configure_model(self):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
+
+        parallelize_module(self, self.device_mesh["tensor_parallel"], {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            "final_norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.mlp, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def _data(tied=False, sequences=False):
     g = torch.Generator().manual_seed(7)
+    if sequences:  # 4 tokens each
+        return torch.utils.data.TensorDataset(torch.randint(0, 16, (48, 4), generator=g),
+                                              torch.randint(0, 16, (48, 4), generator=g))
     if tied:
         return torch.utils.data.TensorDataset(torch.randint(0, 16, (48,), generator=g),
                                               torch.randint(0, 16, (48,), generator=g))
@@ -181,8 +240,10 @@ def _strategy(name, full, devices, **options):
                                save_distributed_checkpoint=not full, **options)
 
 
-def _model(name, optimizer, tied=False):
+def _model(name, optimizer, tied=False, sequence_parallel=False):
     one_line = name.count("-") == 2 or name.startswith("single-")
+    if sequence_parallel:
+        return SequenceParallelNet(optimizer)
     if TENSOR_PARALLEL > 1:
         return TensorParallelNet(optimizer)
     return ((TiedNet if one_line else ShardedTiedNet) if tied else (Net if one_line else ShardedNet))(optimizer)
@@ -231,11 +292,11 @@ def main():
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
     NODES = int(extra.get("nodes", NODES))
     TENSOR_PARALLEL = int(extra.get("tp", TENSOR_PARALLEL))
-    tied = extra.get("model") == "tied"
+    tied, sequence_parallel = extra.get("model") == "tied", extra.get("model") == "sequence_parallel"
     torch.manual_seed(0)
-    model = _model(name, optimizer, tied)
+    model = _model(name, optimizer, tied, sequence_parallel)
     root = Path(out).parent / f"{Path(out).name}.root"
-    data = torch.utils.data.DataLoader(_data(tied), batch_size=4)
+    data = torch.utils.data.DataLoader(_data(tied, sequence_parallel), batch_size=4)
     path, devices = extra.get("from"), int(extra.get("devices", 2))
     options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
     if "host_state_dtype" in extra:
@@ -254,7 +315,7 @@ def main():
             return
     if path is not None:
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
-        model = _model(name, optimizer, tied)
+        model = _model(name, optimizer, tied, sequence_parallel)
     trainer = _trainer(name, root, precision, devices=devices, options=_delayed(name, extra, options),
                        max_steps=STEPS, enable_checkpointing="checkpointing" in extra,
                        callbacks=_callbacks(name, extra, saves="checkpointing" in extra),
