@@ -83,19 +83,54 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_script(*args, timeout: int = 600):
+def run_script(*args, timeout: int = 600, ranks: int | None = None):
     """``python ARGS`` (a script of tests/scripts and its arguments, or ``-m MODULE ...``)
     from the repository root in a child process's environment (:func:`subprocess_env`);
-    the test fails, with the end of its stderr, unless it exits 0."""
+    the test fails, with the end of its stderr, unless it exits 0.
+
+    ``ranks``: None, the script alone is started (a Lightning run of several processes
+    starts the others itself: Lightning's launcher); a number, the script is one process
+    of a Lightning run of that many on this machine, and all of them start at once, each with the variables Lightning's launcher
+    gives the processes it starts (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+    ``NODE_RANK``, ``LOCAL_RANK``), as torchrun or a cluster's scheduler starts them:
+    Lightning then starts none.  Started by Lightning, rank 1 waits for rank 0 to import
+    and build its Trainer, which took half of a two-process run's 8 s on 2 cores.  Rank
+    0's process is returned (its output holds the run's log lines)."""
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=repo, env=subprocess_env(repo),
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    command = [sys.executable, *map(str, args)]
+    if ranks is None:
+        proc = subprocess.run(command, cwd=repo, env=subprocess_env(repo), capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
+    with tempfile.TemporaryDirectory() as logs:
+        outputs = [(Path(logs, f"{r}.out"), Path(logs, f"{r}.err")) for r in range(ranks)]
+        procs = []
+        for rank, (out, err) in enumerate(outputs):
+            with open(out, "w") as o, open(err, "w") as e:
+                procs.append(subprocess.Popen(command, cwd=repo, stdout=o, stderr=e, text=True,
+                                              env={**subprocess_env(repo), **launched, "LOCAL_RANK": str(rank)}))
+        deadline = time.monotonic() + timeout
+        try:  # until all have exited, or one failed (the others would wait for it at their next collective)
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(command, timeout)
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        texts = [(out.read_text(), err.read_text()) for out, err in outputs]
+    for rank, (proc, (_, err)) in enumerate(zip(procs, texts)):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}: {err[-3000:]}"
+    return subprocess.CompletedProcess(command, 0, *texts[0])
 
 
 def spawn_two_ranks(worker, *args) -> None:

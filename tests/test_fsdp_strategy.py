@@ -37,7 +37,8 @@ def run(tmp_path_factory):
         key = (strategy, optimizer, *extra)
         if key not in runs:
             out = tmp_path_factory.mktemp("fsdp") / "run.pt"
-            run_script(SCRIPT, strategy, optimizer, out, *extra)
+            devices = next((int(a.split("=")[1]) for a in extra if a.startswith("devices=")), 2)
+            run_script(SCRIPT, strategy, optimizer, out, *extra, ranks=devices)  # (Lightning's launcher: see below)
             if "first-only" in extra:
                 runs[key] = Path(f"{out}.checkpoint").read_text()
             else:
@@ -79,7 +80,9 @@ def test_offload_fraction_auto_chooses_on_each_ranks_shards_and_ends_there_too(r
     """``offload_fraction="auto"``: five steps with every row offloaded, the last three
     timed, then each rank's local optimizer rebuilt at the fraction rank 0 chose (here 0:
     the step is exact, nothing runs beside the CPU update, no memory budget) for the last
-    step; the run ends where ``ModelParallelStrategy``'s ends."""
+    step; the run ends where ``ModelParallelStrategy``'s ends.  (This run's second process
+    is started by Lightning's launcher, as ``python train.py`` starts it; the ``run``
+    fixture's runs start both at once.)"""
     out = tmp_path_factory.mktemp("fsdp-auto") / "run.pt"
     proc = run_script(SCRIPT, "fastopt-auto", "adamw", out)
     assert "offload_fraction='auto' chose 0:" in proc.stderr

@@ -19,8 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "ddp_run.py"
 
 
-def _run(strategy, out, *extra):
-    run_script(SCRIPT, strategy, out, *extra)
+def _run(strategy, out, *extra, launched_by_lightning=False):
+    """The two ranks' results; ``launched_by_lightning``: the script started alone, its
+    second process by Lightning's launcher, else both at once (``tests.helpers.run_script``)."""
+    run_script(SCRIPT, strategy, out, *extra, ranks=None if launched_by_lightning else 2)
     return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
 
 
@@ -40,7 +42,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["fastopt", "fastopt_offload", "zero1", "zero1_offload", "zero2",
                                       "zero2_offload", "zero2_speculate", "ddp_speculate", "zero1_speculate"])
 def test_two_process_fastopt_matches_plain_ddp(tmp_path, reference, strategy):
-    ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt")
+    """(``fastopt``'s second process is started by Lightning's launcher, as ``python
+    train.py`` starts it; the others start both at once.)"""
+    ours, ours_rank1 = _run(strategy, tmp_path / "fastopt.pt", launched_by_lightning=strategy == "fastopt")
     ref, _ = reference("ddp")
     if strategy.endswith("_speculate"):  # clipping is on: bucket updates were speculated as their reduction landed
         speculated = []
