@@ -53,7 +53,7 @@ TensorList = Sequence[Tensor]
 
 __all__ = [
     "by_device", "fused_adagrad_", "fused_adam_", "fused_lamb_", "fused_lars_", "fused_lion_", "fused_sgd_",
-    "grads_all_finite", "global_grad_norm", "sum_of_squares", "unscale_grads_",
+    "grads_all_finite", "global_grad_norm", "lamb_update_norms", "sum_of_squares", "unscale_grads_",
 ]
 
 
@@ -400,7 +400,7 @@ def fused_lion_(route, params, grads, exp_avgs, *, lr, beta1, beta2, weight_deca
 def fused_lamb_(route, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps, weight_decay,
                 bias_correction=True, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
                 maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
-                global_grad_norm_value=None) -> bool:
+                global_grad_norm_value=None, norms=None) -> bool:
     """LAMB with apex FusedLAMB's semantics (see :class:`lightning_fastopt.FusedLAMB`).
 
     ``global_grad_norm_value``: the unscaled norm over every gradient that clipping
@@ -409,6 +409,11 @@ def fused_lamb_(route, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1,
     host answer first).  The host path raises on a non-finite norm; the device path
     cannot, so guard it with ``check_finite`` or ``found_inf`` when gradients may
     overflow (FusedLAMB always passes a host norm and raises).
+
+    ``norms``: where ``params`` are pieces of larger tensors (FSDP2's rows), each whole
+    tensor's (||p||^2, ||u||^2) (a float64 CPU tensor [len(params), 2], the pieces'
+    :func:`lamb_update_norms` summed), which the trust ratios then take; the CUDA kernels
+    take their own, so such a call runs on the host backends.
     """
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, param_copies=param_copies)
     if not len(params):
@@ -418,36 +423,82 @@ def fused_lamb_(route, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1,
         return True
     if check_finite and not grads_all_finite(grads):
         return True
-    bc1 = 1 - beta1 ** sc.step if bias_correction else 1.0
-    bc2 = 1 - beta2 ** sc.step if bias_correction else 1.0
     tensors = dict(params=list(params), grads=list(grads), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs),
                    copies=_list(param_copies))
-    scalars = dict(lr=sc.lr, beta1=beta1, beta2=beta2, beta3=1 - beta1 if grad_averaging else 1.0, eps=eps,
-                   weight_decay=weight_decay, bias_correction1=bc1, bias_correction2=bc2, adam_w_mode=adam_w_mode,
-                   use_trust_ratio=use_nvlamb or weight_decay != 0, maximize=maximize)
+    scalars = dict(lr=sc.lr, use_trust_ratio=use_nvlamb or weight_decay != 0,
+                   **_lamb_scalars(sc.step, beta1, beta2, eps, weight_decay, bias_correction, adam_w_mode,
+                                   grad_averaging, maximize))
+    if norms is not None:
+        scalars["norms"] = norms
     if sc.ext is not None and global_grad_norm_value is None:
         _, total = _on_cuda(sc.ext, "sum_squares_device", tensors=list(grads))  # clipping resolved on the device
         _run(sc, route, "lamb_", **tensors, **scalars, grad_factor=sc.inv_scale,
              cuda_kwargs={"bias_correction": bias_correction, "grad_sum_squares": total,
                           "max_grad_norm": max_grad_norm, "inv_grad_scale": sc.inv_scale})
         return False
-    norm = global_grad_norm(grads, grad_scale) if global_grad_norm_value is None else _scalar(global_grad_norm_value)
-    if not math.isfinite(norm):
+    factor, norm = _lamb_grad_factor(grads, grad_scale, global_grad_norm_value, max_grad_norm)
+    if factor is None:
         if check_finite:
             return True
         raise ValueError(f"the global gradient norm is {norm}; pass check_finite=True to skip such steps")
-    clip = norm / max_grad_norm if max_grad_norm > 0 and norm > max_grad_norm else 1.0
-    _run(sc, route, "lamb_", **tensors, **scalars, grad_factor=_inv_scale(grad_scale) / clip,
-         cuda_kwargs={"bias_correction": bias_correction})
+    _run(sc, route, "lamb_", **tensors, **scalars, grad_factor=factor, cuda_kwargs={"bias_correction": bias_correction})
     return False
+
+
+def _lamb_scalars(step: int, beta1, beta2, eps, weight_decay, bias_correction, adam_w_mode, grad_averaging,
+                  maximize) -> dict:
+    """The LAMB kernels' scalars of step number ``step`` (those :func:`lamb_update_norms` takes too)."""
+    return dict(beta1=beta1, beta2=beta2, beta3=1 - beta1 if grad_averaging else 1.0, eps=eps,
+                weight_decay=weight_decay, bias_correction1=1 - beta1 ** step if bias_correction else 1.0,
+                bias_correction2=1 - beta2 ** step if bias_correction else 1.0, adam_w_mode=adam_w_mode,
+                maximize=maximize)
+
+
+def _lamb_grad_factor(grads, grad_scale, global_grad_norm_value, max_grad_norm) -> tuple[float | None, float]:
+    """What LAMB multiplies each gradient by: the loss scale's inverse over the clipping
+    divisor of the global norm (``global_grad_norm_value``, or that of ``grads``; None when
+    that norm is not finite), and the norm."""
+    norm = global_grad_norm(grads, grad_scale) if global_grad_norm_value is None else _scalar(global_grad_norm_value)
+    if not math.isfinite(norm):
+        return None, norm
+    clip = norm / max_grad_norm if max_grad_norm > 0 and norm > max_grad_norm else 1.0
+    return _inv_scale(grad_scale) / clip, norm
+
+
+def lamb_update_norms(params, grads, exp_avgs, exp_avg_sqs, *, step, beta1, beta2, eps, weight_decay,
+                      bias_correction=True, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
+                      maximize=False, grad_scale=None, global_grad_norm_value=None) -> Tensor:
+    """Each parameter's (||p||^2, ||u||^2), ``u`` the update :func:`fused_lamb_` with the
+    same arguments would make, nothing written: a float64 CPU tensor [len(params), 2]
+    (the compiled CPU kernels on CPU tensors, the pure-PyTorch path elsewhere).  Where the
+    parameters are pieces of larger tensors, the pieces' sums add up to ``fused_lamb_``'s
+    ``norms``."""
+    _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    if not len(params):
+        return torch.zeros(0, 2, dtype=torch.float64)
+    factor, norm = _lamb_grad_factor(grads, grad_scale, global_grad_norm_value, max_grad_norm)
+    if factor is None:
+        raise ValueError(f"the global gradient norm is {norm}: LAMB's update has no norm")
+    route = _route(params)
+    host = route.host() if route.cuda else route
+    sums = _call(host, "lamb_norms_", params=list(params), grads=list(grads), exp_avgs=list(exp_avgs),
+                 exp_avg_sqs=list(exp_avg_sqs), grad_factor=factor,
+                 **_lamb_scalars(int(_scalar(step)), beta1, beta2, eps, weight_decay, bias_correction, adam_w_mode,
+                                 grad_averaging, maximize))
+    return sums.to("cpu", torch.float64)
 
 
 @_routed
 def fused_lars_(route, params, grads, momentum_buffers, *, lr, momentum=0.0, eeta=1e-3, weight_decay=0.0,
                 epsilon=0.0, maximize=False, grad_scale=None, check_finite=False, found_inf=None,
-                param_copies=None) -> bool:
+                param_copies=None, norms=None) -> bool:
     """LARS: per-tensor local lr = eeta*||p|| / (||g|| + wd*||p|| + epsilon) (1 if a norm is 0);
-    buf = momentum*buf + (g + wd*p); p -= lr*local_lr*buf."""
+    buf = momentum*buf + (g + wd*p); p -= lr*local_lr*buf.
+
+    ``norms``: where ``params`` are pieces of larger tensors (FSDP2's rows), each whole
+    tensor's (||g||^2 of the loss-scaled gradient, ||p||^2) (a float64 CPU tensor
+    [len(params), 2], the pieces' :func:`square_sums` summed), which the local learning
+    rates then take; the CUDA kernels take their own, so such a call runs on the host backends."""
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers, param_copies=param_copies)
     if not len(params):
         return False
@@ -456,4 +507,5 @@ def fused_lars_(route, params, grads, momentum_buffers, *, lr, momentum=0.0, eet
         return True
     return _run(sc, route, "lars_", params=list(params), grads=list(grads), momentum_buffers=list(momentum_buffers),
                 copies=_list(param_copies), lr=sc.lr, momentum=momentum, eeta=eeta, weight_decay=weight_decay,
-                epsilon=epsilon, inv_grad_scale=sc.inv_scale, maximize=maximize, check_finite=check_finite)
+                epsilon=epsilon, inv_grad_scale=sc.inv_scale, maximize=maximize, check_finite=check_finite,
+                **({} if norms is None else {"norms": norms}))

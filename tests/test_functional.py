@@ -277,14 +277,83 @@ def test_every_backend_takes_the_same_argument_names(compiled):
     """functional calls the backends by keyword: the compiled CPU kernels and the
     pure-PyTorch backend name every argument alike, in the same order (the CUDA module
     shares the CPU module's signatures, csrc/common/optimizer_bindings.h; what follows
-    ``*`` there are the CUDA module's device scalars)."""
+    ``*`` there are the CUDA module's device scalars, and the per-tensor ``norms`` LAMB and
+    LARS may be given, which the pure-PyTorch backend takes as keyword-only too)."""
     import inspect
     import re
 
     import lightning_fastopt.ops as ops
 
-    for name in list(ops.KERNELS) + ["all_finite", "sum_squares"]:
+    for name in list(ops.KERNELS) + ["all_finite", "sum_squares", "lamb_norms_"]:
         doc = getattr(compiled, name).__doc__.splitlines()[0]
-        listed = re.match(rf"{name}\((.*)\) ->", doc).group(1).split(", *,")[0]
+        listed, _, keywords = re.match(rf"{name}\((.*)\) ->", doc).group(1).partition(", *,")
         compiled_names = [a.split(":")[0].strip() for a in listed.split(", ")]
-        assert list(inspect.signature(getattr(torch_backend, name)).parameters) == compiled_names, name
+        compiled_keywords = {a.split(":")[0].strip() for a in keywords.split(", ") if a.strip()}
+        params = inspect.signature(getattr(torch_backend, name)).parameters.values()
+        assert [p.name for p in params if p.kind != p.KEYWORD_ONLY] == compiled_names, name
+        assert {p.name for p in params if p.kind == p.KEYWORD_ONLY} <= compiled_keywords, name
+
+
+def _lamb_args(step=3):
+    return dict(step=step, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0, grad_scale=4.0)
+
+
+def _pieces(tensors, at):
+    """Each tensor's rows split in two at ``at`` of them (FSDP2's rows on two ranks), as views."""
+    return [t[:at] for t in tensors], [t[at:] for t in tensors]
+
+
+@pytest.mark.parametrize("algorithm", ["lamb", "lars"])
+def test_pieces_given_the_whole_tensors_norms_step_as_the_whole_tensors_do(backend, algorithm):
+    """Where a tensor is split into pieces (FSDP2's rows), each piece's norm sums
+    (``lamb_update_norms``, or the gradients' and weights' ``square_sums`` for LARS) added
+    up, given as ``norms``, make each piece's update the whole tensor's: the trust ratios
+    are the whole tensor's (without them, each piece's own: updates more than 1% apart).
+    No exact reference: the pieces' sums are added in another order than one pass over the
+    tensor (the compiled kernels add float32 partial sums of blocks: the totals agree to
+    1e-6, the float32 trust ratios to an ulp or so), so within 1e-6 of the update (and two
+    ulps of the weights).  Unsharded, the sums given are the
+    kernel's own: the same bits."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7, 5), (9,), (12, 3)]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) * 4 for s in shapes]
+    states = [[torch.rand(s, generator=g) * (0.1 if k else 1) for s in shapes] for k in range(2)]
+
+    def run(ps, gs, sts, norms=None):
+        ps, sts = [p.clone() for p in ps], [[t.clone() for t in st] for st in sts]
+        if algorithm == "lamb":
+            F.fused_lamb_(ps, gs, sts[0], sts[1], lr=0.01, global_grad_norm_value=3.0, norms=norms, **_lamb_args())
+        else:
+            F.fused_lars_(ps, gs, sts[0], lr=0.1, momentum=0.9, weight_decay=1e-4, grad_scale=4.0, norms=norms)
+        return ps
+
+    def sums(ps, gs, sts):
+        if algorithm == "lamb":
+            return F.lamb_update_norms(ps, gs, sts[0], sts[1], global_grad_norm_value=3.0, **_lamb_args())
+        return torch.tensor(list(zip(F.square_sums(gs), F.square_sums(ps))), dtype=torch.float64)
+
+    whole = run(params, grads, states)
+    assert_params_equal(run(params, grads, states, sums(params, grads, states)), whole)
+    split = [_pieces(t, 3) for t in (params, grads, *states)]  # piece k of params, grads, each state
+    pieces = [[s[k] for s in split] for k in (0, 1)]
+    piece_sums = [sums(ps, gs, sts) for ps, gs, *sts in pieces]
+    total = piece_sums[0] + piece_sums[1]
+    assert torch.allclose(total, sums(params, grads, states), rtol=1e-6)  # (float32 partial sums in the kernels)
+    stepped = [run(ps, gs, sts, total) for ps, gs, *sts in pieces]
+    own = [run(ps, gs, sts) for ps, gs, *sts in pieces]
+    for i, w in enumerate(whole):
+        update = w - params[i]
+        torch.testing.assert_close(torch.cat([stepped[0][i], stepped[1][i]]) - params[i], update, rtol=0,
+                                   atol=1e-6 * update.abs().max().item() + 5e-7)  # + two ulps of the weights
+        off = (torch.cat([own[0][i], own[1][i]]) - params[i] - update).norm() / update.norm()
+        assert off > 0.01, off  # each piece's own norms: another update
+
+
+def test_lamb_update_norms_write_nothing(backend):
+    params, grads = [torch.randn(6, 4)], [torch.randn(6, 4)]
+    m, v = [torch.rand(6, 4)], [torch.rand(6, 4)]
+    before = [t.clone() for t in (*params, *m, *v)]
+    sums = F.lamb_update_norms(params, grads, m, v, **_lamb_args())
+    assert sums.shape == (1, 2) and sums.dtype == torch.float64 and (sums > 0).all()
+    assert all(torch.equal(a, b) for a, b in zip(before, (*params, *m, *v)))

@@ -76,12 +76,18 @@ struct LambArgs {
   float grad_factor;  // 1 / (loss scale * clipping divisor)
   bool adam_w_mode, use_trust_ratio, maximize;
   double beta1_exact, beta2_exact;  // the betas as given: bias corrections computed on the device
+  // per tensor, (||p||^2, ||u||^2) over the whole tensor, given (summed over the ranks
+  // holding pieces of it: FSDP's rows); null: the kernel takes them over what it steps
+  const double* norms = nullptr;
 };
 // state: exp_avg, exp_avg_sq
 
 struct LarsArgs {
   float lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale;
   bool maximize;
+  // per tensor, (||g||^2 of the scaled gradient, ||p||^2) over the whole tensor, given (as
+  // LambArgs::norms); null: the kernel takes them over what it steps
+  const double* norms = nullptr;
 };
 // state: momentum_buffer
 

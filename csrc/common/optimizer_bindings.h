@@ -48,6 +48,18 @@ struct LambDeviceClip {
   float max_grad_norm, inv_grad_scale;
 };
 
+// The per-tensor squared norms a LAMB or LARS step is given (LambArgs::norms): a float64
+// CPU tensor of shape [tensors, 2], or null.
+inline const double* given_norms(const OptTensor& norms, size_t tensors) {
+  if (!norms) return nullptr;
+  const at::Tensor& t = *norms;
+  if (t.device().type() != at::kCPU || t.scalar_type() != at::kDouble || !t.is_contiguous() || t.dim() != 2 ||
+      t.size(0) != static_cast<int64_t>(tensors) || t.size(1) != 2)
+    throw py::value_error("norms must be a contiguous float64 CPU tensor of shape [" + std::to_string(tensors) +
+                          ", 2] (two squared norms per tensor)");
+  return t.data_ptr<double>();
+}
+
 // A rounding code (kernel_args.h) among those an algorithm takes, that the module's device
 // follows (Device::follows: the CUDA kernels not kTorchCpuFused, torch's CPU kernel).
 template <typename Device>
@@ -152,11 +164,11 @@ void def_optimizer_functions(pybind11::module_& m) {
                     float bias_correction2, float grad_factor, bool adam_w_mode, bool use_trust_ratio,
                     bool maximize, bool bias_correction, const OptTensor& grad_sum_squares, float max_grad_norm,
                     float inv_grad_scale, const OptTensor& grad_scale, const OptTensor& found_inf,
-                    const OptTensor& lr_tensor, const OptTensor& step_tensor) {
+                    const OptTensor& lr_tensor, const OptTensor& step_tensor, const OptTensor& norms) {
     const Slots slots = Device::slots(params, &grads, {&exp_avgs, &exp_avg_sqs}, copies);
     const LambArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), beta3, eps, weight_decay,
                      bias_correction1, bias_correction2, grad_factor, adam_w_mode, use_trust_ratio, maximize,
-                     beta1, beta2};
+                     beta1, beta2, given_norms(norms, params.size())};
     const LambDeviceClip clip{grad_sum_squares, max_grad_norm, inv_grad_scale};
     Device::run(params, slots, false, {grad_scale, found_inf, lr_tensor, step_tensor},
                 [&](const auto& on) { on.lamb(slots, a, clip, bias_correction); });
@@ -166,20 +178,22 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("use_trust_ratio"), py::arg("maximize"), py::kw_only(), py::arg("bias_correction") = true,
      py::arg("grad_sum_squares") = py::none(), py::arg("max_grad_norm") = 0.0f, py::arg("inv_grad_scale") = 1.0f,
      py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(),
-     py::arg("step_tensor") = py::none());
+     py::arg("step_tensor") = py::none(), py::arg("norms") = py::none());
 
   m.def("lars_", [](const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
                     const OptTensorList& copies, float lr, float momentum, float eeta, float weight_decay,
                     float epsilon, float inv_grad_scale, bool maximize, bool check_finite,
-                    const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor) {
+                    const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
+                    const OptTensor& norms) {
     const Slots slots = Device::slots(params, &grads, {&momentum_buffers}, copies);
-    const LarsArgs a{lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale, maximize};
+    const LarsArgs a{lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale, maximize,
+                     given_norms(norms, params.size())};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
                        [&](const auto& on) { on.lars(slots, a); });
   }, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("copies"), py::arg("lr"),
      py::arg("momentum"), py::arg("eeta"), py::arg("weight_decay"), py::arg("epsilon"), py::arg("inv_grad_scale"),
      py::arg("maximize"), py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(),
-     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
+     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(), py::arg("norms") = py::none());
 }
 
 }  // namespace fastopt

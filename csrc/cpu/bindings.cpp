@@ -122,6 +122,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, py::arg("tensors"), "Per-tensor sum of squares, accumulated in double");
 
+  m.def("lamb_norms_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                          const TensorList& exp_avg_sqs, float beta1, float beta2, float beta3, float eps,
+                          float weight_decay, float bias_correction1, float bias_correction2, float grad_factor,
+                          bool adam_w_mode, bool maximize) {
+    const Slots slots = CpuDevice::slots(params, &grads, {&exp_avgs, &exp_avg_sqs}, std::nullopt);
+    require_float32_state(slots, "LAMB");
+    const LambArgs a{0.0f, beta1, beta2, beta3, eps, weight_decay, bias_correction1, bias_correction2, grad_factor,
+                     adam_w_mode, true, maximize, beta1, beta2};
+    at::Tensor out = at::empty({static_cast<int64_t>(slots.size()), 2}, at::kDouble);
+    out.zero_();
+    {
+      py::gil_scoped_release nogil;
+      sync_threads();
+      lamb_norms(slots, a, out.data_ptr<double>());
+    }
+    return out;
+  }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("beta1"),
+     py::arg("beta2"), py::arg("beta3"), py::arg("eps"), py::arg("weight_decay"), py::arg("bias_correction1"),
+     py::arg("bias_correction2"), py::arg("grad_factor"), py::arg("adam_w_mode"), py::arg("maximize"),
+     "Per tensor (||p||^2, ||u||^2) of the LAMB update lamb_ would make, nothing written (float64, [n, 2])");
+
   m.def("fingerprint", [](const TensorList& tensors) {
     Slots slots = CpuDevice::slots(tensors, nullptr, {}, std::nullopt);
     at::Tensor out = at::empty({static_cast<int64_t>(slots.size())}, at::kLong);

@@ -34,6 +34,8 @@ void sgd_step(const Slots& slots, const SgdArgs& a);
 void adagrad_step(const Slots& slots, const AdagradArgs& a);
 void lion_step(const Slots& slots, const LionArgs& a);
 void lamb_step(const Slots& slots, const LambArgs& a);
+// per slot (||p||^2, ||u||^2) of the step lamb_step would take, into sums[2t], sums[2t + 1]; nothing written
+void lamb_norms(const Slots& slots, const LambArgs& a, double* sums);
 void lars_step(const Slots& slots, const LarsArgs& a);
 
 const char* compiled_isa();

@@ -6,7 +6,9 @@
 // and per tensor: ratio = ||p|| / ||u|| when use_trust_ratio and both norms are non-zero,
 // else 1;  p -= lr * ratio * u.
 // Pass 1 updates the moments and accumulates ||p||^2 and ||u||^2; pass 2 recomputes u
-// from the stored moments (cheaper than writing and re-reading a temporary).
+// from the stored moments (cheaper than writing and re-reading a temporary).  Where the
+// tensors are pieces of larger ones (FSDP's rows), lamb_norms gives pass 1's sums without
+// advancing the moments, and the caller hands lamb_step the sums over the whole tensors.
 #include <cmath>
 
 #include "tensor_walk.h"
@@ -29,15 +31,11 @@ struct LambMath {
     return decoupled ? VecF::fmadd(wd, p, u) : u;
   }
 };
-}  // namespace
 
-void lamb_step(const Slots& slots, const LambArgs& a) {
-  const LambMath mth(a);
-  const int64_t n = static_cast<int64_t>(slots.size());
-
-  // Pass 1: moments, and the squared norms of the parameter and of the update per slot.
-  std::vector<double> sums(2 * n);
-  parallel_sums_per_slot<2>(slots, sums.data(), [&](int64_t t, int64_t b, int64_t e) {
+// Per slot, ||p||^2 and ||u||^2 of this step's update into sums[2t], sums[2t + 1]; the
+// moments advanced and stored when `advance`, else left as they are (lamb_norms).
+void moments_and_norms(const Slots& slots, const LambMath& mth, bool advance, double* sums) {
+  parallel_sums_per_slot<2>(slots, sums, [&](int64_t t, int64_t b, int64_t e) {
     const TensorSlot& s = slots[t];
     double ps = 0.0, us = 0.0;
     dispatch_dtypes(s, [&](auto p, auto g, auto) {
@@ -47,9 +45,13 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
             [&](VecF& pv, VecF gv, std::array<VecF, 2>& st) {
               gv = gv * mth.gf;
               if (mth.l2) gv = VecF::fmadd(mth.wd, pv, gv);
-              st[0] = VecF::fmadd(mth.b3, gv, st[0] * mth.b1);
-              st[1] = VecF::fmadd(mth.w2, gv * gv, st[1] * mth.b2);
-              const VecF u = mth.update(pv, st[0], st[1]);
+              const VecF m = VecF::fmadd(mth.b3, gv, st[0] * mth.b1);
+              const VecF v = VecF::fmadd(mth.w2, gv * gv, st[1] * mth.b2);
+              if (advance) {
+                st[0] = m;
+                st[1] = v;
+              }
+              const VecF u = mth.update(pv, m, v);
               pacc = VecF::fmadd(pv, pv, pacc);
               uacc = VecF::fmadd(u, u, uacc);
             });
@@ -59,6 +61,22 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
     });
     return std::array<double, 2>{ps, us};
   });
+}
+}  // namespace
+
+void lamb_norms(const Slots& slots, const LambArgs& a, double* sums) {
+  moments_and_norms(slots, LambMath(a), false, sums);
+}
+
+void lamb_step(const Slots& slots, const LambArgs& a) {
+  const LambMath mth(a);
+  const int64_t n = static_cast<int64_t>(slots.size());
+
+  // Pass 1: moments, and the squared norms of the parameter and of the update per slot
+  // (over the whole tensors, given, where the slots are pieces of larger ones).
+  std::vector<double> sums(2 * n);
+  moments_and_norms(slots, mth, true, sums.data());
+  if (a.norms) std::copy(a.norms, a.norms + 2 * n, sums.begin());
   std::vector<float> scale(n);
   for (int64_t t = 0; t < n; ++t) {
     const double pn = std::sqrt(sums[2 * t]), un = std::sqrt(sums[2 * t + 1]);

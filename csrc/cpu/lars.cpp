@@ -1,7 +1,8 @@
 // LARS (You et al. 2017, "Large Batch Training of Convolutional Networks"):
 //   per tensor: local_lr = eeta * ||p|| / (||g|| + wd * ||p|| + epsilon) if both norms > 0, else 1
 //   buf = momentum * buf + (g + wd * p);  p -= lr * local_lr * buf
-// with g unscaled (and negated if maximize).  The norms come from a first pass.
+// with g unscaled (and negated if maximize).  The norms come from a first pass, or are
+// given (LarsArgs::norms: the tensors are pieces of larger ones).
 #include <cmath>
 
 #include "tensor_walk.h"
@@ -11,8 +12,15 @@ namespace fastopt {
 void lars_step(const Slots& slots, const LarsArgs& a) {
   const int64_t n = static_cast<int64_t>(slots.size());
   std::vector<double> g_sq(n), p_sq(n);
-  sum_squares(slots, 0, g_sq.data());
-  sum_squares(slots, 1, p_sq.data());
+  if (a.norms) {  // over the whole tensors, given (pieces of them here)
+    for (int64_t t = 0; t < n; ++t) {
+      g_sq[t] = a.norms[2 * t];
+      p_sq[t] = a.norms[2 * t + 1];
+    }
+  } else {
+    sum_squares(slots, 0, g_sq.data());
+    sum_squares(slots, 1, p_sq.data());
+  }
   std::vector<float> neg_step(n);
   for (int64_t t = 0; t < n; ++t) {
     const double pn = std::sqrt(p_sq[t]);

@@ -28,7 +28,12 @@ norm is torch's ``get_total_norm`` of the DTensor gradients (once some have left
 host, the same bits from the rows: each row norm made the partial-norm DTensor torch's
 ``vector_norm`` of the gradient gives, reduced by DTensor over the mesh dimensions the
 parameter is sharded on, so tensor parallelism's replicated parameters count once), the
-overflow check is agreed over the ranks.
+overflow check is agreed over the ranks.  LAMB's and LARS's trust ratios read norms over
+each whole parameter (and LAMB's clipping, the norm of every gradient): once the step's
+gradients are in place, each rank takes those of its rows (LAMB's update's too, nothing
+written), the ranks sum them over the same mesh dimensions, and the updates take the
+totals; so their CPU updates run at the step (no ``stream_cpu_step``, no
+``delayed_update``).
 
 The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
 schedulers work); :meth:`state_of` gives a parameter's state as torch keeps it for a
@@ -44,15 +49,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._ops._math_ops import _NormPartial  # the placement of a partial p-norm
 from typing_extensions import override
 
-from lightning_fastopt.functional import grads_all_finite
+from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.grad_norms import by_device_and_dtype
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
-from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters, hyperparameters, needs_step_context
+from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
+                                          needs_step_context)
 from lightning_fastopt.runtime.distributed import all_reduce_scalar, world_size
 
 __all__ = ["LocalShardOptimizer", "local_alias"]
@@ -97,10 +103,13 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
-        if optimizer.whole_tensor_norms or needs_step_context(optimizer):
+        spans = optimizer.whole_tensor_norms or needs_step_context(optimizer)
+        early = [k for k in ("stream_cpu_step", "delayed_update") if offload_args.get(k)]
+        if spans and early:
             raise ValueError(f"{type(optimizer).__name__} takes norms over whole parameters or over every gradient "
-                             "(LAMB's and LARS's trust ratios); FSDP2's shards hold rows of each parameter, and that is "
-                             "not supported yet: use AdamW, SGD, Adagrad, Lion or a torch optimizer")
+                             "(LAMB's and LARS's trust ratios, LAMB's clipping), summed over every rank's rows when the "
+                             f"step starts: {' and '.join(f'{k}=True' for k in early)} (updating rows before that) "
+                             "cannot be used with it")
         self._alias = {p: local_alias(p) for p in self._params}
         self._alias_names = {self._alias[p]: n for p, n in self.param_names.items()}  # the local optimizer reads it
         shard = optimizer.sibling([[self._alias[p] for p in g["params"]] for g in self.param_groups])
@@ -114,6 +123,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
                                       **offload_args)
         self._hooks = [p.register_post_accumulate_grad_hook(self._landed) for p in self._params
                        if p.requires_grad] if streaming else []
+        if optimizer.whole_tensor_norms:
+            self.local.before_updates = self._give_whole_tensor_norms
         self._ready = True
 
     @override
@@ -206,10 +217,31 @@ class LocalShardOptimizer(LocalOffloadWrapper):
             if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere
                 self.zero_grad()
                 return True
+        if step_context is COMPUTE and needs_step_context(self.local.optimizer):  # LAMB's global norm, every rank's rows
+            step_context = self._step_context_over_shards(grad_scale)
         self.local.step(self.step_closure, grad_scale=grad_scale, step_context=step_context, **self.step_kwargs)
         for alias in self._alias.values():
             alias.grad = None  # the step read them; p.grad keeps the DTensor gradient, as torch does
         return False
+
+    # ------------------------------------------------------------------ norms over whole parameters
+    def _step_context_over_shards(self, grad_scale) -> Any:
+        """The optimizer's step context (LAMB's global gradient norm) from each gradient's
+        sum of squares over every rank's rows, in the parameters' order."""
+        grads = self.local.gradients_by_param()
+        local = dict(zip(grads, (torch.tensor([s], dtype=torch.float64) for s in square_sums(list(grads.values())))))
+        totals = _summed_over_shards({p: local.get(self._alias[p], torch.zeros(1, dtype=torch.float64))
+                                      for p in self._params})
+        return self.local.optimizer.step_context_of_square_sums([float(totals[p]) for p in self._params], grad_scale)
+
+    def _give_whole_tensor_norms(self, grad_scale, context) -> None:
+        """The local optimizer's ``before_updates``: each parameter's squared norms that
+        LAMB's or LARS's update reads, over this rank's rows, summed over every rank's, given
+        to the updates (so that the trust ratios are the whole parameter's)."""
+        local = self.local.norm_sums(grad_scale, context)
+        zeros = torch.zeros(2, dtype=torch.float64)  # a parameter with no gradient here: every rank takes part
+        totals = _summed_over_shards({p: local.get(self._alias[p], zeros) for p in self._params})
+        self.local.give_norms({self._alias[p]: totals[p] for p in self._params if self._alias[p] in local})
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -269,6 +301,28 @@ def _as_torch_norm(param: Tensor, norm: Tensor) -> Tensor:
         return norm
     placements = [p if p.is_replicate() or p.is_partial() else _NormPartial(2.0) for p in param.placements]
     return DTensor.from_local(norm, param.device_mesh, placements, run_check=False)
+
+
+def _summed_over_shards(sums: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+    """Each parameter's sums over this rank's rows (float64 CPU tensors of one shape),
+    summed over the ranks that hold its other rows: over the mesh dimensions its DTensor
+    is sharded on (those tensor parallelism replicates hold the same rows, counted once);
+    one collective for the parameters of each mesh and placement pattern.  Every rank
+    calls it with the same parameters, in the same order."""
+    groups: dict[Any, list[Tensor]] = {}
+    for p in sums:
+        key = (p.device_mesh, tuple(pl.is_shard() for pl in p.placements)) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    out: dict[Tensor, Tensor] = {}
+    for key, params in groups.items():
+        stacked = torch.stack([sums[p] for p in params])
+        if key is not None and any(key[1]):
+            mesh, sharded = key
+            placements = [Partial() if s else Replicate() for s in sharded]
+            stacked = DTensor.from_local(stacked.to(mesh.device_type), mesh, placements,
+                                         run_check=False).full_tensor().to("cpu", torch.float64)
+        out.update(zip(params, stacked))
+    return out
 
 
 def _local(value: Any) -> Any:

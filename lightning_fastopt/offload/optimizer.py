@@ -187,6 +187,9 @@ class OffloadOptimizer(OptimizerWrapper):
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
+        # called as before_updates(grad_scale, context) once the step's gradients are in place,
+        # before any update (a wrapper's hook: LocalShardOptimizer gives whole-tensor norms there)
+        self.before_updates: Callable[[Any, Any], None] | None = None
         self.layout.add(params)
         self.layout.take_state(optimizer)
         if isinstance(self.schedule, SpeculativeStep) and not afford_speculation(self._buckets):
@@ -380,11 +383,34 @@ class OffloadOptimizer(OptimizerWrapper):
             context = self.optimizer.step_context(grads, grad_scale) if step_context is COMPUTE else step_context
         else:
             context = None if step_context is COMPUTE else step_context
+        if self.before_updates is not None:
+            self.before_updates(grad_scale, context)
         with timer.phase("gpu_step"):
             written = self.updates.step_inner(self._device_inner, self._device_slots, grad_scale, context)
         host_written, host_sent = self.schedule.host_step(grad_scale, context)
+        self.give_norms(None)
         self._end_step(written + host_written + sent, sent_buckets + host_sent)
         return False
+
+    # ------------------------------------------------------------------ norms over whole tensors
+    def norm_sums(self, grad_scale, context) -> dict[Tensor, Tensor]:
+        """For an optimizer with ``whole_tensor_norms`` (LAMB, LARS): each parameter's
+        squared norms that its update in the step now under way reads, over what this
+        optimizer holds of it (every share's; nothing written:
+        :meth:`~lightning_fastopt.optim.base.FusedOptimizer.norm_sums`).  For a
+        :attr:`before_updates` hook, where the gradients are in place."""
+        out = self.updates.norm_sums(self._device_inner, self._device_slots, grad_scale, context)
+        for bucket in self._buckets:
+            self.copies.wait_on_host(bucket.grads_ready)
+            out.update(self.updates.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
+        return out
+
+    def give_norms(self, norms: Mapping[Tensor, Tensor] | None) -> None:
+        """Each parameter's squared norms over its whole tensor (the pieces' :meth:`norm_sums`
+        summed), for this step's updates; None: each takes its own again."""
+        given = None if norms is None else {s.master: norms[s.param] for s in self._slots if s.param in norms}
+        for inner in self._inners():
+            inner.given_norms = given
 
     def _end_step(self, written: list[ParamSlot], sent: list[HostBucket]) -> None:
         """The next forward waits for the weights sent to the device (``sent``: their

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
@@ -77,6 +78,20 @@ class ShareUpdates:
             inner.__dict__.pop("step_kwargs", None)
             inner.__dict__.pop("step_closure", None)
         return updated
+
+    def norm_sums(self, inner: FusedOptimizer, slots: list[ParamSlot], grad_scale, context) -> dict[Tensor, Tensor]:
+        """``inner``'s :meth:`~lightning_fastopt.optim.base.FusedOptimizer.norm_sums` for the
+        step :meth:`step_inner` would take over ``slots`` now, under each slot's model parameter."""
+        plan = self.plan(inner, slots)
+        if plan is None:
+            return {}
+        updated, sources = plan[0], plan[1]
+        inner.grad_source = sources
+        try:
+            sums = inner.norm_sums(grad_scale, context)
+        finally:
+            inner.grad_source = None
+        return {s.param: sums[s.master] for s in updated}
 
     def bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
         """One bucket's share of a step, once its gradients have landed: refresh masters

@@ -274,11 +274,9 @@ def _lamb_update(work, exp_avgs, exp_avg_sqs, bias_correction1, bias_correction2
     return num
 
 
-def lamb_(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, beta3, eps, weight_decay,
-          bias_correction1, bias_correction2, grad_factor, adam_w_mode, use_trust_ratio, maximize) -> None:
-    if not params:
-        return
-    work = _f32(params)
+def _lamb_moments(work, grads, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, weight_decay, grad_factor, adam_w_mode,
+                  maximize) -> None:
+    """Advance LAMB's moments in place (``exp_avgs``, ``exp_avg_sqs``: lists of tensors)."""
     g = _scaled_grads(grads, -grad_factor if maximize else grad_factor)
     if not adam_w_mode and weight_decay != 0:
         torch._foreach_add_(g, work, alpha=weight_decay)
@@ -286,10 +284,33 @@ def lamb_(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, beta3,
     torch._foreach_add_(exp_avgs, g, alpha=beta3)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, g, g, 1 - beta2)
+
+
+def lamb_norms_(params, grads, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, eps, weight_decay, bias_correction1,
+                bias_correction2, grad_factor, adam_w_mode, maximize) -> torch.Tensor:
+    """Per tensor (||p||^2, ||u||^2) of the update :func:`lamb_` would make, nothing written
+    (float64, shape [n, 2])."""
+    work = _f32(params)
+    m, v = [t.clone() for t in exp_avgs], [t.clone() for t in exp_avg_sqs]
+    _lamb_moments(work, grads, m, v, beta1, beta2, beta3, weight_decay, grad_factor, adam_w_mode, maximize)
+    update = _lamb_update(work, m, v, bias_correction1, bias_correction2, eps, weight_decay, adam_w_mode)
+    return torch.tensor(list(zip(sum_squares(work), sum_squares(update))), dtype=torch.float64).reshape(-1, 2)
+
+
+def lamb_(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, beta3, eps, weight_decay,
+          bias_correction1, bias_correction2, grad_factor, adam_w_mode, use_trust_ratio, maximize, *,
+          norms=None) -> None:
+    if not params:
+        return
+    work = _f32(params)
+    _lamb_moments(work, grads, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, weight_decay, grad_factor, adam_w_mode,
+                  maximize)
     update = _lamb_update(work, exp_avgs, exp_avg_sqs, bias_correction1, bias_correction2, eps, weight_decay,
                           adam_w_mode)
-    p_norms = sum_squares(work)
-    u_norms = sum_squares(update)
+    if norms is None:
+        p_norms, u_norms = sum_squares(work), sum_squares(update)
+    else:  # over the whole tensors (these are pieces of them)
+        p_norms, u_norms = norms[:, 0].tolist(), norms[:, 1].tolist()
     for w, u, ps, us in zip(work, update, p_norms, u_norms):
         ratio = (ps ** 0.5) / (us ** 0.5) if use_trust_ratio and ps > 0 and us > 0 else 1.0
         w.add_(u, alpha=-lr * ratio)
@@ -297,14 +318,16 @@ def lamb_(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, beta3,
 
 
 def lars_(params, grads, momentum_buffers, copies, lr, momentum, eeta, weight_decay, epsilon, inv_grad_scale,
-          maximize, check_finite) -> bool:
+          maximize, check_finite, *, norms=None) -> bool:
     if check_finite and not all_finite(grads):
         return True
     if not params:
         return False
     work = _f32(params)
-    g_norms = [s ** 0.5 * inv_grad_scale for s in sum_squares(grads)]
-    p_norms = [s ** 0.5 for s in sum_squares(work)]
+    g_sq, p_sq = (sum_squares(grads), sum_squares(work)) if norms is None else (norms[:, 0].tolist(),
+                                                                               norms[:, 1].tolist())
+    g_norms = [s ** 0.5 * inv_grad_scale for s in g_sq]
+    p_norms = [s ** 0.5 for s in p_sq]
     g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
     torch._foreach_add_(g, work, alpha=weight_decay)
     torch._foreach_mul_(momentum_buffers, momentum)

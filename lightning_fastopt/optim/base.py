@@ -87,8 +87,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     supports_capturable = False  # capturable=True: step counts on the device, no host synchronisation
     takes_step_kwargs = False  # step() passes keyword arguments beyond its own to the user's step
     # the update of a tensor reads norms over the whole tensor (LAMB's and LARS's trust ratios):
-    # it cannot step a piece of one (FSDP2's local rows) on its own
+    # it cannot step a piece of one (FSDP2's local rows) on its own, unless a wrapper sums
+    # each piece's norm_sums() over the pieces and hands the totals to given_norms first
     whole_tensor_norms = False
+    given_norms: dict[Tensor, Tensor] | None = None
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
     step_kwargs: dict[str, Any] = {}
@@ -302,6 +304,33 @@ class FusedOptimizer(torch.optim.Optimizer):
             again = [p for p, n in times.items() if n > round_ and p in stepped]
             first = {id(self.state[p]) for p in again if stepped[p][1]}
             yield from split_buckets(self, again, [stepped[p][0] for p in again], keys, first)
+
+    # ------------------------------------------------------------------ whole-tensor norms
+    def norm_sums(self, grad_scale, context: Any) -> dict[Tensor, Tensor]:
+        """For an optimizer with :attr:`whole_tensor_norms`: each parameter's squared norms
+        that the next step's update reads (a float64 tensor of two, over what this
+        optimizer holds of the tensor), the step's scalars as :meth:`step` will take them,
+        nothing written.  A wrapper holding pieces of tensors (FSDP2's rows) sums them over
+        the pieces and sets :attr:`given_norms` (each parameter's totals) for the step."""
+        out: dict[Tensor, Tensor] = {}
+        for group in map(self._with_own_keys, self.param_groups):
+            for bucket in self._buckets(group):
+                if bucket.step_tensor is not None:
+                    bucket.step = int(bucket.step_tensor.item()) + 1  # as _run_bucket advances it
+                else:
+                    bucket.step = 1 if bucket.first else 2
+                out.update(zip(bucket.params, self._bucket_norm_sums(group, bucket, grad_scale, context)))
+        return out
+
+    def _bucket_norm_sums(self, group: dict[str, Any], bucket: Bucket, grad_scale, context: Any) -> Tensor:
+        """:meth:`norm_sums` of one bucket, a float64 tensor of shape [len(params), 2] (override)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no norms over whole tensors")
+
+    def _given_norms(self, bucket: Bucket) -> Tensor | None:
+        """The squared norms over the whole tensors of the bucket's parameters, where a
+        wrapper gave them (:attr:`given_norms`), stacked for the kernels; else None."""
+        given = self.given_norms
+        return None if given is None else torch.stack([given[p] for p in bucket.params]).contiguous()
 
     def step_context(self, grads: list[Tensor], grad_scale) -> Any:
         """Computed once per step from every gradient, before any update; None for

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from lightning_fastopt.functional import fused_lamb_, norm_of_square_sums, square_sums
+from torch import Tensor
+
+from lightning_fastopt.functional import fused_lamb_, lamb_update_norms, norm_of_square_sums, square_sums
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
 
 
@@ -73,4 +75,14 @@ class FusedLAMB(FusedOptimizer):
                     bias_correction=group["bias_correction"], adam_w_mode=group["adam_w_mode"],
                     grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
                     use_nvlamb=group["use_nvlamb"], maximize=group["maximize"], grad_scale=grad_scale,
-                    global_grad_norm_value=context, param_copies=b.copies, found_inf=b.found_inf)
+                    global_grad_norm_value=context, param_copies=b.copies, found_inf=b.found_inf,
+                    norms=self._given_norms(b))
+
+    def _bucket_norm_sums(self, group, b: Bucket, grad_scale, context) -> Tensor:
+        """(||p||^2, ||u||^2) of each parameter and its update this step."""
+        beta1, beta2 = group["betas"]
+        return lamb_update_norms(b.params, b.grads, b.states["exp_avg"], b.states["exp_avg_sq"], step=b.step,
+                                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                 bias_correction=group["bias_correction"], adam_w_mode=group["adam_w_mode"],
+                                 grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
+                                 maximize=group["maximize"], grad_scale=grad_scale, global_grad_norm_value=context)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from lightning_fastopt.functional import fused_lars_
+import torch
+from torch import Tensor
+
+from lightning_fastopt.functional import fused_lars_, square_sums
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_lr, check_range
 
 
@@ -39,4 +42,8 @@ class FusedLars(FusedOptimizer):
         fused_lars_(b.params, b.grads, b.states["momentum_buffer"], lr=group["lr"], momentum=group["momentum"],
                     eeta=group["eeta"], weight_decay=group["weight_decay"], epsilon=group["epsilon"],
                     maximize=group["maximize"], grad_scale=grad_scale,
-                    param_copies=b.copies, found_inf=b.found_inf)
+                    param_copies=b.copies, found_inf=b.found_inf, norms=self._given_norms(b))
+
+    def _bucket_norm_sums(self, group, b: Bucket, grad_scale, context) -> Tensor:
+        """(||g||^2 of the loss-scaled gradient, ||p||^2) of each parameter, as the kernel takes them."""
+        return torch.tensor(list(zip(square_sums(b.grads), square_sums(b.params))), dtype=torch.float64).reshape(-1, 2)
