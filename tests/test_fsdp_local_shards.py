@@ -6,9 +6,12 @@ Bit for bit (``torch.equal`` on the gathered weights and optimizer state) at off
 fractions 0, 0.5 and 1 through the accelerator code path on the CPU: AdamW, SGD with
 Nesterov momentum, Adagrad, RAdam (its own step, not fused), clipping by norm (the norm
 torch takes of the DTensor gradients) with gradient accumulation; shards that do not
-divide evenly, and a rank that holds no row of a parameter.  In one process: parameters
+divide evenly, and a rank that holds no row of a parameter.  LAMB and LARS (norms over
+whole parameters, summed over the ranks' rows) against themselves on the unsharded model,
+within a tolerance.  In one process: parameters
 ``fully_shard`` did not reach (plain tensors) step as torch steps them, with an fp16 overflow
-skipped; what it cannot run is refused when it is built."""
+skipped; what it cannot run is refused when it is built (LAMB and LARS with the CPU step
+streamed or delayed)."""
 
 import sys
 from pathlib import Path
@@ -23,7 +26,7 @@ slow = pytest.mark.slow  # real processes: CI runs them (pytest -m slow)
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_local_shards_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from fsdp_local_shards_run import CONFIGS  # noqa: E402
+from fsdp_local_shards_run import CONFIGS, WHOLE_NORMS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,28 @@ def test_the_step_on_local_shards_ends_where_torchs_step_on_the_dtensors_ends(ra
                 assert torch.equal(torch.as_tensor(ours["state"][name][key]), torch.as_tensor(value)), (name, key)
         assert [n.item() for n in ours["norms"]] == [n.item() for n in ref["norms"]]
     assert ranks[0][config]["ours"]["weights"].keys() == ranks[1][config]["ours"]["weights"].keys()
+
+
+@slow
+@pytest.mark.parametrize("config", [c for c, (*_, own_rows) in WHOLE_NORMS.items() if not own_rows])
+def test_lamb_and_lars_on_rows_take_the_whole_parameters_norms(ranks, config):
+    """LAMB's and LARS's trust ratios (and LAMB's clipping by the norm of every gradient)
+    read norms over whole parameters: each rank takes those of its rows, the ranks sum
+    them, the updates take the totals.  No exact reference exists (LAMB and LARS are not in
+    torch, and the sums of the rows are added in another order than one pass over a
+    tensor): against the same optimizer on the unsharded model stepped with the ranks'
+    mean gradient, within 1e-7 after 6 steps that moved every weight by 6e-4 or more,
+    clipping and accumulation, half or all rows offloaded.  Each rank's rows taking their
+    own norms (``*-own-rows``, nothing summed) ends more than 1e-4 away: the tolerance
+    tells the two apart."""
+    for rank in ranks:
+        ours, ref = rank[config]["weights"], rank[config]["reference"]
+        for name, weight in ref.items():
+            assert (weight - rank["initial"][name]).abs().max() > 5e-4, name  # it trained
+            torch.testing.assert_close(ours[name], weight, rtol=0, atol=1e-7)
+        for own in (c for c, (*_, own_rows) in WHOLE_NORMS.items() if own_rows):
+            off = max((rank[own]["weights"][n] - rank[own]["reference"][n]).abs().max() for n in ref)
+            assert off > 1e-4, (own, off)
 
 
 @slow
@@ -101,12 +126,12 @@ def test_what_it_cannot_run_is_refused_when_built():
     from lightning_fastopt.fsdp import LocalShardOptimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match="FusedLAMB takes norms over whole parameters.*not supported yet"):
-        LocalShardOptimizer(FusedLAMB(params, lr=1e-3))
-    # LARS needs no global norm, but its per-tensor norms over a rank's rows would be another
-    # learning rate than the whole parameter's (before 2026-11-26 it ran, silently so)
-    with pytest.raises(ValueError, match="FusedLars takes norms over whole parameters.*not supported yet"):
-        LocalShardOptimizer(FusedLars(params, lr=1e-3))
+    # LAMB and LARS take norms summed over every rank's rows when the step starts: nothing of
+    # theirs may be updated before (until 2026-11-27 both were refused on rows)
+    for cls, early in ((FusedLAMB, dict(stream_cpu_step=True, speculate=True)), (FusedLars, dict(delayed_update=True))):
+        with pytest.raises(ValueError, match=f"{cls.__name__} takes norms over whole parameters.*"
+                                             f"{next(iter(early))}=True .*cannot be used with it"):
+            LocalShardOptimizer(cls(params, lr=1e-3), device_grads="copy_when_reduced", copy_on_cpu=True, **early)
     with pytest.raises(ValueError, match=r"takes device_grads \('copy_at_step', 'copy_when_reduced'\).*got 'keep'"):
         LocalShardOptimizer(FusedAdam(params, lr=1e-3), device_grads="keep")
 

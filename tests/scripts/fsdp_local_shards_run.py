@@ -13,7 +13,7 @@ plugin clips; every step checks the gradients for overflow, as under fp16 loss s
 in ``adamw-overflow`` rank 1 alone finds an inf, and the step is skipped on both ranks,
 as torch's run skips it).  Writes OUT_DIR/rank<r>.pt: for each configuration, both runs' full weights
 and full optimizer state (gathered DTensors), the clipping norms, and what the engine says
-of itself.
+of itself; for each of ``WHOLE_NORMS`` (LAMB, LARS), ours and the unsharded model's weights.
 """
 
 import os
@@ -28,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_fastopt import FusedLAMB, FusedLars  # noqa: E402
 from lightning_fastopt.functional import by_device  # noqa: E402
 from lightning_fastopt.fsdp import LocalShardOptimizer  # noqa: E402
 from lightning_fastopt.optim.from_torch import to_fused_optimizer  # noqa: E402
@@ -56,9 +57,26 @@ CONFIGS = {
 }
 
 
-def _net(mesh):
+# LAMB and LARS (norms over whole parameters, no torch reference): name: (our optimizer,
+# offload fraction, clipping norm, micro-batches per step, whether each rank's rows take their
+# own norms), against the same optimizer on the unsharded model stepped with the ranks' mean
+# gradient (FSDP's)
+WHOLE_NORMS = {
+    "lamb-half": (lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1, False),
+    "lamb-1-clip-accumulate": (lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5), 1.0, 0.8, 2,
+                               False),
+    "lars-0": (lambda ps: FusedLars(ps, lr=0.5, momentum=0.9, weight_decay=1e-4), 0.0, 0.0, 1, False),
+    "lars-1": (lambda ps: FusedLars(ps, lr=0.5, momentum=0.9, weight_decay=1e-4), 1.0, 0.8, 1, False),
+    "lamb-half-own-rows": (lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01), 0.5, 0.0, 1, True),
+    "lars-1-own-rows": (lambda ps: FusedLars(ps, lr=0.5, momentum=0.9, weight_decay=1e-4), 1.0, 0.8, 1, True),
+}
+
+
+def _net(mesh, shard=True):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(), nn.Linear(16, 1))
+    if not shard:
+        return model
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -130,6 +148,42 @@ def _train(rank, mesh, ours, make_opt, fraction, clip, micro_batches, options):
                                                                                        "totals") else {}}
 
 
+def _train_whole_norms(rank, mesh, make_opt, fraction, clip, micro_batches, own_rows):
+    """LAMB or LARS on this rank's rows (``LocalShardOptimizer``; ``own_rows``: each rank's
+    rows taking their own norms, as if nothing summed them) and on the unsharded model,
+    whose gradient is the mean of the two ranks' (each rank computes both)."""
+    model, whole = _net(mesh), _net(mesh, shard=False)
+    names = {p: n for n, p in model.named_parameters()}
+    engine = LocalShardOptimizer(make_opt(model.parameters()), names, offload_fraction=fraction, copy_on_cpu=True,
+                                 bucket_size_mb=0.0005)
+    if own_rows:
+        engine.local.before_updates = None
+    reference = make_opt(whole.parameters())
+    batches = [_batches(r, micro_batches) for r in (0, 1)]
+    for step in range(STEPS):
+        for i, (x, y) in enumerate(batches[rank][step]):
+            engine.accumulating = i < micro_batches - 1
+            (nn.functional.mse_loss(model(x), y) / micro_batches).backward()
+        for r in (0, 1):
+            for x, y in batches[r][step]:
+                (nn.functional.mse_loss(whole(x), y) / micro_batches).backward()
+        for p in whole.parameters():
+            p.grad.mul_(0.5)
+        if clip:
+            total = engine.gradient_norm()
+            coef = torch.clamp(clip / (total + 1e-6), max=1.0)
+            if coef != 1.0:
+                for same in by_device(engine.gradients()):
+                    torch._foreach_mul_(same, coef.to(same[0].device))
+            torch.nn.utils.clip_grad_norm_(whole.parameters(), clip)
+        engine.step()
+        reference.step()
+        engine.zero_grad()
+        reference.zero_grad()
+    return {"weights": {n: _full(p.detach()) for n, p in model.named_parameters()},
+            "reference": {n: p.detach().clone() for n, p in whole.named_parameters()}}
+
+
 def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
@@ -137,6 +191,7 @@ def _worker(rank, port, out_dir):
     results = {"initial": initial}
     results.update({name: {"torch": _train(rank, mesh, False, *config), "ours": _train(rank, mesh, True, *config)}
                for name, config in CONFIGS.items()})
+    results.update({name: _train_whole_norms(rank, mesh, *config) for name, config in WHOLE_NORMS.items()})
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -53,7 +53,7 @@ from tests.helpers import finish_process  # noqa: E402
 from tests.references import DelayedTorchUpdate, WholeTensorNorms  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
-from lightning_fastopt import FastOptFSDPStrategy, FastOptStrategy  # noqa: E402
+from lightning_fastopt import FastOptFSDPStrategy, FastOptStrategy, FusedLAMB  # noqa: E402
 
 STEPS = 6  # two epochs: 6 batches of 4 per rank, 2 per step
 DELAYED_WARMUP = 2  # with delayed: the synchronous steps before each offloaded update is delayed
@@ -63,6 +63,7 @@ OPTIMIZERS = {
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
     "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
     "whole_norms": lambda ps: WholeTensorNorms(ps, lr=1e-2),
+    "lamb": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.3),
 }
 
 
