@@ -75,7 +75,8 @@ from lightning_fastopt.offload.share_layout import ShareLayout
 from lightning_fastopt.offload.share_updates import ShareUpdates
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.schedule import CpuStepSchedule
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others
+from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_by_others,
+                                             written_in_bucket)
 from lightning_fastopt.offload.speculative import SpeculativeStep, afford_speculation
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
@@ -402,6 +403,7 @@ class OffloadOptimizer(OptimizerWrapper):
         out = self.updates.norm_sums(self._device_inner, self._device_slots, grad_scale, context)
         for bucket in self._buckets:
             self.copies.wait_on_host(bucket.grads_ready)
+            self._refresh_written(written_in_bucket(bucket))  # (as its update would first)
             out.update(self.updates.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
         return out
 
