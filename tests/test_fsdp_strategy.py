@@ -191,14 +191,20 @@ def test_half_weights_on_one_rank_end_where_fastopt_ends_in_one_process(run, pre
 
 
 @slow
-def test_lamb_on_one_rank_ends_where_fastopt_ends_in_one_process(run):
+def test_lamb_on_one_rank_ends_where_fastopt_ends_in_one_process(run, tmp_path_factory):
     """FusedLAMB, whose trust ratios and clipping norm span whole parameters: each rank's
     sums over its rows are added over the ranks (``tests/test_fsdp_local_shards.py`` has two
     ranks against the unsharded model, within a tolerance); on one rank they are the whole
     parameters', and the run ends on the bits of ``FastOptStrategy`` in one process
-    (clipping by ``gradient_clip_val`` and LAMB's own ``max_grad_norm``, accumulation)."""
+    (clipping by ``gradient_clip_val`` and LAMB's own ``max_grad_norm``, accumulation).
+    ``stream_cpu_step=True`` is not used with it (the norms are summed when the step
+    starts), as one log line says."""
     flags = ("devices=1", "no-distributed-sampler")
-    _assert_same(run("fastopt-0.5", "lamb", *flags), run("single-0.5", "lamb", *flags))
+    out = tmp_path_factory.mktemp("fsdp-lamb") / "run.pt"
+    proc = run_script(SCRIPT, "fastopt-0.5", "lamb", out, *flags, "stream_cpu_step")
+    assert ("stream_cpu_step=True not used: FusedLAMB reads norms over whole parameters, summed over every rank's "
+            "rows when the step starts") in proc.stderr
+    _assert_same([torch.load(f"{out}.rank0", weights_only=True)], run("single-0.5", "lamb", *flags))
 
 
 @slow

@@ -16,13 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fastopt.core.param_checks import check_parameters
 from lightning_fastopt.fsdp.row_steps import steps_rows
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.optim.base import FusedOptimizer
+from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
 from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
 __all__ = ["FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
-           "in_place_refusals", "register_fsdp_names", "register_names", "stream_arguments",
+           "in_place_refusals", "register_fsdp_names", "register_names", "rows_refusals", "stream_arguments",
            "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
@@ -144,6 +144,15 @@ def in_place_refusals(offload_fraction: float, device: torch.device, copy_on_cpu
     :func:`stream_arguments`): nothing offloaded, or a CPU run updating in place."""
     return [("nothing is offloaded", offload_fraction == 0),
             ("a CPU run updates in place, with nothing to copy", device.type == "cpu" and not copy_on_cpu)]
+
+
+def rows_refusals(fused: FusedOptimizer) -> list[tuple[str, bool]]:
+    """The reason not to stream the CPU step on FSDP2's rows that an optimizer may give (for
+    :func:`stream_arguments`): norms over whole parameters, summed over every rank's rows
+    when the step starts (LAMB, LARS)."""
+    spans = fused.whole_tensor_norms or needs_step_context(fused)
+    return [(f"{type(fused).__name__} reads norms over whole parameters, summed over every rank's rows when the "
+             "step starts", spans)]
 
 
 def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:

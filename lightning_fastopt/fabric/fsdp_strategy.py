@@ -30,8 +30,8 @@ from typing_extensions import override
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, say_runs_as_torch,
-                                            stream_arguments)
+from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, rows_refusals,
+                                            say_runs_as_torch, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
@@ -151,7 +151,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         streams = {}
         if self.options.stream_cpu_step and self.offload_fraction > 0:
             streams = stream_arguments("been reduce-scattered",
-                                       [("clipping or fp16 loss scaling, where the loop applies them", True)])
+                                       [("clipping or fp16 loss scaling, where the loop applies them", True)],
+                                       rows_refusals(fused))
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
                                      **offload_arguments(self.options), **streams)

@@ -37,7 +37,7 @@ from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, in_place_refusals, register_fsdp_names,
-                                            stream_arguments)
+                                            rows_refusals, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
@@ -185,9 +185,12 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
         device_grads = self._device_grads(trainer)
-        self._take_over_optimizers(lambda opt: LocalShardOptimizer(
-            fused_for(opt, module, self.precision_plugin.precision), names, device_grads=device_grads,
-            **offload_arguments(self.options), **self._streams(trainer, device_grads)))
+        def engine(opt) -> LocalShardOptimizer:
+            fused = fused_for(opt, module, self.precision_plugin.precision)
+            return LocalShardOptimizer(fused, names, device_grads=device_grads, **offload_arguments(self.options),
+                                       **self._streams(trainer, device_grads, fused))
+
+        self._take_over_optimizers(engine)
         self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
 
     @override
@@ -220,12 +223,13 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                            "FastOptFSDPStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
         return "copy_when_reduced"
 
-    def _streams(self, trainer, device_grads: str) -> dict[str, bool]:
-        """``stream_cpu_step``'s arguments for the local optimizers, said in one line."""
+    def _streams(self, trainer, device_grads: str, fused) -> dict[str, bool]:
+        """``stream_cpu_step``'s arguments for the local optimizer of ``fused``, said in one line."""
         if not self.options.stream_cpu_step:
             return {}
         refusals = [("user code reads gradients before the step", device_grads != "copy_when_reduced"),
-                    *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu)]
+                    *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu),
+                    *rows_refusals(fused)]
         return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals)
 
     @override
