@@ -11,14 +11,12 @@ run there.  Two ranks average their halves of each batch of 16, summing in anoth
 Adam's tolerance everywhere (rtol 1.3e-6, atol 1e-5), and both ranks end bit-identical."""
 
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import subprocess_env
+from tests.helpers import run_script
 
 # real processes: README's test command leaves these to CI (pytest -m slow)
 pytestmark = pytest.mark.slow
@@ -36,10 +34,7 @@ def run(tmp_path_factory):
     def get(strategy, devices):
         if (strategy, devices) not in done:
             out = tmp_path_factory.mktemp(strategy) / "weights.pt"
-            proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--devices", str(devices), "--strategy",
-                                   strategy], cwd=REPO, env=subprocess_env(REPO), capture_output=True, text=True,
-                                  timeout=600)
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            run_script(SCRIPT, out, "--devices", devices, "--strategy", strategy, ranks=devices)  # started at once
             ranks = [torch.load(out, weights_only=True)]
             ranks += [torch.load(f"{out}.rank{r}", weights_only=True) for r in range(1, devices)]
             done[strategy, devices] = ranks

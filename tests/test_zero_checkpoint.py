@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_fastopt import checkpoint as ck
-from tests.helpers import subprocess_env
+from tests.helpers import run_script, subprocess_env
 
 # real processes: README's test command leaves these to CI (pytest -m slow)
 pytestmark = pytest.mark.slow
@@ -28,9 +28,9 @@ EPOCH_2 = "epoch=1-step=16.ckpt"
 
 
 def _run(out, *args):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], cwd=REPO, env=subprocess_env(REPO),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The script's run on ``--devices`` processes, started at once (``tests.helpers.run_script``)."""
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+    run_script(SCRIPT, out, *args, ranks=devices)
     return torch.load(out / "final.pt", weights_only=True)
 
 
