@@ -10,11 +10,14 @@ unsharded gradients of the layers in flight) are not included.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
+from lightning_fastopt.fsdp.tensor_parallel_pieces import tensor_parallel_pieces
 from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.zero.partition import assign_owners
 
@@ -60,7 +63,8 @@ class MemoryEstimate:
 
 def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, precision: str = "16-mixed",
                     optimizer: str = "adam", amsgrad: bool = False, speculate: bool = False, zero_stage: int = 0,
-                    world_size: int = 1, rank: int | None = None) -> MemoryEstimate:
+                    world_size: int = 1, rank: int | None = None, tensor_parallel_size: int = 1,
+                    tensor_parallel_plan: Mapping[str, Any] | None = None) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
     rank.
@@ -95,7 +99,13 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       chunked as ``fully_shard`` chunks it; the padding of the last chunk not counted),
       their gradients until ``zero_grad`` (offloaded ones too: they are copied to the host
       at the step), and the masters and state of those rows, ``offload_fraction`` of them
-      in host memory.
+      in host memory.  With tensor parallelism (``tensor_parallel_size`` of the
+      ``world_size`` processes, the mesh Lightning's ``ModelParallelStrategy`` makes:
+      rank = data-parallel rank * tensor_parallel_size + tensor-parallel rank), give the
+      plan ``configure_model`` hands ``parallelize_module`` (``tensor_parallel_plan``):
+      each parameter's tensor-parallel piece is then sharded by FSDP over the
+      ``world_size // tensor_parallel_size`` data-parallel ranks
+      (:mod:`~lightning_fastopt.fsdp.tensor_parallel_pieces`).
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -105,10 +115,13 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     state_tensors = _STATE_TENSORS[key] + (1 if amsgrad and key in ("adam", "adamw") else 0)
     params = [p for p in model.parameters() if p.requires_grad]
     owners = _owners(params, zero_stage, world_size, rank)
-    if zero_stage == 3:  # each rank its rows of every parameter
+    tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
+    if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
-        each = [_rank_estimate(_local_rows(params, r, world_size), [True] * len(params), offload_fraction,
-                               state_tensors, speculate, 3, world_size, r, sum(p.numel() for p in params))
+        each = [_rank_estimate(_local_rows(_tensor_parallel_pieces(model, params, tensor_parallel_plan, tp, r % tp),
+                                           r // tp, world_size // tp),
+                               [True] * len(params), offload_fraction, state_tensors, speculate, 3, world_size, r,
+                               sum(p.numel() for p in params))
                 for r in ranks]
         return max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
 
@@ -167,6 +180,29 @@ def _owners(params: list[torch.Tensor], zero_stage: int, world_size: int, rank: 
     if zero_stage in (0, 3) or world_size == 1:
         return None
     return assign_owners([p.numel() for p in params], world_size)
+
+
+def _check_tensor_parallel(size: Any, plan: Any, zero_stage: int, world_size: int) -> int:
+    """``tensor_parallel_size`` checked with the plan and the other arguments; returns it."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1 that divides world_size ({world_size}), "
+                         f"got {size!r}")
+    if size > 1 and (zero_stage != 3 or plan is None):
+        raise ValueError(f"tensor_parallel_size={size} is for zero_stage=3 (fastopt_fsdp) with the "
+                         "tensor_parallel_plan configure_model gives parallelize_module")
+    if plan is not None and size == 1:
+        raise ValueError("tensor_parallel_plan needs tensor_parallel_size > 1 (the processes that split each "
+                         "parameter)")
+    return size
+
+
+def _tensor_parallel_pieces(model: torch.nn.Module, params: list[torch.Tensor], plan: Mapping[str, Any] | None,
+                            size: int, rank: int) -> list[torch.Tensor]:
+    """Each of ``params``' piece on tensor-parallel rank ``rank`` (itself without a plan)."""
+    if plan is None:
+        return params
+    pieces = tensor_parallel_pieces(model, plan, size, rank)
+    return [pieces[p] for p in params]
 
 
 def _local_rows(params: list[torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:

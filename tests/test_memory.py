@@ -110,6 +110,64 @@ def test_an_fsdp_estimate_is_what_each_rank_holds(tmp_path):
     assert "ZeRO stage 3, rank 0 of 2: a shard of" in str(default) and "rows of every parameter" in str(default)
 
 
+@pytest.mark.slow  # four processes
+def test_an_fsdp_estimate_with_tensor_parallelism_is_what_each_rank_holds(tmp_path):
+    """Four gloo processes on a (2, 2) mesh: the embedding's rows (17: 9 and 8), the first
+    Linear's rows and the second's columns split over the tensor-parallel pair, the
+    LayerNorm and the second Linear's bias whole on both, each piece sharded by FSDP over
+    the data-parallel pair (9 rows: 5 and 4), a LocalShardOptimizer at 0.5: each rank's
+    rows, gradients, offloaded share, masters and state are its estimate given the same
+    plan (``tensor_parallel_size=2``, ``tensor_parallel_plan``)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    from zero_memory_run import tp_model, tp_plan
+
+    run_script(REPO / "tests/scripts/zero_memory_run.py", tmp_path, "3tp", "0.5", timeout=300)
+    model, ranks = tp_model(), []
+    for rank in range(4):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        est = estimate_memory(model, offload_fraction=0.5, optimizer="adam", amsgrad=True, zero_stage=3,
+                              world_size=4, rank=rank, tensor_parallel_size=2, tensor_parallel_plan=tp_plan())
+        assert (est.owned_params, est.offloaded_params) == (got["owned"], got["offloaded"]) and got["owned"] == got["rows"]
+        expected = est.cpu_total + est.gpu["master_weights"] + est.gpu["optimizer_state"]
+        assert 0 <= got["allocated"] - expected <= got["padding"]
+        assert est.gpu["params"] == 4 * got["rows"] and est.gpu["grads"] == 4 * got["grad_rows"]
+        ranks.append(est)
+    assert len({e.owned_params for e in ranks}) == 3  # uneven pieces and rows: 205, 197, 180, 180
+    assert estimate_memory(model, offload_fraction=0.5, optimizer="adam", amsgrad=True, zero_stage=3, world_size=4,
+                           tensor_parallel_size=2, tensor_parallel_plan=tp_plan()) == ranks[0]
+
+
+def test_tensor_parallel_pieces_follow_torchs_styles():
+    """Without processes: each style's split (SequenceParallel replicates, a wildcard path
+    matches each block), and what the estimate refuses, by name."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from lightning_fastopt.fsdp.tensor_parallel_pieces import tensor_parallel_pieces
+
+    blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(6), "up": nn.Linear(6, 10), "down": nn.Linear(10, 6)})
+                           for _ in range(2))
+    model = nn.ModuleDict({"embed": nn.Embedding(11, 6), "blocks": blocks})
+    plan = {"embed": ColwiseParallel(), "blocks.*.norm": SequenceParallel(), "blocks.*.up": ColwiseParallel(),
+            "blocks.*.down": RowwiseParallel()}
+    shapes = [{n: tuple(t.shape) for n, t in zip(dict(model.named_parameters()),
+                                                 tensor_parallel_pieces(model, plan, 3, r).values())} for r in range(3)]
+    assert [s["embed.weight"] for s in shapes] == [(11, 2), (11, 2), (11, 2)]
+    assert [s["blocks.1.up.weight"] for s in shapes] == [(4, 6), (4, 6), (2, 6)]
+    assert [s["blocks.1.up.bias"] for s in shapes] == [(4,), (4,), (2,)]
+    assert [s["blocks.0.down.weight"] for s in shapes] == [(6, 4), (6, 4), (6, 2)]
+    assert {s["blocks.0.down.bias"] for s in shapes} == {(6,)} and {s["blocks.1.norm.weight"] for s in shapes} == {(6,)}
+    with pytest.raises(ValueError, match=r"tensor_parallel_plan\['blocks.0.norm'\]: ColwiseParallel on LayerNorm"):
+        tensor_parallel_pieces(model, {"blocks.0.norm": ColwiseParallel()}, 2, 0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is for zero_stage=3"):
+        estimate_memory(model, zero_stage=2, world_size=4, tensor_parallel_size=2, tensor_parallel_plan=plan)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int >= 1 that divides world_size \(4\)"):
+        estimate_memory(model, zero_stage=3, world_size=4, tensor_parallel_size=3, tensor_parallel_plan=plan)
+    with pytest.raises(ValueError, match="tensor_parallel_plan needs tensor_parallel_size > 1"):
+        estimate_memory(model, zero_stage=3, world_size=4, tensor_parallel_plan=plan)
+
+
 def test_the_default_rank_is_the_one_needing_the_most_accelerator_memory():
     """Offloading whole tensors from the end of each shard: rank 0 owns the most elements
     (61 + 40) but offloads all of them at 0.5, rank 1 (10 + 89) keeps 10 on the GPU.  The
