@@ -90,12 +90,13 @@ def run_script(*args, timeout: int = 600, ranks: int | None = None):
 
     ``ranks``: None, the script alone is started (a Lightning run of several processes
     starts the others itself: Lightning's launcher); a number, the script is one process
-    of a Lightning run of that many on this machine, and all of them start at once, each with the variables Lightning's launcher
-    gives the processes it starts (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
-    ``NODE_RANK``, ``LOCAL_RANK``), as torchrun or a cluster's scheduler starts them:
-    Lightning then starts none.  Started by Lightning, rank 1 waits for rank 0 to import
-    and build its Trainer, which took half of a two-process run's 8 s on 2 cores.  Rank
-    0's process is returned (its output holds the run's log lines)."""
+    of a Lightning run of that many on this machine, and all of them start at once, each
+    with the variables Lightning's launcher gives the processes it starts
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``, ``LOCAL_RANK``), as
+    torchrun or a cluster's scheduler starts them: Lightning then starts none.  Started by
+    Lightning, rank 1 waits for rank 0 to import and build its Trainer, which took half of
+    a two-process run's 8 s on 2 cores.  Rank 0's process is returned (its output holds
+    the run's log lines)."""
     import subprocess
     import sys
     import tempfile

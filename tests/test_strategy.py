@@ -248,7 +248,7 @@ def test_a_model_on_the_cpu_keeps_torchs_thread_count_unless_cpu_threads_is_give
     bits of a reduction can depend on it (a LayerNorm's gradient under sequence parallelism
     ended 1e-9 away from ``ModelParallelStrategy``'s, whose second process keeps torch's
     default, until 2026-11-27).  Without ``cpu_threads`` the run keeps the count Lightning
-    left; with it, the step (and torch) get that many."""
+    left (with it, the step and torch get that many: ``test_wall_clock_breakdown_and_cpu_threads``)."""
     probe, before = _ThreadProbe(), torch.get_num_threads()
     kept = 1 if default_cpu_threads(1) > 1 else 2  # a count the strategy's default would change
     torch.set_num_threads(kept)
