@@ -37,8 +37,8 @@ import json
 import multiprocessing
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -260,22 +260,21 @@ def child(config: str, args) -> dict:
 
 
 # ---------------------------------------------------------------------------- running one (parent)
-def run_subprocess(config: str, args) -> tuple[dict | None, str]:
-    """``config``'s row, run in a new interpreter (this script with ``--child``), and the
-    tail of what it printed."""
+def run_subprocess(config: str, args) -> tuple[dict | None, int, str]:
+    """``config``'s row (None where it failed), run in a new interpreter (this script with
+    ``--child``), its exit code and the tail of what it printed."""
     cmd = [sys.executable, __file__, "--child", config] + [
         f"--{k}={getattr(args, k)}" for k in ("layers", "width", "heads", "seq", "batch", "warmup", "steps")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return None, f"exit {proc.returncode}\n" + (proc.stderr or proc.stdout)[-2000:]
-    return json.loads(lines[-1][len("RESULT "):]), ""
+    row = json.loads(lines[-1][len("RESULT "):]) if proc.returncode == 0 and lines else None
+    return row, proc.returncode, (proc.stderr or proc.stdout)[-2000:]
 
 
 _FORK_PRELOAD = ["__main__", "lightning", "lightning_fastopt", "gpt"]  # imported once, by the fork server
 
 
-def run_forked(config: str, args) -> tuple[dict | None, str]:
+def run_forked(config: str, args) -> tuple[dict | None, int, str]:
     """As :func:`run_subprocess`, in a process forked from a server that imported torch,
     Lightning and lightning_fastopt once (multiprocessing's ``forkserver``): each row skips
     the interpreter's start and the imports, about 4.5 s a row on the 2-core dev machine of
@@ -293,9 +292,7 @@ def run_forked(config: str, args) -> tuple[dict | None, str]:
         except EOFError:  # it ended without sending one
             row = None
         proc.join()
-        if proc.exitcode != 0 or row is None:
-            return None, f"exit {proc.exitcode}\n" + Path(log.name).read_text()[-2000:]
-    return row, ""
+        return (row if proc.exitcode == 0 else None), proc.exitcode, Path(log.name).read_text()[-2000:]
 
 
 def _forked_child(config: str, args, log_path: str, send) -> None:
@@ -356,11 +353,11 @@ def main() -> None:
                 print(f"{config}: skipped (deepspeed is not installed)", flush=True)
                 continue
         began = time.perf_counter()
-        row, failure = (run_forked if args.tiny else run_subprocess)(config, args)
+        row, code, tail = (run_forked if args.tiny else run_subprocess)(config, args)
         wall = time.perf_counter() - began
         longest = max(longest, wall)
         if row is None:
-            print(f"{config}: FAILED ({wall:.0f} s, {failure}", flush=True)
+            print(f"{config}: FAILED (exit {code}, {wall:.0f} s)\n{tail}", flush=True)
             continue
         row["wall_s"] = wall  # the whole process: start, model, warm-up, timed steps
         rows.append(row)
