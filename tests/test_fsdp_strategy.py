@@ -301,6 +301,15 @@ def test_on_one_gpu_fastopt_fsdp_ends_where_model_parallel_strategy_ends(run, fr
                  run("reference", "adamw", *gpu))
 
 
+@slow
+def test_lamb_at_the_fraction_auto_chooses_keeps_the_whole_parameters_norms(run):
+    """``offload_fraction="auto"`` rebuilds each rank's local optimizer at the chosen
+    fraction for the last step: the rebuilt one sums the rows' norms over the ranks too
+    (it did not at first: 3e-5 off), so the run ends on the bits of a fixed fraction's
+    (the fraction does not change LAMB's bits here: 0 and 0.5 end alike)."""
+    _assert_same(run("fastopt-auto", "lamb"), run("fastopt-0.5", "lamb"))
+
+
 @pytest.mark.cuda
 def test_lamb_on_one_gpu_ends_near_fastopt_in_one_process(run):
     """FusedLAMB on one GPU: the device rows' updates take the norms summed over the ranks,

@@ -448,8 +448,9 @@ class OffloadOptimizer(OptimizerWrapper):
         delayed update moved over; the result is what this one would have computed.
         This one is closed."""
         check_range("offload_fraction", offload_fraction, 0.0, 1.0)
-        return EngineState(self).moved_to(type(self)(self.optimizer, self._param_names,
-                                                     offload_fraction=offload_fraction, **self._settings))
+        new = type(self)(self.optimizer, self._param_names, offload_fraction=offload_fraction, **self._settings)
+        new.before_updates = self.before_updates  # a wrapper's hook goes with it (LAMB's norms on FSDP's rows)
+        return EngineState(self).moved_to(new)
 
     # ------------------------------------------------------------------ teardown
     def close(self, apply_pending: bool = True) -> None:
