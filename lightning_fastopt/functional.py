@@ -412,8 +412,8 @@ def fused_lamb_(route, params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1,
 
     ``norms``: where ``params`` are pieces of larger tensors (FSDP2's rows), each whole
     tensor's (||p||^2, ||u||^2) (a float64 CPU tensor [len(params), 2], the pieces'
-    :func:`lamb_update_norms` summed), which the trust ratios then take; the CUDA kernels
-    take their own, so such a call runs on the host backends.
+    :func:`lamb_update_norms` summed), which the trust ratios then take (the CUDA kernels
+    round them to float32, where they keep their own per-chunk partial sums).
     """
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, param_copies=param_copies)
     if not len(params):
@@ -498,7 +498,7 @@ def fused_lars_(route, params, grads, momentum_buffers, *, lr, momentum=0.0, eet
     ``norms``: where ``params`` are pieces of larger tensors (FSDP2's rows), each whole
     tensor's (||g||^2 of the loss-scaled gradient, ||p||^2) (a float64 CPU tensor
     [len(params), 2], the pieces' :func:`square_sums` summed), which the local learning
-    rates then take; the CUDA kernels take their own, so such a call runs on the host backends."""
+    rates then take (the CUDA kernels round them to float32, as LAMB's)."""
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers, param_copies=param_copies)
     if not len(params):
         return False

@@ -312,11 +312,11 @@ def test_lamb_at_the_fraction_auto_chooses_keeps_the_whole_parameters_norms(run)
 
 @pytest.mark.cuda
 def test_lamb_on_one_gpu_ends_near_fastopt_in_one_process(run):
-    """FusedLAMB on one GPU: the device rows' updates take the norms summed over the ranks,
-    which the CUDA kernels do not take, so they run through the pure-PyTorch path, against
-    the CUDA kernels in one process: no exact reference (another implementation of the same
-    arithmetic), within 1e-5 after 6 steps of lr 1e-2 (not yet run on a GPU: planned in
-    ``benchmarks/gpu_session.sh rest``)."""
+    """FusedLAMB on one GPU: the device rows' updates take the norms summed over the ranks
+    (here one; LAMB's update norms from the pure-PyTorch path, given to the CUDA kernels,
+    which round them to float32), against the CUDA kernels' own norms in one process: no
+    exact reference, within 1e-5 after 6 steps of lr 1e-2 (not yet run on a GPU: planned
+    in ``benchmarks/gpu_session.sh rest``)."""
     flags = ("accelerator=cuda", "devices=1", "no-distributed-sampler")
     for a, b in zip(run("fastopt-0.5", "lamb", *flags), run("single-0.5", "lamb", *flags)):
         for key in (k for k in b if k.startswith("weight/")):

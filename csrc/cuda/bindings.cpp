@@ -83,7 +83,6 @@ struct CudaKernels {
   }
   void lion(const Slots& s, const LionArgs& a) const { cuda::lion_step(s, a, d, stream); }
   void lamb(const Slots& s, const LambArgs& a, const LambDeviceClip& device_clip, bool bias_correction) const {
-    if (a.norms) throw UnsupportedTensor("norms given: the CUDA LAMB kernels take their own");
     cuda::LambClip clip;
     clip.max_grad_norm = device_clip.max_grad_norm;
     clip.inv_grad_scale = device_clip.inv_grad_scale;
@@ -96,7 +95,6 @@ struct CudaKernels {
     cuda::lamb_step(s, a, clip, bias_correction, d, partials.data_ptr<float>(), stream);
   }
   void lars(const Slots& s, const LarsArgs& a) const {
-    if (a.norms) throw UnsupportedTensor("norms given: the CUDA LARS kernels take their own");
     at::Tensor partials = partials_for(s, like);
     cuda::lars_step(s, a, d, partials.data_ptr<float>(), stream);
   }

@@ -8,7 +8,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -204,6 +207,26 @@ inline std::vector<int32_t> chunk_bases(const Slots& slots) {
     total += chunks_of(slots[i].numel);
   }
   return base;
+}
+
+// Per-tensor squared norms given over whole tensors (LambArgs/LarsArgs::norms, a host
+// array of two per slot) written where the kernels keep their per-chunk partial sums:
+// each tensor's pair in its first chunk, zeros in the others, so that the sum the apply
+// pass takes of a tensor's partials (in double) is the pair, rounded to float.  Enqueued
+// on `stream` (the host buffer is staged before the call returns).
+inline void upload_given_norms(const Slots& slots, const double* norms, float* partials, cudaStream_t stream) {
+  const std::vector<int32_t> bases = chunk_bases(slots);
+  std::vector<float> host(static_cast<size_t>(std::max<int64_t>(1, 2 * total_chunks(slots))), 0.0f);
+  for (size_t t = 0; t < slots.size(); ++t) {
+    if (chunks_of(slots[t].numel) == 0) continue;  // nothing of it to update
+    host[2 * static_cast<size_t>(bases[t])] = static_cast<float>(norms[2 * t]);
+    host[2 * static_cast<size_t>(bases[t]) + 1] = static_cast<float>(norms[2 * t + 1]);
+  }
+  const cudaError_t err =
+      cudaMemcpyAsync(partials, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("lightning_fastopt: copying the given norms to the device failed: ") +
+                             cudaGetErrorString(err));
 }
 
 // The launch items of some slots (`which`, positions in `slots`), packed by Layout.

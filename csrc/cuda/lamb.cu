@@ -91,6 +91,7 @@ void lamb_step(const Slots& slots, const LambArgs& a, const LambClip& clip, bool
     using F = LambMoments<typename decltype(p)::type, typename decltype(g)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{m, d, partials}, stream, "lamb");
   });
+  if (a.norms) upload_given_norms(slots, a.norms, partials, stream);  // over the whole tensors (pieces here)
   for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto, auto c) {
     using F = LambApply<typename decltype(p)::type, typename decltype(c)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{m, d, partials}, stream, "lamb");

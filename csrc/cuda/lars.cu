@@ -1,6 +1,7 @@
 // LARS on the GPU, with the semantics of ../cpu/lars.cpp.  Pass 1 adds up ||g||^2 and
-// ||p||^2 per chunk; pass 2 has every block sum its tensor's partials (double, fixed
-// order), compute the local learning rate and apply the momentum update.
+// ||p||^2 per chunk (or the norms over whole tensors are given: upload_given_norms);
+// pass 2 has every block sum its tensor's partials (double, fixed order), compute the
+// local learning rate and apply the momentum update.
 #include <cmath>
 
 #include "elementwise.cuh"
@@ -69,10 +70,14 @@ void lars_step(const Slots& slots, const LarsArgs& a, const DeviceScalars& d, fl
                cudaStream_t stream) {
   const std::vector<int32_t> bases = chunk_bases(slots);
   const std::vector<std::vector<int32_t>> groups = group_by_dtypes(slots);
-  for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
-    using F = LarsNorms<typename decltype(p)::type, typename decltype(g)::type>;
-    launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{d, partials}, stream, "lars");
-  });
+  if (a.norms) {  // over the whole tensors, given (these are pieces of them)
+    upload_given_norms(slots, a.norms, partials, stream);
+  } else {
+    for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto) {
+      using F = LarsNorms<typename decltype(p)::type, typename decltype(g)::type>;
+      launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{d, partials}, stream, "lars");
+    });
+  }
   for_each_dtype_group(slots, groups, [&](const std::vector<int32_t>& which, auto p, auto g, auto c) {
     using F = LarsApply<typename decltype(p)::type, typename decltype(g)::type, typename decltype(c)::type>;
     launch_multi_tensor(layout_items<typename F::Layout>(slots, which, bases), F{lars_math(a), d, partials}, stream,
