@@ -289,12 +289,16 @@ def _lamb_moments(work, grads, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, weigh
 def lamb_norms_(params, grads, exp_avgs, exp_avg_sqs, beta1, beta2, beta3, eps, weight_decay, bias_correction1,
                 bias_correction2, grad_factor, adam_w_mode, maximize) -> torch.Tensor:
     """Per tensor (||p||^2, ||u||^2) of the update :func:`lamb_` would make, nothing written
-    (float64, shape [n, 2])."""
-    work = _f32(params)
-    m, v = [t.clone() for t in exp_avgs], [t.clone() for t in exp_avg_sqs]
-    _lamb_moments(work, grads, m, v, beta1, beta2, beta3, weight_decay, grad_factor, adam_w_mode, maximize)
-    update = _lamb_update(work, m, v, bias_correction1, bias_correction2, eps, weight_decay, adam_w_mode)
-    return torch.tensor(list(zip(sum_squares(work), sum_squares(update))), dtype=torch.float64).reshape(-1, 2)
+    (float64, shape [n, 2]); one tensor at a time (the temporaries: a few of the largest,
+    not a copy of the whole state)."""
+    sums = []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        work = _f32([p])
+        m, v = [m.clone()], [v.clone()]
+        _lamb_moments(work, [g], m, v, beta1, beta2, beta3, weight_decay, grad_factor, adam_w_mode, maximize)
+        update = _lamb_update(work, m, v, bias_correction1, bias_correction2, eps, weight_decay, adam_w_mode)
+        sums.append((sum_squares(work)[0], sum_squares(update)[0]))
+    return torch.tensor(sums, dtype=torch.float64).reshape(-1, 2)
 
 
 def lamb_(params, grads, exp_avgs, exp_avg_sqs, copies, lr, beta1, beta2, beta3, eps, weight_decay,
