@@ -170,7 +170,7 @@ def test_an_optimizer_whose_step_may_span_rows_runs_as_torch_on_the_dtensors(run
     in ``elementwise_optimizers`` it is stepped on the rows, as asked, and ends 3e-3 away:
     checked by hand with the script's ``elementwise=WholeTensorNorms``)."""
     out = tmp_path_factory.mktemp("fsdp-whole-norms") / "run.pt"
-    proc = run_script(SCRIPT, "fastopt-0.5", "whole_norms", out)
+    proc = run_script(SCRIPT, "fastopt-0.5", "whole_norms", out, ranks=2)
     assert "WholeTensorNorms runs as torch runs it, on the DTensor parameters, not offloaded" in proc.stderr
     _assert_same([torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)], run("reference", "whole_norms"))
 
@@ -201,7 +201,7 @@ def test_lamb_on_one_rank_ends_where_fastopt_ends_in_one_process(run, tmp_path_f
     starts), as one log line says."""
     flags = ("devices=1", "no-distributed-sampler")
     out = tmp_path_factory.mktemp("fsdp-lamb") / "run.pt"
-    proc = run_script(SCRIPT, "fastopt-0.5", "lamb", out, *flags, "stream_cpu_step")
+    proc = run_script(SCRIPT, "fastopt-0.5", "lamb", out, *flags, "stream_cpu_step", ranks=1)
     assert ("stream_cpu_step=True not used: FusedLAMB reads norms over whole parameters, summed over every rank's "
             "rows when the step starts") in proc.stderr
     _assert_same([torch.load(f"{out}.rank0", weights_only=True)], run("single-0.5", "lamb", *flags))
