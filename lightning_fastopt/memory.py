@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
-from lightning_fastopt.fsdp.tensor_parallel_pieces import tensor_parallel_pieces
+from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
 from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.zero.partition import assign_owners
 
@@ -212,9 +212,7 @@ def _local_rows(params: list[torch.Tensor], rank: int, world_size: int) -> list[
     local = []
     for p in params:
         shape = tuple(p.shape) or (1,)
-        chunk = -(-shape[0] // world_size)
-        rows = max(0, min(shape[0], (rank + 1) * chunk) - rank * chunk)
-        local.append(torch.empty((rows, *shape[1:]), dtype=p.dtype, device="meta"))
+        local.append(torch.empty((chunk_length(shape[0], world_size, rank), *shape[1:]), dtype=p.dtype, device="meta"))
     return local
 
 

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fastopt.core.param_checks import check_parameters
 from lightning_fastopt.fsdp.row_steps import steps_rows
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
+from lightning_fastopt.optim.base import FusedOptimizer, spans_parameters
 from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
@@ -150,9 +150,8 @@ def rows_refusals(fused: FusedOptimizer) -> list[tuple[str, bool]]:
     """The reason not to stream the CPU step on FSDP2's rows that an optimizer may give (for
     :func:`stream_arguments`): norms over whole parameters, summed over every rank's rows
     when the step starts (LAMB, LARS)."""
-    spans = fused.whole_tensor_norms or needs_step_context(fused)
     return [(f"{type(fused).__name__} reads norms over whole parameters, summed over every rank's rows when the "
-             "step starts", spans)]
+             "step starts", spans_parameters(fused))]
 
 
 def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:

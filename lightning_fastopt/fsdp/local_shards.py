@@ -58,7 +58,7 @@ from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.grad_norms import by_device_and_dtype
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
-                                          needs_step_context)
+                                          needs_step_context, spans_parameters)
 from lightning_fastopt.runtime.distributed import all_reduce_scalar, world_size
 
 __all__ = ["LocalShardOptimizer", "local_alias"]
@@ -103,9 +103,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
-        spans = optimizer.whole_tensor_norms or needs_step_context(optimizer)
         early = [k for k in ("stream_cpu_step", "delayed_update") if offload_args.get(k)]
-        if spans and early:
+        if spans_parameters(optimizer) and early:
             raise ValueError(f"{type(optimizer).__name__} takes norms over whole parameters or over every gradient "
                              "(LAMB's and LARS's trust ratios, LAMB's clipping), summed over every rank's rows when the "
                              f"step starts: {' and '.join(f'{k}=True' for k in early)} (updating rows before that) "
@@ -230,8 +229,7 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         sum of squares over every rank's rows, in the parameters' order."""
         grads = self.local.gradients_by_param()
         local = dict(zip(grads, (torch.tensor([s], dtype=torch.float64) for s in square_sums(list(grads.values())))))
-        totals = _summed_over_shards({p: local.get(self._alias[p], torch.zeros(1, dtype=torch.float64))
-                                      for p in self._params})
+        totals = self._over_every_rank(local, 1)
         return self.local.optimizer.step_context_of_square_sums([float(totals[p]) for p in self._params], grad_scale)
 
     def _give_whole_tensor_norms(self, grad_scale, context) -> None:
@@ -239,9 +237,15 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         LAMB's or LARS's update reads, over this rank's rows, summed over every rank's, given
         to the updates (so that the trust ratios are the whole parameter's)."""
         local = self.local.norm_sums(grad_scale, context)
-        zeros = torch.zeros(2, dtype=torch.float64)  # a parameter with no gradient here: every rank takes part
-        totals = _summed_over_shards({p: local.get(self._alias[p], zeros) for p in self._params})
+        totals = self._over_every_rank(local, 2)
         self.local.give_norms({self._alias[p]: totals[p] for p in self._params if self._alias[p] in local})
+
+    def _over_every_rank(self, local: Mapping[Tensor, Tensor], width: int) -> dict[Tensor, Tensor]:
+        """Each parameter's ``width`` sums over this rank's rows (``local``, keyed by alias;
+        zeros for one without a gradient here: every rank takes part in the same
+        collectives) summed over every rank's rows (:func:`_summed_over_shards`)."""
+        zeros = torch.zeros(width, dtype=torch.float64)
+        return _summed_over_shards({p: local.get(self._alias[p], zeros) for p in self._params})
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["tensor_parallel_pieces"]
+__all__ = ["chunk_length", "tensor_parallel_pieces"]
 
 # (style, module type) -> {parameter name: the dimension split}; a name not listed is replicated
 _SPLITS = {
@@ -66,9 +66,16 @@ def _style_of(path: str, plan: Mapping[str, Any]):
     return None
 
 
+def chunk_length(length: int, pieces: int, index: int) -> int:
+    """The length of piece ``index`` of ``pieces`` when ``torch.chunk`` splits ``length``
+    (pieces of ``ceil(length / pieces)``, the last ones shorter or empty): DTensor's
+    ``Shard`` and ``fully_shard``'s rows."""
+    chunk = -(-length // pieces)
+    return max(0, min(length, (index + 1) * chunk) - index * chunk)
+
+
 def _piece(param: torch.Tensor, dim: int | None, size: int, rank: int) -> torch.Tensor:
     shape = list(param.shape)
     if dim is not None:
-        chunk = -(-shape[dim] // size)
-        shape[dim] = max(0, min(shape[dim], (rank + 1) * chunk) - rank * chunk)
+        shape[dim] = chunk_length(shape[dim], size, rank)
     return torch.empty(shape, dtype=param.dtype, device="meta")

@@ -389,7 +389,8 @@ class OffloadOptimizer(OptimizerWrapper):
         with timer.phase("gpu_step"):
             written = self.updates.step_inner(self._device_inner, self._device_slots, grad_scale, context)
         host_written, host_sent = self.schedule.host_step(grad_scale, context)
-        self.give_norms(None)
+        if self.before_updates is not None:
+            self.give_norms(None)
         self._end_step(written + host_written + sent, sent_buckets + host_sent)
         return False
 

@@ -429,3 +429,10 @@ def copy_hyperparameters(into: torch.optim.Optimizer, groups: list[dict[str, Any
 def needs_step_context(optimizer: FusedOptimizer) -> bool:
     """Whether the optimizer computes something over every gradient before stepping."""
     return type(optimizer).step_context is not FusedOptimizer.step_context
+
+
+def spans_parameters(optimizer: FusedOptimizer) -> bool:
+    """Whether the optimizer's update reads norms over whole parameters or something over
+    every gradient (LAMB, LARS): pieces of parameters (FSDP2's rows) need those summed
+    over the pieces before any is updated."""
+    return optimizer.whole_tensor_norms or needs_step_context(optimizer)
