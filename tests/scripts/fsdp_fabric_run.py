@@ -6,14 +6,16 @@ that only rank 0 holds), clipping by norm and gradient accumulation.
     python tests/scripts/fsdp_fabric_run.py STRATEGY OUT [resume:FIRST] [checkpoint=full] [grads=free|stream]
 
 STRATEGY: ``reference`` or ``fastopt-<fraction>`` (``copy_on_cpu=True``), or
-``fastopt-<fraction>-classes`` (no ``parallelize_fn``: the strategy shards each Linear).
+``fastopt-<fraction>-classes`` (no ``parallelize_fn``: the strategy shards each Linear),
+or ``single-<fraction>``: one process under ``FastOptFabricStrategy`` (nothing sharded),
+each step's micro-batch both ranks' batches together.
 Writes OUT.rank<r>: the full weights and optimizer state (gathered DTensors) after
 :data:`STEPS` steps.  With ``resume:FIRST``: the loop under FIRST saves a checkpoint
 (``fabric.save``) after half the steps and stops; a new Fabric under STRATEGY loads it
 and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded gradients leave
 during backward); ``grads=stream``: and ``stream_cpu_step=True``.  ``optimizer=whole_norms``:
 a user's optimizer whose step takes norms over whole parameters (``tests.references.WholeTensorNorms``)
-instead of AdamW.  ``tp=2``: 2-way tensor parallelism (``parallelize_module`` in ``parallelize_fn``,
+instead of AdamW; ``optimizer=lamb``: ``FusedLAMB`` (trust ratios and clipping over whole parameters).  ``tp=2``: 2-way tensor parallelism (``parallelize_module`` in ``parallelize_fn``,
 then FSDP over the one-way data-parallel dimension).
 """
 
@@ -31,11 +33,16 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import finish_process  # noqa: E402
 from tests.references import WholeTensorNorms  # noqa: E402
-from lightning_fastopt import FastOptFabricFSDPStrategy  # noqa: E402
+from lightning_fastopt import FastOptFabricFSDPStrategy, FastOptFabricStrategy, FusedLAMB  # noqa: E402
 
 STEPS = 6
 MICRO_BATCHES = 2
-WHOLE_NORMS = False  # with optimizer=whole_norms: tests.references.WholeTensorNorms, not AdamW
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    "whole_norms": lambda ps: WholeTensorNorms(ps, lr=1e-2),
+    "lamb": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.3),
+}
+OPTIMIZER = "adamw"  # optimizer=NAME
 TENSOR_PARALLEL = 1  # with tp=2: 2-way tensor parallelism (even widths, the output summed)
 
 
@@ -58,7 +65,9 @@ def _strategy(name, full, options):
         return ModelParallelStrategy(_parallelize, data_parallel_size=2 // TENSOR_PARALLEL,
                                      tensor_parallel_size=TENSOR_PARALLEL,
                                      save_distributed_checkpoint=not full)
-    _, fraction, *form = name.split("-")
+    kind, fraction, *form = name.split("-")
+    if kind == "single":
+        return FastOptFabricStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005)
     if form:
         return FastOptFabricFSDPStrategy(offload_fraction=float(fraction), copy_on_cpu=True, bucket_size_mb=0.0005,
                                          auto_wrap_policy={nn.Linear}, save_distributed_checkpoint=not full,
@@ -74,23 +83,29 @@ def _batches(rank):
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS * MICRO_BATCHES)]
 
 
+def _both_ranks_batches():
+    """One process's: each micro-batch both ranks' (the mean loss over both is the mean of theirs)."""
+    return [tuple(torch.cat(pair) for pair in zip(*b)) for b in zip(_batches(0), _batches(1))]
+
+
 def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _run(name, full, first_step, last_step, load=None, save=None, options=None):
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=_strategy(name, full, options or {}))
+    single = name.startswith("single")
+    fabric = L.Fabric(accelerator="cpu", devices=1 if single else 2, strategy=_strategy(name, full, options or {}))
     fabric.launch()
     torch.manual_seed(0)
     tp = TENSOR_PARALLEL > 1  # DTensor's matmul refuses an uneven split: 32 columns, 2 outputs summed
     model = fabric.setup_module(nn.Sequential(nn.Linear(8, 32 if tp else 33), nn.Tanh(), nn.Linear(32 if tp else 33, 16),
                                               nn.Tanh(), nn.Linear(16, 2 if tp else 1)))
-    optimizer = fabric.setup_optimizers(WholeTensorNorms(model.parameters(), lr=1e-2) if WHOLE_NORMS else
-                                        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    optimizer = fabric.setup_optimizers(OPTIMIZERS[OPTIMIZER](model.parameters()))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if load is not None:
         fabric.load(load, state)
-    batches = _batches(fabric.global_rank // TENSOR_PARALLEL)  # a tensor-parallel group sees the same batches
+    # a tensor-parallel group sees the same batches
+    batches = _both_ranks_batches() if single else _batches(fabric.global_rank // TENSOR_PARALLEL)
     for step in range(first_step, last_step):
         for i in range(MICRO_BATCHES):
             x, y = batches[step * MICRO_BATCHES + i]
@@ -114,8 +129,8 @@ def main():
                    (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
     options.update(a.split("=", 1) for a in extra if a.startswith("host_state_dtype="))
     resume = next((a for a in extra if a.startswith("resume:")), None)
-    global WHOLE_NORMS, TENSOR_PARALLEL
-    WHOLE_NORMS = "optimizer=whole_norms" in extra
+    global OPTIMIZER, TENSOR_PARALLEL
+    OPTIMIZER = next((a.partition("=")[2] for a in extra if a.startswith("optimizer=")), OPTIMIZER)
     TENSOR_PARALLEL = 2 if "tp=2" in extra else 1
     if resume:
         path = Path(f"{out}.ckpt")
