@@ -136,5 +136,11 @@ def test_registered_with_fabric_and_bad_arguments_refused():
         FastOptFabricFSDPStrategy(tensor_paralel_size=1)
     with pytest.raises(ValueError, match="stream_cpu_step=True .* needs keep_gradients=False"):
         FastOptFabricFSDPStrategy(stream_cpu_step=True)
+    for argument, why in (("forward_waits", "FSDP gathers each module's weights on streams of its own"),
+                          ("zero_stage", "FSDP shards the parameters, gradients and optimizer state itself"),
+                          ("delayed_update", "the delayed update is for the Trainer"),
+                          ("gpu_memory_budget_gb", "it is offload_fraction='auto''s, which is for the Trainer")):
+        with pytest.raises(ValueError, match=f"FastOptFabricFSDPStrategy does not take {argument} .*: {why}"):
+            FastOptFabricFSDPStrategy(**{argument: 1})
     with pytest.raises(RuntimeError, match="set the model up first"):
         FastOptFabricFSDPStrategy().setup_optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]))

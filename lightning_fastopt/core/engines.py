@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
-__all__ = ["FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
+__all__ = ["FSDP_DOES_NOT_TAKE", "FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
            "in_place_refusals", "register_fsdp_names", "register_names", "rows_refusals", "stream_arguments",
            "wrap_fused_optimizer"]
 
@@ -69,10 +69,25 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
                         "DDPStrategy's and DistributedDataParallel's")
 
 
-def check_passed_kwargs(kwargs: dict[str, Any], takers: tuple[Any, ...], ours: type, whose: str) -> None:
+FSDP_DOES_NOT_TAKE = {
+    "zero_stage": "FSDP shards the parameters, gradients and optimizer state itself (ZeRO stage 3)",
+    "forward_waits": "FSDP gathers each module's weights on streams of its own, which wait for the optimizer step "
+                     "once per forward, at the root module, so a module's forward cannot wait for its own weights "
+                     "alone; new weights are all in place when the next forward starts",
+}
+"""Our DDP strategies' arguments that the FSDP strategies do not take, and why."""
+
+
+def check_passed_kwargs(kwargs: dict[str, Any], takers: tuple[Any, ...], ours: type, whose: str,
+                        not_taken: Mapping[str, str] | None = None) -> None:
     """Refuse the ``**kwargs`` a strategy passes on that none of ``takers`` (functions)
     accepts, suggesting the nearest name (among ``ours``'s arguments too); ``whose`` says
-    whose arguments it accepts besides its own."""
+    whose arguments it accepts besides its own.  ``not_taken``: arguments of our other
+    strategies that this one does not take, each refused with its reason."""
+    for name, why in (not_taken or {}).items():
+        if name in kwargs:
+            raise ValueError(f"{ours.__name__} does not take {name} ({name}={kwargs[name]!r}): {why}")
+
     def names(fn) -> set[str]:
         return {n for n, p in inspect.signature(fn).parameters.items()
                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"self", "module"}

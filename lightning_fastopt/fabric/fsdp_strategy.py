@@ -30,17 +30,23 @@ from typing_extensions import override
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, register_fsdp_names, rows_refusals,
+from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names, rows_refusals,
                                             say_runs_as_torch, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
+from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
 from lightning_fastopt.fsdp.row_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]
+
+_NOT_TAKEN = {**FSDP_DOES_NOT_TAKE, "delayed_update": f"the delayed update {DELAYED_UPDATE_IS_THE_TRAINERS}",
+              "delayed_update_warmup": f"the delayed update {DELAYED_UPDATE_IS_THE_TRAINERS}",
+              "gpu_memory_budget_gb": "it is offload_fraction='auto''s, which is for the Trainer (it times the step's "
+                                      "closure)"}
 
 
 class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
@@ -75,7 +81,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
-        check_passed_kwargs(kwargs, (), type(self), "Fabric's ModelParallelStrategy's")
+        check_passed_kwargs(kwargs, (), type(self), "Fabric's ModelParallelStrategy's", _NOT_TAKEN)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, or None, got "
                             f"{parallelize_fn!r}")

@@ -69,6 +69,9 @@ from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
+DELAYED_UPDATE_IS_THE_TRAINERS = (
+    "is for the Trainer, which gives the model the last update when training ends (a Fabric loop's end is not seen "
+    "by the strategy, so the weights would stay one update behind)")
 
 
 class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
@@ -97,9 +100,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
             raise ValueError(f"forward_waits={options.forward_waits!r} is for the Trainer (which knows what reads "
                              "the weights between steps); with Fabric leave it 'step'")
         if options.delayed_update:
-            raise ValueError("delayed_update=True is for the Trainer (which gives the model the last update when "
-                             "training ends; a Fabric loop's end is not seen by the strategy, so the weights would "
-                             "stay one update behind); with Fabric leave it False")
+            raise ValueError(f"delayed_update=True {DELAYED_UPDATE_IS_THE_TRAINERS}; with Fabric leave it False")
         self.options = options
         self._module: Module | None = None  # the user's module (names of parameters)
         self._wrappers: list[OptimizerWrapper] = []  # the engines of the optimizers set up, closed at teardown

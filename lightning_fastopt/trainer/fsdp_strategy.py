@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (check_passed_kwargs, fused_for, in_place_refusals, register_fsdp_names,
+from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals, register_fsdp_names,
                                             rows_refusals, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
@@ -117,7 +117,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
-        check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's")
+        check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's", FSDP_DOES_NOT_TAKE)
         ops.check_environment()
         options = StrategyOptions.for_fsdp(
             type(self).__name__, True, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
