@@ -5,8 +5,10 @@ Lightning projects).  Each test runs a project pattern under a fastopt strategy 
 torch's own ``step`` on the master weights, and the SGD kernels round as torch does.
 
 Strategies: the accelerator code path on the CPU (``copy_on_cpu=True``, half offloaded
-and all offloaded) and the plain CPU path (``fastopt_offload``: offloaded masters are
-the parameters themselves)."""
+and all offloaded) and the plain CPU path (``offload_fraction=1.0``: offloaded masters are
+the parameters themselves).  The test classes with a step of their own are named in
+``per_parameter_optimizers`` (:data:`PER_PARAMETER`), so that each share runs their step;
+not named, such a class runs as torch runs it."""
 
 import copy
 import pickle
@@ -28,11 +30,18 @@ from lightning_fastopt.optim.user_step import UserStepOptimizer
 from tests.helpers import assert_modules_equal, counting_checkpoint_io, said_lines
 from tests.references import GlobalNorm
 
+# the test classes below with a step of their own that updates each parameter alone: named, they
+# are stepped on the shares (each share's own step is what these tests check); not named, they
+# would run as torch runs them (test_an_own_step_not_named_runs_as_torch_and_ends_where_trainer_ends)
+PER_PARAMETER = ("LoggedSGD", "SignDescent", "NoGradAdamW", "DropsTheClosure", "PassesTheClosure", "RecordedSGD",
+                 "ScaledSGD", "SAM")
+
 STRATEGIES = {
     "part-offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=0.2, bucket_size_mb=0.0002,
-                                                               copy_on_cpu=True),
-    "offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True),
-    "offload-cpu-path": lambda: "fastopt_offload",
+                                                               copy_on_cpu=True, per_parameter_optimizers=PER_PARAMETER),
+    "offloaded-accelerator-path": lambda: FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True,
+                                                          per_parameter_optimizers=PER_PARAMETER),
+    "offload-cpu-path": lambda: FastOptStrategy(offload_fraction=1.0, per_parameter_optimizers=PER_PARAMETER),
 }
 
 
@@ -412,9 +421,7 @@ def test_the_log_says_which_optimizers_are_fused(caplog, monkeypatch):
     assert "RMSprop runs its own step on the master weights, where they live (not fused: no kernel for its " \
            "algorithm)" in text
     assert "LoggedSGD runs its own step on the master weights, where they live (not fused: it has its own step " \
-           "(not SGD's)); once for each share of its parameters" in text  # not known to treat each on its own
-    rmsprop = next(line for line in text.splitlines() if "RMSprop runs its own step" in line)
-    assert "once for each share" not in rmsprop  # torch's: elementwise
+           "(not SGD's))" in text  # named in per_parameter_optimizers
 
 
 def test_lbfgs_runs_as_torch_runs_it(caplog, monkeypatch):
@@ -431,21 +438,29 @@ def test_lbfgs_runs_as_torch_runs_it(caplog, monkeypatch):
     assert "LBFGS runs as torch runs it, on the model's weights, not offloaded" in caplog.text
 
 
-def test_a_step_that_combines_parameters_runs_as_torch_when_named_in_closure_optimizers(caplog, monkeypatch):
-    """The workaround the log line names for a step that combines parameters: named in
-    ``closure_optimizers`` it runs once, on the model's weights, bit for bit ``Trainer()``
-    (not named, run per share at fraction 0.5, it ends 8e-3 away here, 2026-11-26)."""
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_an_own_step_not_named_runs_as_torch_and_ends_where_trainer_ends(caplog, monkeypatch, strategy):
+    """A class with a step of its own that is not known to update each parameter alone
+    (``GlobalNorm``: every update scaled by the norm of all gradients, as timm's Lamb
+    clips) runs as torch runs it, on the model's weights, not offloaded, one line saying
+    so: bit for bit ``Trainer()``.  Until 2026-11-27 it ran once per share, silently 8e-3
+    away at fraction 0.5 after 8 steps; named in ``per_parameter_optimizers`` (the user's
+    word that it is per parameter) it still does, which this test shows apart."""
     make = lambda ps: GlobalNorm(ps, lr=1e-2)  # noqa: E731
-    ours, ref = Net(make), Net(make)
+    ours, ref, named = Net(make), Net(make), Net(make)
     with _said(caplog, monkeypatch):
-        trainer = _trainer(FastOptStrategy(offload_fraction=0.5, copy_on_cpu=True, bucket_size_mb=0.0002,
-                                           closure_optimizers=["GlobalNorm"]))
+        trainer = _trainer(FastOptStrategy(**{**CLOSURE_STRATEGIES[strategy], "per_parameter_optimizers": ()}))
         trainer.fit(ours, _data())
     _trainer("auto").fit(ref, _data())
     assert_modules_equal(ours, ref)
     assert trainer.strategy.engines == []
-    assert "GlobalNorm runs as torch runs it, on the model's weights, not offloaded: named in closure_optimizers" \
-        in caplog.text
+    assert ("GlobalNorm runs as torch runs it, on the model's weights, not offloaded: its step is not known to update "
+            "each parameter from its own gradient and state alone") in caplog.text
+    assert "per_parameter_optimizers=['GlobalNorm'] steps it on them" in caplog.text
+    if strategy == "part-offloaded-accelerator-path":  # shares: the device's and host buckets
+        _trainer(FastOptStrategy(**{**CLOSURE_STRATEGIES[strategy], "per_parameter_optimizers": ["GlobalNorm"]})).fit(
+            named, _data())
+        assert not torch.equal(named.head.weight, ref.head.weight)
 
 
 def test_lbfgs_with_fp16_loss_scaling_is_refused_by_name():
@@ -492,9 +507,10 @@ class SAM(torch.optim.Optimizer):
 
 
 CLOSURE_STRATEGIES = {  # STRATEGIES' set-ups, with the arguments given here
-    "part-offloaded-accelerator-path": dict(offload_fraction=0.2, bucket_size_mb=0.0002, copy_on_cpu=True),
-    "offloaded-accelerator-path": dict(offload_fraction=1.0, copy_on_cpu=True),
-    "offload-cpu-path": dict(offload_fraction=1.0),
+    "part-offloaded-accelerator-path": dict(offload_fraction=0.2, bucket_size_mb=0.0002, copy_on_cpu=True,
+                                            per_parameter_optimizers=PER_PARAMETER),
+    "offloaded-accelerator-path": dict(offload_fraction=1.0, copy_on_cpu=True, per_parameter_optimizers=PER_PARAMETER),
+    "offload-cpu-path": dict(offload_fraction=1.0, per_parameter_optimizers=PER_PARAMETER),
 }
 
 
@@ -634,7 +650,8 @@ def _leading_steps_only(calls):
 
 
 ORDER_STRATEGIES = {**STRATEGIES,  # and through ZeroOptimizer, whose local offload optimizer's share leads
-                    "zero2-one-process": lambda: FastOptStrategy(zero_stage=2, offload_fraction=0.5, copy_on_cpu=True)}
+                    "zero2-one-process": lambda: FastOptStrategy(zero_stage=2, offload_fraction=0.5, copy_on_cpu=True,
+                                                                 per_parameter_optimizers=PER_PARAMETER)}
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -931,7 +948,8 @@ def test_step_keyword_arguments_reach_the_users_own_step(strategy):
     share of the parameters (device, host buckets; ZeRO's shard), as under ``Trainer()``;
     bit for bit, and the argument changed the result."""
     make = STRATEGIES.get(strategy, lambda: FastOptStrategy(zero_stage=2, offload_fraction=0.5,
-                                                            bucket_size_mb=0.0002, copy_on_cpu=True))
+                                                            bucket_size_mb=0.0002, copy_on_cpu=True,
+                                                            per_parameter_optimizers=PER_PARAMETER))
     ours, ref, unscaled = ScaledSteps(), ScaledSteps(), ScaledSteps(scales=False)
     _trainer(make()).fit(ours, _data())
     _trainer("auto").fit(ref, _data())

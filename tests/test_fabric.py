@@ -359,6 +359,28 @@ def test_closure_optimizers_run_as_torch_runs_them_as_with_fabrics_own(fraction)
         assert all(torch.equal(a, b) for a, b in zip(_weights(ours), _weights(_closure_loop("auto", make))))
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_an_own_step_not_named_runs_as_torch_and_named_is_stepped_on_the_shares(monkeypatch, fraction):
+    """A user's optimizer whose step scales every update by the norm of all gradients
+    (``GlobalNorm``) is not known to update each parameter alone: not taken over, bit for
+    bit Fabric's own, one line saying so; named in ``per_parameter_optimizers`` it is
+    stepped on each share (the device's, each host bucket's), where its norm is one share's."""
+    import lightning_fastopt.optim.known_steps as known_steps
+    from tests.references import GlobalNorm
+
+    said = said_lines(monkeypatch, known_steps)
+    make = lambda ps: GlobalNorm(ps, lr=0.05)  # noqa: E731
+    ref = _weights(_closure_loop("auto", make))
+    strategy = FastOptFabricStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0002)
+    ours = _closure_loop(strategy, make)
+    assert strategy._wrappers == [] and all(torch.equal(a, b) for a, b in zip(_weights(ours), ref))
+    assert any("GlobalNorm runs as torch runs it, on the model's weights" in line for line in said), said
+    named = FastOptFabricStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0002,
+                                  per_parameter_optimizers=[GlobalNorm])
+    shares = _closure_loop(named, make)
+    assert len(named._wrappers) == 1 and not all(torch.equal(a, b) for a, b in zip(_weights(shares), ref))
+
+
 def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):
     """The Trainer's half-weight tests' model and data (tests/test_half_weights.py) in a
     Fabric loop: inputs cast to the weights' dtype, one step per batch."""

@@ -111,6 +111,20 @@ def test_overflow_on_one_rank_skips_the_step_on_both(tmp_path, strategy):
         assert torch.equal(rank0[k], rank1[k])
 
 
+@pytest.mark.parametrize("strategy", ["zero2", "zero2_offload"])
+def test_zero2_with_an_optimizer_that_runs_as_torch_reduces_as_stage_1(tmp_path, reference, strategy):
+    """A user's optimizer whose step combines every gradient (``GlobalNorm``) runs as torch
+    runs it, on the model's weights: its gradients must be all-reduced, which ZeRO stage 2
+    leaves to its engines; the strategy reduces them as stage 1 does (DDP wraps the model
+    once the optimizers are known), bit for bit ``ddp``.  Before 2026-11-27 nothing
+    reduced them (LBFGS alike): 0.07 from ``ddp`` after one epoch, silently."""
+    ours, _ = _run(strategy, tmp_path / "zero.pt", "--global-norm")
+    ref, _ = reference("ddp", "--global-norm")
+    assert "owned_numel" not in ours  # no ZeRO engine: the optimizer ran as torch
+    for k in ref:
+        assert torch.equal(ours[k], ref[k]), k
+
+
 def test_zero1_lamb_global_norm_spans_the_shards(tmp_path):
     """FusedLAMB's global gradient norm (its max_grad_norm clipping) over shards held by
     two ranks equals the norm over the whole model, bit for bit: the ranks' per-gradient

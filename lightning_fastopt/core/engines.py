@@ -14,7 +14,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastopt.core.param_checks import check_parameters
-from lightning_fastopt.fsdp.row_steps import steps_rows
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.base import FusedOptimizer, spans_parameters
 from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
@@ -66,7 +65,7 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
     would be silently ignored there.  Refuse anything neither accepts, suggesting the
     nearest name (among ``ours``'s arguments too)."""
     check_passed_kwargs(kwargs, (base.__init__, DistributedDataParallel.__init__), ours,
-                        "DDPStrategy's and DistributedDataParallel's")
+                        "DDPStrategy's and DistributedDataParallel's", _DDP_DOES_NOT_TAKE)
 
 
 FSDP_DOES_NOT_TAKE = {
@@ -74,8 +73,16 @@ FSDP_DOES_NOT_TAKE = {
     "forward_waits": "FSDP gathers each module's weights on streams of its own, which wait for the optimizer step "
                      "once per forward, at the root module, so a module's forward cannot wait for its own weights "
                      "alone; new weights are all in place when the next forward starts",
+    "per_parameter_optimizers": "on FSDP's rows of each parameter a step must work element by element "
+                                "(elementwise_optimizers names such classes)",
 }
 """Our DDP strategies' arguments that the FSDP strategies do not take, and why."""
+
+_DDP_DOES_NOT_TAKE = {
+    "elementwise_optimizers": "it is the FSDP strategies' (steps on rows of each parameter); here shares are whole "
+                              "parameters: per_parameter_optimizers names the classes whose step updates each "
+                              "parameter alone",
+}
 
 
 def check_passed_kwargs(kwargs: dict[str, Any], takers: tuple[Any, ...], ours: type, whose: str,
@@ -111,13 +118,9 @@ def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module, precisi
     fused = to_fused_optimizer(optimizer)
     name = type(optimizer).__name__
     why_not = why_not_fused(optimizer)
-    if why_not is not None:
-        shares = "" if steps_rows(optimizer) else (
-            f"; once for each share of its parameters (the accelerator's, each host bucket's, a rank's): a step "
-            f"that combines parameters, as a global gradient norm does, would see one share's "
-            f"(closure_optimizers=[{name!r}] runs it as torch does, not offloaded)")
+    if why_not is not None:  # a step known to work on shares (lightning_fastopt.optim.known_steps)
         rank_zero_info(f"lightning_fastopt: {name} runs its own step on the master weights, where they live "
-                       f"(not fused: {why_not}){shares}")
+                       f"(not fused: {why_not})")
     elif fused is not optimizer:
         rank_zero_info(f"lightning_fastopt: running {name} as {type(fused).__name__} with the same hyperparameters")
     return fused

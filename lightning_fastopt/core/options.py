@@ -42,6 +42,7 @@ class StrategyOptions:
     host_state_dtype: torch.dtype = torch.float32
     forward_waits: str = "step"
     closure_optimizers: tuple[str, ...] = ()
+    per_parameter_optimizers: tuple[str, ...] = ()  # the DDP strategies': stepped on shares of whole parameters
     elementwise_optimizers: tuple[str, ...] = ()  # the FSDP strategies': stepped on each rank's rows
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
@@ -51,7 +52,7 @@ class StrategyOptions:
               min_loss_scale: Any, at_min_loss_scale: Any, wall_clock_breakdown: Any, zero_stage: Any,
               copy_on_cpu: Any, keep_gradients: Any, stream_cpu_step: Any, delayed_update: Any,
               delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
-              forward_waits: Any, closure_optimizers: Any) -> StrategyOptions:
+              forward_waits: Any, closure_optimizers: Any, per_parameter_optimizers: Any = ()) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
@@ -87,6 +88,8 @@ class StrategyOptions:
                    keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
                    delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype,
                    forward_waits=forward_waits, closure_optimizers=check_closure_optimizers(closure_optimizers),
+                   per_parameter_optimizers=check_optimizer_names(per_parameter_optimizers,
+                                                                  "per_parameter_optimizers"),
                    scale_knobs=knobs)
 
     @classmethod

@@ -38,7 +38,7 @@ from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.fsdp.row_steps import say_steps_dtensors, steps_rows
+from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]

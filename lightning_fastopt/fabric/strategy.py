@@ -61,6 +61,7 @@ from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
+from lightning_fastopt.optim.known_steps import say_steps_as_torch, steps_per_parameter
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
@@ -86,7 +87,8 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
                  zero_stage: int = 0, copy_on_cpu: bool = False, keep_gradients: bool = True,
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 forward_waits: str = "step", closure_optimizers: Sequence[str] = (), **kwargs: Any) -> None:
+                 forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
+                 per_parameter_optimizers: Sequence[str] = (), **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptFabricStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
@@ -207,12 +209,16 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         return all(id(p) in params for g in optimizer.param_groups for p in g["params"])
 
     def _take_over(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if needs_closure(optimizer, self.options.closure_optimizers):
+        closure = needs_closure(optimizer, self.options.closure_optimizers)
+        if closure or not steps_per_parameter(optimizer, self.options.per_parameter_optimizers):
             if self._effective_stage == 2 and not self._one_process:
-                raise ValueError(f"{type(optimizer).__name__} evaluates the closure again after changing the weights, "
-                                 "so it runs as torch runs it, on the model's weights: with zero_stage=2 nothing "
-                                 "reduces its gradients; use zero_stage 0 or 1")
-            say_runs_as_torch(optimizer)
+                why = ("evaluates the closure again after changing the weights" if closure else
+                       "has a step not known to update each parameter alone (per_parameter_optimizers="
+                       f"[{type(optimizer).__name__!r}] steps it on shares)")
+                raise ValueError(f"{type(optimizer).__name__} {why}, so it runs as torch runs it, on the model's "
+                                 "weights: with zero_stage=2 and keep_gradients=False nothing reduces its gradients; "
+                                 "use zero_stage 0 or 1, or keep_gradients=True")
+            (say_runs_as_torch if closure else say_steps_as_torch)(optimizer)
             return optimizer
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
         fused = fused_for(optimizer, self._module, self.precision.precision)

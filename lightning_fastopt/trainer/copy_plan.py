@@ -29,18 +29,21 @@ from lightning_fastopt.trainer.package import TrainerPackage
 class CopyPlan:
     """A mixin of :class:`~lightning_fastopt.trainer.strategy.TrainerStrategy`: it reads the
     strategy's options (``zero_stage``, ``keep_gradients``, ``stream_cpu_step``,
-    ``forward_waits``, ...) and sets ``_grad_readers = None`` (decided again in each run)
-    and ``_ddp_reductions = None`` in its ``__init__``."""
+    ``forward_waits``, ...) and sets ``_grad_readers = None`` and ``_torch_steps = []``
+    (decided again in each run) and ``_ddp_reductions = None`` in its ``__init__``."""
 
     package: TrainerPackage
     _grad_readers: list[str] | None
+    _torch_steps: list[str]
     _ddp_reductions: DDPReductions | None
 
     @property
     def _effective_stage(self) -> int:
         """The ZeRO stage that runs: stage 2 frees other ranks' gradients during backward,
-        so it reduces them as stage 1 does when user code reads them."""
-        return 1 if self.zero_stage == 2 and self._readers() else self.zero_stage
+        so it reduces them as stage 1 does when user code reads them, or an optimizer runs
+        as torch runs it (``_torch_steps``, known once the optimizers are: DDP wraps the
+        model then)."""
+        return 1 if self.zero_stage == 2 and (self._readers() or self._torch_steps) else self.zero_stage
 
     def _readers(self) -> list[str]:
         if self._grad_readers is None:

@@ -44,12 +44,27 @@ class EngineTable:
         read (``offloaded_numel``, ``skipped_steps``, ``last_step_times``, ...)."""
         return list(self._engine_at.values())
 
-    def _take_over_optimizers(self, make_engine: Callable[[Any], OptimizerWrapper]) -> None:
-        """Give each of ``self.optimizers`` that an engine can step the engine
-        ``make_engine(optimizer)`` builds (said in one line each)."""
+    def _decide_engines(self) -> list[bool]:
+        """Which of ``self.optimizers`` an engine steps (:meth:`_runs_in_engine`; each other
+        one said in one line), for :meth:`_take_over_optimizers`."""
+        return [self._runs_in_engine(opt) for opt in self.optimizers]
+
+    def _steps_as_torch(self, in_engine: list[bool]) -> list[str]:
+        """The names of the optimizers that run as torch runs them and step (Lightning's
+        stand-in for no optimizer steps nothing), from :meth:`_decide_engines`."""
+        return [type(opt).__name__ for opt, engine in zip(self.optimizers, in_engine)
+                if not engine and not isinstance(opt, self.package.MockOptimizer)]
+
+    def _take_over_optimizers(self, make_engine: Callable[[Any], OptimizerWrapper],
+                              in_engine: list[bool] | None = None) -> None:
+        """Give each of ``self.optimizers`` that an engine can step (``in_engine``, else
+        decided here: :meth:`_decide_engines`) the engine ``make_engine(optimizer)``
+        builds (said in one line each)."""
+        if in_engine is None:
+            in_engine = self._decide_engines()
         self._engine_at = {}
-        for i, opt in enumerate(self.optimizers):
-            if not self._runs_in_engine(opt):
+        for i, (opt, engine) in enumerate(zip(self.optimizers, in_engine)):
+            if not engine:
                 continue
             engine = make_engine(opt)
             rank_zero_info(f"lightning_fastopt: {engine!r}")
@@ -59,16 +74,22 @@ class EngineTable:
 
     def _runs_in_engine(self, optimizer) -> bool:
         """Whether an engine can step ``optimizer``, else it runs as under Lightning's own
-        strategy (said in one line): Lightning's stand-in when ``configure_optimizers``
-        returns None, and LBFGS and the classes named in ``closure_optimizers``, whose step
+        strategy (said in one line): not Lightning's stand-in when ``configure_optimizers``
+        returns None, nor LBFGS and the classes named in ``closure_optimizers``, whose step
         evaluates the closure again after changing the weights (the weights it changes
-        must be the model's)."""
+        must be the model's), nor a step not known to give torch's bits on the strategy's
+        shares (:meth:`_steps_on_shares`)."""
         if isinstance(optimizer, self.package.MockOptimizer):
             return False
         if needs_closure(optimizer, self.closure_optimizers):
             say_runs_as_torch(optimizer)
             return False
-        return True
+        return self._steps_on_shares(optimizer)
+
+    def _steps_on_shares(self, optimizer) -> bool:
+        """Whether ``optimizer``'s step gives torch's bits on the shares this strategy's
+        engines step (:mod:`~lightning_fastopt.optim.known_steps`), else said in one line."""
+        raise NotImplementedError
 
     def _engine_for(self, optimizer) -> OptimizerWrapper | None:
         """The engine of one of ``self.optimizers`` (or of Lightning's wrapper around it),

@@ -41,7 +41,7 @@ from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwa
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.fsdp.row_steps import say_steps_dtensors, steps_rows
+from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_table import EngineTable
@@ -91,7 +91,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         elementwise_optimizers: optimizer classes, or their names, whose ``step`` works
             element by element, to step on each rank's rows (offloaded) like torch's
             elementwise optimizers; any other optimizer without our kernels runs as torch
-            runs it, on the DTensor parameters (:mod:`~lightning_fastopt.fsdp.row_steps`).
+            runs it, on the DTensor parameters (:mod:`~lightning_fastopt.optim.known_steps`).
         data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
             process_group_backend, timeout: Lightning's ``ModelParallelStrategy``'s.
             Without ``configure_model`` (no tensor-parallel plan), both ``"auto"`` mean
@@ -194,12 +194,10 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
 
     @override
-    def _runs_in_engine(self, optimizer) -> bool:
-        """As under the other strategies, and only where its step may run on each rank's
-        rows (:func:`~lightning_fastopt.fsdp.row_steps.steps_rows`); else it runs as
-        torch runs it, on the DTensors (said in one line)."""
-        if not super()._runs_in_engine(optimizer):
-            return False
+    def _steps_on_shares(self, optimizer) -> bool:
+        """Where its step may run on each rank's rows
+        (:func:`~lightning_fastopt.optim.known_steps.steps_rows`); else it runs as torch runs
+        it, on the DTensors (said in one line)."""
         if steps_rows(optimizer, self.options.elementwise_optimizers):
             return True
         say_steps_dtensors(optimizer)

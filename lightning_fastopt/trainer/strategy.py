@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastopt import ops
@@ -53,6 +54,7 @@ from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.forward_waits import ForwardWaits
+from lightning_fastopt.optim.known_steps import say_steps_as_torch, steps_per_parameter
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
@@ -160,6 +162,14 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             torch runs them, on the model's weights, not offloaded (one log line says so),
             as LBFGS always does.  Offloaded, such a step is an error at its first step
             that names this argument (:mod:`lightning_fastopt.optim.closure`).
+        per_parameter_optimizers: optimizer classes, or their names, with a ``step`` of
+            their own (not torch's) that updates each parameter from its own gradient and
+            state alone: stepped on the strategy's shares of the parameters (offloaded,
+            sharded by ZeRO) like torch's optimizers.  Any other class with its own step
+            runs as torch runs it, on the model's weights, not offloaded (one log line says
+            so): a step that combines parameters (a norm over every gradient, a step size
+            estimated over all of them) would see one share's
+            (:mod:`~lightning_fastopt.optim.known_steps`).
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
@@ -179,7 +189,8 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
                  copy_on_cpu: bool = False, keep_gradients: bool = False, stream_cpu_step: bool = False,
                  delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 forward_waits: str = "step", closure_optimizers: Sequence[str] = (), **kwargs: Any) -> None:
+                 forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
+                 per_parameter_optimizers: Sequence[str] = (), **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, self.package.DDPStrategy, type(self))
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())
@@ -188,6 +199,7 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             if name != "scale_knobs":
                 setattr(self, name, value)
         self._grad_readers: list[str] | None = None  # decided at set-up
+        self._torch_steps: list[str] = []  # the run's optimizers that run as torch, decided at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
         # the engine of each of self.optimizers that has one, by position (kept after fit)
@@ -224,9 +236,12 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
         if note:
             rank_zero_info(note)
         self._grad_readers = None  # decided again for every run (the model or callbacks may differ)
+        self._torch_steps = []  # likewise the optimizers that run as torch (setup_optimizers)
 
     @override
     def configure_ddp(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            return  # wrapped already (ZeRO stage 2 with an optimizer that runs as torch: setup_optimizers)
         if self.world_size > 1 and self._effective_stage < 2:
             super().configure_ddp()
         elif self.world_size > 1:  # ZeRO stage 2 reduces the gradients itself: start from rank 0's weights
@@ -238,6 +253,12 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
         super().setup_optimizers(trainer)
+        in_engine = self._decide_engines()
+        self._torch_steps = self._steps_as_torch(in_engine)
+        if self._torch_steps and self.zero_stage == 2 and self.world_size > 1:
+            rank_zero_info(f"lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does (all-reduced by DDP): "
+                           f"{', '.join(self._torch_steps)} runs as torch runs it, reading every parameter's gradient")
+            self.configure_ddp()  # Lightning's set-up called it before the optimizers were known
         # the kernels load (or build, saying so) now, not after the first training step
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         names = {p: n for n, p in self.lightning_module.named_parameters()}
@@ -252,7 +273,7 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             return wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
                                         **offload_arguments(self), **extra)
 
-        self._take_over_optimizers(make_engine)
+        self._take_over_optimizers(make_engine, in_engine)
         if self._engine_at:
             self._say_delays()
         if by_module:
@@ -260,6 +281,16 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             for o in self._offload_optimizers():
                 o.modules_wait_for(self._forward_waits.covered)
         self._start_auto_fraction(trainer, self.auto_fraction, self.gpu_memory_budget_gb)
+
+    @override
+    def _steps_on_shares(self, optimizer) -> bool:
+        """Where its step is known to update each parameter alone
+        (:func:`~lightning_fastopt.optim.known_steps.steps_per_parameter`); else it runs as
+        torch runs it, on the model's weights (said in one line)."""
+        if steps_per_parameter(optimizer, self.per_parameter_optimizers):
+            return True
+        say_steps_as_torch(optimizer)
+        return False
 
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
         return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]

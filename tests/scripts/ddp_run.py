@@ -1,6 +1,7 @@
 """Train a small model with 2 CPU processes (gloo) and save rank 0's final weights.
 
-    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--gpu] [--delayed-reference]
+    python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--global-norm] [--gpu]
+                                    [--delayed-reference]
 
 STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``zero2_speculate`` (all offloaded through
 the accelerator code path, ``stream_cpu_step=True``: speculated, as clipping is on), ``ddp_speculate`` (the
@@ -8,7 +9,9 @@ same without ZeRO, half offloaded: DDP's buckets handed over as reduced) and ``z
 all offloaded, the same), ``delayed_offload``
 (``fastopt_offload`` with ``delayed_update=True`` after 2 steps), or ``module_waits`` (half
 offloaded through the accelerator code path, ``forward_waits="module"``); ``--delayed-reference``
-delays torch's update the same way (``tests.references.DelayedTorchUpdate``).
+delays torch's update the same way (``tests.references.DelayedTorchUpdate``).  ``--lamb``: FusedLAMB
+instead of AdamW; ``--global-norm``: a user's optimizer whose step scales every update by the norm of all
+gradients (``tests.references.GlobalNorm``), which runs as torch runs it.
 
 Also runs under torchrun (Lightning then takes the ranks from the environment).
 
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning_fastopt  # noqa: E402,F401  (registers "fastopt")
 from lightning_fastopt import FastOptPrecision  # noqa: E402
 from tests.helpers import SlowBackward, finish_process  # noqa: E402
-from tests.references import DelayedTorchUpdate  # noqa: E402
+from tests.references import DelayedTorchUpdate, GlobalNorm  # noqa: E402
 
 DELAYED_WARMUP = 2
 
@@ -35,9 +38,10 @@ DELAYED_WARMUP = 2
 class Model(L.LightningModule):
     slow = False
 
-    def __init__(self, inject, lamb=False):
+    def __init__(self, inject, lamb=False, global_norm=False):
         super().__init__()
         self.lamb = lamb
+        self.global_norm = global_norm
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.inject = inject
@@ -49,8 +53,12 @@ class Model(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        opt = (lightning_fastopt.FusedLAMB(self.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
-               if self.lamb else torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01))
+        if self.global_norm:
+            opt = GlobalNorm(self.parameters(), lr=1e-2)
+        elif self.lamb:
+            opt = lightning_fastopt.FusedLAMB(self.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
                                                    "interval": "step"}}
 
@@ -114,7 +122,8 @@ def main():
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins,
                         callbacks=[DelayedTorchUpdate(DELAYED_WARMUP)] if "--delayed-reference" in sys.argv else None)
-    model = (InjectingModel if inject else Model)(inject, lamb="--lamb" in sys.argv)
+    model = (InjectingModel if inject else Model)(inject, lamb="--lamb" in sys.argv,
+                                                  global_norm="--global-norm" in sys.argv)
     model.slow = slow
     seen = {}
     _count_gradients_at_step(model, seen)
