@@ -63,8 +63,8 @@ class EngineTable:
         if in_engine is None:
             in_engine = self._decide_engines()
         self._engine_at = {}
-        for i, (opt, engine) in enumerate(zip(self.optimizers, in_engine)):
-            if not engine:
+        for i, (opt, runs) in enumerate(zip(self.optimizers, in_engine)):
+            if not runs:
                 continue
             engine = make_engine(opt)
             rank_zero_info(f"lightning_fastopt: {engine!r}")
