@@ -13,7 +13,10 @@ Bytes per parameter (float32 unless said): Adam 28 (read p,g,m,v; write p,m,v);
 mixed-precision Adam 28 (bf16 g 2, p 8, m 8, v 8, bf16 copy 2; the finite check's extra
 read of the grads is not counted), 20 with bfloat16 moments (``adam-mixed-bf16-state``:
 m 4, v 4; the offload strategy's ``host_state_dtype="bfloat16"``); SGD with momentum, Adagrad and Lion 20; LAMB 44
-(a norm pass over g, a moments pass, an apply pass); LARS 28.
+(a norm pass over g, a moments pass, an apply pass); LAMB on FSDP2's rows 44 too
+(``lamb-rows``: the update's norms first, which the ranks sum, read p,g,m,v; then one pass
+given them: read p,g,m,v, write p,m,v; 56 before 2026-11-27, when it ran both passes
+after the norms); LARS 28.
 
 Targets (issue 2): FusedAdam >= 1.0x torch AdamW(fused=True) and >= 5x the torch
 default (foreach=False); the fused mixed-precision step >= 2.5x the best torch
@@ -39,7 +42,7 @@ from lightning_fastopt.functional import fused_adam_  # noqa: E402
 from lightning_fastopt.ops import cpu_backend  # noqa: E402
 
 BYTES = {"adam": 28, "adam-mixed": 28, "adam-mixed-bf16-state": 20, "sgd": 20, "adagrad": 20, "lion": 20, "lamb": 44,
-         "lars": 28}
+         "lamb-rows": 44, "lars": 28}
 
 
 def median_time(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
@@ -188,10 +191,28 @@ def implementations(name: str, sizes) -> list[tuple[str, Callable[[], object]]]:
     elif name == "lamb":
         optimizer("lightning_fastopt FusedLAMB", lambda p: FusedLAMB(p, lr=1e-3, weight_decay=0.01))
         composition("torch foreach LAMB", torch_lamb_foreach)
+    elif name == "lamb-rows":  # as fastopt_fsdp steps each rank's rows (one rank: the sums are the whole tensors')
+        optimizer("lightning_fastopt FusedLAMB on rows (norms given)", lambda p: _given_norms(
+            FusedLAMB(p, lr=1e-3, weight_decay=0.01)))
+        composition("torch foreach LAMB", torch_lamb_foreach)
     elif name == "lars":
         optimizer("lightning_fastopt FusedLars", lambda p: FusedLars(p, lr=0.1, momentum=0.9, weight_decay=1e-4))
         composition("torch foreach LARS", torch_lars_foreach)
     return impls
+
+
+class _given_norms:
+    """An optimizer stepped as ``LocalShardOptimizer`` steps LAMB on FSDP2's rows: the
+    update's squared norms taken first (what the ranks sum), then given to the step."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+
+    def step(self) -> None:
+        context = self.opt.step_context([p.grad for p in self.params], None)
+        self.opt.given_norms = self.opt.norm_sums(None, context)
+        self.opt.step()
 
 
 def mixed_precision_implementations(sizes, state_dtype=torch.float32) -> list[tuple[str, Callable[[], object]]]:
@@ -253,7 +274,7 @@ LAYOUTS = {
     "2000 x 5k": [5_000] * 2000,
 }
 QUICK_LAYOUTS = {"1M x 1": [1_000_000], "200 x 5k": [5_000] * 200}
-ALGORITHMS = ["adam", "adam-mixed", "adam-mixed-bf16-state", "sgd", "adagrad", "lion", "lamb", "lars"]
+ALGORITHMS = ["adam", "adam-mixed", "adam-mixed-bf16-state", "sgd", "adagrad", "lion", "lamb", "lamb-rows", "lars"]
 
 
 def main(argv=None) -> int:

@@ -313,20 +313,21 @@ def test_pieces_given_the_whole_tensors_norms_step_as_the_whole_tensors_do(backe
     tensor (the compiled kernels add float32 partial sums of blocks: the totals agree to
     1e-6, the float32 trust ratios to an ulp or so), so within 1e-6 of the update (and two
     ulps of the weights).  Unsharded, the sums given are the
-    kernel's own: the same bits."""
+    kernel's own: the same bits, weights and state (the compiled LAMB, given them, advances
+    the moments and updates in one pass instead of two)."""
     g = torch.Generator().manual_seed(3)
     shapes = [(7, 5), (9,), (12, 3)]
     params = [torch.randn(s, generator=g) for s in shapes]
     grads = [torch.randn(s, generator=g) * 4 for s in shapes]
     states = [[torch.rand(s, generator=g) * (0.1 if k else 1) for s in shapes] for k in range(2)]
 
-    def run(ps, gs, sts, norms=None):
+    def run(ps, gs, sts, norms=None, with_state=False):
         ps, sts = [p.clone() for p in ps], [[t.clone() for t in st] for st in sts]
         if algorithm == "lamb":
             F.fused_lamb_(ps, gs, sts[0], sts[1], lr=0.01, global_grad_norm_value=3.0, norms=norms, **_lamb_args())
         else:
             F.fused_lars_(ps, gs, sts[0], lr=0.1, momentum=0.9, weight_decay=1e-4, grad_scale=4.0, norms=norms)
-        return ps
+        return ps + [t for st in sts for t in st] if with_state else ps
 
     def sums(ps, gs, sts):
         if algorithm == "lamb":
@@ -334,7 +335,8 @@ def test_pieces_given_the_whole_tensors_norms_step_as_the_whole_tensors_do(backe
         return torch.tensor(list(zip(F.square_sums(gs), F.square_sums(ps))), dtype=torch.float64)
 
     whole = run(params, grads, states)
-    assert_params_equal(run(params, grads, states, sums(params, grads, states)), whole)
+    assert_params_equal(run(params, grads, states, sums(params, grads, states), with_state=True),
+                        run(params, grads, states, with_state=True))
     split = [_pieces(t, 3) for t in (params, grads, *states)]  # piece k of params, grads, each state
     pieces = [[s[k] for s in split] for k in (0, 1)]
     piece_sums = [sums(ps, gs, sts) for ps, gs, *sts in pieces]
