@@ -129,9 +129,11 @@ print("RESULT", type(t.strategy).__name__, t.strategy.offload_fraction, type(t.p
 def test_strategy_by_class_path_on_the_command_line(tmp_path):
     cli = _cli(CONFIGS / "gpt_offload.yaml", tmp_path, "--trainer.max_steps", "2", "--trainer.strategy",
                "lightning_fastopt.FastOptStrategy", "--trainer.strategy.offload_fraction", "0.25",
-               "--trainer.strategy.initial_scale_power", "8")
+               "--trainer.strategy.initial_scale_power", "8",
+               "--trainer.strategy.per_parameter_optimizers", "[Adan, Sophia]")
     assert isinstance(cli.trainer.strategy, FastOptStrategy)
     assert cli.trainer.strategy.offload_fraction == 0.25
+    assert cli.trainer.strategy.per_parameter_optimizers == ("Adan", "Sophia")
     assert isinstance(cli.trainer.precision_plugin, FastOptPrecision)
 
 
