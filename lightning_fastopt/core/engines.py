@@ -20,9 +20,9 @@ from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
-__all__ = ["FSDP_DOES_NOT_TAKE", "FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs", "fused_for",
-           "in_place_refusals", "register_fsdp_names", "register_names", "rows_refusals", "stream_arguments",
-           "wrap_fused_optimizer"]
+__all__ = ["FSDP_DOES_NOT_TAKE", "FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs",
+           "fused_for", "in_place_refusals", "register_fsdp_names", "register_names", "rows_refusals",
+           "stream_arguments", "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (

@@ -255,7 +255,8 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
         super().setup_optimizers(trainer)
         in_engine = self._decide_engines()
         self._torch_steps = self._steps_as_torch(in_engine)
-        if self._torch_steps and self.zero_stage == 2 and self.world_size > 1:
+        if (self._torch_steps and self.zero_stage == 2 and self.world_size > 1
+                and not isinstance(self.model, DistributedDataParallel)):  # (wrapped already where code reads grads)
             rank_zero_info(f"lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does (all-reduced by DDP): "
                            f"{', '.join(self._torch_steps)} runs as torch runs it, reading every parameter's gradient")
             self.configure_ddp()  # Lightning's set-up called it before the optimizers were known
