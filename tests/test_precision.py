@@ -1,7 +1,8 @@
 """FastOptPrecision in real Lightning runs on the CPU: fp16 loss scaling with injected
 inf/NaN gradients (skipped steps change nothing, the scale follows the rule, training
-recovers), clipping on scaled gradients, equivalence with plain Lightning in fp32, the
-plugin state in checkpoints, and bad flags."""
+recovers), clipping on scaled gradients, equivalence with plain Lightning in fp32 (and in
+fp16 with Lightning's own plugin, hooks before the step seeing the unscaled gradients),
+the plugin state in checkpoints, and bad flags."""
 
 import math
 
@@ -138,6 +139,65 @@ def test_clipping_scaled_gradients_equals_clipping_unscaled_ones():
     p4.grad = g.clone()
     FastOptPrecision("32-true").clip_gradients(torch.optim.SGD([p4], lr=0.1), 0.5, "norm")
     assert torch.equal(p4.grad, ref.grad)
+
+
+class _SeesGradients(Regressor):
+    """Records the gradients ``on_before_optimizer_step`` sees (in the module or, with
+    ``in_callback``, in a callback)."""
+
+    def __init__(self, make_opt, in_callback=False):
+        super().__init__(make_opt=make_opt)
+        self.seen, self.in_callback = [], in_callback
+
+    def record(self):
+        self.seen.append([p.grad.detach().clone() for p in self.parameters()])
+
+    def configure_callbacks(self):
+        if not self.in_callback:
+            return []
+        model = self
+
+        class Records(L.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                model.record()
+        return [Records()]
+
+
+class _SeesGradientsInTheModule(_SeesGradients):
+    def on_before_optimizer_step(self, optimizer):
+        self.record()
+
+
+@pytest.mark.parametrize("where", ["module", "callback"])
+@pytest.mark.parametrize("strategy", ["auto", "half_offloaded", "offloaded"])
+def test_fp16_hooks_before_the_step_see_unscaled_gradients_as_under_lightnings_own_plugin(strategy, where):
+    """Lightning's ``16-mixed`` plugin unscales the gradients before
+    ``on_before_optimizer_step`` and clipping (``grad_norm`` logged there reads them):
+    where such a hook is overridden ours unscales them in place there too (before
+    2026-11-27 the hook saw them multiplied by the loss scale, 65536); the hook sees the
+    same bits, and the run ends on the same weights, clipping included, as
+    ``Trainer(plugins=[MixedPrecision("16-mixed", "cpu")])`` (Lightning turns the flag into
+    bf16 on the CPU; the plugin given itself scales with torch's GradScaler).  Where a step
+    overflows, both unscale before the hook too (the scales then differ: our rule is
+    DeepSpeed's, with hysteresis)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    cls = _SeesGradientsInTheModule if where == "module" else _SeesGradients
+    make = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01)  # noqa: E731
+    ours, ref = cls(make, in_callback=where == "callback"), cls(make, in_callback=where == "callback")
+    chosen = {"auto": "auto", "half_offloaded": FastOptStrategy(offload_fraction=0.5, copy_on_cpu=True,
+                                                                bucket_size_mb=0.0002),
+              "offloaded": FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True)}[strategy]
+    # scales that never overflow here (where they do, the scale rules differ: documented)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    _trainer(FastOptPrecision("16-mixed", initial_scale_power=10), accelerator="cpu", strategy=chosen,
+             gradient_clip_val=0.05).fit(ours, _data())
+    _trainer(MixedPrecision("16-mixed", "cpu", scaler), accelerator="cpu", gradient_clip_val=0.05).fit(ref, _data())
+    assert ours.trainer.precision_plugin.skipped_steps == 0 and scaler.get_scale() == 2.0 ** 10
+    assert len(ours.seen) == len(ref.seen) == 24
+    for a, b in zip(ours.seen, ref.seen):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
 
 
 def test_stock_torch_optimizer_gets_unscaled_gradients(backend):

@@ -67,6 +67,7 @@ class PrecisionCore:
         self._true_dtype = _TRUE_DTYPES.get(precision)  # the weights' dtype in a "-true" precision
         self.device = device
         self._overflow = False
+        self._unscaled = False  # this step's gradients were unscaled in place before the step (the Trainer's hooks)
 
     # ------------------------------------------------------------------ what users read
     @property
@@ -138,8 +139,9 @@ class PrecisionCore:
         rank_zero_info(f"lightning_fastopt: gradient overflow, step skipped; loss scale now {self.scaler.scale:g}")
 
     def _step(self, optimizer, **kwargs: Any) -> Any:
-        """The optimizer step on gradients that are finite (checked) and still scaled."""
-        scale = self.scaler.scale if self.scaler is not None else None
+        """The optimizer step on gradients that are finite (checked) and still scaled, or
+        unscaled in place already (:attr:`_unscaled`)."""
+        scale = self.scaler.scale if self.scaler is not None and not self._unscaled else None
         if unscales_in_step(engine_of(optimizer)):
             out = optimizer.step(grad_scale=scale, **kwargs)
         else:
@@ -170,7 +172,7 @@ class PrecisionCore:
         grads = optimizer_gradients(optimizer)
         if not grads:
             return None
-        scale = self.loss_scale
+        scale = 1.0 if self._unscaled else self.loss_scale
         if by_value:
             bound = float(clip_val) * scale
             for g in grads:  # a host gradient within bounds is left unwritten: an update speculated on it holds

@@ -37,12 +37,31 @@ def gradient_readers(module, callbacks: Iterable, package: TrainerPackage, keep_
     (``module`` and ``callbacks``: of ``package``)."""
     readers = ["code anywhere (keep_gradients=True)"] if keep_gradients else []
     readers += [] if module.automatic_optimization else ["manual optimization"]
-    readers += [f"{type(module).__name__}.{hook}" for hook in MODULE_HOOKS
-                if is_overridden(hook, module, package.LightningModule)]
+    return readers + _overridden(module, callbacks, package, MODULE_HOOKS, CALLBACK_HOOKS)
+
+
+def _overridden(module, callbacks: Iterable, package: TrainerPackage, module_hooks: tuple[str, ...],
+                callback_hooks: tuple[str, ...]) -> list[str]:
+    """Each of ``module_hooks`` the LightningModule overrides and each of ``callback_hooks``
+    a callback overrides, as ``Class.hook``."""
+    found = [f"{type(module).__name__}.{hook}" for hook in module_hooks
+             if is_overridden(hook, module, package.LightningModule)]
     for callback in callbacks:
-        readers += [f"{type(callback).__name__}.{hook}" for hook in CALLBACK_HOOKS
-                    if is_overridden(hook, callback, package.Callback)]
-    return readers
+        found += [f"{type(callback).__name__}.{hook}" for hook in callback_hooks
+                  if is_overridden(hook, callback, package.Callback)]
+    return found
+
+
+# the hooks Lightning's precision plugins run between the closure (backward) and the step,
+# where its fp16 plugin has unscaled the gradients
+AFTER_CLOSURE_CALLBACK_HOOKS = ("on_before_optimizer_step",)
+AFTER_CLOSURE_MODULE_HOOKS = AFTER_CLOSURE_CALLBACK_HOOKS + ("configure_gradient_clipping",)
+
+
+def readers_after_the_closure(module, callbacks: Iterable, package: TrainerPackage) -> list[str]:
+    """The overridden hooks (``Class.hook``) that run between the closure and the step and
+    can read the gradients there: Lightning's fp16 plugin gives them unscaled gradients."""
+    return _overridden(module, callbacks, package, AFTER_CLOSURE_MODULE_HOOKS, AFTER_CLOSURE_CALLBACK_HOOKS)
 
 
 # hooks that run after a step and before the next forward reaches its modules (or before

@@ -12,10 +12,14 @@ One optimizer step, in fp16:
 2. the gradients are checked for inf/NaN; on overflow, clipping and the whole step are
    skipped (no parameter or optimizer state changes), ``skipped_steps`` grows, and the
    scale follows the rule of :class:`~lightning_fastopt.core.loss_scaler.DynamicLossScaler`;
-3. otherwise Lightning's hooks and gradient clipping run on the (still scaled) gradients,
-   with the scale taken out of the arithmetic so that the clipping thresholds mean what
-   they mean in fp32, and the optimizer steps: our fused optimizers unscale inside the
-   kernel, any other optimizer gets its gradients unscaled in place first.
+3. otherwise, where a hook between the closure and the step can read the gradients
+   (``on_before_optimizer_step``, ``configure_gradient_clipping``), they are unscaled in
+   place first, as Lightning's own plugin unscales them before those hooks (float32
+   gradients; half ones stay scaled); else hooks and clipping run on the still scaled
+   gradients, with the scale taken out of the arithmetic so that the clipping thresholds
+   mean what they mean in fp32, and the optimizer steps: our fused optimizers unscale
+   inside the kernel (one pass fewer), any other optimizer gets its gradients unscaled in
+   place first.
 
 What is not Trainer-specific is :class:`~lightning_fastopt.core.precision.PrecisionCore`,
 shared with Fabric's plugin.
@@ -27,11 +31,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from typing_extensions import override
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS, PrecisionCore, needs_closure
+from lightning_fastopt.functional import unscale_grads_
 from lightning_fastopt.optim.takeover import engine_of
-from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.trainer.grad_readers import readers_after_the_closure
 from lightning_fastopt.trainer.package import TrainerPackage
 
 __all__ = ["SUPPORTED_PRECISIONS", "TrainerPrecision"]
@@ -91,12 +98,31 @@ class TrainerPrecision(PrecisionCore):
         if self._training_step_returned_none(closure, closure_result, model):
             return closure_result  # Lightning skipped backward (and said so): its GradScaler path skips the step
         overflow = self._check_overflow(optimizer)
-        self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
-        if overflow:
-            self._skip_step(optimizer)
-            return closure_result
-        self._step(optimizer, **kwargs)
+        self._unscaled = self._unscale_for_hooks(optimizer, model)  # on overflow too, as Lightning's plugin
+        try:
+            self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
+            if overflow:
+                self._skip_step(optimizer)
+                return closure_result
+            self._step(optimizer, **kwargs)
+        finally:
+            self._unscaled = False
         return closure_result
+
+    def _unscale_for_hooks(self, optimizer, model) -> bool:
+        """Unscale the gradients in ``p.grad`` in place where a hook between the closure and
+        the step can read them (``on_before_optimizer_step``, ``configure_gradient_clipping``),
+        as Lightning's own plugin unscales them before those hooks; else they stay scaled
+        and the kernels take the scale out as they read them (one pass fewer).  Half
+        gradients stay scaled: unscaled in their own dtype they would lose the bits the
+        kernels keep by unscaling in float32 (Lightning's ``16-true`` has no loss scaling)."""
+        if not readers_after_the_closure(model, model.trainer.callbacks, self.package):
+            return False
+        grads = [p.grad for group in unwrapped(optimizer).param_groups for p in group["params"] if p.grad is not None]
+        if not grads or any(type(g) is not torch.Tensor or g.dtype != torch.float32 for g in grads):
+            return False  # half gradients, or DTensors (FSDP: its strategies refuse 16-mixed as Lightning's does)
+        unscale_grads_(grads, self.scaler.scale)
+        return True
 
     def _refuse_an_ignored_closure(self, optimizer, closure: Callable[[], Any], model) -> None:
         """An optimizer's own step that never called the closure it was given: under
