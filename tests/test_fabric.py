@@ -381,6 +381,48 @@ def test_an_own_step_not_named_runs_as_torch_and_named_is_stepped_on_the_shares(
     assert len(named._wrappers) == 1 and not all(torch.equal(a, b) for a, b in zip(_weights(shares), ref))
 
 
+@pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.01)], ids=["norm", "value"])
+@pytest.mark.parametrize("strategy", ["fabric", "half_offloaded", "offloaded"])
+def test_fp16_clip_gradients_leaves_them_unscaled_as_fabrics_own_plugin(strategy, clip):
+    """Fabric's own fp16 plugin unscales the gradients in ``p.grad`` before it clips, so the
+    loop reads them unscaled after ``fabric.clip_gradients``; ours does too (they stayed
+    multiplied by the loss scale before 2026-11-27): the gradients read after the clip and
+    the final weights bit for bit ``MixedPrecision("16-mixed", "cpu")`` with the same
+    initial scale (one that never overflows here: where a step does, the scale rules
+    differ)."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    from tests.fabric_loop import _data
+
+    def run(strategy_arg, plugin):
+        fabric = _fabric(strategy_arg, plugins=[plugin])
+        model = fabric.setup_module(make_model())
+        opt = fabric.setup_optimizers(make_optimizer(model.module))
+        seen = []
+        for x, y in DataLoader(_data(), batch_size=8):
+            fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+            if clip[0] == "norm":
+                fabric.clip_gradients(model, opt, max_norm=clip[1])
+            else:
+                fabric.clip_gradients(model, opt, clip_val=clip[1])
+            seen.append([p.grad.detach().clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        return model, seen
+
+    chosen = {"fabric": "auto", "half_offloaded": FastOptFabricStrategy(offload_fraction=0.5, copy_on_cpu=True,
+                                                                         bucket_size_mb=0.0002),
+              "offloaded": FastOptFabricStrategy(offload_fraction=1.0, copy_on_cpu=True)}[strategy]
+    ours, ours_seen = run(chosen, FastOptFabricPrecision("16-mixed", initial_scale_power=10))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    ref, ref_seen = run("auto", MixedPrecision("16-mixed", "cpu", scaler))
+    assert scaler.get_scale() == 2.0 ** 10 and len(ours_seen) == len(ref_seen) == 16
+    for a, b in zip(ours_seen, ref_seen):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ours), _weights(ref)))
+
+
 def _half_fabric_run(strategy, precision, make_opt, epochs=2, poison_at=None):
     """The Trainer's half-weight tests' model and data (tests/test_half_weights.py) in a
     Fabric loop: inputs cast to the weights' dtype, one step per batch."""

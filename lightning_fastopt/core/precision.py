@@ -138,6 +138,27 @@ class PrecisionCore:
         optimizer._opt_called = True  # LR schedulers check this; the skipped step still counts
         rank_zero_info(f"lightning_fastopt: gradient overflow, step skipped; loss scale now {self.scaler.scale:g}")
 
+    def _unscale_in_place(self, optimizer) -> bool:
+        """Unscale the gradients in ``p.grad`` in place (fp16), as Lightning's and Fabric's own
+        plugins unscale them before user code between backward and the step reads them;
+        the step and clipping then take scale 1 (:attr:`_unscaled`, until the step ends or
+        the next backward).  Only float32 gradients that are all the step reads (kept in
+        ``p.grad``: none left for the host yet); half ones stay scaled (unscaled in their own
+        dtype they would lose the bits the kernels keep by unscaling in float32).  Returns
+        whether they are unscaled."""
+        if self.scaler is None or self._unscaled:
+            return self._unscaled
+        visible = [p.grad for group in unwrapped(optimizer).param_groups for p in group["params"]
+                   if p.grad is not None]
+        if not visible or any(type(g) is not Tensor or g.dtype != torch.float32 for g in visible):
+            return False  # half gradients, or DTensors (FSDP's strategies refuse 16-mixed, as Lightning's do)
+        kept = {id(g) for g in visible}
+        if not all(id(g) in kept for g in optimizer_gradients(optimizer)):
+            return False  # some left for the host during backward: nothing outside the step reads those
+        unscale_grads_(visible, self.scaler.scale)
+        self._unscaled = True
+        return True
+
     def _step(self, optimizer, **kwargs: Any) -> Any:
         """The optimizer step on gradients that are finite (checked) and still scaled, or
         unscaled in place already (:attr:`_unscaled`)."""

@@ -5,7 +5,9 @@ The same flags, autocast, half weights and fp16 loss scaling as the Trainer's
 :class:`~lightning_fastopt.core.precision.PrecisionCore`): ``fabric.backward(loss)``
 scales the loss, ``optimizer.step()`` skips the step when a gradient overflowed (on any
 rank) and otherwise steps with the scale taken out inside our kernels, and
-``fabric.clip_gradients`` clips the still-scaled gradients as if unscaled.
+``fabric.clip_gradients`` unscales the gradients in ``p.grad`` in place first, as Fabric's
+own plugin does (where they are all there, in float32), else clips the still-scaled
+gradients as if unscaled.
 """
 
 from __future__ import annotations
@@ -67,15 +69,22 @@ class FastOptFabricPrecision(PrecisionCore, Precision):
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        if self._check_overflow(optimizer):
-            self._skip_step(optimizer)
-            return None
-        return self._step(optimizer, **kwargs)
+        try:
+            if self._check_overflow(optimizer):
+                self._skip_step(optimizer)
+                return None
+            return self._step(optimizer, **kwargs)
+        finally:
+            self._unscaled = False
 
     @override
     def unscale_gradients(self, optimizer) -> None:
-        """Nothing: gradients stay scaled until the kernels take the scale out (clipping
-        accounts for it, see FastOptFabricStrategy.clip_gradients_norm)."""
+        """As Fabric's own plugin before it clips: the gradients in ``p.grad`` unscaled in
+        place (:meth:`_unscale_in_place`; ``fabric.clip_gradients`` calls it), so the loop
+        reads them unscaled afterwards; where some left for the host during backward
+        (``keep_gradients=False``) or they are half, they stay scaled and clipping and the
+        kernels take the scale out."""
+        self._unscale_in_place(optimizer)
 
 
 # the dtype Fabric's own plugin of each flag gives floating inputs
@@ -93,6 +102,7 @@ class _OwnBackwardFabricPrecision(FastOptFabricPrecision):
     def backward(self, tensor, model, *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
+            self._unscaled = False  # scaled gradients come (an unscale before them was for a step not taken)
         super().backward(tensor, model, *args, **kwargs)
 
 

@@ -3,7 +3,8 @@
 Fabric sets the plugin it built from the ``precision`` flag on the strategy; the fastopt
 strategies keep :class:`~lightning_fastopt.fabric.precision.FastOptFabricPrecision` made
 from it with the strategy's loss-scale knobs (``options.scale_knobs``), and
-``fabric.clip_gradients`` clips what the optimizer's step reads, as if unscaled (fp16).
+``fabric.clip_gradients`` clips what the optimizer's step reads, unscaled first where they
+are in ``p.grad`` (fp16, as Fabric's own strategies), else as if unscaled.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class FabricPrecisionSlot:
         """Clip what the step reads by its L2 norm (fp16: as if unscaled); returns the norm."""
         if norm_type != 2.0:
             raise ValueError(f"the fastopt strategies clip by the L2 norm (norm_type=2), got norm_type={norm_type!r}")
+        self.precision.unscale_gradients(optimizer)  # as Fabric's own strategies before they clip
         total = self.precision.clip_scaled_gradients(optimizer, max_norm)
         if total is None:
             return torch.tensor(0.0)
@@ -47,4 +49,5 @@ class FabricPrecisionSlot:
 
     @override
     def clip_gradients_value(self, module: Module, optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
         self.precision.clip_scaled_gradients(optimizer, clip_val, by_value=True)

@@ -31,13 +31,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from typing_extensions import override
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS, PrecisionCore, needs_closure
-from lightning_fastopt.functional import unscale_grads_
 from lightning_fastopt.optim.takeover import engine_of
-from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.trainer.grad_readers import readers_after_the_closure
 from lightning_fastopt.trainer.package import TrainerPackage
 
@@ -98,7 +96,7 @@ class TrainerPrecision(PrecisionCore):
         if self._training_step_returned_none(closure, closure_result, model):
             return closure_result  # Lightning skipped backward (and said so): its GradScaler path skips the step
         overflow = self._check_overflow(optimizer)
-        self._unscaled = self._unscale_for_hooks(optimizer, model)  # on overflow too, as Lightning's plugin
+        self._unscale_for_hooks(optimizer, model)  # on overflow too, as Lightning's plugin
         try:
             self._after_closure(model, optimizer)  # hooks, then clipping (skipped on overflow)
             if overflow:
@@ -110,19 +108,13 @@ class TrainerPrecision(PrecisionCore):
         return closure_result
 
     def _unscale_for_hooks(self, optimizer, model) -> bool:
-        """Unscale the gradients in ``p.grad`` in place where a hook between the closure and
-        the step can read them (``on_before_optimizer_step``, ``configure_gradient_clipping``),
-        as Lightning's own plugin unscales them before those hooks; else they stay scaled
-        and the kernels take the scale out as they read them (one pass fewer).  Half
-        gradients stay scaled: unscaled in their own dtype they would lose the bits the
-        kernels keep by unscaling in float32 (Lightning's ``16-true`` has no loss scaling)."""
-        if not readers_after_the_closure(model, model.trainer.callbacks, self.package):
-            return False
-        grads = [p.grad for group in unwrapped(optimizer).param_groups for p in group["params"] if p.grad is not None]
-        if not grads or any(type(g) is not torch.Tensor or g.dtype != torch.float32 for g in grads):
-            return False  # half gradients, or DTensors (FSDP: its strategies refuse 16-mixed as Lightning's does)
-        unscale_grads_(grads, self.scaler.scale)
-        return True
+        """Unscale the gradients in place (:meth:`_unscale_in_place`) where a hook between the
+        closure and the step can read them (``on_before_optimizer_step``,
+        ``configure_gradient_clipping``), as Lightning's own plugin unscales them before
+        those hooks; else they stay scaled and the kernels take the scale out as they read
+        them (one pass fewer)."""
+        return bool(readers_after_the_closure(model, model.trainer.callbacks, self.package)) and \
+            self._unscale_in_place(optimizer)
 
     def _refuse_an_ignored_closure(self, optimizer, closure: Callable[[], Any], model) -> None:
         """An optimizer's own step that never called the closure it was given: under
