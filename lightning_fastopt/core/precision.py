@@ -67,7 +67,7 @@ class PrecisionCore:
         self._true_dtype = _TRUE_DTYPES.get(precision)  # the weights' dtype in a "-true" precision
         self.device = device
         self._overflow = False
-        self._unscaled = False  # this step's gradients were unscaled in place before the step (the Trainer's hooks)
+        self._unscaled = False  # this step's gradients in p.grad were unscaled in place (_unscale_in_place)
 
     # ------------------------------------------------------------------ what users read
     @property
