@@ -443,9 +443,10 @@ def test_an_own_step_not_named_runs_as_torch_and_ends_where_trainer_ends(caplog,
     """A class with a step of its own that is not known to update each parameter alone
     (``GlobalNorm``: every update scaled by the norm of all gradients, as timm's Lamb
     clips) runs as torch runs it, on the model's weights, not offloaded, one line saying
-    so: bit for bit ``Trainer()``.  Until 2026-11-27 it ran once per share, silently 8e-3
-    away at fraction 0.5 after 8 steps; named in ``per_parameter_optimizers`` (the user's
-    word that it is per parameter) it still does, which this test shows apart."""
+    so: bit for bit ``Trainer()``.  Until 2026-11-27 it ran once per share, silently off
+    (8e-3 at fraction 0.5 after 8 steps); named in ``per_parameter_optimizers`` (the user's
+    word that it is per parameter) it still does, and ends elsewhere (checked at 0.2: the
+    device's share and host buckets)."""
     make = lambda ps: GlobalNorm(ps, lr=1e-2)  # noqa: E731
     ours, ref, named = Net(make), Net(make), Net(make)
     with _said(caplog, monkeypatch):
