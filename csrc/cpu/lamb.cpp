@@ -91,37 +91,23 @@ void lamb_step(const Slots& slots, const LambArgs& a) {
   const int64_t n = static_cast<int64_t>(slots.size());
 
   if (a.norms) {  // the norms over the whole tensors, given: one pass advances the moments and updates
-    const std::vector<float> scale = scales(a.norms, n, a);
-    parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
-      const TensorSlot& s = slots[t];
-      const VecF neg = VecF::set1(scale[t]);
-      dispatch_dtypes(s, [&](auto p, auto g, auto c) {
-        for_each_vec<2, true, decltype(p), decltype(g), decltype(c), F32>(s, b, e,
-            [&](VecF& pv, VecF gv, std::array<VecF, 2>& st) {
-              mth.advance(pv, gv, st[0], st[1]);
-              pv = VecF::fmadd(neg, mth.update(pv, st[0], st[1]), pv);
-            });
-      });
-    });
+    update_with_factors<2, true>(slots, scales(a.norms, n, a),
+        [&](VecF& pv, VecF gv, std::array<VecF, 2>& st, VecF neg) FASTOPT_ALWAYS_INLINE {
+          mth.advance(pv, gv, st[0], st[1]);
+          pv = VecF::fmadd(neg, mth.update(pv, st[0], st[1]), pv);
+        });
     return;
   }
 
   // Pass 1: moments, and the squared norms of the parameter and of the update per slot.
   std::vector<double> sums(2 * n);
   moments_and_norms(slots, mth, true, sums.data());
-  const std::vector<float> scale = scales(sums.data(), n, a);
 
   // Pass 2: apply p -= lr * ratio * u, writing the optional half-precision copy.
-  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
-    const TensorSlot& s = slots[t];
-    const VecF neg = VecF::set1(scale[t]);
-    dispatch_dtypes(s, [&](auto p, auto, auto c) {
-      for_each_vec<2, true, decltype(p), None, decltype(c), F32>(s, b, e,
-          [&](VecF& pv, VecF, std::array<VecF, 2>& st) {
-            pv = VecF::fmadd(neg, mth.update(pv, st[0], st[1]), pv);
-          });
-    });
-  });
+  update_with_factors<2, false>(slots, scales(sums.data(), n, a),
+      [&](VecF& pv, VecF, std::array<VecF, 2>& st, VecF neg) FASTOPT_ALWAYS_INLINE {
+        pv = VecF::fmadd(neg, mth.update(pv, st[0], st[1]), pv);
+      });
 }
 
 }  // namespace fastopt

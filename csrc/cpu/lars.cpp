@@ -31,17 +31,11 @@ void lars_step(const Slots& slots, const LarsArgs& a) {
   }
   const VecF gs = VecF::set1(a.maximize ? -a.inv_grad_scale : a.inv_grad_scale);
   const VecF wd = VecF::set1(a.weight_decay), mom = VecF::set1(a.momentum);
-  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
-    const TensorSlot& s = slots[t];
-    const VecF neg = VecF::set1(neg_step[t]);
-    dispatch_dtypes(s, [&](auto p, auto g, auto c) {
-      for_each_vec<1, true, decltype(p), decltype(g), decltype(c), F32>(s, b, e,
-          [&](VecF& pv, VecF gv, std::array<VecF, 1>& st) {
-            st[0] = VecF::fmadd(st[0], mom, VecF::fmadd(wd, pv, gv * gs));
-            pv = VecF::fmadd(neg, st[0], pv);
-          });
-    });
-  });
+  update_with_factors<1, true>(slots, neg_step,
+      [&](VecF& pv, VecF gv, std::array<VecF, 1>& st, VecF neg) FASTOPT_ALWAYS_INLINE {
+        st[0] = VecF::fmadd(st[0], mom, VecF::fmadd(wd, pv, gv * gs));
+        pv = VecF::fmadd(neg, st[0], pv);
+      });
 }
 
 }  // namespace fastopt

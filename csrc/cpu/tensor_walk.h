@@ -186,6 +186,23 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
   }
 }
 
+// The update pass of an algorithm with a per-tensor factor (LAMB's and LARS's -lr * ratio):
+// over every slot t, body(VecF& param, VecF grad, std::array<VecF, NS>& state, VecF factor)
+// with factor = factors[t], the parameter and its half copy stored, the float32 state
+// loaded and stored; kReadGrad false: no gradient is read (the body sees zeros).
+template <int NS, bool kReadGrad, typename Body>
+void update_with_factors(const Slots& slots, const std::vector<float>& factors, const Body& body) {
+  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
+    const TensorSlot& s = slots[t];
+    const VecF factor = VecF::set1(factors[t]);
+    dispatch_dtypes(s, [&](auto p, auto g, auto c) {
+      using G = std::conditional_t<kReadGrad, decltype(g), None>;
+      for_each_vec<NS, true, decltype(p), G, decltype(c), F32>(s, b, e,
+          [&](VecF& pv, VecF gv, std::array<VecF, NS>& st) FASTOPT_ALWAYS_INLINE { body(pv, gv, st, factor); });
+    });
+  });
+}
+
 // Calls fn(tag) with the storage tag of a dtype.
 template <typename Fn>
 void dispatch_storage(DType d, const Fn& fn) {
