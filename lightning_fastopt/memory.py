@@ -118,8 +118,9 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
-        each = [_rank_estimate(_local_rows(_tensor_parallel_pieces(model, params, tensor_parallel_plan, tp, r % tp),
-                                           r // tp, world_size // tp),
+        pieces = {t: _tensor_parallel_pieces(model, params, tensor_parallel_plan, tp, t)
+                  for t in {r % tp for r in ranks}}  # each tensor-parallel rank's once
+        each = [_rank_estimate(_local_rows(pieces[r % tp], r // tp, world_size // tp),
                                [True] * len(params), offload_fraction, state_tensors, speculate, 3, world_size, r,
                                sum(p.numel() for p in params))
                 for r in ranks]
