@@ -172,16 +172,6 @@ def rows_refusals(fused: FusedOptimizer) -> list[tuple[str, bool]]:
              "step starts", spans_parameters(fused))]
 
 
-def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:
-    """The one line that says an optimizer ``needs_closure`` holds back (LBFGS, whose step
-    evaluates the closure again after changing the weights, or a class named in
-    ``closure_optimizers``) is not taken over: it runs as torch runs it."""
-    why = ("its step evaluates the closure again after changing them" if isinstance(optimizer, torch.optim.LBFGS)
-           else "named in closure_optimizers")
-    rank_zero_info(f"lightning_fastopt: {type(optimizer).__name__} runs as torch runs it, on the model's weights, "
-                   f"not offloaded: {why}")
-
-
 def _say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:
     """One line when half-precision parameters train under a precision that keeps the
     weights as they are (``"32-true"``): they get float32 master weights and state here,

@@ -31,14 +31,14 @@ from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names,
-                                            rows_refusals, say_runs_as_torch, stream_arguments)
+                                            rows_refusals, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
+from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]

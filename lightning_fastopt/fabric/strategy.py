@@ -61,11 +61,10 @@ from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
-from lightning_fastopt.optim.known_steps import say_steps_as_torch, steps_per_parameter
+from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_as_torch, steps_per_parameter
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
-from lightning_fastopt.core.engines import (check_ddp_kwargs, fused_for, register_names, say_runs_as_torch,
-                                            wrap_fused_optimizer)
+from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 

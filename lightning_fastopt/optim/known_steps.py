@@ -37,8 +37,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_fastopt.optim.base import FusedOptimizer
 from lightning_fastopt.optim.from_torch import _defined
 
-__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "say_steps_as_torch", "say_steps_dtensors", "steps_per_parameter",
-           "steps_rows"]
+__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "say_runs_as_torch", "say_steps_as_torch", "say_steps_dtensors",
+           "steps_per_parameter", "steps_rows"]
 
 # torch's optimizers whose step updates each element from that element's gradient and state
 # and per-step scalars alone (AdamW is a subclass of Adam)
@@ -77,16 +77,30 @@ def steps_per_parameter(optimizer: torch.optim.Optimizer, named: tuple[str, ...]
 
 def say_steps_dtensors(optimizer: torch.optim.Optimizer) -> None:
     """The one line that says an optimizer runs as torch runs it, on the DTensors."""
-    name = type(optimizer).__name__
-    rank_zero_info(f"lightning_fastopt: {name} runs as torch runs it, on the DTensor parameters, not offloaded: its "
-                   f"step is not known to work element by element, and on each rank's rows a norm or matrix function "
-                   f"of a parameter would span only those rows (elementwise_optimizers=[{name!r}] steps it on them)")
+    _say_as_torch(optimizer, "the DTensor parameters",
+                  "its step is not known to work element by element, and on each rank's rows a norm or matrix "
+                  "function of a parameter would span only those rows "
+                  f"(elementwise_optimizers=[{type(optimizer).__name__!r}] steps it on them)")
 
 
 def say_steps_as_torch(optimizer: torch.optim.Optimizer) -> None:
     """The one line that says an optimizer runs as torch runs it, on the model's weights."""
+    _say_as_torch(optimizer, "the model's weights",
+                  "its step is not known to update each parameter from its own gradient and state alone, and the "
+                  "strategy steps shares of the parameters apart (the device's, each host bucket's, a rank's), where "
+                  "a norm over every gradient would see one share's "
+                  f"(per_parameter_optimizers=[{type(optimizer).__name__!r}] steps it on them)")
+
+
+def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:
+    """The one line that says an optimizer ``needs_closure`` holds back (LBFGS, whose step
+    evaluates the closure again after changing the weights, or a class named in
+    ``closure_optimizers``) is not taken over: it runs as torch runs it."""
+    _say_as_torch(optimizer, "the model's weights",
+                  "its step evaluates the closure again after changing them"
+                  if isinstance(optimizer, torch.optim.LBFGS) else "named in closure_optimizers")
+
+
+def _say_as_torch(optimizer: torch.optim.Optimizer, on: str, why: str) -> None:
     name = type(optimizer).__name__
-    rank_zero_info(f"lightning_fastopt: {name} runs as torch runs it, on the model's weights, not offloaded: its step "
-                   f"is not known to update each parameter from its own gradient and state alone, and the strategy "
-                   f"steps shares of the parameters apart (the device's, each host bucket's, a rank's), where a norm "
-                   f"over every gradient would see one share's (per_parameter_optimizers=[{name!r}] steps it on them)")
+    rank_zero_info(f"lightning_fastopt: {name} runs as torch runs it, on {on}, not offloaded: {why}")

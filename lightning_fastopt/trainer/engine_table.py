@@ -21,7 +21,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import say_runs_as_torch
+from lightning_fastopt.optim.known_steps import say_runs_as_torch
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.optim.takeover import give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
