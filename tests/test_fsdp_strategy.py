@@ -148,17 +148,27 @@ def test_tensor_parallel_then_fsdp_ends_where_model_parallel_strategy_ends(run, 
 
 
 @slow
-def test_sequence_and_loss_parallelism_end_where_model_parallel_strategy_ends(run):
+@pytest.mark.parametrize("fraction, option", [("0.5", "stream_cpu_step"), ("1", "keep_gradients")])
+def test_sequence_and_loss_parallelism_on_a_tensor_parallel_mesh_end_where_model_parallel_strategy_ends(
+        run, fraction, option):
     """torch's recipe for a transformer block (``tests/scripts/fsdp_trainer_run.py``'s
-    ``SequenceParallelNet``): LayerNorms under ``SequenceParallel`` (weights replicated
-    over the tensor-parallel ranks, gradients summed over them by DTensor), the MLP split
-    column- then row-wise, the head's output split over the classes and its cross entropy
-    under ``loss_parallel``; then FSDP.  Half the rows offloaded, the CPU step streamed.
-    Ended 1e-9 away until 2026-11-27: the strategy set torch's thread count in every
-    process, where ``ModelParallelStrategy``'s second process keeps torch's default, and
-    the LayerNorms' gradients on the CPU depend on it (``core/cpu_threads.py``)."""
+    ``SequenceParallelNet``), as Lightning's tensor-parallel example applies it: the
+    embedding split by rows (``RowwiseParallel``), LayerNorms under ``SequenceParallel``
+    (weights replicated over the tensor-parallel ranks), the MLP split column- then
+    row-wise, the head's output split over the classes and its cross entropy under
+    ``loss_parallel``; on two processes the mesh is tensor-parallel only, and FSDP, as in
+    the example, is not applied.  Nothing then hands the gradients over in their
+    parameters' placements: the embedding's comes back whole (``Replicate()``) on each
+    rank, and crashed the step until 2026-11-27 (a gradient of twice its rows' size); the
+    LayerNorms' come back partial sums (``Partial()``), which torch's step adds up after
+    the clipping multiplied each rank's part (reduced first, they ended 3e-8 away).  The
+    embedding's is redistributed to its rows (offloaded), the LayerNorms' are taken at the
+    step (on the device).  (Until 2026-11-27 the thread count, too: the strategy set
+    torch's in every process, where ``ModelParallelStrategy``'s second process keeps
+    torch's default, and the LayerNorms' gradients on the CPU depend on it:
+    ``core/cpu_threads.py``.)"""
     mesh = ("tp=2", "model=sequence_parallel")
-    _assert_same(run("fastopt-0.5", "adamw", *mesh, "stream_cpu_step"), run("reference", "adamw", *mesh))
+    _assert_same(run(f"fastopt-{fraction}", "adamw", *mesh, option), run("reference", "adamw", *mesh))
 
 
 @slow

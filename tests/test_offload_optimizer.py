@@ -86,6 +86,9 @@ def test_partition_takes_the_last_parameters_first():
     assert choose_offloaded(ps, 1.0) == [True] * 4
     assert choose_offloaded(ps, 0.4) == [False, False, False, True]
     assert choose_offloaded(ps, 0.41) == [False, False, True, True]
+    stays = lambda p: p is ps[3]  # noqa: E731  (kept on the device whatever the fraction; the others go in its place)
+    assert choose_offloaded(ps, 1.0, stays) == [True, True, True, False]
+    assert choose_offloaded(ps, 0.4, stays) == [False, True, True, False]
     assert split_into_buckets("abcd", [4, 4, 9, 1], 8) == [["a", "b"], ["c"], ["d"]]
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\], got 1.5"):
         choose_offloaded(ps, 1.5)

@@ -55,7 +55,7 @@ from typing_extensions import override
 
 from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.offload.grad_norms import by_device_and_dtype
+from lightning_fastopt.offload.grad_norms import by_device_and_dtype, norms_of, unscaled_norm
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
                                           needs_step_context, spans_parameters)
@@ -74,8 +74,31 @@ def local_alias(param: Tensor) -> torch.nn.Parameter:
 
 
 def _local_grad(param: Tensor) -> Tensor | None:
+    """This rank's rows of ``param``'s gradient, in its parameter's placements: a gradient
+    placed otherwise (:func:`_placed_otherwise`) is redistributed to them first, as
+    torch's optimizer redistributes it when it meets the parameter's state."""
     grad = param.grad
+    if _placed_otherwise(param):
+        grad = grad.redistribute(param.device_mesh, param.placements)
     return grad._local_tensor if isinstance(grad, DTensor) else grad
+
+
+def _replicated(param: Tensor) -> bool:
+    """``param`` is a DTensor replicated on every dimension of its mesh: tensor
+    parallelism's replicated weights (``SequenceParallel``'s norms) where no FSDP shards
+    them (FSDP shards every parameter it holds, and hands its gradients over in its
+    placements).  Their gradients may come back partial sums (``Partial()``)."""
+    return isinstance(param, DTensor) and all(p.is_replicate() for p in param.placements)
+
+
+def _placed_otherwise(param: Tensor) -> bool:
+    """``param``'s gradient is a DTensor placed otherwise than ``param``: the weight of an
+    embedding tensor parallelism splits by rows (``RowwiseParallel``), without FSDP over
+    it, gets its gradient whole (``Replicate()``) on every rank.  FSDP redistributes the
+    gradients of the parameters it shards; nothing does for the others."""
+    grad = param.grad
+    return (isinstance(grad, DTensor) and isinstance(param, DTensor)
+            and (grad.placements != param.placements or grad.device_mesh != param.device_mesh))
 
 
 class LocalShardOptimizer(LocalOffloadWrapper):
@@ -110,6 +133,9 @@ class LocalShardOptimizer(LocalOffloadWrapper):
                              f"step starts: {' and '.join(f'{k}=True' for k in early)} (updating rows before that) "
                              "cannot be used with it")
         self._alias = {p: local_alias(p) for p in self._params}
+        # replicated on every mesh dimension (no FSDP over them): gradients taken at the step, stepped on the device
+        self._at_step = {p: None for p in self._params if _replicated(p)}
+        self._kept = {self._alias[p] for p in self._at_step}
         self._alias_names = {self._alias[p]: n for p, n in self.param_names.items()}  # the local optimizer reads it
         shard = optimizer.sibling([[self._alias[p] for p in g["params"]] for g in self.param_groups])
         for p in self._params:  # state the wrapped optimizer had moves with its parameter, as local rows
@@ -118,8 +144,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         optimizer.state.clear()
         streaming = device_grads == "copy_when_reduced"
         self.local = OffloadOptimizer(shard, self._alias_names, device_grads=device_grads,
-                                      reduced_by=(lambda alias: alias.requires_grad) if streaming else None,
-                                      **offload_args)
+                                      reduced_by=(lambda alias: alias.requires_grad and alias not in self._kept)
+                                      if streaming else None, stays_on_device=self._kept.__contains__, **offload_args)
         self._hooks = [p.register_post_accumulate_grad_hook(self._landed) for p in self._params
                        if p.requires_grad] if streaming else []
         if optimizer.whole_tensor_norms:
@@ -133,6 +159,9 @@ class LocalShardOptimizer(LocalOffloadWrapper):
             self.param_names.setdefault(p, f"param{i}")
             self._alias[p] = local_alias(p)
             self._alias_names[self._alias[p]] = self.param_names[p]
+            if _replicated(p):
+                self._at_step[p] = None
+                self._kept.add(self._alias[p])
         self._params += new
         if self.device_grads == "copy_when_reduced":
             self._hooks += [p.register_post_accumulate_grad_hook(self._landed) for p in new if p.requires_grad]
@@ -167,26 +196,31 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         """FSDP's reduce-scatter landed ``param``'s gradient (``device_grads="copy_when_reduced"``):
         its rows go to the local optimizer, and an offloaded one's ``p.grad`` is dropped
         once its copy to the host is on its way."""
-        if self.local.accumulating:
-            return  # FSDP adds the next micro-batch's into p.grad
+        if self.local.accumulating or param in self._at_step:
+            return  # FSDP adds the next micro-batch's into p.grad; or it is taken at the step
         alias = self._alias[param]
         alias.grad = _local_grad(param)
         self.local.grad_reduced(alias)
-        if alias.grad is None:  # taken to the host (the intake let go of it): the device copy goes too
-            param.grad = None
+        if alias.grad is None and not _placed_otherwise(param):  # taken to the host: the device copy goes too
+            param.grad = None  # (one placed otherwise stays: the clipping norm is torch's norm of it)
 
-    def _take_gradients(self) -> None:
+    def _take_gradients(self, at_step: bool = False) -> None:
         """Hand the local rows of every ``p.grad`` (the reduce-scattered gradient) to the
-        aliases the local optimizer reads."""
+        aliases the local optimizer reads; those of the parameters replicated on every
+        mesh dimension only when the step starts (``at_step``): their gradients may be
+        partial sums over the ranks, which torch's step adds up only after the clipping
+        has multiplied each rank's part, so they are final only then."""
         for p, alias in self._alias.items():
-            if alias.grad is None:
+            if alias.grad is None and (at_step or p not in self._at_step):
                 alias.grad = _local_grad(p)
 
     def gradients(self) -> list[Tensor]:
         """The gradients this rank's step reads: its rows of each (in host memory for the
-        offloaded share).  Overflow checks and norms over them span the ranks."""
+        offloaded share), and this rank's part of each gradient taken at the step (what
+        clipping and unscaling multiply, as they multiply the DTensor's under torch).
+        Overflow checks and norms over them span the ranks."""
         self._take_gradients()
-        return self.local.gradients()
+        return self.local.gradients() + [_local(p.grad) for p in self._at_step if p.grad is not None]
 
     @override
     def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
@@ -200,7 +234,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
         norms = self.local.gradient_norms_by_param(grad_scale)
-        return _total_norm_of_rows([(p, norms.get(self._alias[p])) for p in self._params])
+        return _total_norm_of_rows([(p, _norm_as_placed(p, grad_scale) if p.grad is not None and (
+            p in self._at_step or _placed_otherwise(p)) else norms.get(self._alias[p])) for p in self._params])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # the DTensor gradients
@@ -210,7 +245,7 @@ class LocalShardOptimizer(LocalOffloadWrapper):
 
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         copy_hyperparameters(self.local.optimizer, self.param_groups)
-        self._take_gradients()
+        self._take_gradients(at_step=True)
         if check_finite:
             finite = grads_all_finite(self.local.gradients())
             if all_reduce_scalar(0.0 if finite else 1.0, group=self.group) > 0:  # an overflow anywhere skips everywhere
@@ -297,11 +332,19 @@ def _total_norm_of_rows(norms: list[tuple[Tensor, Tensor | None]]) -> Tensor:
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 
+def _norm_as_placed(param: Tensor, grad_scale: float) -> Tensor:
+    """The norm torch's ``get_total_norm`` takes of ``param``'s gradient placed otherwise
+    than ``param`` (kept in ``p.grad`` until the step), unscaled by ``grad_scale``: a
+    DTensor, as DTensor computes it for the gradient's placements."""
+    return unscaled_norm(norms_of([param.grad])[0], param.dtype, grad_scale)
+
+
 def _as_torch_norm(param: Tensor, norm: Tensor) -> Tensor:
     """``norm``, the 2-norm of this rank's rows of ``param``'s gradient, as the DTensor
     torch's ``vector_norm`` of that (DTensor) gradient gives: a partial norm over each mesh
-    dimension the gradient is sharded on, replicated (or partial) as it is over the others."""
-    if not isinstance(param, DTensor):
+    dimension the gradient is sharded on, replicated (or partial) as it is over the others.
+    A DTensor norm is already torch's (:func:`_norm_as_placed`)."""
+    if not isinstance(param, DTensor) or isinstance(norm, DTensor):
         return norm
     placements = [p if p.is_replicate() or p.is_partial() else _NormPartial(2.0) for p in param.placements]
     return DTensor.from_local(norm, param.device_mesh, placements, run_check=False)

@@ -70,13 +70,13 @@ class DeviceGradNorms:
         one, else ``_foreach_norm`` where the gradient is (the device share's gradients,
         host-only sums)."""
         self._take({s: grad_of(s) for s in slots if s not in self._norms})
-        return {s: _unscaled(self._norms[s], s.param.dtype, grad_scale) for s in slots}
+        return {s: unscaled_norm(self._norms[s], s.param.dtype, grad_scale) for s in slots}
 
     def _take(self, grads: dict[ParamSlot, Tensor]) -> None:
         """The norms of ``grads`` where they are (``_foreach_norm`` takes its fast path on
         lists of one device and dtype)."""
         for slots in by_device_and_dtype(grads).values():
-            self._norms.update(zip(slots, _norms([grads[s] for s in slots])))
+            self._norms.update(zip(slots, norms_of([grads[s] for s in slots])))
 
     def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of, grad_scale: float = 1.0) -> Tensor:
         """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
@@ -94,7 +94,7 @@ class DeviceGradNorms:
         return torch.linalg.vector_norm(torch.stack([n.to(device) for g in groups.values() for n in g]), 2.0)
 
 
-def _norms(grads: list[Tensor]) -> list[Tensor]:
+def norms_of(grads: list[Tensor]) -> list[Tensor]:
     """``_foreach_norm`` of gradients of one dtype; float16 ones' in float32 (loss-scaled,
     their norm may pass float16's range)."""
     if grads[0].dtype == torch.float16:
@@ -102,7 +102,7 @@ def _norms(grads: list[Tensor]) -> list[Tensor]:
     return torch._foreach_norm(grads, 2.0)
 
 
-def _unscaled(norm: Tensor, dtype: torch.dtype, grad_scale: float) -> Tensor:
+def unscaled_norm(norm: Tensor, dtype: torch.dtype, grad_scale: float) -> Tensor:
     return (norm / grad_scale if grad_scale != 1.0 else norm).to(dtype)
 
 

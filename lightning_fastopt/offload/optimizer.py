@@ -144,6 +144,9 @@ class OffloadOptimizer(OptimizerWrapper):
             backward (:meth:`grad_reduced`): with ``device_grads="copy_when_reduced"``
             (ZeRO stage 2's reducer, every one), or ``"copy_at_step"`` (DDP's buckets whose
             all-reduce completed during backward; the step copies the others from ``p.grad``).
+        stays_on_device: the parameters never offloaded, whatever the fraction (their
+            gradients are final only when the step starts: a wrapper hands them over
+            then, with no copy to wait for); the fraction counts every element.
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -152,7 +155,8 @@ class OffloadOptimizer(OptimizerWrapper):
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
                  stream_cpu_step: bool = False, speculate: bool = False, delayed_update: bool = False,
                  delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
-                 forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None) -> None:
+                 forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None,
+                 stays_on_device: Callable[[Tensor], bool] | None = None) -> None:
         super().__init__(optimizer)
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
@@ -161,7 +165,9 @@ class OffloadOptimizer(OptimizerWrapper):
                               device_grads=device_grads, wall_clock_breakdown=wall_clock_breakdown,
                               copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
                               delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
-                              host_state_dtype=host_state_dtype, forward_waits=forward_waits, reduced_by=reduced_by)
+                              host_state_dtype=host_state_dtype, forward_waits=forward_waits, reduced_by=reduced_by,
+                              stays_on_device=stays_on_device)
+        self.stays_on_device = stays_on_device
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
         self.device_grads = device_grads

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from torch import Tensor
@@ -12,10 +12,12 @@ from lightning_fastopt.optim.base import check_range
 T = TypeVar("T")
 
 
-def choose_offloaded(params: Sequence[Tensor], fraction: float) -> list[bool]:
+def choose_offloaded(params: Sequence[Tensor], fraction: float,
+                     stays: Callable[[Tensor], bool] | None = None) -> list[bool]:
     """Which of ``params`` (in the order the model registers them) keep their master
     weights and optimizer state on the CPU: ``fraction`` of all elements, rounded up to
-    whole tensors, taken from the end of the list.
+    whole tensors, taken from the end of the list, passing over those ``stays`` keeps on
+    the device.
 
     Backward produces the gradients of the last layers first, so their device-to-host
     copies and CPU updates have the rest of backward to hide behind.  0 offloads nothing,
@@ -28,6 +30,8 @@ def choose_offloaded(params: Sequence[Tensor], fraction: float) -> list[bool]:
     for i in reversed(range(len(params))):
         if taken >= target or target == 0:
             break
+        if stays is not None and stays(params[i]):
+            continue
         chosen[i] = True
         taken += params[i].numel()
     return chosen

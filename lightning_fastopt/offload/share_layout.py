@@ -62,7 +62,7 @@ class ShareLayout:
         """Take over parameters (at construction, or those of a group added later):
         ``offload_fraction`` of them go to new host buckets, the rest to the device share."""
         unique = list(dict.fromkeys(params))  # torch warns about a parameter listed twice in a group
-        new = self._make_slots(unique, choose_offloaded(unique, self.opt.offload_fraction))
+        new = self._make_slots(unique, choose_offloaded(unique, self.opt.offload_fraction, self.opt.stays_on_device))
         if len(unique) < len(params):
             listed = Counter(params)
             for s in new:

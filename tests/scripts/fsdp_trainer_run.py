@@ -160,7 +160,8 @@ class SequenceParallelNet(L.LightningModule):
     replicated over the tensor-parallel ranks, each computing its part of the sequence),
     the MLP's Linears column- then row-wise split, the head's output split over the
     classes and the cross entropy taken on it under ``loss_parallel`` (forward and
-    backward); then FSDP on the ``data_parallel`` dimension (each block, then the root)."""
+    backward); then FSDP on the ``data_parallel`` dimension (each block, then the root),
+    where it has more than one rank (as Lightning's tensor-parallel example applies it)."""
 
     def __init__(self, optimizer: str):
         super().__init__()
@@ -205,8 +206,9 @@ class SequenceParallelNet(L.LightningModule):
             "final_norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
         mesh = self.device_mesh["data_parallel"]
-        fully_shard(self.mlp, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+        if mesh.size() > 1:  # as Lightning's tensor-parallel example: a tensor-parallel-only mesh is not sharded
+            fully_shard(self.mlp, mesh=mesh)
+            fully_shard(self, mesh=mesh)
 
 
 def _data(tied=False, sequences=False):
