@@ -28,6 +28,7 @@ import shutil
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
@@ -134,8 +135,23 @@ def save_atomically(obj: Any, path) -> None:
     fsync_directory(directory)
 
 
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The names of the files a checkpoint directory of one kind consists of (a regular
+    expression each must match whole): those a new checkpoint supersedes.  Anything else
+    in the directory is someone else's, and stays."""
+
+    pattern: str
+
+    def own(self, name: str) -> bool:
+        return re.fullmatch(self.pattern, name) is not None
+
+
 # Lightning's FSDP strategies mark a sharded checkpoint directory with this file
 SHARDED_METADATA = "meta.pt"
+# torch's distributed checkpoint (its metadata and each rank's shards) and Lightning's file beside them
+DISTRIBUTED_CHECKPOINT_FILES = CheckpointFiles(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
+                                               + re.escape(SHARDED_METADATA))
 
 
 def refuse_to_replace_a_directory(path) -> None:
@@ -146,13 +162,14 @@ def refuse_to_replace_a_directory(path) -> None:
         raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
 
 
-def save_staged(path, write: Callable[[str], None], ranks) -> None:
+def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFiles | None = None) -> None:
     """Every rank's part of writing a checkpoint (a file or a directory) whole or not at all
     (call it on every rank at once): ``write(staging)`` writes into a staging path beside
     ``path`` (rank 0's name), then rank 0 moves it over ``path`` once every rank has
-    written.  A process killed meanwhile leaves what ``path`` held, and a staging path the
-    next save removes.  ``ranks``: ``broadcast``, ``barrier`` and ``is_global_zero``, as a
-    Lightning strategy has them."""
+    written (:func:`replace_path`: a directory's files that are not a checkpoint's,
+    ``files``, stay).  A process killed meanwhile leaves what ``path`` held, and a staging
+    path the next save removes.  ``ranks``: ``broadcast``, ``barrier`` and
+    ``is_global_zero``, as a Lightning strategy has them."""
     path = ranks.broadcast(os.path.abspath(os.fspath(path)))
     staging = ranks.broadcast(temp_path(path))
     if ranks.is_global_zero:
@@ -162,21 +179,50 @@ def save_staged(path, write: Callable[[str], None], ranks) -> None:
     write(staging)
     ranks.barrier("fastopt_checkpoint_written")
     if ranks.is_global_zero:
-        replace_path(staging, path)
+        replace_path(staging, path, files)
         fsync_directory(os.path.dirname(path))
     ranks.barrier("fastopt_checkpoint_moved")
 
 
-def replace_path(src: str, dst: str) -> None:
-    """Move ``src`` (a file or a directory) to ``dst``, replacing whatever is there: one
-    rename, after moving a directory in the way aside (deleted afterwards)."""
+def replace_path(src: str, dst: str, files: CheckpointFiles | None = None) -> None:
+    """Move ``src`` (a file or a directory) to ``dst``, replacing what is there: one
+    rename, after moving a directory in the way aside (deleted afterwards).  Where both
+    are directories, the entries of ``dst`` that are not a checkpoint's (``files``; all of
+    them without it) and that ``src`` lacks are linked into ``src`` first (hard links, or
+    copies where the file system has none), so that they are in ``dst`` before, during
+    and after the move: a save never deletes a file it did not write."""
     old = None
     if os.path.isdir(dst) or (os.path.lexists(dst) and os.path.isdir(src)):
+        if os.path.isdir(dst) and os.path.isdir(src):
+            _link_others(dst, src, files)
         old = f"{dst}.old-{uuid.uuid4().hex[:12]}"
         os.replace(dst, old)
     os.replace(src, dst)
     if old is not None:
         shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+
+
+def _link_others(directory: str, into: str, files: CheckpointFiles | None) -> None:
+    """Link the entries of ``directory`` that are not checkpoint files, and that ``into``
+    lacks, into ``into`` (directories as trees of links; symbolic links as themselves)."""
+    for entry in os.listdir(directory):
+        target = os.path.join(into, entry)
+        if (files is not None and files.own(entry)) or os.path.lexists(target):
+            continue
+        source = os.path.join(directory, entry)
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        elif os.path.isdir(source):
+            shutil.copytree(source, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(source, target)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def fsync_directory(directory: str) -> None:

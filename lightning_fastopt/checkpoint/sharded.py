@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import (remove_stale_temps, replace_path, save_atomically, save_synced,
-                                                 temp_path, write_synced)
+from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, remove_stale_temps, replace_path, save_atomically,
+                                                 save_synced, temp_path, write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, check_holds, read_checkpoint_file
 from lightning_fastopt.optim.base import hyperparameters
@@ -44,6 +45,10 @@ SHARDS_KEY = "fastopt_optimizer_shards"  # a Fabric checkpoint's marker of a sha
 
 def shard_file(rank: int) -> str:
     return f"optimizer_shard_{rank:05d}.pt"
+
+
+# what a sharded checkpoint consists of: a new one supersedes these, and leaves anything else in its directory
+SHARDED_FILES = CheckpointFiles(rf"{re.escape(MAIN_FILE)}|optimizer_shard_\d+\.pt|{re.escape(MANIFEST)}")
 
 
 def is_sharded(path) -> bool:
@@ -100,14 +105,14 @@ def write_main(staging: str, checkpoint: dict[str, Any]) -> None:
 def finish_sharded(staging: str, path, *, world_size: int, zero_stage: int,
                    partitions: list[dict[str, int]]) -> None:
     """Write the manifest (last: a directory without one is not a checkpoint) and move the
-    staging directory to ``path``, replacing what was there."""
+    staging directory to ``path``, replacing the checkpoint there (other files stay)."""
     manifest = dict(format_version=FORMAT_VERSION, world_size=world_size, zero_stage=zero_stage,
                     shards=[shard_file(r) for r in range(world_size)], main=MAIN_FILE, partitions=partitions)
     missing = [f for f in manifest["shards"] + [MAIN_FILE] if not os.path.isfile(os.path.join(staging, f))]
     if missing:
         raise RuntimeError(f"sharded checkpoint incomplete, missing {missing} in {staging}")
     write_synced(os.path.join(staging, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    replace_path(staging, os.path.abspath(os.fspath(path)))
+    replace_path(staging, os.path.abspath(os.fspath(path)), SHARDED_FILES)
 
 
 def merge_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
+from lightning_fastopt.checkpoint.atomic import (DISTRIBUTED_CHECKPOINT_FILES, refuse_to_replace_a_directory,
+                                                 save_staged)
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names,
                                             rows_refusals, stream_arguments)
@@ -182,12 +183,13 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         """Fabric's (a directory of shards, or one full file), the optimizers in torch's layout,
         written whole or not at all (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`).
         A full checkpoint does not replace a directory that is not a checkpoint, as Fabric's
-        strategy refuses it."""
+        strategy refuses it; a distributed one keeps the files there that are not a
+        distributed checkpoint's, as Fabric's does."""
         if not self._save_distributed_checkpoint:
             refuse_to_replace_a_directory(self.broadcast(path))
         views = self._as_torch_holds_them(state)
         save_staged(path, lambda staging: super(FastOptFabricFSDPStrategy, self).save_checkpoint(
-            staging, views, storage_options=storage_options, filter=filter), self)
+            staging, views, storage_options=storage_options, filter=filter), self, DISTRIBUTED_CHECKPOINT_FILES)
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):

@@ -34,7 +34,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.atomic import refuse_to_replace_a_directory, save_staged
+from lightning_fastopt.checkpoint.atomic import (DISTRIBUTED_CHECKPOINT_FILES, refuse_to_replace_a_directory,
+                                                 save_staged)
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals,
                                             register_fsdp_names, rows_refusals, stream_arguments)
@@ -258,12 +259,13 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         """``ModelParallelStrategy``'s (a directory of shards, or one full file), written
         whole or not at all: into a staging path, moved over ``filepath`` once every rank
         has written (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`); a process
-        killed mid-save leaves the previous checkpoint.  A full checkpoint does not replace a
+        killed mid-save leaves the previous checkpoint.  Saved into a directory, the files
+        there that are not a distributed checkpoint's stay, as under Lightning.  A full checkpoint does not replace a
         directory that is not a checkpoint, as ``ModelParallelStrategy`` refuses it."""
         if not self._save_distributed_checkpoint:
             refuse_to_replace_a_directory(self.broadcast(filepath))
         save_staged(filepath, lambda staging: super(FSDPTrainerStrategy, self).save_checkpoint(
-            checkpoint, staging, storage_options), self)
+            checkpoint, staging, storage_options), self, DISTRIBUTED_CHECKPOINT_FILES)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
