@@ -76,6 +76,17 @@ def test_the_cpu_step_streamed_into_backward_and_kept_gradients_end_there_too(ru
 
 
 @slow
+def test_the_mesh_left_to_the_strategy_shards_over_every_process(run):
+    """``FastOptFSDPStrategy()`` with a ``configure_model`` that shards over
+    ``device_mesh["data_parallel"]``, the sizes left at ``"auto"``: every process is
+    data-parallel, so the run ends where ``ModelParallelStrategy(data_parallel_size=2)``
+    ends (each rank its half of the rows and of the batches).  Under Lightning's default
+    (data parallelism across nodes, tensor parallelism within) the data_parallel dimension
+    had one rank on one node: nothing was sharded, and both ranks saw the same batches."""
+    _assert_same(run("fastopt-0.5", "adamw", "mesh=auto"), run("reference"))
+
+
+@slow
 def test_offload_fraction_auto_chooses_on_each_ranks_shards_and_ends_there_too(run, tmp_path_factory):
     """``offload_fraction="auto"``: five steps with every row offloaded, the last three
     timed, then each rank's local optimizer rebuilt at the fraction rank 0 chose (here 0:
@@ -404,6 +415,23 @@ def test_a_full_checkpoint_does_not_replace_a_directory_that_is_not_a_checkpoint
             else:
                 strategy.save_checkpoint(folder, {})
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_mesh_sizes_left_to_the_strategy_and_a_mesh_that_shards_nothing_said(caplog):
+    import logging
+
+    from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
+
+    assert resolved_mesh_sizes("auto", "auto", 8) == (8, 1)
+    assert resolved_mesh_sizes("auto", 2, 8) == (4, 2)
+    assert resolved_mesh_sizes(2, "auto", 8) == (2, 4)
+    assert resolved_mesh_sizes(1, 8, 8) == (1, 8)
+    with caplog.at_level(logging.INFO):
+        say_if_nothing_is_sharded(4, 8)
+        say_if_nothing_is_sharded(1, 1)
+        assert not caplog.records
+        say_if_nothing_is_sharded(1, 8)
+    assert "data_parallel dimension has 1 of 8 processes: fully_shard over it shards nothing" in caplog.text
 
 
 def test_a_module_with_parameters_of_its_own_is_left_to_configure_model():

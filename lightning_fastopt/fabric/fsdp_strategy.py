@@ -39,6 +39,7 @@ from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
@@ -56,8 +57,12 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
     Args:
         parallelize_fn: Fabric's ``ModelParallelStrategy``'s (``fn(module, device_mesh)``
             returning the sharded module); None: the strategy shards the model by
-            ``auto_wrap_policy`` or ``min_num_params`` (as ``FastOptFSDPStrategy``), and
-            both mesh sizes left at ``"auto"`` mean every process data-parallel.
+            ``auto_wrap_policy`` or ``min_num_params`` (as ``FastOptFSDPStrategy``).
+        data_parallel_size, tensor_parallel_size: the device mesh's sizes; both ``"auto"``
+            (the default): every process data-parallel, where Fabric's
+            ``ModelParallelStrategy`` makes data parallelism across nodes and tensor
+            parallelism within each (:mod:`~lightning_fastopt.fsdp.mesh_sizes`); one given:
+            the other from it.
         keep_gradients: True (the default, as for ``FastOptFabricStrategy``: Fabric cannot
             tell which code of the loop reads ``p.grad``): gradients stay in ``p.grad``
             until the step; False: the offloaded rows' gradients leave for the host as
@@ -116,9 +121,10 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._shards_itself and self._data_parallel_size == self._tensor_parallel_size == "auto":
-            self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        self._data_parallel_size, self._tensor_parallel_size = resolved_mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         super().setup_environment()
+        say_if_nothing_is_sharded(self._data_parallel_size, self.world_size)
         self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
 
     def _shard(self, module: Module, mesh) -> Module:

@@ -42,6 +42,7 @@ from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwa
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
@@ -93,10 +94,13 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             element by element, to step on each rank's rows (offloaded) like torch's
             elementwise optimizers; any other optimizer without our kernels runs as torch
             runs it, on the DTensor parameters (:mod:`~lightning_fastopt.optim.known_steps`).
-        data_parallel_size, tensor_parallel_size, save_distributed_checkpoint,
-            process_group_backend, timeout: Lightning's ``ModelParallelStrategy``'s.
-            Without ``configure_model`` (no tensor-parallel plan), both ``"auto"`` mean
-            every process in the data-parallel dimension.
+        data_parallel_size, tensor_parallel_size: the device mesh's sizes; both ``"auto"``
+            (the default): every process data-parallel, where Lightning's
+            ``ModelParallelStrategy`` makes data parallelism across nodes and tensor
+            parallelism within each (:mod:`~lightning_fastopt.fsdp.mesh_sizes`); one given:
+            the other from it.
+        save_distributed_checkpoint, process_group_backend, timeout: Lightning's
+            ``ModelParallelStrategy``'s.
 
     A mixin: each front-end's ``FastOptFSDPStrategy`` puts it before its package's
     ``ModelParallelStrategy`` and names the package (``package``) and its precision
@@ -156,9 +160,10 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
 
     @override
     def setup_environment(self) -> None:
-        if self._shards_itself() and self._data_parallel_size == self._tensor_parallel_size == "auto":
-            self._data_parallel_size, self._tensor_parallel_size = self.num_nodes * self.num_processes, 1
+        self._data_parallel_size, self._tensor_parallel_size = resolved_mesh_sizes(
+            self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         super().setup_environment()
+        say_if_nothing_is_sharded(self._data_parallel_size, self.world_size)
         self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
 
     @override

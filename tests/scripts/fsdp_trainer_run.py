@@ -36,7 +36,8 @@ the one-line model), with ``devices=1``; ``no-distributed-sampler``: the Trainer
 process's order: the two end on the same bits).  ``tp=N``: a mesh of N-way tensor parallelism
 (the rest data-parallel) and the model :class:`TensorParallelNet` (``model=sequence_parallel``:
 :class:`SequenceParallelNet`).  ``elementwise=NAME``: our
-strategy's ``elementwise_optimizers=[NAME]``.
+strategy's ``elementwise_optimizers=[NAME]``.  ``mesh=auto``: our strategy is given no mesh
+sizes (its default: every process data-parallel).
 """
 
 import sys
@@ -223,6 +224,7 @@ def _data(tied=False, sequences=False):
 
 
 TENSOR_PARALLEL = 1  # with tp=N: the mesh's tensor-parallel size (the model: TensorParallelNet)
+MESH_AUTO = False  # with mesh=auto: our strategy is given no mesh sizes (the reference: every process data-parallel)
 
 
 def _strategy(name, full, devices, **options):
@@ -238,9 +240,10 @@ def _strategy(name, full, devices, **options):
         policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
         return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
                                    **policy, **options)
+    mesh = {} if MESH_AUTO else dict(data_parallel_size=devices // TENSOR_PARALLEL,
+                                     tensor_parallel_size=TENSOR_PARALLEL)
     return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
-                               data_parallel_size=devices // TENSOR_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL,
-                               save_distributed_checkpoint=not full, **options)
+                               save_distributed_checkpoint=not full, **mesh, **options)
 
 
 def _model(name, optimizer, tied=False, sequence_parallel=False):
@@ -291,7 +294,8 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
-    global ACCELERATOR, NODES, TENSOR_PARALLEL
+    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO
+    MESH_AUTO = extra.get("mesh") == "auto"
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
     NODES = int(extra.get("nodes", NODES))
     TENSOR_PARALLEL = int(extra.get("tp", TENSOR_PARALLEL))

@@ -36,6 +36,15 @@ def pytest_configure(config):
             kwargs.update(zip(names, args))  # ModelParallelStrategy's arguments, by position
             super().__init__(offload_fraction=offload_fraction, copy_on_cpu=copy_on_cpu, **kwargs)
 
+        def setup_environment(self):
+            # Lightning's default mesh (data parallel across nodes, tensor parallel within), which the
+            # tests assume; FastOptFSDPStrategy's own makes every process data-parallel
+            if self._data_parallel_size == "auto":
+                self._data_parallel_size = self.num_nodes
+            if self._tensor_parallel_size == "auto":
+                self._tensor_parallel_size = self.num_processes
+            super().setup_environment()
+
     strategies.ModelParallelStrategy = model_parallel.ModelParallelStrategy = ModelParallelStrategy
 
 
