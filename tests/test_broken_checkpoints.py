@@ -98,3 +98,19 @@ def test_a_sharded_directory_with_a_missing_or_malformed_manifest_is_named(tmp_p
     with pytest.raises(BrokenCheckpointError, match=rf"{path} is a directory without manifest.json: not a "
                                                     r"lightning_fastopt sharded checkpoint"):
         trainer.fit(Model(lambda ps: torch.optim.AdamW(ps), sched=False), _data(), ckpt_path=path)
+
+
+def test_consolidate_says_what_it_takes_when_given_something_else(tmp_path, capsys):
+    from lightning_fastopt.checkpoint.__main__ import main
+
+    one = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, one)
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    for path, said in ((one, "is one file already: torch.load reads it"),
+                       (folder, "is neither a sharded lightning_fastopt checkpoint (no manifest.json) nor a "
+                                "distributed one written through Lightning (no .metadata and meta.pt)")):
+        with pytest.raises(SystemExit):
+            main(["consolidate", str(path), str(tmp_path / "out.ckpt")])
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "out.ckpt").exists()

@@ -271,6 +271,28 @@ def test_a_distributed_checkpoint_resumes_at_another_world_size(run, first, then
     _assert_same(ours, ref)
 
 
+@slow
+def test_a_distributed_checkpoint_consolidates_into_one_file_that_resumes_as_the_directory_does(run, tmp_path):
+    """``python -m lightning_fastopt.checkpoint consolidate DIR FILE`` on a directory of
+    shards written by ours or by ``ModelParallelStrategy``: one file that
+    ``torch.load(weights_only=True)`` reads, with a full checkpoint's layout (the optimizer
+    states under ``optimizer_states``, every tensor whole), from which our strategy and
+    ``ModelParallelStrategy`` resume to the bits of the resume from the directory.  (Until
+    2026-11-27 our command said "not a sharded lightning_fastopt checkpoint"; Lightning's
+    own fails with ``KeyError: 'model'``.)"""
+    for writer in ("reference", "fastopt-0.5"):
+        directory = run(writer, "adamw", "first-only")
+        file = tmp_path / f"{writer}.ckpt"
+        proc = run_script("-m", "lightning_fastopt.checkpoint", "consolidate", directory, file)
+        assert f"wrote {file}: 1 optimizer state(s), 6 parameter state(s)" in proc.stdout
+        checkpoint = torch.load(file, weights_only=True)
+        assert int(checkpoint["global_step"]) == 3 and len(checkpoint["optimizer_states"]) == 1
+        assert checkpoint["state_dict"]["net.0.weight"].shape == (33, 8)  # whole, not a rank's rows
+    from_directory = run("fastopt-0.5", "adamw", f"from={directory}")  # ours
+    for strategy in ("fastopt-0.5", "reference"):
+        _assert_same(run(strategy, "adamw", f"from={file}"), from_directory)
+
+
 def _two_nodes(strategy, out):
     """``strategy``'s run on two nodes of one process each, launched as a cluster would:
     torchrun once per node (``--nnodes 2 --node-rank i``) on this machine."""

@@ -5,6 +5,8 @@
 - :mod:`~lightning_fastopt.checkpoint.sharded`: the directory of per-rank shards that
   ZeRO writes, merging it at load, consolidating it into one file (and its command line,
   ``python -m lightning_fastopt.checkpoint consolidate PATH OUT``).
+- :mod:`~lightning_fastopt.checkpoint.distributed`: torch's distributed checkpoints (FSDP)
+  consolidated into one file by the same command line.
 - :mod:`~lightning_fastopt.checkpoint.atomic`: the fsynced, atomic file writes both use.
 - :mod:`~lightning_fastopt.checkpoint.reading`: reading files, with one message naming a
   damaged one.

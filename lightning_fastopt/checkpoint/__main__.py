@@ -1,11 +1,15 @@
-"""``python -m lightning_fastopt.checkpoint consolidate PATH OUT``: a sharded (ZeRO)
-checkpoint written as one ordinary Lightning checkpoint file."""
+"""``python -m lightning_fastopt.checkpoint consolidate PATH OUT``: a sharded (ZeRO) or
+distributed (FSDP: ours, or Lightning's ``ModelParallelStrategy``'s) checkpoint written as
+one ordinary Lightning checkpoint file."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
+from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA
+from lightning_fastopt.checkpoint.distributed import consolidate_distributed, is_distributed
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError
 from lightning_fastopt.checkpoint.sharded import MANIFEST, consolidate, is_sharded
@@ -14,14 +18,18 @@ from lightning_fastopt.checkpoint.sharded import MANIFEST, consolidate, is_shard
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_fastopt.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="write a sharded (ZeRO) checkpoint as one ordinary Lightning checkpoint")
+    c = sub.add_parser("consolidate", help="write a sharded (ZeRO) or distributed (FSDP) checkpoint as one ordinary "
+                                           "Lightning checkpoint")
     c.add_argument("path", type=Path)
     c.add_argument("out", type=Path)
     args = parser.parse_args(argv)
-    if not is_sharded(args.path):
-        parser.error(f"{args.path} is not a sharded lightning_fastopt checkpoint (no {MANIFEST})")
+    if os.path.isfile(args.path):
+        parser.error(f"{args.path} is one file already: torch.load reads it, and the strategies resume from it")
+    if not (is_sharded(args.path) or is_distributed(args.path)):
+        parser.error(f"{args.path} is neither a sharded lightning_fastopt checkpoint (no {MANIFEST}) nor a "
+                     f"distributed one written through Lightning (no .metadata and {SHARDED_METADATA})")
     try:
-        ckpt = consolidate(args.path, args.out)
+        ckpt = (consolidate if is_sharded(args.path) else consolidate_distributed)(args.path, args.out)
     except (BrokenCheckpointError, CheckpointMismatchError) as err:
         parser.exit(2, f"error: {err}\n")
     states = optimizer_states(ckpt)
