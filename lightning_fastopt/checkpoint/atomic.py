@@ -22,6 +22,8 @@ are created with mode 0666 less the umask, as ``open`` and Lightning's writer do
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -54,12 +56,18 @@ def write_synced(path, write: Callable[[IO[bytes]], None], target=None) -> None:
 
 
 def _system_error_in(exc: BaseException) -> OSError | None:
-    """The OSError that ``exc`` was raised during or from, if any."""
+    """The OSError that ``exc`` was raised during or from, if any; in a distributed
+    checkpoint's failure, in the error of a rank that failed (``failures``: each rank's
+    error and its traceback, torch's ``CheckpointException``)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, OSError) and exc.errno is not None:
             return exc
         seen.add(id(exc))
+        for failed, _ in dict(getattr(exc, "failures", None) or {}).values():
+            cause = _system_error_in(failed)
+            if cause is not None:
+                return cause
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -135,6 +143,49 @@ def save_atomically(obj: Any, path) -> None:
     fsync_directory(directory)
 
 
+def _written(write: Callable[[str], None], staging: str) -> BaseException | None:
+    """``write(staging)``'s error, if it fails (torch's ``CheckpointException`` is not an
+    ``Exception``; an interruption is not caught: it ends the process)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        write(staging)
+    except (Exception, CheckpointException) as error:
+        return error
+    return None
+
+
+def _raise_failed(error: BaseException | None, path: str) -> None:
+    """Raise the error of a save to ``path`` that failed: this rank's (a system error as an
+    ``OSError`` naming ``path``), or, where another rank's write failed, one saying so."""
+    if error is None:
+        raise RuntimeError(f"saving the checkpoint {path} failed on another process (its error says why); "
+                           "what the path held is kept")
+    cause = _system_error_in(error) or _full_disk_behind(error, os.path.dirname(path))
+    if cause is None:
+        raise error
+    raise OSError(cause.errno, f"{cause.strerror}: the checkpoint was not saved (what the path held is kept)",
+                  path) from error
+
+
+def _full_disk_behind(error: BaseException, directory: str) -> OSError | None:
+    """ENOSPC where torch's file writer failed (``unexpected pos ...``, which keeps no system
+    error when given a path, as Lightning gives it ``meta.pt``'s) and the disk under
+    ``directory`` has less than 1 MiB left."""
+    if "unexpected pos" not in str(error) and "failed writing" not in str(error):
+        return None
+    try:
+        full = shutil.disk_usage(directory).free < 2**20
+    except OSError:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else None
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 @dataclass(frozen=True)
 class CheckpointFiles:
     """The names of the files a checkpoint directory of one kind consists of (a regular
@@ -168,15 +219,24 @@ def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFile
     ``path`` (rank 0's name), then rank 0 moves it over ``path`` once every rank has
     written (:func:`replace_path`: a directory's files that are not a checkpoint's,
     ``files``, stay).  A process killed meanwhile leaves what ``path`` held, and a staging
-    path the next save removes.  ``ranks``: ``broadcast``, ``barrier`` and
-    ``is_global_zero``, as a Lightning strategy has them."""
+    path the next save removes.  A write that fails on any rank (a full disk) leaves what
+    ``path`` held too: the ranks agree on it, rank 0 removes the staging path, and each
+    raises its error, a system error as an ``OSError`` naming ``path`` (torch's distributed
+    checkpoint hides it inside its own exception, and its writer may replace it with
+    ``unexpected pos ...``).  ``ranks``: ``broadcast``, ``barrier``, ``is_global_zero``,
+    ``world_size`` and ``reduce_boolean_decision``, as a Lightning strategy has them."""
     path = ranks.broadcast(os.path.abspath(os.fspath(path)))
     staging = ranks.broadcast(temp_path(path))
     if ranks.is_global_zero:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         remove_stale_temps(path)
     ranks.barrier("fastopt_checkpoint_staging")
-    write(staging)
+    error = _written(write, staging)
+    everywhere = ranks.reduce_boolean_decision(error is None, all=True) if ranks.world_size > 1 else error is None
+    if not everywhere:
+        if ranks.is_global_zero:
+            shutil.rmtree(staging, ignore_errors=True) if os.path.isdir(staging) else _unlink(staging)
+        _raise_failed(error, path)
     ranks.barrier("fastopt_checkpoint_written")
     if ranks.is_global_zero:
         replace_path(staging, path, files)
