@@ -34,6 +34,7 @@ REPEATS = int(os.environ.get("FASTOPT_STRESS_REPEATS", "2"))
 # name: (script, its arguments, processes the test starts: None, Lightning's launcher starts rank 1)
 CONFIGS = {
     "fsdp-offload": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}"], 2),
+    "fsdp-offload-in-place-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "in_place", "resume"], 2),
     "fsdp-offload-streamed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "stream_cpu_step"], 2),
     "fsdp-offload-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "resume"], 2),
     "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], None),

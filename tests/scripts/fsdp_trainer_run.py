@@ -37,7 +37,8 @@ process's order: the two end on the same bits).  ``tp=N``: a mesh of N-way tenso
 (the rest data-parallel) and the model :class:`TensorParallelNet` (``model=sequence_parallel``:
 :class:`SequenceParallelNet`).  ``elementwise=NAME``: our
 strategy's ``elementwise_optimizers=[NAME]``.  ``mesh=auto``: our strategy is given no mesh
-sizes (its default: every process data-parallel).
+sizes (its default: every process data-parallel).  ``in_place``: ``copy_on_cpu=False``
+(the CPU's own code path, as the registered names run on a CPU).
 """
 
 import sys
@@ -227,9 +228,10 @@ TENSOR_PARALLEL = 1  # with tp=N: the mesh's tensor-parallel size (the model: Te
 MESH_AUTO = False  # with mesh=auto: our strategy is given no mesh sizes (the reference: every process data-parallel)
 
 
-def _strategy(name, full, devices, **options):
+def _strategy(name, full, devices, copy_on_cpu=True, **options):
     if name.startswith("single-"):  # one process, no FSDP: FastOptStrategy, the transitive reference
-        return FastOptStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=True, bucket_size_mb=0.0005,
+        return FastOptStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=copy_on_cpu,
+                               bucket_size_mb=0.0005,
                                **options)
     if name == "reference":
         return ModelParallelStrategy(data_parallel_size=devices // TENSOR_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL,
@@ -238,11 +240,11 @@ def _strategy(name, full, devices, **options):
     fraction = fraction if fraction == "auto" else float(fraction)
     if form:  # the one-line form: the mesh sizes left to the strategy too
         policy = {"classes": dict(auto_wrap_policy={nn.Linear}), "size": dict(min_num_params=200)}[form[0]]
-        return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
+        return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=copy_on_cpu, bucket_size_mb=0.0005,
                                    **policy, **options)
     mesh = {} if MESH_AUTO else dict(data_parallel_size=devices // TENSOR_PARALLEL,
                                      tensor_parallel_size=TENSOR_PARALLEL)
-    return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0005,
+    return FastOptFSDPStrategy(offload_fraction=fraction, copy_on_cpu=copy_on_cpu, bucket_size_mb=0.0005,
                                save_distributed_checkpoint=not full, **mesh, **options)
 
 
@@ -306,6 +308,8 @@ def main():
     data = torch.utils.data.DataLoader(_data(tied, sequence_parallel), batch_size=4)
     path, devices = extra.get("from"), int(extra.get("devices", 2))
     options = {k: True for k in ("stream_cpu_step", "keep_gradients") if k in extra}
+    if "in_place" in extra:  # the CPU's own code path: the weights are the masters, nothing copied
+        options["copy_on_cpu"] = False
     if "host_state_dtype" in extra:
         options["host_state_dtype"] = extra["host_state_dtype"]
     if "elementwise" in extra:
