@@ -168,14 +168,15 @@ class _TypeDispatch(Callback):
         self.seen = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.seen.append((type(optimizer).__name__, isinstance(optimizer, torch.optim.SGD), optimizer))
+        self.seen.append((type(optimizer).__name__, type(optimizer) is torch.optim.SGD, optimizer))
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_lightning_and_callbacks_see_the_users_optimizer(strategy, tmp_path):
     """``trainer.optimizers``, the optimizer hooks get and ``self.optimizers()`` are the
-    user's object (``isinstance``, class name, ``repr``, its ``param_groups`` dicts and
-    ``defaults``); LearningRateMonitor logs under the names it uses under ``Trainer()``:
+    user's object, of its very class (``type(optimizer) is torch.optim.SGD``: a class derived
+    at run time made a callback that tests it skip its work, until 2026-11-27), its
+    ``repr``, ``param_groups`` dicts and ``defaults``; LearningRateMonitor logs under the names it uses under ``Trainer()``:
     ``lr-SGD`` and ``lr-SGD-momentum``, once each with a scheduler (it counted a second
     optimizer, ``lr-FusedSGD``)."""
     made = {}

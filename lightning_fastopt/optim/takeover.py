@@ -1,29 +1,34 @@
 """The user's optimizer stays the user's optimizer: the object the fastopt strategies hand
 to Lightning (``trainer.optimizers``, hooks, ``self.optimizers()``, LR schedulers,
-callbacks) is the very optimizer ``configure_optimizers`` returned, stepped by an
-offload or ZeRO optimizer (its *engine*) while training runs.
+callbacks) is the very optimizer ``configure_optimizers`` returned, of its very class,
+stepped by an offload or ZeRO optimizer (its *engine*) while training runs.
 
-:func:`take_over` gives the user's object, for that time, a class made at run time that
-derives from its own class (as Lightning's ``LightningOptimizer`` does) and carries its
-class name: ``isinstance``, ``type(opt).__name__``, ``repr`` and ``LearningRateMonitor``'s
-keys are the user's, and LR schedulers bound to it stay bound.  What the class changes:
+:func:`take_over` gives the user's object, for that time, methods of its own in front of
+its class's (instance attributes, as an LR scheduler wraps ``step``), so that
+``type(opt) is torch.optim.Adam``, ``isinstance``, ``repr`` and ``LearningRateMonitor``'s
+keys are the user's, and LR schedulers bound to it stay bound.  (Until 2026-11-27 it gave
+the object a class derived from its own: an exact type test, as a fine-tuning callback may
+make, was False, and the callback silently skipped its work.)  What changes:
 
 - ``step`` runs the engine's step (torch's optimizer hooks run around it, and it counts
   as a step for LR schedulers); ``zero_grad`` runs the user's class's, then lets the
   engine forget the gradients it holds;
-- ``param_groups`` is the engine's list of the user's very dicts: ``add_param_group``
-  and ``optimizer.param_groups = [...]`` (``BaseFinetuning`` restoring the groups it
-  added) reach the engine;
+- ``param_groups`` is the engine's list of the user's very dicts; a list assigned in its
+  place (``optimizer.param_groups = [...]``: ``BaseFinetuning`` restoring the groups it
+  added) reaches the engine before it next reads the groups (:func:`engine_of`), and
+  ``add_param_group`` reaches it at once;
 - ``state_dict``/``load_state_dict`` are the engine's (keyed by parameter name, loadable
   by the user's class); ``state`` stays empty while the engine holds it (Lightning moves
-  whatever ``state`` holds to the accelerator, which would undo the offload).
+  whatever ``state`` holds to the accelerator, which would undo the offload);
+- ``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back.
 
-:func:`give_back` (at teardown) restores the class and the attributes set aside, and hands
-the final optimizer state back, keyed by the model's parameters as torch keeps it.
+:func:`give_back` (at teardown) removes those, restores the attributes set aside, and
+hands the final optimizer state back, keyed by the model's parameters as torch keeps it.
 """
 
 from __future__ import annotations
 
+import types
 from collections import defaultdict
 from typing import Any
 
@@ -33,41 +38,7 @@ from torch import Tensor
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 
 _ENGINE = "_fastopt_engine"
-_SAVED = "_fastopt_set_aside"  # the user's class and the instance attributes the take-over shadows
-_CLASSES: dict[type, type] = {}
-
-
-class SteppedByEngine(torch.optim.Optimizer):
-    """The behaviour :func:`take_over` adds in front of the user's optimizer class (also
-    seen through Lightning's ``LightningOptimizer``, whose class derives from this one)."""
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return engine_of(self).param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        engine_of(self).replace_param_groups(groups)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        engine_of(self).add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)  # the user's class's (it may do more)
-        engine_of(self).zero_grad(set_to_none)  # and the gradients the engine holds
-
-    def state_dict(self) -> dict[str, Any]:
-        return engine_of(self).state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        engine_of(self).load_state_dict(state_dict)
-
-    def __reduce_ex__(self, protocol):
-        """``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back: of
-        the user's class, with its groups and the state as torch keeps it.  The engine (its
-        host buffers, threads and the hooks on the model) stays with this object."""
-        cls, attributes = _given_back(self)
-        return _instance_of, (cls,), attributes
+_SAVED = "_fastopt_set_aside"  # the instance attributes the take-over shadows
 
 
 @torch.optim.Optimizer.profile_hook_step
@@ -79,41 +50,67 @@ def _step(self, closure=None, **kwargs: Any):
 
 
 _step._wrapped_by_lr_sched = True  # torch's LR schedulers: this step tells them it ran (above)
-SteppedByEngine.step = _step
+
+
+def _zero_grad(self, set_to_none: bool = True) -> None:
+    type(self).zero_grad(self, set_to_none)  # the user's class's (it may do more)
+    engine_of(self).zero_grad(set_to_none)  # and the gradients the engine holds
+
+
+def _add_param_group(self, param_group: dict[str, Any]) -> None:
+    engine_of(self).add_param_group(param_group)
+
+
+def _state_dict(self) -> dict[str, Any]:
+    return engine_of(self).state_dict()
+
+
+def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    engine_of(self).load_state_dict(state_dict)
+
+
+def _reduce_ex(self, protocol):
+    """``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back: of
+    the user's class, with its groups and the state as torch keeps it.  The engine (its
+    host buffers, threads and the hooks on the model) stays with this object."""
+    cls, attributes = _given_back(self)
+    return _instance_of, (cls,), attributes
+
+
+# what take_over puts in front of the class's methods, as instance attributes
+_IN_FRONT = {"step": _step, "zero_grad": _zero_grad, "add_param_group": _add_param_group,
+             "state_dict": _state_dict, "load_state_dict": _load_state_dict, "__reduce_ex__": _reduce_ex}
 
 
 def take_over(optimizer: torch.optim.Optimizer, engine: OptimizerWrapper) -> torch.optim.Optimizer:
     """Let ``engine`` step ``optimizer`` (the user's object, returned) until :func:`give_back`;
     again with another engine (``offload_fraction="auto"`` rebuilds it) replaces the first."""
-    if _ENGINE in optimizer.__dict__:
-        optimizer.__dict__[_ENGINE] = engine
-        return optimizer
-    cls = type(optimizer)
-    shadowed = {k: optimizer.__dict__.pop(k) for k in ("step", "param_groups") if k in optimizer.__dict__}
-    optimizer.__dict__[_SAVED] = (cls, shadowed)
+    if _ENGINE not in optimizer.__dict__:
+        optimizer.__dict__[_SAVED] = {k: optimizer.__dict__.pop(k) for k in (*_IN_FRONT, "param_groups")
+                                      if k in optimizer.__dict__}
+        optimizer.__dict__.update({k: types.MethodType(f, optimizer) for k, f in _IN_FRONT.items()})
+        optimizer.state = defaultdict(dict)  # the engine took the state over
     optimizer.__dict__[_ENGINE] = engine
-    optimizer.state = defaultdict(dict)  # the engine took the state over
-    optimizer.__class__ = _front_class(cls)
+    optimizer.__dict__["param_groups"] = engine.param_groups
     return optimizer
 
 
 def give_back(optimizer: torch.optim.Optimizer) -> None:
-    """Undo :func:`take_over`: the user's class and attributes, the engine's last groups,
-    and its state keyed by the model's parameters (float32 tensors where the engine kept them)."""
+    """Undo :func:`take_over`: the user's attributes, the engine's last groups, and its
+    state keyed by the model's parameters (float32 tensors where the engine kept them)."""
     if _ENGINE not in optimizer.__dict__:
         return
-    cls, attributes = _given_back(optimizer)
+    _, attributes = _given_back(optimizer)
     optimizer.__dict__.clear()
     optimizer.__dict__.update(attributes)
-    optimizer.__class__ = cls
 
 
 def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]:
     """The class and the attributes :func:`give_back` would leave ``optimizer`` with (it
     keeps its engine meanwhile)."""
-    engine = optimizer.__dict__[_ENGINE]
-    cls, shadowed = optimizer.__dict__[_SAVED]
-    attributes = {k: v for k, v in optimizer.__dict__.items() if k not in (_ENGINE, _SAVED)}
+    engine = engine_of(optimizer)
+    shadowed = optimizer.__dict__[_SAVED]
+    attributes = {k: v for k, v in optimizer.__dict__.items() if k not in (_ENGINE, _SAVED, *_IN_FRONT)}
     attributes.update(shadowed)
     attributes["param_groups"] = engine.param_groups
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
@@ -124,7 +121,7 @@ def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]
             if held:
                 state[p] = {k: _own(_as_torch_keeps(v, p), seen) for k, v in held.items()}
     attributes["state"] = state
-    return cls, attributes
+    return type(optimizer), attributes
 
 
 def _as_torch_keeps(value: Any, param: Tensor) -> Any:
@@ -174,16 +171,15 @@ def _instance_of(cls: type) -> torch.optim.Optimizer:
 
 def engine_of(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The engine stepping ``optimizer`` (Lightning's ``LightningOptimizer`` around it
-    unwrapped first), or the optimizer itself when no engine does."""
+    unwrapped first), or the optimizer itself when no engine does.  A list of groups
+    assigned to the optimizer since (``optimizer.param_groups = [...]``) is handed to the
+    engine first (``replace_param_groups``), and the optimizer shows the engine's again."""
     optimizer = unwrapped(optimizer)
-    return optimizer.__dict__.get(_ENGINE, optimizer)
-
-
-def _front_class(cls: type) -> type:
-    """The class :func:`take_over` gives an optimizer of class ``cls`` (one per class)."""
-    front = _CLASSES.get(cls)
-    if front is None:
-        front = type(cls.__name__, (SteppedByEngine, cls), {"__module__": cls.__module__,
-                                                             "__qualname__": cls.__qualname__})
-        _CLASSES[cls] = front
-    return front
+    engine = optimizer.__dict__.get(_ENGINE)
+    if engine is None:
+        return optimizer
+    groups = optimizer.__dict__.get("param_groups")
+    if groups is not engine.param_groups:
+        engine.replace_param_groups(groups)
+        optimizer.__dict__["param_groups"] = engine.param_groups
+    return engine
