@@ -35,6 +35,15 @@ written), the ranks sum them over the same mesh dimensions, and the updates take
 totals; so their CPU updates run at the step (no ``stream_cpu_step``, no
 ``delayed_update``).
 
+Where no FSDP shards a tensor-parallel parameter (a tensor-parallel-only mesh), its
+gradient comes back as backward left it: whole on every rank for an embedding split by
+rows, a partial sum on each for a weight ``SequenceParallel`` replicates.  As torch's
+optimizer does, each is redistributed to its parameter's placements (``_local_grad``), and
+the clipping norm is torch's norm of it as placed; the parameters replicated on every mesh
+dimension take theirs when the step starts, after the clipping has multiplied each rank's
+part as it multiplies torch's (a sum first, then clipped, rounds otherwise), so they are
+stepped on the device (``stays_on_device``), never offloaded.
+
 The user's ``param_groups`` dicts are shared as everywhere in lightning_fastopt (LR
 schedulers work); :meth:`state_of` gives a parameter's state as torch keeps it for a
 DTensor parameter (DTensors with the parameter's placements), so torch's distributed
@@ -133,8 +142,9 @@ class LocalShardOptimizer(LocalOffloadWrapper):
                              f"step starts: {' and '.join(f'{k}=True' for k in early)} (updating rows before that) "
                              "cannot be used with it")
         self._alias = {p: local_alias(p) for p in self._params}
-        # replicated on every mesh dimension (no FSDP over them): gradients taken at the step, stepped on the device
-        self._at_step = {p: None for p in self._params if _replicated(p)}
+        # replicated on every mesh dimension (no FSDP over them): gradients taken at the step, stepped on the
+        # device (an ordered set of the parameters, and the set of their aliases the local optimizer keeps there)
+        self._at_step = dict.fromkeys(p for p in self._params if _replicated(p))
         self._kept = {self._alias[p] for p in self._at_step}
         self._alias_names = {self._alias[p]: n for p, n in self.param_names.items()}  # the local optimizer reads it
         shard = optimizer.sibling([[self._alias[p] for p in g["params"]] for g in self.param_groups])
