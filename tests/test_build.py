@@ -1,6 +1,7 @@
 """The JIT build: cache keys, the lock, stale-lock recovery, concurrent builds, missing
 tools, real compiler errors, the forced fallback, and no CUDA library in the CPU op."""
 
+import json
 import os
 import re
 import shutil
@@ -161,6 +162,34 @@ def test_concurrent_processes_build_once_and_say_so_before_and_after(tmp_path, e
     # and the building one says each source as it is compiled (one here)
     assert said.count(f"lightning_fastopt: the tiny kernels: {spec.name} compiled (1 of 1, ") == 1, said
     assert said.count("lightning_fastopt:") == 3 + 2 * waiting, said
+
+
+def test_the_time_a_build_says_is_this_machines_under_its_load(tmp_path, monkeypatch):
+    """The first line's estimate: the spec's one-core seconds over the compiles ninja runs
+    at once, each at the share of a core the load leaves it, then scaled by the speed the
+    last build of the spec measured here (it said "about 31 s" whatever the machine and
+    its load: 38-46 s on a new user's idle 2-core machine, 396 s on a loaded one)."""
+    from lightning_fastopt.ops import build_time
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert build_time.estimate("k", 52.0, 9, str(tmp_path)) == "about 31 s"  # 52 / 2 compiles + 5
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))  # two compiles beside four busy processes
+    assert build_time.estimate("k", 52.0, 9, str(tmp_path)) == (
+        "about 83 s (the cores busy: 2 compile(s) at 33% of a core each)")  # 52 / (2 * 1/3) + 5
+    build_time.record("k", build_time.predicted_seconds(52.0, 9), 166.0, str(tmp_path))  # it took twice that
+    assert build_time.estimate("k", 52.0, 9, str(tmp_path)) == (
+        "about 166 s (the cores busy: 2 compile(s) at 33% of a core each; at this machine's measured speed)")
+    assert build_time.estimate("other", 52.0, 9, str(tmp_path)).startswith("about 83 s")  # per spec
+
+
+def test_a_build_records_the_speed_it_measured(tmp_path, ext_dir):
+    spec = tiny_spec(tmp_path, name="fastopt_tiny_timed")
+    built = _run(_load_code(spec), ext_dir)
+    assert built.returncode == 0, built.stderr
+    speeds = json.loads((ext_dir / "lightning_fastopt" / "build_speed.json").read_text())
+    assert speeds[spec.name] > 0
 
 
 def test_a_process_waiting_for_another_ones_build_says_so(tiny_cache, tmp_path, monkeypatch):

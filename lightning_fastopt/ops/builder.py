@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from types import ModuleType
 
+from lightning_fastopt.ops import build_time
 from lightning_fastopt.ops.locking import BuildLockTimeout, file_lock
 
 BUILD_TIMEOUT_ENV = "LIGHTNING_FASTOPT_BUILD_TIMEOUT"
@@ -242,15 +243,6 @@ def _say(message: str) -> None:
     print(f"lightning_fastopt: {message}", file=sys.stderr, flush=True)
 
 
-def _estimate_s(spec: ExtensionSpec) -> float:
-    """About how long the build takes here: its measured single-core compile time spread
-    over the cores ninja may use (MAX_JOBS, as torch reads it), plus the link."""
-    jobs = min(os.cpu_count() or 1, len(spec.sources))
-    if os.environ.get("MAX_JOBS", "").isdigit():
-        jobs = max(1, min(jobs, int(os.environ["MAX_JOBS"])))
-    return spec.core_seconds / jobs + 5.0
-
-
 def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -260,7 +252,11 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     else:
         why = f"the cached build is damaged: {problem}"
         _say(f"rebuilding {what}: {why}")
-    about = f", about {_estimate_s(spec):.0f} s" if spec.core_seconds else ""
+    root = os.path.dirname(directory)
+    about = ""
+    if spec.core_seconds:
+        about = f", {build_time.estimate(spec.name, spec.core_seconds, len(spec.sources), root)}"
+    predicted = build_time.predicted_seconds(spec.core_seconds, len(spec.sources))  # under the load now
     _say(f"building {what} for this machine ({why}{about}, once)")
     start = time.perf_counter()
     shutil.rmtree(directory, ignore_errors=True)
@@ -296,7 +292,10 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
         os.fsync(f.fileno())
     os.replace(marker + ".tmp", marker)
     shutil.rmtree(staging, ignore_errors=True)
-    _say(f"built {what} in {time.perf_counter() - start:.0f} s: {directory}")
+    took = time.perf_counter() - start
+    if spec.core_seconds:
+        build_time.record(spec.name, predicted, took, root)
+    _say(f"built {what} in {took:.0f} s: {directory}")
     return module
 
 

@@ -1,0 +1,89 @@
+"""How long a build will take on this machine, said before it starts.
+
+A spec's ``core_seconds`` is its compile time on one core of the machine it was measured
+on (a 2-core AVX-512 one, g++ 12).  Spread over the cores ninja may use, it gave one
+figure whatever the machine and its load ("about 31 s, once"), where a new user's idle
+2-core machine took 38-46 s and a loaded one 396 s.  So the estimate here takes:
+
+- the load: each compile gets a share of a core when other processes keep the cores busy
+  (the 1-minute load average, which counts them);
+- this machine's speed, once measured: each finished build records how long it took
+  against what the load and ``core_seconds`` predicted (``build_speed.json`` in the cache
+  root, per spec name), and later builds of that spec (a new torch, a changed source, the
+  cache cleaned) scale by it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_SPEEDS = "build_speed.json"
+_LINK_SECONDS = 5.0  # the link and torch's start-up around the compiles
+
+
+def jobs(sources: int) -> int:
+    """The compiles ninja runs at once: one per core, at most one per source (``MAX_JOBS``,
+    as torch reads it, caps it)."""
+    n = min(os.cpu_count() or 1, sources)
+    if os.environ.get("MAX_JOBS", "").isdigit():
+        n = max(1, min(n, int(os.environ["MAX_JOBS"])))
+    return n
+
+
+def core_share(parallel: int) -> float:
+    """The share of a core each of ``parallel`` compiles gets while the other work the load
+    average counts goes on (1 on an idle machine)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 1.0
+    cores = os.cpu_count() or 1
+    return min(1.0, cores / (load + parallel))
+
+
+def predicted_seconds(core_seconds: float, sources: int) -> float:
+    """The build's time at the reference machine's speed under this machine's cores and load."""
+    parallel = jobs(sources)
+    return core_seconds / (parallel * core_share(parallel)) + _LINK_SECONDS
+
+
+def estimate(name: str, core_seconds: float, sources: int, root: str) -> str:
+    """What the build's first line says of its time: about how long, here, and why where
+    the cores are busy or the machine was measured."""
+    parallel = jobs(sources)
+    share = core_share(parallel)
+    speed = _speeds(root).get(name)
+    seconds = predicted_seconds(core_seconds, sources) * (speed or 1.0)
+    notes = ([f"the cores busy: {parallel} compile(s) at {share:.0%} of a core each"] if share < 1.0 else []) + (
+        ["at this machine's measured speed"] if speed else [])
+    why = f" ({'; '.join(notes)})" if notes else ""
+    return f"about {seconds:.0f} s{why}"
+
+
+def record(name: str, predicted: float, took: float, root: str) -> None:
+    """A finished build of ``name`` took ``took`` seconds where ``predicted`` (at the
+    reference speed, under the load when it started) was expected: this machine's speed,
+    for the next estimate of that spec.  Nothing is lost where it cannot be written."""
+    if predicted <= 0 or took <= 0:
+        return
+    speeds = _speeds(root)
+    speeds[name] = round(took / predicted, 3)
+    path = os.path.join(root, _SPEEDS)
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(speeds, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _speeds(root: str) -> dict[str, float]:
+    try:
+        with open(os.path.join(root, _SPEEDS)) as f:
+            speeds = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in speeds.items() if isinstance(v, (int, float)) and v > 0} if isinstance(
+        speeds, dict) else {}
