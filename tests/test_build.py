@@ -166,22 +166,35 @@ def test_concurrent_processes_build_once_and_say_so_before_and_after(tmp_path, e
 
 def test_the_time_a_build_says_is_this_machines_under_its_load(tmp_path, monkeypatch):
     """The first line's estimate: the spec's one-core seconds over the compiles ninja runs
-    at once, each at the share of a core the load leaves it, then scaled by the speed the
-    last build of the spec measured here (it said "about 31 s" whatever the machine and
-    its load: 38-46 s on a new user's idle 2-core machine, 396 s on a loaded one)."""
+    at once, each at the share of a core the work keeping the cores busy leaves it, then
+    scaled by the speed the last build of the spec measured here (it said "about 31 s"
+    whatever the machine and its load: 38-46 s on a new user's idle 2-core machine, 396 s
+    on a loaded one)."""
     from lightning_fastopt.ops import build_time
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("MAX_JOBS", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(build_time, "busy_cores", lambda: 0.0)
     assert build_time.estimate("k", 52.0, 9, str(tmp_path)) == "about 31 s"  # 52 / 2 compiles + 5
-    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))  # two compiles beside four busy processes
+    monkeypatch.setattr(build_time, "busy_cores", lambda: 2.0)  # two compiles beside two busy cores
     assert build_time.estimate("k", 52.0, 9, str(tmp_path)) == (
-        "about 83 s (the cores busy: 2 compile(s) at 33% of a core each)")  # 52 / (2 * 1/3) + 5
-    build_time.record("k", build_time.predicted_seconds(52.0, 9), 166.0, str(tmp_path))  # it took twice that
+        "about 57 s (the cores busy: 2 compile(s) at 50% of a core each)")  # 52 / (2 * 1/2) + 5
+    build_time.record("k", build_time.predicted_seconds(52.0, 9), 114.0, str(tmp_path))  # it took twice that
     assert build_time.estimate("k", 52.0, 9, str(tmp_path)) == (
-        "about 166 s (the cores busy: 2 compile(s) at 33% of a core each; at this machine's measured speed)")
-    assert build_time.estimate("other", 52.0, 9, str(tmp_path)).startswith("about 83 s")  # per spec
+        "about 114 s (the cores busy: 2 compile(s) at 50% of a core each; at this machine's measured speed)")
+    assert build_time.estimate("other", 52.0, 9, str(tmp_path)).startswith("about 57 s")  # per spec
+
+
+def test_how_busy_the_cores_are_is_read_from_the_systems_cpu_time(monkeypatch):
+    """Two readings of ``/proc/stat``'s first line (user nice system idle iowait irq softirq):
+    300 of 400 ticks busy on 2 cores is 1.5 cores' worth of work."""
+    from lightning_fastopt.ops import build_time
+
+    readings = iter([[100, 0, 0, 100, 0, 0, 0], [350, 0, 50, 200, 0, 0, 0]])
+    monkeypatch.setattr(build_time, "_cpu_times", lambda: next(readings))
+    monkeypatch.setattr(build_time.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert build_time.busy_cores() == 1.5
 
 
 def test_a_build_records_the_speed_it_measured(tmp_path, ext_dir):

@@ -6,7 +6,9 @@ figure whatever the machine and its load ("about 31 s, once"), where a new user'
 2-core machine took 38-46 s and a loaded one 396 s.  So the estimate here takes:
 
 - the load: each compile gets a share of a core when other processes keep the cores busy
-  (the 1-minute load average, which counts them);
+  (how busy the cores are now, sampled from ``/proc/stat`` over a fifth of a second; the
+  load averages lag by a minute and more: right after other work ended they said three
+  times the time);
 - this machine's speed, once measured: each finished build records how long it took
   against what the load and ``core_seconds`` predicted (``build_speed.json`` in the cache
   root, per spec name), and later builds of that spec (a new torch, a changed source, the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 _SPEEDS = "build_speed.json"
 _LINK_SECONDS = 5.0  # the link and torch's start-up around the compiles
@@ -32,14 +35,35 @@ def jobs(sources: int) -> int:
 
 
 def core_share(parallel: int) -> float:
-    """The share of a core each of ``parallel`` compiles gets while the other work the load
-    average counts goes on (1 on an idle machine)."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return 1.0
+    """The share of a core each of ``parallel`` compiles gets beside the work keeping the
+    cores busy now (1 on an idle machine, or where that cannot be read)."""
+    busy = busy_cores()
     cores = os.cpu_count() or 1
-    return min(1.0, cores / (load + parallel))
+    return min(1.0, cores / (busy + parallel))
+
+
+def busy_cores(seconds: float = 0.2) -> float:
+    """How many cores' worth of work runs now: the busy share of the CPU time ``/proc/stat``
+    counts over ``seconds``, times the cores (0 where there is no ``/proc/stat``)."""
+    first = _cpu_times()
+    if first is None:
+        return 0.0
+    time.sleep(seconds)
+    second = _cpu_times()
+    if second is None:
+        return 0.0
+    total = sum(second) - sum(first)
+    idle = (second[3] + second[4]) - (first[3] + first[4])  # idle and iowait
+    return max(0.0, (total - idle) / total) * (os.cpu_count() or 1) if total > 0 else 0.0
+
+
+def _cpu_times() -> list[int] | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return [int(v) for v in fields[1:8]] if fields[:1] == ["cpu"] and len(fields) >= 8 else None
 
 
 def predicted_seconds(core_seconds: float, sources: int) -> float:
