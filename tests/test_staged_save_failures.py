@@ -95,3 +95,26 @@ def test_another_error_is_raised_as_it_is_and_another_ranks_failure_is_said(tmp_
     with pytest.raises(RuntimeError, match=r"saving the checkpoint .*last.ckpt failed on another process"):
         atomic.save_staged(target, lambda staging: os.makedirs(staging), _Ranks(world_size=2, others_wrote=False))
     _assert_left_as_it_was(tmp_path, target)
+
+
+def test_a_zero_sharded_save_that_fails_leaves_the_previous_checkpoint_and_says_why(tmp_path, monkeypatch):
+    """ZeRO's sharded save goes the same way: a shard that cannot be written, or the
+    manifest written last, fails on every rank alike (it failed on one, and the others
+    waited at a barrier until the process group's timeout), the staging directory goes."""
+    import torch
+
+    from lightning_fastopt.checkpoint import sharded
+
+    target = _previous_checkpoint(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [{}]}
+    for where in ("write_shard", "write_synced"):  # a shard; the manifest
+        with monkeypatch.context() as patched:
+            patched.setattr(sharded, where, full)
+            with pytest.raises(OSError, match="No space left on device: the checkpoint was not saved") as raised:
+                sharded.save_sharded(checkpoint, target, _Ranks(), zero_stage=1, partitions=[{}])
+        assert raised.value.filename == str(target)
+        _assert_left_as_it_was(tmp_path, target)

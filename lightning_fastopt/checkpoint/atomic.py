@@ -213,7 +213,8 @@ def refuse_to_replace_a_directory(path) -> None:
         raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
 
 
-def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFiles | None = None) -> None:
+def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFiles | None = None,
+                before_move: Callable[[str], None] | None = None) -> None:
     """Every rank's part of writing a checkpoint (a file or a directory) whole or not at all
     (call it on every rank at once): ``write(staging)`` writes into a staging path beside
     ``path`` (rank 0's name), then rank 0 moves it over ``path`` once every rank has
@@ -223,25 +224,37 @@ def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFile
     ``path`` held too: the ranks agree on it, rank 0 removes the staging path, and each
     raises its error, a system error as an ``OSError`` naming ``path`` (torch's distributed
     checkpoint hides it inside its own exception, and its writer may replace it with
-    ``unexpected pos ...``).  ``ranks``: ``broadcast``, ``barrier``, ``is_global_zero``,
-    ``world_size`` and ``reduce_boolean_decision``, as a Lightning strategy has them."""
+    ``unexpected pos ...``).  ``before_move``: what rank 0 does to the staging path once
+    every rank has written, before the move (a sharded checkpoint's manifest).  ``ranks``:
+    ``broadcast``, ``barrier``, ``is_global_zero``, ``world_size`` and
+    ``reduce_boolean_decision``, as a Lightning strategy has them."""
     path = ranks.broadcast(os.path.abspath(os.fspath(path)))
     staging = ranks.broadcast(temp_path(path))
     if ranks.is_global_zero:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         remove_stale_temps(path)
     ranks.barrier("fastopt_checkpoint_staging")
-    error = _written(write, staging)
-    everywhere = ranks.reduce_boolean_decision(error is None, all=True) if ranks.world_size > 1 else error is None
-    if not everywhere:
-        if ranks.is_global_zero:
-            shutil.rmtree(staging, ignore_errors=True) if os.path.isdir(staging) else _unlink(staging)
-        _raise_failed(error, path)
-    ranks.barrier("fastopt_checkpoint_written")
-    if ranks.is_global_zero:
+    _settle(ranks, _written(write, staging), staging, path)
+
+    def finish(staging: str) -> None:
+        if before_move is not None:
+            before_move(staging)
         replace_path(staging, path, files)
         fsync_directory(os.path.dirname(path))
-    ranks.barrier("fastopt_checkpoint_moved")
+
+    _settle(ranks, _written(finish, staging) if ranks.is_global_zero else None, staging, path)
+
+
+def _settle(ranks, error: BaseException | None, staging: str, path: str) -> None:
+    """The ranks agree whether each did its part (``error``: this rank's failure, if any);
+    where one failed, rank 0 removes the staging path and every rank raises
+    (:func:`_raise_failed`)."""
+    everywhere = ranks.reduce_boolean_decision(error is None, all=True) if ranks.world_size > 1 else error is None
+    if everywhere:
+        return
+    if ranks.is_global_zero:
+        shutil.rmtree(staging, ignore_errors=True) if os.path.isdir(staging) else _unlink(staging)
+    _raise_failed(error, path)
 
 
 def replace_path(src: str, dst: str, files: CheckpointFiles | None = None) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, remove_stale_temps, replace_path, save_atomically,
+from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, replace_path, save_atomically, save_staged,
                                                  save_synced, temp_path, write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, check_holds, read_checkpoint_file
@@ -72,26 +72,27 @@ class Ranks(Protocol):
 
     def barrier(self, name: str | None = None) -> None: ...
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool: ...
+
 
 def save_sharded(checkpoint: dict[str, Any], path, ranks: Ranks, *, zero_stage: int,
                  partitions: list[dict[str, int]]) -> None:
-    """Every rank's part of saving a sharded checkpoint (call it on every rank at once):
-    rank 0 names a staging directory beside ``path``, each rank writes its own optimizer
-    shards (``checkpoint["optimizer_states"]``), rank 0 the rest of the checkpoint, and
-    once all are written rank 0 finishes the directory and moves it to ``path``.
-    ``partitions``: the owning rank of each parameter, by name, per optimizer."""
-    path = ranks.broadcast(os.path.abspath(os.fspath(path)))
-    staging = ranks.broadcast(staging_path(path))
-    if ranks.is_global_zero:
-        remove_stale_temps(path)
-        os.makedirs(staging)
-    ranks.barrier("fastopt_checkpoint_staging")
-    write_shard(staging, ranks.global_rank, checkpoint.get("optimizer_states", []))
-    if ranks.is_global_zero:
-        write_main(staging, checkpoint)
-    ranks.barrier("fastopt_checkpoint_shards")
-    if ranks.is_global_zero:
-        finish_sharded(staging, path, world_size=ranks.world_size, zero_stage=zero_stage, partitions=partitions)
+    """Every rank's part of saving a sharded checkpoint (call it on every rank at once), as
+    :func:`~lightning_fastopt.checkpoint.atomic.save_staged` saves: into a staging
+    directory beside ``path`` each rank writes its own optimizer shards
+    (``checkpoint["optimizer_states"]``) and rank 0 the rest of the checkpoint; once all
+    are written rank 0 writes the manifest and moves the directory to ``path`` (other
+    files there stay).  A write that fails on any rank leaves what ``path`` held, and each
+    rank raises (a full disk: an ``OSError`` naming ``path``).  ``partitions``: the owning
+    rank of each parameter, by name, per optimizer."""
+    def write(staging: str) -> None:
+        os.makedirs(staging, exist_ok=True)  # by every rank: the first one makes it
+        write_shard(staging, ranks.global_rank, checkpoint.get("optimizer_states", []))
+        if ranks.is_global_zero:
+            write_main(staging, checkpoint)
+
+    save_staged(path, write, ranks, SHARDED_FILES, before_move=lambda staging: write_manifest(
+        staging, world_size=ranks.world_size, zero_stage=zero_stage, partitions=partitions))
 
 
 def write_shard(staging: str, rank: int, optimizer_states: list[dict[str, Any]]) -> None:
@@ -104,15 +105,21 @@ def write_main(staging: str, checkpoint: dict[str, Any]) -> None:
 
 def finish_sharded(staging: str, path, *, world_size: int, zero_stage: int,
                    partitions: list[dict[str, int]]) -> None:
-    """Write the manifest (last: a directory without one is not a checkpoint) and move the
-    staging directory to ``path``, replacing the checkpoint there (other files stay)."""
+    """Write the manifest (:func:`write_manifest`) and move the staging directory to
+    ``path``, replacing the checkpoint there (other files stay)."""
+    write_manifest(staging, world_size=world_size, zero_stage=zero_stage, partitions=partitions)
+    replace_path(staging, os.path.abspath(os.fspath(path)), SHARDED_FILES)
+
+
+def write_manifest(staging: str, *, world_size: int, zero_stage: int, partitions: list[dict[str, int]]) -> None:
+    """Write the manifest of a staging directory whose shards are all written (last: a
+    directory without one is not a checkpoint); a RuntimeError where one is missing."""
     manifest = dict(format_version=FORMAT_VERSION, world_size=world_size, zero_stage=zero_stage,
                     shards=[shard_file(r) for r in range(world_size)], main=MAIN_FILE, partitions=partitions)
     missing = [f for f in manifest["shards"] + [MAIN_FILE] if not os.path.isfile(os.path.join(staging, f))]
     if missing:
         raise RuntimeError(f"sharded checkpoint incomplete, missing {missing} in {staging}")
     write_synced(os.path.join(staging, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    replace_path(staging, os.path.abspath(os.fspath(path)), SHARDED_FILES)
 
 
 def merge_shards(shards: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
