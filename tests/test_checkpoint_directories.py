@@ -10,6 +10,7 @@ and after the move, and the files of the checkpoint replaced (a shard of a save 
 another world size included) go."""
 
 import os
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -53,7 +54,7 @@ def _write_distributed(names):
     def write(staging):
         os.makedirs(staging, exist_ok=True)
         for name in names:
-            (open(os.path.join(staging, name), "w")).write("new")
+            Path(staging, name).write_text("new")
     return write
 
 

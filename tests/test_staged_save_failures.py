@@ -13,6 +13,7 @@ left on the disk; these tests give the same failures without one.)"""
 import errno
 import os
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
@@ -53,7 +54,7 @@ def _previous_checkpoint(tmp_path):
 def _failing(error):
     def write(staging):
         os.makedirs(staging)
-        (open(os.path.join(staging, "__0_0.distcp"), "w")).write("part")
+        Path(staging, "__0_0.distcp").write_text("part")
         raise error
     return write
 
