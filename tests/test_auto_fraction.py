@@ -180,6 +180,8 @@ def test_the_strategy_probes_chooses_says_why_and_ends_where_trainer_ends(caplog
     assert "offload_fraction='auto' chose " in caplog.text
     opt = ours.trainer.strategy.engines[0]
     assert isinstance(opt, OffloadOptimizer)
+    # what Lightning hands the hooks shows the rebuilt engine's groups (LightningOptimizer copies them when made)
+    assert ours.optimizers().param_groups is ours.trainer.optimizers[0].param_groups is opt.param_groups
     if forced is not None:
         assert "chose 0.1: forced for the test" in caplog.text and opt.offload_fraction == 0.1
         assert 0 < opt.offloaded_numel < sum(p.numel() for p in ours.parameters())

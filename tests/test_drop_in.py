@@ -1148,3 +1148,39 @@ def test_a_checkpoint_without_optimizer_state_resumes_as_lightning_resumes_it_wi
     with pytest.warns(UserWarning, match="the checkpoint holds no optimizer state; the 1 optimizer"):
         ours = resume(FastOptStrategy(copy_on_cpu=True))
     assert_modules_equal(ours, ref)
+
+
+class _DiscardsThenSteps(Net):
+    """Manual optimization through ``self.optimizers()`` (Lightning's ``LightningOptimizer``):
+    each batch's first backward is thrown away by ``zero_grad``, the second is stepped; the
+    state dict read through it is the optimizer's."""
+
+    def __init__(self):
+        super().__init__(lambda ps: torch.optim.Adam(ps, lr=1e-2))
+        self.automatic_optimization = False
+        self.state_sizes = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x) * 3, y))
+        opt.zero_grad()  # thrown away: the engine must forget its copies of these gradients too
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        opt.step()
+        opt.zero_grad()
+        self.state_sizes.append(len(opt.state_dict()["state"]))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_what_lightning_hands_to_manual_optimization_reaches_the_engine(strategy):
+    """``self.optimizers()`` is Lightning's wrapper, of a class made from the optimizer's own:
+    ``zero_grad`` and ``state_dict`` through it are the engine's, ending where ``Trainer()``
+    ends.  (Once the optimizer kept its class, the wrapper found the class's methods first:
+    its ``state_dict`` was empty, and its ``zero_grad`` did not reach the engine, harmless
+    here only because manual optimization keeps gradients in ``p.grad`` until the step.)"""
+    ours, ref = _DiscardsThenSteps(), _DiscardsThenSteps()
+    _trainer(STRATEGIES[strategy]()).fit(ours, _data())
+    _trainer("auto").fit(ref, _data())
+    assert ours.state_sizes == ref.state_sizes == [4] * 8
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(a, b)

@@ -54,7 +54,9 @@ _step._wrapped_by_lr_sched = True  # torch's LR schedulers: this step tells them
 
 def _zero_grad(self, set_to_none: bool = True) -> None:
     type(self).zero_grad(self, set_to_none)  # the user's class's (it may do more)
-    engine_of(self).zero_grad(set_to_none)  # and the gradients the engine holds
+    engine = engine_of(self)
+    if engine is not unwrapped(self):  # and the gradients the engine holds (none once given back)
+        engine.zero_grad(set_to_none)
 
 
 def _add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -73,7 +75,10 @@ def _reduce_ex(self, protocol):
     """``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back: of
     the user's class, with its groups and the state as torch keeps it.  The engine (its
     host buffers, threads and the hooks on the model) stays with this object."""
-    cls, attributes = _given_back(self)
+    optimizer = unwrapped(self)
+    if _ENGINE not in optimizer.__dict__:  # a wrapper kept after give_back: as its class pickles it
+        return type(self).__reduce_ex__(self, protocol)
+    cls, attributes = _given_back(optimizer)
     return _instance_of, (cls,), attributes
 
 
@@ -93,6 +98,16 @@ def take_over(optimizer: torch.optim.Optimizer, engine: OptimizerWrapper) -> tor
     optimizer.__dict__[_ENGINE] = engine
     optimizer.__dict__["param_groups"] = engine.param_groups
     return optimizer
+
+
+def show_through(wrapper) -> None:
+    """Put the taken-over optimizer's methods in front of those of ``wrapper``'s class too:
+    Lightning's ``LightningOptimizer`` (what ``self.optimizers()`` gives) has a class made
+    from the optimizer's own, so it finds the class's ``zero_grad`` and ``state_dict``
+    itself, and reaches the optimizer only for what its class lacks (``param_groups``,
+    ``state``).  Its ``step`` stays Lightning's, which calls the optimizer's."""
+    if _ENGINE in unwrapped(wrapper).__dict__:
+        wrapper.__dict__.update({k: types.MethodType(f, wrapper) for k, f in _IN_FRONT.items() if k != "step"})
 
 
 def give_back(optimizer: torch.optim.Optimizer) -> None:

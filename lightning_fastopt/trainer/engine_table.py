@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.optim.known_steps import say_runs_as_torch
 from lightning_fastopt.core.precision import needs_closure
-from lightning_fastopt.optim.takeover import give_back, take_over
+from lightning_fastopt.optim.takeover import give_back, show_through, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.trainer.package import TrainerPackage
 
@@ -70,7 +70,25 @@ class EngineTable:
             rank_zero_info(f"lightning_fastopt: {engine!r}")
             self._engine_at[i] = engine
             take_over(opt, engine)
-        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew for the new classes
+        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (below)
+
+    @property
+    def optimizers(self) -> list:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list) -> None:
+        """Lightning's setter, which makes a ``LightningOptimizer`` around each (here, after
+        a take-over, and wherever Lightning makes them anew: a strategy copied or unpickled,
+        the LR finder), then each of those shows the engine's methods
+        (:func:`~lightning_fastopt.optim.takeover.show_through`): their class, made from the
+        optimizer's own, would find that class's ``zero_grad`` and ``state_dict`` first."""
+        mro = type(self).__mro__
+        lightnings = next(c.__dict__["optimizers"] for c in mro[mro.index(EngineTable) + 1:]
+                          if isinstance(c.__dict__.get("optimizers"), property))
+        lightnings.fset(self, optimizers)
+        for wrapper in self._lightning_optimizers:
+            show_through(wrapper)
 
     def _runs_in_engine(self, optimizer) -> bool:
         """Whether an engine can step ``optimizer``, else it runs as under Lightning's own
