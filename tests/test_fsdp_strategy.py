@@ -281,7 +281,7 @@ def test_a_distributed_checkpoint_consolidates_into_one_file_that_resumes_as_the
     2026-11-27 our command said "not a sharded lightning_fastopt checkpoint"; Lightning's
     own fails with ``KeyError: 'model'``.)"""
     for writer in ("reference", "fastopt-0.5"):
-        directory = run(writer, "adamw", "first-only")
+        directory = run(writer, "adamw", "first-only", "devices=2")  # the world-size test's run, made once
         file = tmp_path / f"{writer}.ckpt"
         proc = run_script("-m", "lightning_fastopt.checkpoint", "consolidate", directory, file)
         assert f"wrote {file}: 1 optimizer state(s), 6 parameter state(s)" in proc.stdout
