@@ -163,11 +163,11 @@ def test_unfinished_save_leaves_the_previous_checkpoint(two_rank_run, tmp_path):
     shutil.copytree(out / "ckpt" / EPOCH_2, path)
     staging = ck.staging_path(path)
     os.makedirs(staging)
-    ck.write_shard(staging, 0, [{"state": {}, "param_groups": []}])  # a rank dies here: no finish_sharded
+    ck.write_shard(staging, 0, [{"state": {}, "param_groups": []}])  # a rank dies here: no manifest, no move
     assert ck.is_sharded(path) and not ck.is_sharded(staging)
     assert ck.load_sharded(path)["global_step"] == 16
     with pytest.raises(RuntimeError, match="incomplete"):
-        ck.finish_sharded(staging, path, world_size=2, zero_stage=1, partitions=[])
+        ck.write_manifest(staging, world_size=2, zero_stage=1, partitions=[])
     assert ck.load_sharded(path)["global_step"] == 16
 
 

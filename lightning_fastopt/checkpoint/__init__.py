@@ -18,13 +18,14 @@ The Lightning plugin that writes single files atomically is
 from lightning_fastopt.checkpoint.atomic import save_atomically, save_synced
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, read_checkpoint_file
-from lightning_fastopt.checkpoint.sharded import (FORMAT_VERSION, MAIN_FILE, MANIFEST, consolidate, finish_sharded,
+from lightning_fastopt.checkpoint.sharded import (FORMAT_VERSION, MAIN_FILE, MANIFEST, consolidate,
                                                   is_sharded, load_sharded, merge_shards, read_manifest, save_sharded,
-                                                  shard_file, staging_path, write_main, write_shard)
+                                                  shard_file, staging_path, write_main, write_manifest,
+                                                  write_shard)
 
 __all__ = [
     "FORMAT_VERSION", "MAIN_FILE", "MANIFEST", "BrokenCheckpointError", "CheckpointMismatchError", "consolidate",
-    "finish_sharded", "is_sharded", "load_sharded", "merge_shards", "named_state_dict", "read_checkpoint_file",
+    "is_sharded", "load_sharded", "merge_shards", "named_state_dict", "read_checkpoint_file",
     "read_named_state", "read_manifest", "save_atomically",
-    "save_sharded", "save_synced", "shard_file", "staging_path", "write_main", "write_shard",
+    "save_sharded", "save_synced", "shard_file", "staging_path", "write_main", "write_manifest", "write_shard",
 ]

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, replace_path, save_atomically, save_staged,
-                                                 save_synced, temp_path, write_synced)
+from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, save_atomically, save_staged, save_synced, temp_path,
+                                                 write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, check_holds, read_checkpoint_file
 from lightning_fastopt.optim.base import hyperparameters
@@ -101,14 +101,6 @@ def write_shard(staging: str, rank: int, optimizer_states: list[dict[str, Any]])
 
 def write_main(staging: str, checkpoint: dict[str, Any]) -> None:
     save_synced({k: v for k, v in checkpoint.items() if k != "optimizer_states"}, os.path.join(staging, MAIN_FILE))
-
-
-def finish_sharded(staging: str, path, *, world_size: int, zero_stage: int,
-                   partitions: list[dict[str, int]]) -> None:
-    """Write the manifest (:func:`write_manifest`) and move the staging directory to
-    ``path``, replacing the checkpoint there (other files stay)."""
-    write_manifest(staging, world_size=world_size, zero_stage=zero_stage, partitions=partitions)
-    replace_path(staging, os.path.abspath(os.fspath(path)), SHARDED_FILES)
 
 
 def write_manifest(staging: str, *, world_size: int, zero_stage: int, partitions: list[dict[str, int]]) -> None:
