@@ -36,13 +36,16 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from physical_bound import Terms, bound_ms
 from timeline import draw, hidden_exposed, lanes_from_events, profile, table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,7 +56,8 @@ sys.path.insert(0, str(REPO / "examples"))
 # the timed ones); a ":stream" suffix adds stream_cpu_step=True, a ":delayed" suffix delayed_update=True
 # (delayed from the third step on, well before the timed steps), a ":bf16-true" suffix trains with half
 # weights (precision="bf16-true") instead of bf16-mixed, a ":module" suffix adds forward_waits="module";
-# a final ":clip" (any configuration) trains with gradient_clip_val=1.0 (streamed, the step is speculative)
+# a final ":clip" (any configuration) trains with gradient_clip_val=1.0 (streamed, the step is speculative);
+# a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default every core of the process)
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
            "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
            "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "fastopt:0.5:module",
@@ -72,15 +76,19 @@ DELAYED_WARMUP = 2
 
 # ---------------------------------------------------------------------------- one configuration (child)
 def fastopt_arguments(config: str) -> tuple[dict, bool]:
-    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true][:module]``
-    (F a number or ``auto``), and whether the configuration trains with half weights."""
+    """FastOptStrategy's arguments for ``fastopt:F[:stream|:delayed][:bf16-true][:module][:tN]``
+    (F a number or ``auto``; ``tN``: ``cpu_threads=N``), and whether the configuration trains
+    with half weights."""
     _, fraction, *mode = config.split(":")
-    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module", "clip"}  # clip: the Trainer's, see child
-    if unknown:
-        raise ValueError(f"{config!r}: unknown suffix {sorted(unknown)}; expected ':stream' or ':delayed', "
-                         "and/or ':bf16-true', ':module', ':clip'")
+    threads = [m for m in mode if re.fullmatch(r"t[1-9][0-9]*", m)]
+    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module", "clip"} - set(threads)  # clip: see child
+    if unknown or len(threads) > 1:
+        raise ValueError(f"{config!r}: unknown suffix {sorted(unknown) or threads}; expected ':stream' or ':delayed', "
+                         "and/or ':bf16-true', ':module', one ':tN' (N CPU threads), ':clip'")
     arguments = dict(offload_fraction=fraction if fraction == "auto" else float(fraction),
                      stream_cpu_step="stream" in mode)
+    if threads:
+        arguments["cpu_threads"] = int(threads[0][1:])
     if "module" in mode:
         arguments["forward_waits"] = "module"
     if "delayed" in mode:
@@ -251,10 +259,13 @@ def child(config: str, args) -> dict:
     phases.mark("teardown")
     seconds = measure.t1 - measure.t0
     opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
+    copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
     speculated = dict(getattr(getattr(opt, "schedule", None), "totals", {}))  # the speculative step's bucket counts
-    return dict(configuration=config, fraction=getattr(opt, "offload_fraction", None), params=n_params,
+    # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
+    fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
+    return dict(configuration=config, fraction=fraction, params=n_params,
                 tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
-                step_ms=seconds / args.steps * 1e3,
+                step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 phases_s=phases.seconds, **(measure.profile or {}))
 
@@ -307,6 +318,25 @@ def _forked_child(config: str, args, log_path: str, send) -> None:
 
 
 # ---------------------------------------------------------------------------- the table (parent)
+def measure_terms(tiny: bool) -> Terms | None:
+    """This machine's terms of the bound (physical_bound.py, in a process of its own: this
+    one touches no GPU), or None where that failed (said)."""
+    sizes = ["--cpu-params", str(2**20), "--copy-mb", "8"] if tiny else []
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("physical_bound.py")), *sizes],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"the bound's terms: FAILED (exit {proc.returncode})\n{(proc.stderr or proc.stdout)[-2000:]}", flush=True)
+        return None
+    return Terms(**json.loads(proc.stdout.splitlines()[-1]))
+
+
+def row_bound(r: dict, terms: Terms | None, gpu_step_ms: float | None) -> tuple[float | None, str]:
+    """A row's bound (ms) and the term that sets it: offloading rows only."""
+    if terms is None or r.get("fraction") is None:
+        return None, ""
+    return bound_ms(terms, gpu_step_ms, r["fraction"] * r["params"], r["copy_bytes_per_param"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=20)
@@ -340,6 +370,9 @@ def main() -> None:
     rows = []
     configs = args.configs.split(",")
     started, longest = time.perf_counter(), 0.0
+    terms = measure_terms(args.tiny)  # first: a run cut off still has them
+    if terms is not None:
+        print(f"the bound's terms ({time.perf_counter() - started:.0f} s): {terms.describe()}", flush=True)
     for i, config in enumerate(configs):
         elapsed = time.perf_counter() - started
         if args.budget_s is not None and rows and elapsed + longest > args.budget_s:
@@ -366,7 +399,8 @@ def main() -> None:
         print(f"{config}: done in {wall:.0f} s: {row['step_ms']:.0f} ms a step, {row['tokens_per_s']:,.0f} tokens/s, "
               f"peak {peak}; {_phases(row)}", flush=True)
         if args.out:
-            args.out.write_text(json.dumps(dict(device=_device_name(), rows=rows, partial=True), indent=2))
+            args.out.write_text(json.dumps(dict(device=_device_name(), terms=terms and asdict(terms), rows=rows,
+                                                partial=True), indent=2))
     if not rows:
         sys.exit("no configuration ran")
 
@@ -375,8 +409,12 @@ def main() -> None:
     print(f"\n{name}; torch {torch.__version__}; {rows[0]['params'] / 1e6:,.1f}M parameters, "
           f"batch {args.batch} x {args.seq} tokens, {'bf16-mixed' if gpu else '32-true'}\n")
     plain = next((r for r in rows if r["configuration"] == "plain"), None)
-    print("| configuration | tokens/s | vs plain | step ms | peak GiB | saved vs plain GiB | D2H hidden | H2D hidden |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    if terms is not None:
+        print(f"the bound's terms: plain step {plain['step_ms']:.0f} ms; " if plain else "the bound's terms: ",
+              terms.describe(), sep="")
+    print("| configuration | tokens/s | vs plain | step ms | bound ms (set by) | x bound | peak GiB "
+          "| saved vs plain GiB | D2H hidden | H2D hidden |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def pct(x):
         return "n/a" if x is None else f"{x:.0%}"
@@ -390,8 +428,12 @@ def main() -> None:
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         saved = (f"{plain['peak_gib'] - r['peak_gib']:.1f}" if plain and r["peak_gib"] is not None else "n/a")
         chosen = f" (chose {r['fraction']:g})" if ":auto" in r["configuration"] and r.get("fraction") is not None else ""
-        print(f"| {r['configuration']}{chosen} | {r['tokens_per_s']:,.0f} | {rel} | {r['step_ms']:.0f} | {peak} | {saved} "
-              f"| {pct(r.get('d2h_hidden'))} | {pct(r.get('h2d_hidden'))} |")
+        bound, term = row_bound(r, terms, ref and ref["step_ms"])
+        r["bound_ms"], r["bound_term"] = bound, term
+        bound_cells = (f"{bound:.0f} ({term}) | {r['step_ms'] / bound:.2f}x" if bound
+                       else f"n/a{f' ({term})' if term else ''} | n/a")
+        print(f"| {r['configuration']}{chosen} | {r['tokens_per_s']:,.0f} | {rel} | {r['step_ms']:.0f} | {bound_cells} "
+              f"| {peak} | {saved} | {pct(r.get('d2h_hidden'))} | {pct(r.get('h2d_hidden'))} |")
     for r in rows:
         counts = r.get("speculated") or {}
         if counts.get("speculated"):
@@ -415,7 +457,7 @@ def main() -> None:
             draw(lanes, path, f"{r['configuration']}: {r['steps_profiled']} step(s), {name}")
             print(f"timeline: {path}")
     if args.out:
-        args.out.write_text(json.dumps(dict(device=name, rows=rows), indent=2))
+        args.out.write_text(json.dumps(dict(device=name, terms=terms and asdict(terms), rows=rows), indent=2))
 
 
 def _phases(row: dict) -> str:

@@ -44,8 +44,15 @@ def _selections_collected(text):
 def _configs_done(files, name, shell_variable):
     wanted = re.search(rf'^{shell_variable}="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
                        re.M).group(1).split(",")
-    rows = json.loads(files[f"{name}.json"])["rows"]
+    table = json.loads(files[f"{name}.json"])
+    rows = table["rows"]
     assert [r["configuration"] for r in rows] == wanted
+    # the bound's terms measured first, and each offloading row's bound (no copies without a GPU)
+    assert table["terms"]["cpu_params_per_s"] > 0 and table["terms"]["d2h_bytes_per_s"] is None
+    for r in rows:
+        if r["fraction"] is not None:
+            assert r["bound_ms"] > 0 and r["bound_term"] in ("GPU step", "CPU update"), r
+    assert "| x bound |" in files[f"{name}.md"]
     assert all(r["wall_s"] > 0 and r["step_ms"] > 0 for r in rows)
     for r in rows:  # where each row's wall time went, for planning the next GPU session
         assert list(r["phases_s"]) == ["imports", "model built", "setup", "warm-up", "profile read", "timed steps",
@@ -77,4 +84,4 @@ def test_rest_holds_what_first_leaves_out(tmp_path):
     others = _configs_done(files, "gpt_others", "OTHERS")
     headline = re.search(r'^HEADLINE="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
                          re.M).group(1).split(",")
-    assert not set(others) & set(headline)
+    assert set(others) & set(headline) == {"plain"}  # plain again: the bound's GPU step, on rest's machine

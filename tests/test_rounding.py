@@ -131,7 +131,7 @@ def test_the_rounding_of_a_torch_optimizer():
 @pytest.mark.filterwarnings("error")
 def test_a_for_loop_step_on_cuda_gets_its_own_rounding():
     """torch's for-loop step on CUDA (foreach=False) rounds otherwise than its foreach step
-    there (Adam's bias correction through a float32 reciprocal, Adagrad's addcdiv one fused
+    there (Adam's bias correction through a reciprocal, Adagrad's addcdiv one fused
     multiply-add): Adam, AdamW and Adagrad map to "torch_cuda_for_loop"; SGD's rounds as its
     foreach step (and its CPU step); on the CPU foreach=False is the default step."""
     def on(device, make, **kw):
@@ -147,13 +147,15 @@ def test_a_for_loop_step_on_cuda_gets_its_own_rounding():
     assert not _fused_kwargs(on("cuda", torch.optim.AdamW, foreach=False))["torch_sqrt"]
 
 
-def test_the_float_reciprocal_is_float32s_division():
-    """What CUDA's division by a host scalar multiplies by: numpy's float32 1 / x, for bias
-    corrections of many steps (and it is not always x's double reciprocal rounded)."""
+def test_the_float_reciprocal_is_the_double_reciprocal_rounded_once():
+    """What CUDA's division by a host scalar multiplies by, as benchmarks/rounding_probe.py
+    measured it on torch 2.11.0+cu130 (2026-11-28): x's double reciprocal rounded to float32,
+    for bias corrections of many steps; not float32's reciprocal of x rounded (the rule
+    ATen's source reads as, which the GPU did not follow), which differs at some of them."""
     xs = [(1 - 0.999 ** s) ** 0.5 for s in range(1, 3000)] + [(1 - 0.95 ** s) ** 0.5 for s in range(1, 300)]
     ours = [float_reciprocal(x) for x in xs]
-    assert ours == [float(np.float32(1) / np.float32(x)) for x in xs]
-    assert ours != [float(np.float32(1 / x)) for x in xs]
+    assert ours == [float(np.float32(1 / x)) for x in xs]
+    assert ours != [float(np.float32(1) / np.float32(x)) for x in xs]
 
 
 TORCH_OPTIMIZERS = [
@@ -344,11 +346,12 @@ def _cuda_adam_reference(p, g, m, v, *, step, lr, betas, eps, weight_decay, adam
     """torch's CUDA foreach Adam/AdamW step, or (for_loop) its for-loop step, on one float32
     tensor (numpy arrays, updated in place) as ATen's CUDA kernels compute each op, element
     by element with exact fused multiply-adds: the lerp, addcmul and addcdiv contracted, the
-    bias correction divided (foreach) or multiplied by its float32 reciprocal (for-loop)."""
+    bias correction divided (foreach) or multiplied by its reciprocal (for-loop: the double
+    one rounded once, as measured on a GPU)."""
     f = np.float32
     b1, b2 = betas
     bc2s, neg_step = f((1 - b2 ** step) ** 0.5), -f(lr / (1 - b1 ** step))
-    w1, w2, inv = f(1 - b1), f(1 - b2), f(float_reciprocal(float(bc2s)))
+    w1, w2, inv = f(1 - b1), f(1 - b2), f(float_reciprocal((1 - b2 ** step) ** 0.5))
     for i in range(p.size):
         gi = -g[i] if maximize else g[i]
         if weight_decay and adamw:
@@ -481,11 +484,12 @@ def _cuda_model(device="cuda"):
     return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 7), nn.Linear(7, 300)).to(device)
 
 
-def _made_or_skipped(make, params, name):
-    """The user's torch optimizer, or the test skipped where this torch has no such step on
-    CUDA (fused Adagrad is CPU-only in torch 2.11; later torch steps it on CUDA too)."""
+def _trained_or_skipped(make, model, name):
+    """``model`` trained by the user's torch optimizer, or the test skipped where this torch
+    has no such step on CUDA (fused Adagrad is CPU-only in torch 2.11: it refuses at the
+    first step, not when built; later torch steps it on CUDA too)."""
     try:
-        return make(params)
+        _cuda_train(model, make(model.parameters()))
     except RuntimeError as e:
         if "fused=True" not in str(e):
             raise
@@ -511,7 +515,7 @@ ON_CUDA = [
     ("adam-l2-amsgrad-fused", lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.05, amsgrad=True,
                                                           fused=True)),
     ("adam-maximize-foreach", lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.8, 0.95), maximize=True)),
-    # foreach=False: its for-loop step, the bias correction through a float32 reciprocal
+    # foreach=False: its for-loop step, the bias correction through a reciprocal
     ("adamw-for-loop", lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05, foreach=False)),
     ("adam-l2-amsgrad-maximize-for-loop", lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.05, amsgrad=True,
                                                                       maximize=True, foreach=False)),
@@ -546,8 +550,7 @@ def test_torch_optimizer_on_cuda_bit_for_bit(fraction, name, make, device="cuda"
     through the offload optimizer: at 0.5 and 1 the CPU kernels update the offloaded
     share in the GPU's rounding), ends on the bits torch's own CUDA step ends on."""
     ref_model, model = _cuda_model(device), _cuda_model(device)
-    ref = _made_or_skipped(make, ref_model.parameters(), name)
-    _cuda_train(ref_model, ref)
+    _trained_or_skipped(make, ref_model, name)
     opt = to_fused_optimizer(make(model.parameters()))
     if fraction is not None:
         opt = OffloadOptimizer(opt, {p: n for n, p in model.named_parameters()}, offload_fraction=fraction,
@@ -567,7 +570,7 @@ def test_torch_optimizer_on_cuda_bit_for_bit_on_the_pytorch_fallback(monkeypatch
     monkeypatch.setenv(ops.BACKEND_ENV, "torch")
     assert ops.backend_for("cuda") is ops.torch_backend
     ref_model, model = _cuda_model(), _cuda_model()
-    _cuda_train(ref_model, _made_or_skipped(make, ref_model.parameters(), name))
+    _trained_or_skipped(make, ref_model, name)
     _cuda_train(model, to_fused_optimizer(make(model.parameters())))
     assert_modules_equal(model, ref_model)
 

@@ -18,7 +18,7 @@ enum class Rounding : int {
                           // root) in its vector loop, others in its scalar loop over each tensor's
                           // last numel % 8 elements (../cpu/tensor_walk.h); CPU tensors only
   kTorchCudaForLoop = 4,  // torch's CUDA for-loop step (foreach=False), torch >= 2.11: Adam's
-                          // bias correction through a float reciprocal, Adagrad's addcdiv one fma
+                          // bias correction through a reciprocal, Adagrad's addcdiv one fma
 };
 
 // torch's CUDA steps made of ATen's pointwise ops (foreach and for-loop), whose addcmul and
@@ -30,6 +30,9 @@ struct AdamArgs {
   float lr, beta1, beta2, eps, weight_decay;
   float step_size;              // lr / bias_correction1
   float bias_correction2_sqrt;  // sqrt(bias_correction2)
+  // what torch's CUDA for-loop step multiplies by where it divides by bias_correction2_sqrt
+  // (a host scalar): the double reciprocal rounded once (ops/rounding.py's float_reciprocal)
+  float inv_bias_correction2_sqrt;
   float inv_grad_scale;         // 1 / loss scale (1 when unscaled)
   bool amsgrad, adamw, maximize;
   double beta1_exact, beta2_exact;  // the betas as given: bias corrections computed on the device (capturable)

@@ -82,7 +82,7 @@ void def_optimizer_functions(pybind11::module_& m) {
   m.def("adam_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const TensorList& exp_avg_sqs, const OptTensorList& max_exp_avg_sqs,
                     const OptTensorList& copies, float lr, double beta1, double beta2, float eps,
-                    float weight_decay, float step_size, float bias_correction2_sqrt, float inv_grad_scale,
+                    float weight_decay, float step_size, double bias_correction2_sqrt, float inv_grad_scale,
                     bool amsgrad, bool adamw, bool maximize, bool check_finite, uint32_t state_seed,
                     std::optional<double> decay, bool torch_sqrt, int rounding, bool bias_correction,
                     const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
@@ -93,7 +93,8 @@ void def_optimizer_functions(pybind11::module_& m) {
         params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
     for (TensorSlot& s : slots) s.state_seed = state_seed;  // the stochastic rounding of bfloat16 state
     const AdamArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), eps, weight_decay, step_size,
-                     bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, beta1, beta2,
+                     static_cast<float>(bias_correction2_sqrt), static_cast<float>(1.0 / bias_correction2_sqrt),
+                     inv_grad_scale, amsgrad, adamw, maximize, beta1, beta2,
                      // AdamW's factor as the caller computed it from the exact lr (else from the float one)
                      static_cast<float>(decay.value_or(1.0 - static_cast<double>(lr) * weight_decay)), torch_sqrt,
                      static_cast<Rounding>(rounding)};

@@ -33,9 +33,10 @@
 //
 // kTorchCudaForLoop: torch's CUDA step with foreach=False (its for-loop implementation, torch
 // >= 2.11): kTorchCudaForeach's operations but for the bias correction, where ATen's CUDA
-// division by a host scalar multiplies by its reciprocal, computed in float on the host
-// (BinaryDivTrueKernel.cu):
-//   d  = sqrt(v or vmax) * (1.0f / float(bc2_sqrt)) + eps
+// division by a host scalar multiplies by the scalar's double reciprocal rounded once (as
+// measured by benchmarks/rounding_probe.py on torch 2.11.0+cu130; the source reads as
+// float's 1.0f / float(b), which the GPU did not follow):
+//   d  = sqrt(v or vmax) * float(1.0 / bc2_sqrt) + eps
 //
 // kTorchCudaFused: torch's fused CUDA kernel (ATen/native/cuda/fused_adam_utils.cuh, torch
 // >= 2.11), its scalars rounded to float first, the bias corrections computed in float from
@@ -88,7 +89,7 @@ struct AdamConstants {
         neg_b2(VecF::set1(-a.beta2)),
         w2(VecF::set1(static_cast<float>(1.0 - a.beta2_exact))),
         bc2s(VecF::set1(a.bias_correction2_sqrt)),
-        inv_bc2s(VecF::set1(1.0f / a.bias_correction2_sqrt)),
+        inv_bc2s(VecF::set1(a.inv_bias_correction2_sqrt)),
         eps(VecF::set1(a.eps)),
         neg_step(VecF::set1(-a.step_size)),
         neg_lr_wd(VecF::set1(-(a.lr * a.weight_decay))),

@@ -58,6 +58,7 @@ struct AdamMath {
     gs = gradient_factor(d, a.inv_grad_scale, a.maximize);
     float lr = a.lr, step_size = a.step_size;
     bc2s = a.bias_correction2_sqrt;
+    inv_bc2s = a.inv_bias_correction2_sqrt;  // the double reciprocal, rounded once (the for-loop step)
     decay = a.decay;  // from the exact lr, computed by the caller
     if (d.step != nullptr) {  // the bias corrections of a device-resident step count
       lr = d.lr != nullptr ? *d.lr : a.lr;
@@ -71,6 +72,7 @@ struct AdamMath {
         const double bc2 = bias_correction ? 1.0 - pow(a.beta2_exact, step) : 1.0;
         step_size = static_cast<float>(static_cast<double>(lr) / bc1);
         bc2s = static_cast<float>(sqrt(bc2));
+        inv_bc2s = static_cast<float>(1.0 / sqrt(bc2));
       }
       decay = decoupled_decay(lr, a.weight_decay);
     }
@@ -79,7 +81,6 @@ struct AdamMath {
     lerp_coeff = small1 ? w1 : w1 - 1.0f;
     w2 = static_cast<float>(1.0 - a.beta2_exact);
     w2_is_one = w2 == 1.0f;
-    inv_bc2s = 1.0f / bc2s;
     neg_step = -step_size;
     neg_lr_wd = -(lr * a.weight_decay);
   }

@@ -18,8 +18,8 @@ share of the parameters is offloaded (csrc/cpu/adam_math.h spells out each one):
                           CPU tensors only.
 ``"torch_cuda_for_loop"`` torch's CUDA step with ``foreach=False`` (its for-loop one, torch
                           >= 2.11): as ``"torch_cuda_foreach"`` but that CUDA's division by
-                          a host scalar multiplies by its float32 reciprocal (the bias
-                          correction).
+                          a host scalar multiplies by its reciprocal (the bias correction:
+                          :func:`float_reciprocal`).
 
 SGD takes ``"torch_cpu"`` (its CPU and CUDA foreach steps round alike),
 ``"torch_cuda_fused"`` (its CUDA kernel subtracts the dampening from 1 in float32 and rounds
@@ -129,10 +129,12 @@ def fused_cuda_scalars(lr: float, beta1: float, beta2: float, step: int,
 
 
 def float_reciprocal(x: float) -> float:
-    """``1.0f / float(x)``: what ATen's CUDA division by a host scalar multiplies by (torch's
-    CUDA for-loop Adam divides by its bias correction so).  Double's division of float32
-    values rounded to float32 is float32's division."""
-    return _f32(1.0 / _f32(x))
+    """``float(1.0 / x)``: what ATen's CUDA division by a host scalar multiplies by (torch's
+    CUDA for-loop Adam divides by its bias correction so): the double reciprocal, rounded
+    once to float32.  Measured, not read: ``benchmarks/rounding_probe.py`` on torch
+    2.11.0+cu130 (H200, 2026-11-28) found every element so, where float32's own reciprocal
+    of the rounded scalar (what ``BinaryDivTrueKernel.cu`` reads as) matched 28.6%."""
+    return _f32(1.0 / x)
 
 
 def sgd_one_minus_dampening(dampening: float, rounding: str) -> float:

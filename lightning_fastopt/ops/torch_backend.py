@@ -126,7 +126,7 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
     AdamW's factor ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by
     default from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's: the bits of
     ``rounding`` 0 (torch's CPU step) on the CPU and of 1 (CUDA foreach) and 4 (CUDA for-loop,
-    its bias correction through a float32 reciprocal) on CUDA; the other pairs (a fallback:
+    its bias correction through its reciprocal) on CUDA; the other pairs (a fallback:
     the compiled kernels follow every rounding everywhere; 3, torch's CPU fused kernel,
     differs from 0 in each tensor's last numel % 8 elements) come within an ulp per step."""
     if decay is None:

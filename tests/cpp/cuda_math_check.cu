@@ -98,7 +98,8 @@ int main(int argc, char** argv) {
   const float inv = static_cast<float>(arg("inv_grad_scale", 1.0));
   if (algo == "adam") {
     AdamArgs a{lr, static_cast<float>(arg("beta1")), static_cast<float>(arg("beta2")), static_cast<float>(arg("eps")),
-               wd, static_cast<float>(arg("step_size")), static_cast<float>(arg("bias_correction2_sqrt")), inv,
+               wd, static_cast<float>(arg("step_size")), static_cast<float>(arg("bias_correction2_sqrt")),
+               static_cast<float>(1.0 / arg("bias_correction2_sqrt")), inv,
                flag("amsgrad"), flag("adamw"), flag("maximize"), arg("beta1"), arg("beta2"),
                static_cast<float>(1.0 - static_cast<double>(lr) * wd), false,  // the binding's default decay
                static_cast<Rounding>(static_cast<int>(arg("rounding", 0.0)))};

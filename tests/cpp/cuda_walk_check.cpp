@@ -135,7 +135,8 @@ int main(int argc, char** argv) {
   }
   auto a = [&](const char* k) { return static_cast<float>(args[k]); };
   const AdamArgs adam{a("lr"), a("beta1"), a("beta2"), a("eps"), a("weight_decay"), a("step_size"),
-                      a("bias_correction2_sqrt"), a("inv_grad_scale"), false, args["adamw"] != 0.0, false,
+                      a("bias_correction2_sqrt"), static_cast<float>(1.0 / args["bias_correction2_sqrt"]),
+                      a("inv_grad_scale"), false, args["adamw"] != 0.0, false,
                       args["beta1"], args["beta2"],
                       static_cast<float>(1.0 - static_cast<double>(a("lr")) * a("weight_decay")), false};
   const DeviceScalars d;

@@ -1,0 +1,134 @@
+"""The physical bound of an offloaded step, measured on the machine that runs it (issue 50).
+
+An offload step cannot be shorter than the longest of three terms:
+
+- the GPU's own step (the plain row of the same run);
+- the CPU update of the offloaded share at the rate our kernels reach here: exact AdamW
+  moves 28 bytes a parameter (read master, m, v and the gradient, write master, m, v: with
+  float32 gradients and weights under bf16-mixed; with bfloat16 ones the half gradient in
+  and the half weight out take the place of the float32 gradient, 28 again), timed on the
+  threads the strategy gives the step (this process's share of the node's cores);
+- the copies (gradients down, weights up) at the pinned copy bandwidth of each direction,
+  measured with one large pinned buffer (the two directions have copy engines of their own,
+  so each is a term).
+
+    python benchmarks/physical_bound.py           # the terms of this machine, as JSON
+
+``benchmarks/gpt_offload.py`` runs this in a process of its own before its rows and prints
+each row's bound and its ratio to it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What this machine does per second: parameters the CPU step updates (exact AdamW, our
+    kernels, ``threads`` threads), bytes a pinned copy moves each way (None without a GPU)."""
+    cpu_params_per_s: float
+    threads: int
+    d2h_bytes_per_s: float | None
+    h2d_bytes_per_s: float | None
+
+    def describe(self) -> str:
+        copies = ("pinned copies: D2H {:.1f} GB/s, H2D {:.1f} GB/s".format(self.d2h_bytes_per_s / 1e9,
+                                                                        self.h2d_bytes_per_s / 1e9)
+                  if self.d2h_bytes_per_s else "pinned copies: n/a (no GPU)")
+        return (f"CPU update (exact AdamW, our kernels, {self.threads} threads): "
+                f"{self.cpu_params_per_s / 1e9:.2f} Gparam/s = "
+                f"{self.cpu_params_per_s * ADAM_BYTES_PER_PARAM / 1e9:.0f} GB/s at {ADAM_BYTES_PER_PARAM} B a parameter; "
+                f"{copies}")
+
+
+def bound_ms(terms: Terms, gpu_step_ms: float | None, offloaded_params: float,
+             copy_bytes_per_param: float) -> tuple[float | None, str]:
+    """The bound of a step that offloads ``offloaded_params`` parameters, copying
+    ``copy_bytes_per_param`` bytes of each one each way (on a GPU: a run without one copies
+    nothing), and the name of the term that sets it; (None, why) without a plain row."""
+    if gpu_step_ms is None:
+        return None, "no plain row"
+    named = {"GPU step": gpu_step_ms, "CPU update": offloaded_params / terms.cpu_params_per_s * 1e3}
+    if terms.d2h_bytes_per_s is not None:
+        named["D2H copies"] = offloaded_params * copy_bytes_per_param / terms.d2h_bytes_per_s * 1e3
+        named["H2D copies"] = offloaded_params * copy_bytes_per_param / terms.h2d_bytes_per_s * 1e3
+    term = max(named, key=named.get)
+    return named[term], term
+
+
+def _median_s(fn, repeat: int, warmup: int = 1, sync=lambda: None) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cpu_update_rate(n: int, repeat: int = 5) -> float:
+    """Parameters a second of our exact AdamW step (float32 master, moments and gradient,
+    one tensor of ``n``) on torch's current thread count."""
+    from lightning_fastopt.functional import fused_adam_
+
+    def filled(value):  # fill_ runs on every thread (randn would draw on one)
+        return torch.empty(n).fill_(value)
+
+    master, grad, m, v = filled(0.1), filled(0.01), filled(0.0), filled(0.0)
+    step = [0]
+
+    def one():
+        step[0] += 1
+        fused_adam_([master], [grad], [m], [v], step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.01)
+
+    return n / _median_s(one, repeat)
+
+
+def pinned_copy_rates(nbytes: int, repeat: int = 5) -> tuple[float, float]:
+    """Bytes a second of one pinned host buffer copied to the GPU and back (each direction alone)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    sync = torch.cuda.synchronize
+    d2h = _median_s(lambda: host.copy_(device, non_blocking=True), repeat, sync=sync)
+    h2d = _median_s(lambda: device.copy_(host, non_blocking=True), repeat, sync=sync)
+    return nbytes / d2h, nbytes / h2d
+
+
+def measure(cpu_params: int, copy_bytes: int) -> Terms:
+    """This machine's terms, the CPU step on the threads the strategies give it by default."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from lightning_fastopt.core.cpu_threads import default_cpu_threads
+
+    threads = default_cpu_threads(1)
+    torch.set_num_threads(threads)
+    rate = cpu_update_rate(cpu_params)
+    d2h, h2d = pinned_copy_rates(copy_bytes) if torch.cuda.is_available() else (None, None)
+    return Terms(cpu_params_per_s=rate, threads=threads, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-params", type=int, default=256 * 2**20, help="parameters the CPU step is timed on")
+    ap.add_argument("--copy-mb", type=int, default=1024, help="MiB each pinned copy moves")
+    args = ap.parse_args(argv)
+    print(json.dumps(asdict(measure(args.cpu_params, args.copy_mb * 2**20))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""benchmarks/physical_bound.py: an offload step's bound is the longest of the GPU's own
+step, the CPU update of the offloaded share and each direction's copies (issue 50)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+try:
+    from physical_bound import Terms, bound_ms, cpu_update_rate
+finally:
+    sys.path.pop(0)
+
+# 1 Gparam/s on the CPU; 50 GB/s down, 25 GB/s up
+GPU_HOST = Terms(cpu_params_per_s=1e9, threads=16, d2h_bytes_per_s=50e9, h2d_bytes_per_s=25e9)
+
+
+def test_the_longest_term_sets_the_bound():
+    # 1B offloaded float32 parameters: CPU 1000 ms, D2H 80 ms, H2D 160 ms, against a 100 ms step
+    assert bound_ms(GPU_HOST, 100.0, 1e9, 4) == (pytest.approx(1000.0), "CPU update")
+    # 50M: CPU 50 ms, copies 4 and 8 ms: the GPU's own step
+    assert bound_ms(GPU_HOST, 100.0, 5e7, 4) == (100.0, "GPU step")
+    # copies slower than the CPU: 1 GB/s up makes 1B half weights 2000 ms
+    slow_up = Terms(cpu_params_per_s=1e9, threads=16, d2h_bytes_per_s=50e9, h2d_bytes_per_s=1e9)
+    assert bound_ms(slow_up, 100.0, 1e9, 2) == (pytest.approx(2000.0), "H2D copies")
+    # nothing offloaded: the GPU's step
+    assert bound_ms(GPU_HOST, 100.0, 0, 4) == (100.0, "GPU step")
+
+
+def test_without_a_gpu_nothing_is_copied_and_without_a_plain_row_there_is_no_bound():
+    cpu_only = Terms(cpu_params_per_s=1e9, threads=2, d2h_bytes_per_s=None, h2d_bytes_per_s=None)
+    assert bound_ms(cpu_only, 3.0, 1e7, 4) == (pytest.approx(10.0), "CPU update")
+    assert bound_ms(GPU_HOST, None, 1e9, 4) == (None, "no plain row")
+
+
+def test_the_terms_say_what_they_measured():
+    said = GPU_HOST.describe()
+    assert "1.00 Gparam/s = 28 GB/s at 28 B a parameter" in said and "16 threads" in said
+    assert "D2H 50.0 GB/s, H2D 25.0 GB/s" in said
+    assert "n/a (no GPU)" in Terms(1e9, 2, None, None).describe()
+
+
+def test_the_cpu_rate_is_of_our_adamw_step(monkeypatch):
+    """The rate times lightning_fastopt's fused AdamW over the parameters asked for."""
+    import lightning_fastopt.functional as functional
+
+    seen = []
+    real = functional.fused_adam_
+
+    def spy(params, *args, **kwargs):
+        seen.append((params[0].numel(), kwargs["step"]))
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(functional, "fused_adam_", spy)
+    assert cpu_update_rate(4096, repeat=3) > 0
+    assert seen == [(4096, 1), (4096, 2), (4096, 3), (4096, 4)]  # one warm-up, three timed
