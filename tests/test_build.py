@@ -322,6 +322,17 @@ def test_ops_clean_removes_every_build_but_one_being_built(tmp_path, tiny_cache,
     assert re.search(r"freed \d+\.\d MB in 2 build\(s\)", out), out
 
 
+def test_the_same_extension_built_twice_in_one_process_lands_under_its_own_name(tmp_path, monkeypatch):
+    """A second build of one name in a process (the cache cleaned, or another cache) is where
+    the first one was: torch would have named it NAME_v1 in its new staging directory."""
+    spec = tiny_spec(tmp_path, name="fastopt_twice")
+    for cache in ("first", "second"):
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / cache))
+        module = load_extension(spec, timeout=300)
+        assert module.__name__ == "fastopt_twice" and module.__file__.startswith(str(tmp_path / cache))
+        assert builder.is_built(spec)
+
+
 def test_compiler_error_is_quoted(tmp_path, ext_dir):
     spec = tiny_spec(tmp_path, name="fastopt_broken", source="int main( { this is not C++ }\n")
     with pytest.raises(ExtensionBuildError, match="error"):
@@ -333,22 +344,30 @@ def test_compiler_error_is_quoted(tmp_path, ext_dir):
 def broken_cpu_build(tmp_path, ext_dir, monkeypatch):
     """The CPU extension replaced by one that cannot compile, nothing loaded yet."""
     broken = tiny_spec(tmp_path, name="fastopt_broken_cpu", source="#error deliberately broken kernel\n")
-    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None, cuda_roundings=None: broken)
+    monkeypatch.setattr(cpu, "cpu_extension_spec", lambda isa=None, cuda_roundings=None, pieces=None: broken)
     monkeypatch.setattr(cpu, "_loaded", {})
     monkeypatch.setattr(cpu, "_errors", {})
+    monkeypatch.setattr(ops, "_cpu_kernels", {})
     monkeypatch.delenv(ops.BACKEND_ENV, raising=False)
 
 
 def test_failed_build_warns_once_and_falls_back(broken_cpu_build, monkeypatch):
+    """The build fails at the first kernel called (or at set-up, where a strategy asks for its
+    pieces): one warning, then every call on the pure-PyTorch backend."""
+    backend = ops.cpu_backend()
     with pytest.warns(RuntimeWarning, match="deliberately broken kernel"):
-        backend = ops.cpu_backend()
-    assert backend is torch_backend
+        assert backend.sgd_ is torch_backend.sgd_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # only one warning
-        assert ops.cpu_backend() is torch_backend
+        assert backend.need({"adam"}) is torch_backend and backend.all_finite is torch_backend.all_finite
+        p, g = torch.ones(3), torch.ones(3)
+        backend.adam_([p], [g], [torch.zeros(3)], [torch.zeros(3)], None, None, lr=0.1, beta1=0.9, beta2=0.999,
+                      eps=1e-8, weight_decay=0.0, step_size=0.1, bias_correction2_sqrt=1.0, inv_grad_scale=1.0,
+                      amsgrad=False, adamw=True, maximize=False, check_finite=False)
+        assert torch.all(p < 1)  # the pure-PyTorch step ran
     monkeypatch.setenv(ops.BACKEND_ENV, "compiled")
     with pytest.raises(ExtensionBuildError, match="deliberately broken kernel"):
-        ops.cpu_backend()
+        ops.cpu_backend().need({"adam"})
 
 
 def test_backend_env(monkeypatch):
@@ -542,8 +561,11 @@ def test_kernels_built_without_the_cuda_roundings_refuse_them_and_the_step_loads
     full = load_cpu_extension(detect_isa().name, warn=False, cuda_roundings=True)
     assert lean is not None and full is not None
     assert not lean.adam_cuda_roundings and full.adam_cuda_roundings
+    assert "adam_cuda_roundings" in full.pieces and "adam_cuda_roundings" not in lean.pieces
     monkeypatch.setattr(cpu, "cuda_roundings_wanted", lambda: False)  # what a machine without a GPU loads
-    monkeypatch.setattr(cpu, "_loaded", {"auto/auto": lean, "auto/1": full})
+    kernels = ops.CpuKernels(warn=False)
+    kernels._module = lean  # what such a machine has loaded
+    monkeypatch.setattr(ops, "cpu_backend", lambda: kernels)
     torch.manual_seed(0)
     start = [torch.randn(1000 + 37 * i) for i in range(3)]
     grads = [torch.randn_like(p) for p in start]
@@ -559,13 +581,14 @@ def test_kernels_built_without_the_cuda_roundings_refuse_them_and_the_step_loads
                             weight_decay=0.01, rounding=rounding)
         return params
 
-    assert ops.cpu_backend() is lean
-    for rounding in ("torch_cuda_foreach", "torch_cuda_fused", "torch_cuda_for_loop"):
-        ours, kernels, pure = step(rounding), step(rounding, full), step(rounding, torch_backend)
-        assert all(torch.equal(a, b) for a, b in zip(ours, kernels))
-        assert not all(torch.equal(a, c) for a, c in zip(ours, pure))  # why the pure-PyTorch path would not do
-    for a, b in zip(step("torch_cpu", lean), step("torch_cpu", full)):  # the CPU roundings: the same kernels
+    for a, b in zip(step("torch_cpu"), step("torch_cpu", full)):  # the CPU roundings: the same kernels
         assert torch.equal(a, b)
+    assert kernels.loaded is lean
+    for rounding in ("torch_cuda_foreach", "torch_cuda_fused", "torch_cuda_for_loop"):
+        ours, compiled, pure = step(rounding), step(rounding, full), step(rounding, torch_backend)
+        assert all(torch.equal(a, b) for a, b in zip(ours, compiled))
+        assert not all(torch.equal(a, c) for a, c in zip(ours, pure))  # why the pure-PyTorch path would not do
+    assert kernels.loaded.adam_cuda_roundings and kernels.loaded.__file__ == full.__file__
     params = [p.clone() for p in start]
     with pytest.raises(ValueError, match="no Adam in torch's CUDA roundings"):
         lean.adam_(params=params, grads=grads, exp_avgs=[torch.zeros_like(p) for p in start],

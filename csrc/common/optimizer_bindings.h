@@ -29,6 +29,27 @@
 #include "sgd_rounding.h"
 #include "tensor_slots.h"
 
+// The algorithms a module binds: every one by default (the CUDA module, a full CPU build); a
+// CPU build of some pieces only (lightning_fastopt/ops/cpu.py) defines the others as 0.
+#ifndef FASTOPT_WITH_ADAM
+#define FASTOPT_WITH_ADAM 1
+#endif
+#ifndef FASTOPT_WITH_SGD
+#define FASTOPT_WITH_SGD 1
+#endif
+#ifndef FASTOPT_WITH_ADAGRAD
+#define FASTOPT_WITH_ADAGRAD 1
+#endif
+#ifndef FASTOPT_WITH_LION
+#define FASTOPT_WITH_LION 1
+#endif
+#ifndef FASTOPT_WITH_LAMB
+#define FASTOPT_WITH_LAMB 1
+#endif
+#ifndef FASTOPT_WITH_LARS
+#define FASTOPT_WITH_LARS 1
+#endif
+
 namespace fastopt {
 
 using OptTensor = std::optional<at::Tensor>;
@@ -79,6 +100,7 @@ void check_rounding(int rounding, std::initializer_list<int> taken) {
 template <typename Device>
 void def_optimizer_functions(pybind11::module_& m) {
   namespace py = pybind11;
+#if FASTOPT_WITH_ADAM
   m.def("adam_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const TensorList& exp_avg_sqs, const OptTensorList& max_exp_avg_sqs,
                     const OptTensorList& copies, float lr, double beta1, double beta2, float eps,
@@ -107,7 +129,9 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("decay") = py::none(), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
      py::arg("bias_correction") = true, py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
      py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
+#endif
 
+#if FASTOPT_WITH_SGD
   m.def("sgd_", [](const TensorList& params, const TensorList& grads, const OptTensorList& momentum_buffers,
                    const OptTensorList& copies, float lr, float momentum, double dampening, float weight_decay,
                    float inv_grad_scale, bool nesterov, bool maximize, bool wd_after_momentum, bool first_step,
@@ -127,7 +151,9 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("nesterov"), py::arg("maximize"), py::arg("wd_after_momentum"), py::arg("first_step"),
      py::arg("check_finite"), py::arg("rounding") = 0, py::kw_only(), py::arg("grad_scale") = py::none(),
      py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
+#endif
 
+#if FASTOPT_WITH_ADAGRAD
   m.def("adagrad_", [](const TensorList& params, const TensorList& grads, const TensorList& state_sums,
                        const OptTensorList& copies, double clr, double weight_decay, double eps, float inv_grad_scale,
                        bool maximize, bool check_finite, bool torch_sqrt, int rounding, double lr, double lr_decay,
@@ -145,7 +171,9 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("check_finite"), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
      py::arg("lr") = 0.0, py::arg("lr_decay") = 0.0, py::arg("grad_scale") = py::none(),
      py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
+#endif
 
+#if FASTOPT_WITH_LION
   m.def("lion_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const OptTensorList& copies, float lr, float beta1, float beta2, float weight_decay,
                     float inv_grad_scale, bool maximize, bool check_finite, const OptTensor& grad_scale,
@@ -158,7 +186,9 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("beta2"), py::arg("weight_decay"), py::arg("inv_grad_scale"), py::arg("maximize"),
      py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
      py::arg("lr_tensor") = py::none());
+#endif
 
+#if FASTOPT_WITH_LAMB
   m.def("lamb_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const TensorList& exp_avg_sqs, const OptTensorList& copies, float lr, double beta1,
                     double beta2, float beta3, float eps, float weight_decay, float bias_correction1,
@@ -180,7 +210,9 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("grad_sum_squares") = py::none(), py::arg("max_grad_norm") = 0.0f, py::arg("inv_grad_scale") = 1.0f,
      py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(),
      py::arg("step_tensor") = py::none(), py::arg("norms") = py::none());
+#endif
 
+#if FASTOPT_WITH_LARS
   m.def("lars_", [](const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
                     const OptTensorList& copies, float lr, float momentum, float eeta, float weight_decay,
                     float epsilon, float inv_grad_scale, bool maximize, bool check_finite,
@@ -195,6 +227,7 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("momentum"), py::arg("eeta"), py::arg("weight_decay"), py::arg("epsilon"), py::arg("inv_grad_scale"),
      py::arg("maximize"), py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(),
      py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(), py::arg("norms") = py::none());
+#endif
 }
 
 }  // namespace fastopt

@@ -51,7 +51,12 @@ void torch_cpu_step(const Slots& slots, const AdamArgs& a) {
 #define FASTOPT_ADAM_CUDA_ROUNDINGS 1
 #endif
 
+#ifndef FASTOPT_ADAM_CPU_FUSED
+#define FASTOPT_ADAM_CPU_FUSED 1
+#endif
+
 bool adam_cuda_roundings_built() { return FASTOPT_ADAM_CUDA_ROUNDINGS != 0; }
+bool adam_cpu_fused_built() { return FASTOPT_ADAM_CPU_FUSED != 0; }
 
 void adam_step(const Slots& slots, const AdamArgs& a) {
   switch (a.rounding) {
@@ -68,7 +73,11 @@ void adam_step(const Slots& slots, const AdamArgs& a) {
       throw std::logic_error("built without Adam's CUDA roundings (the bindings check adam_cuda_roundings_built)");
 #endif
     case Rounding::kTorchCpuFused:
+#if FASTOPT_ADAM_CPU_FUSED
       return adam_detail::one_pass_step<Rounding::kTorchCpuFused>(slots, a);
+#else
+      throw std::logic_error("built without Adam in torch's CPU fused rounding (the bindings check adam_cpu_fused_built)");
+#endif
     case Rounding::kTorchCpu:
       break;
   }

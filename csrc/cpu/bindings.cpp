@@ -7,6 +7,7 @@
 // CPU's policy.  The checks here are the last line of defence against memory corruption.
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -39,8 +40,11 @@ struct CpuKernels {
         throw py::type_error("bfloat16 Adam state needs float32 params (masters) and amsgrad=False");
     if (a.rounding != Rounding::kTorchCpu && a.rounding != Rounding::kTorchCpuFused && !adam_cuda_roundings_built())
       throw py::value_error("this build of the CPU kernels has no Adam in torch's CUDA roundings (built where no "
-                            "GPU is visible): lightning_fastopt.functional loads the build that has them, "
-                            "LIGHTNING_FASTOPT_CUDA_ROUNDINGS=1 makes it the default");
+                            "GPU is visible): lightning_fastopt.ops loads the build that has them, "
+                            "LIGHTNING_FASTOPT_CUDA_ROUNDINGS=1 makes it part of every full build");
+    if (a.rounding == Rounding::kTorchCpuFused && !adam_cpu_fused_built())
+      throw py::value_error("this build of the CPU kernels has no Adam in torch's CPU fused rounding (a build of "
+                            "some pieces): lightning_fastopt.ops loads the build that has it");
     adam_step(s, a);
   }
   void sgd(const Slots& s, const SgdArgs& a) const {
@@ -100,7 +104,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastopt;
   m.doc() = "lightning_fastopt CPU fused optimizer kernels";
   m.attr("isa") = compiled_isa();
+  // what this build holds (ops/cpu.py builds some pieces only, where a run needs no more)
+  py::list pieces;
+#if FASTOPT_WITH_ADAM
+  pieces.append("adam");
+  if (adam_cpu_fused_built()) pieces.append("adam_cpu_fused");
+  if (adam_cuda_roundings_built()) pieces.append("adam_cuda_roundings");
   m.attr("adam_cuda_roundings") = adam_cuda_roundings_built();
+#else
+  m.attr("adam_cuda_roundings") = false;
+#endif
+  for (const auto& [name, built] : {std::pair<const char*, bool>{"sgd", FASTOPT_WITH_SGD},
+                                    {"adagrad", FASTOPT_WITH_ADAGRAD}, {"lion", FASTOPT_WITH_LION},
+                                    {"lamb", FASTOPT_WITH_LAMB}, {"lars", FASTOPT_WITH_LARS}})
+    if (built) pieces.append(name);
+  m.attr("pieces") = pieces;
   // module-local: several builds (ISAs) of this module may be loaded in one process
   py::register_local_exception<UnsupportedTensor>(m, "UnsupportedTensor", PyExc_ValueError);
 
@@ -122,6 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, py::arg("tensors"), "Per-tensor sum of squares, accumulated in double");
 
+#if FASTOPT_WITH_LAMB
   m.def("lamb_norms_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                           const TensorList& exp_avg_sqs, float beta1, float beta2, float beta3, float eps,
                           float weight_decay, float bias_correction1, float bias_correction2, float grad_factor,
@@ -142,6 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      py::arg("beta2"), py::arg("beta3"), py::arg("eps"), py::arg("weight_decay"), py::arg("bias_correction1"),
      py::arg("bias_correction2"), py::arg("grad_factor"), py::arg("adam_w_mode"), py::arg("maximize"),
      "Per tensor (||p||^2, ||u||^2) of the LAMB update lamb_ would make, nothing written (float64, [n, 2])");
+#endif
 
   m.def("fingerprint", [](const TensorList& tensors) {
     Slots slots = CpuDevice::slots(tensors, nullptr, {}, std::nullopt);

@@ -30,6 +30,9 @@ void adam_step(const Slots& slots, const AdamArgs& a);
 // Whether this build has Adam in torch's CUDA roundings (adam.cpp: built without them
 // where no GPU is visible); adam_step must not be called with one when it has not.
 bool adam_cuda_roundings_built();
+// Whether this build has Adam in torch's CPU fused=True rounding (adam_cpu_fused.cpp; a build
+// of some pieces only may leave it out); likewise.
+bool adam_cpu_fused_built();
 void sgd_step(const Slots& slots, const SgdArgs& a);
 void adagrad_step(const Slots& slots, const AdagradArgs& a);
 void lion_step(const Slots& slots, const LionArgs& a);

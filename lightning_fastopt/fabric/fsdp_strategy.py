@@ -158,8 +158,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             raise RuntimeError("FastOptFabricFSDPStrategy steps the sharded parameters: set the model up first "
                                "(fabric.setup_module(model)), then create the optimizer over its parameters and "
                                "set it up (fabric.setup_optimizers(optimizer))")
-        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         fused = fused_for(optimizer, module, self.precision.precision)
+        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0, pieces=fused.kernel_pieces())
         streaming = not self.options.keep_gradients
         streams = {}
         if self.options.stream_cpu_step and self.offload_fraction > 0:

@@ -219,8 +219,8 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
                                  "use zero_stage 0 or 1, or keep_gradients=True")
             (say_runs_as_torch if closure else say_steps_as_torch)(optimizer)
             return optimizer
-        ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0)
         fused = fused_for(optimizer, self._module, self.precision.precision)
+        ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0, pieces=fused.kernel_pieces())
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
                                        device_grads=self._device_grads(), **offload_arguments(self.options))

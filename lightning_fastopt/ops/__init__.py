@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 from lightning_fastopt.ops import torch_backend
 from lightning_fastopt.ops.builder import ExtensionBuildError
-from lightning_fastopt.ops.cpu import cpu_extension_error, cuda_roundings_setting, load_cpu_extension
+from lightning_fastopt.ops.cpu import cuda_roundings_setting
+from lightning_fastopt.ops.cpu_kernels import CpuKernels
 from lightning_fastopt.ops.cuda import cuda_extension_error, load_cuda_extension
 from lightning_fastopt.ops.isa import detect_isa
 
@@ -57,40 +58,39 @@ def check_environment() -> None:
         cuda_roundings_setting()  # the setting only: no device query at construction
 
 
-def prepare(device_type: str, cpu_work: bool) -> None:
+def prepare(device_type: str, cpu_work: bool, pieces=frozenset()) -> None:
     """Load (building if needed) the kernels a run on ``device_type`` will call, now rather
-    than at the first optimizer step: the CPU kernels too when ``cpu_work`` (an offloaded
-    share).  A build that fails falls back as it would at the step, after one warning."""
+    than at the first optimizer step: the CPU kernels' ``pieces`` (the optimizers'
+    :meth:`~lightning_fastopt.optim.base.FusedOptimizer.kernel_pieces`) where the run steps
+    on the CPU, or offloads a share there (``cpu_work``).  A build that fails falls back as
+    it would at the step, after one warning."""
     route(device_type)
-    if cpu_work and device_type != "cpu":
-        cpu_backend()
+    backend = cpu_backend()
+    if pieces and (device_type == "cpu" or cpu_work) and isinstance(backend, CpuKernels):
+        backend.need(pieces)
 
 
-def cpu_backend() -> ModuleType:
-    """The backend for CPU tensors."""
-    return _cpu_backend(cuda_roundings=None)
+_cpu_kernels: dict[str, CpuKernels] = {}
 
 
-def _cpu_backend(cuda_roundings: bool | None) -> ModuleType:
+def cpu_backend() -> ModuleType | CpuKernels:
+    """The backend for CPU tensors: the compiled kernels (:class:`CpuKernels`, built of the
+    pieces the calls need), or the pure-PyTorch one (``LIGHTNING_FASTOPT_BACKEND=torch``)."""
     choice = backend_choice()
     if choice == "torch":
         return torch_backend
-    ext = load_cpu_extension(warn=choice == "auto", cuda_roundings=cuda_roundings)
-    if ext is None:
-        if choice == "compiled":
-            error = cpu_extension_error(None, cuda_roundings)
-            raise ExtensionBuildError(f"{BACKEND_ENV}=compiled but the CPU extension is unavailable: {error}")
-        return torch_backend
-    return ext
+    if choice not in _cpu_kernels:
+        _cpu_kernels[choice] = CpuKernels(warn=choice == "auto", compiled=choice == "compiled")
+    return _cpu_kernels[choice]
 
 
 def with_adam_cuda_roundings(route: Route) -> Route:
-    """The route of Adam in one of torch's CUDA roundings: on host tensors, the CPU kernels
-    built with those roundings, built now (once) where the ones loaded were built without
-    them (:mod:`lightning_fastopt.ops.cpu`: where no GPU is visible)."""
+    """The route of Adam in one of torch's CUDA roundings: on host tensors, kernels that
+    have them (:class:`CpuKernels` loads the piece; a build of every piece made where no GPU
+    is visible has none: :mod:`lightning_fastopt.ops.cpu`)."""
     if route.cuda or getattr(route.kernels, "adam_cuda_roundings", True):
         return route
-    return Route(_cpu_backend(cuda_roundings=True), torch_backend)
+    return Route(cpu_backend(), torch_backend)
 
 
 def cuda_backend() -> ModuleType | None:
@@ -149,5 +149,5 @@ class _NeverRaised(Exception):
     pass
 
 
-__all__ = ["BACKEND_ENV", "KERNELS", "ExtensionBuildError", "Route", "backend_for", "check_environment", "cpu_backend",
+__all__ = ["BACKEND_ENV", "KERNELS", "CpuKernels", "ExtensionBuildError", "Route", "backend_for", "check_environment", "cpu_backend",
            "cuda_backend", "prepare", "route", "torch_backend", "unsupported_tensor_error", "with_adam_cuda_roundings"]

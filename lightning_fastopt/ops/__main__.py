@@ -94,7 +94,7 @@ def _cuda_info() -> str:
 def _info(args) -> int:
     import torch
 
-    from lightning_fastopt.ops import BACKEND_ENV, KERNELS, backend_choice, cpu_backend
+    from lightning_fastopt.ops import BACKEND_ENV, KERNELS, CpuKernels, backend_choice, cpu_backend
     from lightning_fastopt.ops.builder import build_dir, cache_root, missing_tools
     from lightning_fastopt.ops.cpu import CUDA_ROUNDINGS_ENV, cpu_extension_error, cpu_extension_spec
     from lightning_fastopt.ops.isa import detect_isa
@@ -111,7 +111,8 @@ def _info(args) -> int:
     print(f"{BACKEND_ENV}={os.environ.get(BACKEND_ENV, '')!r} -> {backend_choice()}")
     with warnings.catch_warnings():  # a failed build's warning: its reason is printed below
         warnings.simplefilter("ignore", RuntimeWarning)
-        backend = cpu_backend()  # builds if needed
+        backend = cpu_backend()
+        backend = backend.full() if isinstance(backend, CpuKernels) else backend  # every piece, built if needed
     name = "compiled" if backend.isa != "torch" else "pure-PyTorch"
     error = cpu_extension_error()
     cuda_line = _cuda_info()

@@ -66,6 +66,8 @@ class ExtensionSpec:
     include_dirs: tuple[str, ...] = field(default=())
     title: str = ""  # what a build message calls it, e.g. "the CPU kernels (avx2)"
     core_seconds: float = 0.0  # compile time on one core, measured: the build's time estimate
+    speed_key: str = ""  # whose measured speed on this machine scales the estimate (by default the name)
+    pieces: frozenset = frozenset()  # what a build of some pieces holds (ops/cpu.py), for the loader
 
 
 def cache_root() -> str:
@@ -255,7 +257,7 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     root = os.path.dirname(directory)
     about = ""
     if spec.core_seconds:
-        about = f", {build_time.estimate(spec.name, spec.core_seconds, len(spec.sources), root)}"
+        about = f", {build_time.estimate(spec.speed_key or spec.name, spec.core_seconds, len(spec.sources), root)}"
     predicted = build_time.predicted_seconds(spec.core_seconds, len(spec.sources))  # under the load now
     _say(f"building {what} for this machine ({why}{about}, once)")
     start = time.perf_counter()
@@ -264,6 +266,13 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
         shutil.rmtree(stale, ignore_errors=True)  # killed builds (their compilers may still run)
     staging = f"{directory}.staging-{os.getpid()}-{secrets.token_hex(4)}"
     os.makedirs(staging)
+    # torch renames a module built again in one process (NAME_v1: its staging directory is new
+    # each time), and the library would not be where this build expects it, nor import under
+    # its name in the next process: each build of ours has a directory of its own, so the
+    # count starts afresh (a cache cleaned, or a build of other pieces, in the same process)
+    versions = getattr(getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None), "entries", None)
+    if isinstance(versions, dict):
+        versions.pop(spec.name, None)
     try:
         with _progress(what, staging, len(spec.sources), start):
             module = cpp_extension.load(
@@ -294,7 +303,7 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     shutil.rmtree(staging, ignore_errors=True)
     took = time.perf_counter() - start
     if spec.core_seconds:
-        build_time.record(spec.name, predicted, took, root)
+        build_time.record(spec.speed_key or spec.name, predicted, took, root)
     _say(f"built {what} in {took:.0f} s: {directory}")
     return module
 

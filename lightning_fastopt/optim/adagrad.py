@@ -26,6 +26,8 @@ class FusedAdagrad(FusedOptimizer):
     fused multiply-add) for one with ``foreach=False``.
     """
 
+    kernel_piece = "adagrad"
+
     state_keys = ("sum",)
 
     def __init__(self, params, lr=1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lightning_fastopt.functional import fused_adam_
+from lightning_fastopt.ops.cpu_kernels import adam_pieces
 from lightning_fastopt.ops.rounding import check_rounding, check_rounding_device, check_torch_sqrt
 from lightning_fastopt.optim.base import Bucket, FusedOptimizer, check_betas, check_lr, check_range
 
@@ -54,6 +55,12 @@ class FusedAdam(FusedOptimizer):
     The fastopt strategies pick the one the user's torch optimizer would have run, so that
     an offloaded run ends on its bits.
     """
+
+    kernel_piece = "adam"
+
+    def kernel_pieces(self) -> frozenset[str]:
+        return frozenset().union(*(adam_pieces(self._with_own_keys(g).get("rounding", "torch_cpu"))
+                                   for g in self.param_groups))
 
     state_keys = ("exp_avg", "exp_avg_sq")
     supports_capturable = True

@@ -95,6 +95,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     copies_to: dict[Tensor, Tensor] | None = None
     step_kwargs: dict[str, Any] = {}
     step_closure: StepClosure | None = None
+    # the piece of the CPU kernels this optimizer's step calls (lightning_fastopt.ops.cpu), so that a
+    # strategy builds just those before the first step; None: it calls none of ours
+    kernel_piece: str | None = None
+
+    def kernel_pieces(self) -> frozenset[str]:
+        """The pieces of the CPU kernels the steps of this optimizer call (its groups' roundings
+        included, where an algorithm has pieces for them: Adam's)."""
+        return frozenset() if self.kernel_piece is None else frozenset({self.kernel_piece})
 
     def __init__(self, params, defaults: dict[str, Any], *, foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, differentiable: bool = False) -> None:

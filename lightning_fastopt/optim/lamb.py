@@ -28,6 +28,8 @@ class FusedLAMB(FusedOptimizer):
     State per parameter (float32): ``step``, ``exp_avg``, ``exp_avg_sq``.
     """
 
+    kernel_piece = "lamb"
+
     state_keys = ("exp_avg", "exp_avg_sq")
     whole_tensor_norms = True  # the trust ratio: norms of the whole parameter and update
 

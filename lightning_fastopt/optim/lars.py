@@ -20,6 +20,8 @@ class FusedLars(FusedOptimizer):
     State per parameter (float32): ``momentum_buffer`` (starts at zero).
     """
 
+    kernel_piece = "lars"
+
     state_keys = ("momentum_buffer",)
     whole_tensor_norms = True  # the local learning rate: norms of the whole parameter and gradient
     counts_steps = False

@@ -13,6 +13,8 @@ class FusedLion(FusedOptimizer):
     State per parameter (float32): ``exp_avg``.
     """
 
+    kernel_piece = "lion"
+
     state_keys = ("exp_avg",)
     counts_steps = False
 

@@ -25,6 +25,8 @@ class FusedSGD(FusedOptimizer):
     State per parameter (float32): ``momentum_buffer`` (only when momentum != 0).
     """
 
+    kernel_piece = "sgd"
+
     counts_steps = False
 
     def __init__(self, params, lr=1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,

@@ -187,12 +187,13 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
         super().setup_optimizers(trainer)
-        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
         device_grads = self._device_grads(trainer)
         def engine(opt) -> LocalShardOptimizer:
             fused = fused_for(opt, module, self.precision_plugin.precision)
+            # its kernels load (or build, saying so) now, not after the first training step
+            ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0, pieces=fused.kernel_pieces())
             return LocalShardOptimizer(fused, names, device_grads=device_grads, **offload_arguments(self.options),
                                        **self._streams(trainer, device_grads, fused))
 

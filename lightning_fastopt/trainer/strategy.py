@@ -260,14 +260,14 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             rank_zero_info(f"lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does (all-reduced by DDP): "
                            f"{', '.join(self._torch_steps)} runs as torch runs it, reading every parameter's gradient")
             self.configure_ddp()  # Lightning's set-up called it before the optimizers were known
-        # the kernels load (or build, saying so) now, not after the first training step
-        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0)
         names = {p: n for n, p in self.lightning_module.named_parameters()}
         device_grads = self._device_grads()
         by_module = self._waits_by_module(trainer)
 
         def make_engine(opt) -> OptimizerWrapper:
             fused = fused_for(opt, self.lightning_module, self.precision_plugin.precision)
+            # its kernels load (or build, saying so) now, not after the first training step
+            ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0, pieces=fused.kernel_pieces())
             extra = self._streams(trainer, fused, device_grads)
             if by_module:
                 extra["forward_waits"] = "module"
