@@ -64,7 +64,8 @@ class MemoryEstimate:
 def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, precision: str = "16-mixed",
                     optimizer: str = "adam", amsgrad: bool = False, speculate: bool = False, zero_stage: int = 0,
                     world_size: int = 1, rank: int | None = None, tensor_parallel_size: int = 1,
-                    tensor_parallel_plan: Mapping[str, Any] | None = None) -> MemoryEstimate:
+                    tensor_parallel_plan: Mapping[str, Any] | None = None,
+                    offload_parameters: bool = False) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
     rank.
@@ -106,6 +107,12 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       each parameter's tensor-parallel piece is then sharded by FSDP over the
       ``world_size // tensor_parallel_size`` data-parallel ranks
       (:mod:`~lightning_fastopt.fsdp.tensor_parallel_pieces`).
+    - ``offload_parameters=True`` (with ``zero_stage=3``, ``offload_fraction`` 1:
+      ``fastopt_fsdp_offload_parameters``): a rank's rows of every parameter (float32),
+      their gradients and their state in host memory, the rows their own masters (16 bytes
+      an element with AdamW); nothing persistent on the accelerator, where FSDP gathers
+      the units it is working on (their size depends on how the model is sharded, and with
+      the activations is not counted here).
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -116,13 +123,14 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     params = [p for p in model.parameters() if p.requires_grad]
     owners = _owners(params, zero_stage, world_size, rank)
     tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
+    _check_offload_parameters(offload_parameters, zero_stage, offload_fraction)
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
         pieces = {t: _tensor_parallel_pieces(model, params, tensor_parallel_plan, tp, t)
                   for t in {r % tp for r in ranks}}  # each tensor-parallel rank's once
         each = [_rank_estimate(_local_rows(pieces[r % tp], r // tp, world_size // tp),
                                [True] * len(params), offload_fraction, state_tensors, speculate, 3, world_size, r,
-                               sum(p.numel() for p in params))
+                               sum(p.numel() for p in params), on_host=offload_parameters)
                 for r in ranks]
         return max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
 
@@ -138,9 +146,10 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
 
 def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fraction: float, state_tensors: int,
                    speculate: bool, zero_stage: int, world_size: int, rank: int,
-                   total: int | None = None) -> MemoryEstimate:
+                   total: int | None = None, on_host: bool = False) -> MemoryEstimate:
     """One rank's figures, owning the parameters ``owned`` marks (see :func:`estimate_memory`;
-    at stage 3 ``params`` are the rank's rows, ``total`` the model's elements)."""
+    at stage 3 ``params`` are the rank's rows, ``total`` the model's elements; ``on_host``:
+    the rows themselves in host memory, their own masters)."""
     mine = [p for p, o in zip(params, owned) if o]
     chosen = iter(choose_offloaded(mine, offload_fraction))
     est = MemoryEstimate(total_params=sum(p.numel() for p in params) if total is None else total,
@@ -151,6 +160,13 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
         n, size = p.numel(), p.element_size()
         m = 8 if p.dtype == torch.float64 else 4  # the master's (and the state's) bytes per element
         half = size < 4
+        if on_host:  # the rows, their gradients and state in host memory; the rows are the masters
+            est.offloaded_params += n
+            est.cpu["params"] += n * size
+            est.cpu["grads"] += n * size
+            est.cpu["optimizer_state"] += m * n * state_tensors
+            est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
+            continue
         est.gpu["params"] += n * size
         if not own:  # another rank's: stage 1 keeps its gradient (DDP's) until the step, stage 2 frees it
             est.gpu["grads"] += n * size if zero_stage == 1 else 0
@@ -167,6 +183,14 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             est.gpu["master_weights"] += m * n if half else 0
             est.gpu["optimizer_state"] += m * n * state_tensors
     return est
+
+
+def _check_offload_parameters(offload_parameters: Any, zero_stage: int, offload_fraction: float) -> None:
+    if not isinstance(offload_parameters, bool):
+        raise TypeError(f"offload_parameters must be True or False, got {offload_parameters!r}")
+    if offload_parameters and (zero_stage != 3 or offload_fraction != 1.0):
+        raise ValueError(f"offload_parameters=True is FSDP's (zero_stage=3) with every row in host memory "
+                         f"(offload_fraction=1.0), got zero_stage={zero_stage!r}, offload_fraction={offload_fraction!r}")
 
 
 def _owners(params: list[torch.Tensor], zero_stage: int, world_size: int, rank: int | None) -> list[int] | None:

@@ -37,8 +37,12 @@ STRATEGY_NAMES = (
 # The names of ZeRO stage 3 on FSDP2 (the Trainer's and Fabric's): (name, description, offload_fraction).
 FSDP_STRATEGY_NAMES = (
     ("fastopt_fsdp", "Lightning's ModelParallelStrategy (FSDP2, ZeRO-3) with lightning_fastopt's fused step on each "
-                     "rank's shards", 0.0),
-    ("fastopt_fsdp_offload", "fastopt_fsdp with every rank's shard of masters and optimizer state in CPU memory", 1.0),
+                     "rank's shards", dict(offload_fraction=0.0)),
+    ("fastopt_fsdp_offload", "fastopt_fsdp with every rank's shard of masters and optimizer state in CPU memory",
+     dict(offload_fraction=1.0)),
+    ("fastopt_fsdp_offload_parameters", "fastopt_fsdp_offload with the parameter shards themselves in CPU memory "
+                                        "(CPUOffloadPolicy), the masters the CPU kernels update in place",
+     dict(offload_fraction=1.0, offload_parameters=True)),
 )
 
 
@@ -54,9 +58,9 @@ def register_names(cls, strategy_registry) -> None:
 def register_fsdp_names(cls, strategy_registry) -> None:
     """Register :data:`FSDP_STRATEGY_NAMES` for ``cls`` (a Trainer's FSDP strategy or
     Fabric's) in a registry that lacks them."""
-    for name, description, offload_fraction in FSDP_STRATEGY_NAMES:
+    for name, description, arguments in FSDP_STRATEGY_NAMES:
         if name not in strategy_registry:
-            strategy_registry.register(name, cls, description=description, offload_fraction=offload_fraction)
+            strategy_registry.register(name, cls, description=description, **arguments)
 
 
 def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:

@@ -44,6 +44,7 @@ class StrategyOptions:
     closure_optimizers: tuple[str, ...] = ()
     per_parameter_optimizers: tuple[str, ...] = ()  # the DDP strategies': stepped on shares of whole parameters
     elementwise_optimizers: tuple[str, ...] = ()  # the FSDP strategies': stepped on each rank's rows
+    offload_parameters: bool = False  # the FSDP strategies': the parameter shards in host memory (CPUOffloadPolicy)
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -109,11 +110,35 @@ class StrategyOptions:
             raise ValueError(f"offload_fraction='auto' is for the Trainer (it times the step's closure); with "
                              f"{strategy} give a number in [0.0, 1.0]")
         elementwise = check_optimizer_names(arguments.pop("elementwise_optimizers", ()), "elementwise_optimizers")
+        offload_parameters = arguments.pop("offload_parameters", False)
         arguments = {"keep_gradients": False, "stream_cpu_step": False, "gpu_memory_budget_gb": None,
                      "delayed_update": False, "delayed_update_warmup": 40, "host_state_dtype": "float32", **arguments}
+        check_offload_parameters(offload_parameters, arguments)
         options = cls.check(**arguments, zero_stage=0, forward_waits="step")
         options.elementwise_optimizers = elementwise
+        options.offload_parameters = offload_parameters
         return options
+
+
+def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, Any]) -> None:
+    """``offload_parameters`` (the FSDP strategies') checked with the other arguments: the
+    host shards are the master weights, updated in place by the CPU kernels, so every rank's
+    whole shard and its state are on the host (``offload_fraction`` 1) and no update can
+    wait for the next step beside them (``delayed_update`` keeps masters apart from the
+    weights the forward reads)."""
+    if not isinstance(offload_parameters, bool):
+        raise TypeError(f"offload_parameters must be True or False, got {offload_parameters!r}")
+    if not offload_parameters:
+        return
+    fraction = arguments.get("offload_fraction", 1.0)
+    if fraction == "auto" or isinstance(fraction, bool) or fraction != 1.0:
+        raise ValueError(f"offload_parameters=True keeps each rank's parameter shards in host memory, where the CPU "
+                         f"kernels update them in place with their state: offload_fraction must be 1.0, got "
+                         f"{fraction!r}")
+    if arguments.get("delayed_update"):
+        raise ValueError("offload_parameters=True updates the host shards the next forward reads in place: "
+                         "delayed_update=True (an update running during the next forward, on masters apart from "
+                         "the weights) cannot be used with it")
 
 
 def offload_arguments(options: Any) -> dict[str, Any]:
@@ -125,6 +150,8 @@ def offload_arguments(options: Any) -> dict[str, Any]:
                 overlap=options.overlap, pin_memory=options.pin_memory,
                 wall_clock_breakdown=options.wall_clock_breakdown,
                 copy_on_cpu=options.copy_on_cpu or options.delayed_update)
+    if getattr(options, "offload_parameters", False):  # the host shards are the masters, on every machine
+        args["copy_on_cpu"] = False
     if options.host_state_dtype != torch.float32:
         args["host_state_dtype"] = options.host_state_dtype
     if options.delayed_update:

@@ -39,6 +39,7 @@ from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.host_parameters import check_host_shards, host_shard_arguments, materialize_on_the_host
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
@@ -71,6 +72,10 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         stream_cpu_step: with ``keep_gradients=False``, start each host bucket's CPU
             update during backward (speculated: Fabric cannot tell whether the loop will
             clip, so the step checks); bit for bit the update at the step.
+        offload_parameters: each rank's parameter shards in host memory under torch's
+            ``CPUOffloadPolicy``, updated there in place (as the Trainer's): the strategy's
+            own sharding applies the policy, a ``parallelize_fn`` passes it to ``fully_shard``;
+            a model on the meta device is materialized in host memory after it.
         The others: as the Trainer's ``FastOptFSDPStrategy``.
     """
 
@@ -83,7 +88,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  stream_cpu_step: bool = False, host_state_dtype: str = "float32",
                  auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
-                 data_parallel_size: int | str = "auto",
+                 offload_parameters: bool = False, data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
@@ -99,18 +104,19 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, host_state_dtype=host_state_dtype,
-            elementwise_optimizers=elementwise_optimizers)
+            elementwise_optimizers=elementwise_optimizers, offload_parameters=offload_parameters)
         if stream_cpu_step and keep_gradients:
             raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
                              "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
         self._shards_itself = parallelize_fn is None
+        self._user_parallelize = parallelize_fn
         self._threads = TorchThreads()
         self._engines: dict[int, LocalShardOptimizer] = {}  # by id of the user's optimizer
         self._users: list[torch.optim.Optimizer] = []
         self._module: Module | None = None  # the model set up (its parameter names key the state)
-        super().__init__(parallelize_fn or self._shard, data_parallel_size=data_parallel_size,
+        super().__init__(self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -127,10 +133,20 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         say_if_nothing_is_sharded(self._data_parallel_size, self.world_size)
         self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
 
+    def _parallelize(self, module: Module, mesh) -> Module:
+        """The project's ``parallelize_fn`` (or the strategy's sharding), then, with
+        ``offload_parameters``, a model sharded on the meta device materialized in host
+        memory (Fabric's ``ModelParallelStrategy`` would on the device, which FSDP refuses)."""
+        module = self._user_parallelize(module, mesh) if self._user_parallelize else self._shard(module, mesh)
+        if self.options.offload_parameters and isinstance(module, Module):
+            materialize_on_the_host(module)
+        return module
+
     def _shard(self, module: Module, mesh) -> Module:
         """The ``parallelize_fn`` of a project that gives none."""
         done = shard_model(module, mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params,
-                           forward_runs=True)
+                           forward_runs=True, **host_shard_arguments(self.options.offload_parameters,
+                                                                     self.root_device, self.options.pin_memory))
         rank_zero_info(f"lightning_fastopt: {done}")
         return module
 
@@ -158,8 +174,12 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             raise RuntimeError("FastOptFabricFSDPStrategy steps the sharded parameters: set the model up first "
                                "(fabric.setup_module(model)), then create the optimizer over its parameters and "
                                "set it up (fabric.setup_optimizers(optimizer))")
+        on_host = check_host_shards(module, self.options.offload_parameters)
         fused = fused_for(optimizer, module, self.precision.precision)
-        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0, pieces=fused.kernel_pieces())
+        ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
+        arguments = offload_arguments(self.options)
+        if on_host:  # the host shards are the masters, updated in place (fsdp/host_parameters.py)
+            arguments["copy_on_cpu"] = False
         streaming = not self.options.keep_gradients
         streams = {}
         if self.options.stream_cpu_step and self.offload_fraction > 0:
@@ -168,7 +188,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                                        rows_refusals(fused))
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
-                                     **offload_arguments(self.options), **streams)
+                                     **arguments, **streams)
         rank_zero_info(f"lightning_fastopt: {engine!r}")
         self._engines[id(optimizer)] = engine
         self._users.append(optimizer)

@@ -42,6 +42,8 @@ from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwa
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments, materialize_on_the_host,
+                                                    move_all_but_fsdp_parameters)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
@@ -94,6 +96,16 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             element by element, to step on each rank's rows (offloaded) like torch's
             elementwise optimizers; any other optimizer without our kernels runs as torch
             runs it, on the DTensor parameters (:mod:`~lightning_fastopt.optim.known_steps`).
+        offload_parameters: keep each rank's parameter shards (float32) and their gradients in
+            host memory, as FSDP's ``CPUOffloadPolicy`` does (the word of Lightning's
+            ``DeepSpeedStrategy``): FSDP copies a unit's weights to the device for its
+            forward and backward and brings its gradients back; the host shards are the
+            master weights, which the CPU kernels update in place with their state (no
+            second copy, nothing of the optimizer on the device). The one-line form applies
+            the policy; a ``configure_model`` passes ``offload_policy=CPUOffloadPolicy()`` to
+            ``fully_shard`` itself (one that does gets the same without this flag).
+            ``offload_fraction`` stays 1; ``delayed_update`` is refused
+            (:mod:`~lightning_fastopt.fsdp.host_parameters`).
         data_parallel_size, tensor_parallel_size: the device mesh's sizes; both ``"auto"``
             (the default): every process data-parallel, where Lightning's
             ``ModelParallelStrategy`` makes data parallelism across nodes and tensor
@@ -119,7 +131,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
-                 data_parallel_size: int | str = "auto", tensor_parallel_size: int | str = "auto",
+                 offload_parameters: bool = False, data_parallel_size: int | str = "auto",
+                 tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
         check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's", FSDP_DOES_NOT_TAKE)
@@ -132,7 +145,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
             delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb,
-            host_state_dtype=host_state_dtype, elementwise_optimizers=elementwise_optimizers)
+            host_state_dtype=host_state_dtype, elementwise_optimizers=elementwise_optimizers,
+            offload_parameters=offload_parameters)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -171,30 +185,53 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         """``ModelParallelStrategy``'s, after sharding a model that has no ``configure_model``
         (which Lightning's set-up otherwise refuses)."""
         if not self._shards_itself():
+            self._materialize_host_shards()
             return super().setup(trainer)
         module = self.lightning_module
         name = type(module).__name__
-        done = shard_model(module, self.device_mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params)
+        done = shard_model(module, self.device_mesh["data_parallel"], self._auto_wrap_classes, self._min_num_params,
+                           **host_shard_arguments(self.options.offload_parameters, self.root_device,
+                                                  self.options.pin_memory))
         rank_zero_info(f"lightning_fastopt: {name} has no configure_model: {done}")
+        self._materialize_host_shards()
         module.configure_model = _sharded_by_the_strategy  # Lightning's set-up checks that the hook is overridden
         try:
             super().setup(trainer)
         finally:
             del module.configure_model
 
+    def _materialize_host_shards(self) -> None:
+        """With ``offload_parameters``, a model sharded on the meta device is materialized in
+        host memory (``ModelParallelStrategy`` would on the device, which FSDP refuses)."""
+        if self.options.offload_parameters:
+            materialize_on_the_host(self.model)
+
+    @override
+    def model_to_device(self) -> None:
+        """What FSDP did not place to the device (buffers, modules no ``fully_shard``
+        reached): FSDP's parameters stay where ``fully_shard`` put them (host shards under
+        ``CPUOffloadPolicy``, which ``ModelParallelStrategy`` would move and FSDP refuse)."""
+        move_all_but_fsdp_parameters(self.model, self.root_device)
+
     # ------------------------------------------------------------------ optimizers
     @override
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
+        on_host = check_host_shards(self.lightning_module, self.options.offload_parameters)
         super().setup_optimizers(trainer)
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
         device_grads = self._device_grads(trainer)
+        arguments = offload_arguments(self.options)
+        if on_host:  # the host shards are the masters, updated in place (fsdp/host_parameters.py)
+            arguments["copy_on_cpu"] = False
+
         def engine(opt) -> LocalShardOptimizer:
             fused = fused_for(opt, module, self.precision_plugin.precision)
             # its kernels load (or build, saying so) now, not after the first training step
-            ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0, pieces=fused.kernel_pieces())
-            return LocalShardOptimizer(fused, names, device_grads=device_grads, **offload_arguments(self.options),
+            ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host,
+                        pieces=fused.kernel_pieces())
+            return LocalShardOptimizer(fused, names, device_grads=device_grads, **arguments,
                                        **self._streams(trainer, device_grads, fused))
 
         self._take_over_optimizers(engine)

@@ -16,7 +16,8 @@ and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded grad
 during backward); ``grads=stream``: and ``stream_cpu_step=True``.  ``optimizer=whole_norms``:
 a user's optimizer whose step takes norms over whole parameters (``tests.references.WholeTensorNorms``)
 instead of AdamW; ``optimizer=lamb``: ``FusedLAMB`` (trust ratios and clipping over whole parameters).  ``tp=2``: 2-way tensor parallelism (``parallelize_module`` in ``parallelize_fn``,
-then FSDP over the one-way data-parallel dimension).
+then FSDP over the one-way data-parallel dimension).  ``host_params``: the shards in host memory
+(the reference's ``parallelize_fn`` passes ``CPUOffloadPolicy``; ours ``offload_parameters=True``).
 """
 
 import copy
@@ -27,7 +28,7 @@ import lightning as L
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -44,9 +45,12 @@ OPTIMIZERS = {
 }
 OPTIMIZER = "adamw"  # optimizer=NAME
 TENSOR_PARALLEL = 1  # with tp=2: 2-way tensor parallelism (even widths, the output summed)
+HOST_PARAMS = False  # with host_params: the shards in host memory (CPUOffloadPolicy; ours: offload_parameters=True)
 
 
 def _parallelize(model, mesh):
+    # with host_params: torch's CPUOffloadPolicy (the shards and their gradients in host memory)
+    policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if HOST_PARAMS else {}
     if TENSOR_PARALLEL > 1:  # the first Linear's rows, the second's columns, the last's rows split
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -55,8 +59,8 @@ def _parallelize(model, mesh):
             "0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())})
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
+            fully_shard(layer, mesh=mesh["data_parallel"], **policy)
+    fully_shard(model, mesh=mesh["data_parallel"], **policy)
     return model
 
 
@@ -129,7 +133,10 @@ def main():
                    (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
     options.update(a.split("=", 1) for a in extra if a.startswith("host_state_dtype="))
     resume = next((a for a in extra if a.startswith("resume:")), None)
-    global OPTIMIZER, TENSOR_PARALLEL
+    global OPTIMIZER, TENSOR_PARALLEL, HOST_PARAMS
+    HOST_PARAMS = "host_params" in extra
+    if HOST_PARAMS:
+        options["offload_parameters"] = True
     OPTIMIZER = next((a.partition("=")[2] for a in extra if a.startswith("optimizer=")), OPTIMIZER)
     TENSOR_PARALLEL = 2 if "tp=2" in extra else 1
     if resume:
@@ -146,6 +153,9 @@ def main():
         held = held_by_torch.state.get(p) or {}
         result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in held.items()})
     torch.save(result, f"{out}.rank{fabric.global_rank}")
+    for engine in getattr(fabric.strategy, "_engines", {}).values():  # float32 masters kept apart from the weights
+        apart = sum(s.separate_master for s in engine.local._slots)
+        Path(f"{out}.masters_apart.rank{fabric.global_rank}").write_text(f"{apart} {len(engine.local._slots)}")
     finish_process()  # results written: leave without the interpreter's finalization (tests.helpers)
 
 

@@ -38,7 +38,11 @@ process's order: the two end on the same bits).  ``tp=N``: a mesh of N-way tenso
 :class:`SequenceParallelNet`).  ``elementwise=NAME``: our
 strategy's ``elementwise_optimizers=[NAME]``.  ``mesh=auto``: our strategy is given no mesh
 sizes (its default: every process data-parallel).  ``in_place``: ``copy_on_cpu=False``
-(the CPU's own code path, as the registered names run on a CPU).
+(the CPU's own code path, as the registered names run on a CPU).  ``host_params``: the parameter
+shards in host memory (the reference's ``configure_model`` passes ``CPUOffloadPolicy`` to
+``fully_shard``; ours ``offload_parameters=True``, which the one-line form applies itself);
+OUT.masters_apart.rank<r> says how many of the local optimizer's parameters have float32
+masters apart from the weights, of how many.
 """
 
 import sys
@@ -47,7 +51,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -95,10 +99,12 @@ def _with_scheduler(optimizer):
 class ShardedNet(Net):
     def configure_model(self):
         mesh = self.device_mesh["data_parallel"]
+        # with host_params: torch's CPUOffloadPolicy (the shards and their gradients in host memory)
+        policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if HOST_PARAMS else {}
         for layer in self.net:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **policy)
+        fully_shard(self.net, mesh=mesh, **policy)
 
 
 class TiedNet(L.LightningModule):
@@ -226,6 +232,7 @@ def _data(tied=False, sequences=False):
 
 TENSOR_PARALLEL = 1  # with tp=N: the mesh's tensor-parallel size (the model: TensorParallelNet)
 MESH_AUTO = False  # with mesh=auto: our strategy is given no mesh sizes (the reference: every process data-parallel)
+HOST_PARAMS = False  # with host_params: the shards in host memory (CPUOffloadPolicy; ours: offload_parameters=True)
 
 
 def _strategy(name, full, devices, copy_on_cpu=True, **options):
@@ -296,8 +303,9 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
-    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO
+    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO, HOST_PARAMS
     MESH_AUTO = extra.get("mesh") == "auto"
+    HOST_PARAMS = "host_params" in extra
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
     NODES = int(extra.get("nodes", NODES))
     TENSOR_PARALLEL = int(extra.get("tp", TENSOR_PARALLEL))
@@ -314,6 +322,8 @@ def main():
         options["host_state_dtype"] = extra["host_state_dtype"]
     if "elementwise" in extra:
         options["elementwise_optimizers"] = [extra["elementwise"]]
+    if HOST_PARAMS:
+        options["offload_parameters"] = True
     if resume or "first-only" in extra:
         first_name = resume.partition(":")[2] or name if resume else name
         first = _trainer(first_name, root, precision, extra.get("checkpoint") == "full", devices,
@@ -342,6 +352,9 @@ def main():
     for engine in getattr(trainer.strategy, "engines", []):  # the offload fraction each local optimizer ended at
         local = getattr(engine, "local", engine)  # FastOptStrategy's engine is the offload optimizer itself
         Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(local.offload_fraction))
+        # the float32 masters kept apart from the model's weights (none where the host shards are the masters)
+        apart = sum(s.separate_master for s in local._slots)
+        Path(f"{out}.masters_apart.rank{trainer.global_rank}").write_text(f"{apart} {len(local._slots)}")
     finish_process()  # results written: leave without the interpreter's finalization (tests.helpers)
 
 

@@ -11,7 +11,9 @@ sharded by ``fully_shard`` (each Linear, then the model) and a LocalShardOptimiz
 elements of the rank's rows of the parameters and of their gradients are written too.
 STAGE ``3tp``: four processes, a (2, 2) mesh as Lightning's ``ModelParallelStrategy``
 makes it (data-parallel, tensor-parallel), :func:`tp_model` parallelized with
-:data:`TP_PLAN`, then sharded by ``fully_shard`` over the data-parallel dimension.
+:data:`TP_PLAN`, then sharded by ``fully_shard`` over the data-parallel dimension.  STAGE
+``3host``: as 3 with the shards in host memory (``CPUOffloadPolicy``: the rows their own
+masters, the LocalShardOptimizer on the CPU's path, as ``offload_parameters=True`` runs it).
 """
 
 import json
@@ -45,18 +47,19 @@ def tp_plan() -> dict:
 
 
 def run(rank: int, out: str, stage, fraction: float) -> None:
-    tp = stage == "3tp"
+    tp, host = stage == "3tp", stage == "3host"
+    stage = 3 if host else stage
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=4 if tp else 2)
     if tp:
         stage, model = 3, _tensor_parallel(tp_model())
     else:
-        model = memory_model(layers=4) if stage < 3 else _sharded(memory_model(layers=4, rows=(33, 32, 1)))
+        model = memory_model(layers=4) if stage < 3 else _sharded(memory_model(layers=4, rows=(33, 32, 1)), host)
     if stage < 3:
         opt = ZeroOptimizer(FusedAdam(model.parameters(), amsgrad=True), stage=stage, offload_fraction=fraction,
                             bucket_size_mb=0.001, copy_on_cpu=True)
     else:
         opt = LocalShardOptimizer(FusedAdam(model.parameters(), amsgrad=True), offload_fraction=fraction,
-                                  bucket_size_mb=0.001, copy_on_cpu=True)
+                                  bucket_size_mb=0.001, copy_on_cpu=not host)  # host shards: their own masters
     torch.manual_seed(1)  # the same batch on both ranks: no DDP wrapper needed at stage 1
     batch = torch.randint(0, 17, (4, 5)) if tp else torch.randn(4, 32)
     _full(model(batch)).sum().backward()
@@ -76,14 +79,15 @@ def run(rank: int, out: str, stage, fraction: float) -> None:
     end_process_group()
 
 
-def _sharded(model):
+def _sharded(model, host=False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (2,))
+    policy = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if host else {}
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    return fully_shard(model, mesh=mesh, **policy)
 
 
 def _tensor_parallel(model):
@@ -108,5 +112,5 @@ def _full(tensor):
 
 if __name__ == "__main__":
     out, stage, fraction = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    stage = stage if stage == "3tp" else int(stage)
+    stage = stage if stage in ("3tp", "3host") else int(stage)
     mp.spawn(run, args=(out, stage, fraction), nprocs=4 if stage == "3tp" else 2)

@@ -1,0 +1,244 @@
+"""Parameters in host memory under FSDP2 (issue 52): ``FastOptFSDPStrategy(offload_parameters=True)``
+on torch's ``CPUOffloadPolicy``, the host shards the master weights, updated in place by the
+CPU kernels (``lightning_fastopt/fsdp/host_parameters.py``).  Against Lightning's
+``ModelParallelStrategy`` with the same model under ``CPUOffloadPolicy`` and torch's AdamW,
+two gloo processes, clipping, gradient accumulation and an LR scheduler on
+(``tests/scripts/fsdp_trainer_run.py host_params``)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fastopt import FastOptFabricFSDPStrategy, FastOptFSDPStrategy
+from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments, host_sharded,
+                                                    materialize_on_the_host, move_all_but_fsdp_parameters)
+from tests.helpers import run_script
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_trainer_run.py"
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Each run's two ranks (results, and each rank's count of masters kept apart), run once per module."""
+    runs = {}
+
+    def fit(strategy, *extra):
+        key = (strategy, *extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp("host") / "run.pt"
+            run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=2)
+            apart = [Path(f"{out}.masters_apart.rank{r}") for r in (0, 1)]
+            runs[key] = ([torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)],
+                         [tuple(map(int, a.read_text().split())) if a.exists() else None for a in apart])
+        return runs[key]
+    return fit
+
+
+def _assert_same(ours, ref):
+    for a, b in zip(ours, ref):
+        assert a.keys() == b.keys() and int(a["global_step"]) == 6
+        assert any(k.startswith("state/") for k in a)
+        for key in b:
+            assert torch.equal(a[key], b[key]), key
+
+
+@slow
+@pytest.mark.parametrize("form", ["fastopt-1", "fastopt-1-classes"], ids=["configure_model", "one-line"])
+def test_host_shards_are_the_masters_and_end_where_model_parallel_strategy_ends(run, form):
+    """The project's ``configure_model`` passing the policy, or the one-line form applying it:
+    weights and AdamW state bit for bit ``ModelParallelStrategy``'s under the policy, and no
+    float32 master kept apart from the weights (through ``copy_on_cpu=True`` too: the host
+    shards are the masters on every machine)."""
+    ours, apart = run(form, "host_params")
+    ref, _ = run("reference", "host_params")
+    _assert_same(ours, ref)
+    assert all(a is not None and a[0] == 0 and a[1] > 0 for a in apart), apart
+    _, kept_apart = run("fastopt-1")  # without the policy, the accelerator's path keeps masters apart
+    assert all(a[0] == a[1] > 0 for a in kept_apart), kept_apart
+
+
+@slow
+@pytest.mark.parametrize("first", ["reference", "fastopt-1"])
+def test_a_checkpoint_under_the_policy_resumes_as_under_model_parallel_strategy(run, first):
+    """Half the steps under ``ModelParallelStrategy`` with the policy, or under ours, saved (a
+    distributed checkpoint), resumed under ours to the end: where ``ModelParallelStrategy``'s
+    own resume ends."""
+    ours, _ = run("fastopt-1", "host_params", f"resume:{first}")
+    _assert_same(ours, run("reference", "host_params", "resume:reference")[0])
+
+
+FABRIC_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_fabric_run.py"
+
+
+def _fabric_loop(tmp_path, strategy, *extra):
+    out = tmp_path / f"{strategy}.pt"
+    run_script(FABRIC_SCRIPT, strategy, out, *extra, ranks=2)
+    apart = [Path(f"{out}.masters_apart.rank{r}") for r in (0, 1)]
+    return ([torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)],
+            [tuple(map(int, a.read_text().split())) if a.exists() else None for a in apart])
+
+
+@slow
+@pytest.mark.parametrize("form", ["fastopt-1", "fastopt-1-classes"], ids=["parallelize_fn", "sharded-by-the-strategy"])
+def test_in_a_fabric_loop_too(tmp_path, form):
+    """``FastOptFabricFSDPStrategy(offload_parameters=True)``: a Fabric loop with
+    ``fabric.clip_gradients`` and accumulation ends where Fabric's ``ModelParallelStrategy``
+    with the same policy and torch's AdamW ends, with no master kept apart."""
+    ours, apart = _fabric_loop(tmp_path, form, "host_params", "grads=free")
+    ref, _ = _fabric_loop(tmp_path, "reference", "host_params")
+    for a, b in zip(ours, ref):
+        assert a.keys() == b.keys() and any(k.startswith("state/") for k in a)
+        for key in b:
+            assert torch.equal(a[key], b[key]), key
+    assert all(a is not None and a[0] == 0 and a[1] > 0 for a in apart), apart
+
+
+# ---------------------------------------------------------------------------- the arguments
+def test_offload_parameters_takes_a_bool_with_everything_offloaded_and_no_delayed_update():
+    assert FastOptFSDPStrategy(offload_parameters=True).options.offload_parameters
+    assert not FastOptFSDPStrategy().options.offload_parameters
+    assert FastOptFabricFSDPStrategy(offload_parameters=True).options.offload_parameters
+    with pytest.raises(ValueError, match=r"offload_fraction must be 1.0, got 0.0"):
+        FastOptFabricFSDPStrategy(offload_parameters=True, offload_fraction=0.0)
+    with pytest.raises(TypeError, match="offload_parameters must be True or False, got 'yes'"):
+        FastOptFSDPStrategy(offload_parameters="yes")
+    with pytest.raises(ValueError, match=r"offload_parameters=True .* offload_fraction must be 1.0, got 0.5"):
+        FastOptFSDPStrategy(offload_parameters=True, offload_fraction=0.5)
+    with pytest.raises(ValueError, match=r"offload_fraction must be 1.0, got 'auto'"):
+        FastOptFSDPStrategy(offload_parameters=True, offload_fraction="auto")
+    with pytest.raises(ValueError, match="delayed_update=True .* cannot be used with it"):
+        FastOptFSDPStrategy(offload_parameters=True, delayed_update=True)
+
+
+def test_the_one_line_form_applies_torchs_policy_pinned_on_a_gpu_only():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    assert host_shard_arguments(False, torch.device("cuda"), True) == {}
+    on_gpu = host_shard_arguments(True, torch.device("cuda"), True)["offload_policy"]
+    assert isinstance(on_gpu, CPUOffloadPolicy) and on_gpu.pin_memory
+    assert not host_shard_arguments(True, torch.device("cpu"), True)["offload_policy"].pin_memory
+    assert not host_shard_arguments(True, torch.device("cuda"), False)["offload_policy"].pin_memory
+
+
+# ---------------------------------------------------------------------------- placement, in one process
+@pytest.fixture
+def one_process(tmp_path):
+    """A gloo process group of one (fully_shard needs one)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_under_the_policy_in_part_or_not_at_all_is_said(one_process):
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = CPUOffloadPolicy(pin_memory=False)
+    whole = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    for layer in whole:
+        fully_shard(layer, mesh=one_process, offload_policy=policy)
+    assert host_sharded(whole) and check_host_shards(whole, True)
+    plain = nn.Sequential(nn.Linear(4, 8))
+    fully_shard(plain[0], mesh=one_process)
+    assert not host_sharded(plain) and not check_host_shards(plain, False)
+    with pytest.raises(ValueError, match=r"configure_model must pass offload_policy=CPUOffloadPolicy\(\) to each "
+                                         r"fully_shard call"):
+        check_host_shards(plain, True)
+    mixed = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(mixed[0], mesh=one_process, offload_policy=policy)
+    fully_shard(mixed[1], mesh=one_process)
+    with pytest.raises(ValueError, match="2 of the 4 parameters fully_shard manages are in host memory"):
+        host_sharded(mixed)
+
+
+def test_moving_the_model_leaves_fsdps_parameters_where_it_put_them(one_process):
+    """Buffers and parameters no fully_shard manages go to the device (here: the meta device,
+    which any machine has), FSDP's stay; a parameter two modules hold moves once."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+    fully_shard(model[0], mesh=one_process, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    shared = nn.Parameter(torch.ones(3))
+    model[1].extra, model[2].extra = shared, shared
+    move_all_but_fsdp_parameters(model, torch.device("meta"))
+    assert all(p.device.type == "cpu" for p in model[0].parameters())  # FSDP's DTensors, on the host
+    assert model[1].running_mean.is_meta and model[2].weight.is_meta and model[1].weight.is_meta
+    assert model[1].extra is model[2].extra and model[1].extra.is_meta
+
+
+def test_a_model_built_on_the_meta_device_is_made_in_host_memory():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    torch.manual_seed(0)
+    materialize_on_the_host(model)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    assert all(p.device.type == "cpu" and torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+    class NoReset(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(2, device="meta"))
+
+    with pytest.raises(TypeError, match="NoReset was built on the meta device and has no reset_parameters"):
+        materialize_on_the_host(NoReset())
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning", "lightning.fabric"])
+def test_registered_as_fastopt_fsdp_offload_parameters(package):
+    import importlib
+
+    import lightning_fastopt  # noqa: F401  (registers the names)
+
+    if package == "lightning.fabric":
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
+    else:
+        registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
+    strategy = registry.get("fastopt_fsdp_offload_parameters")
+    assert strategy.options.offload_parameters and strategy.offload_fraction == 1.0
+    assert not registry.get("fastopt_fsdp_offload").options.offload_parameters
+
+
+@slow
+def test_the_memory_estimate_is_what_each_rank_holds_in_host_memory(tmp_path):
+    """Two gloo processes, the shards under ``CPUOffloadPolicy``: each rank's rows, their
+    gradients and the optimizer's state (AdamW with amsgrad: three tensors) are its estimate
+    (``estimate_memory(..., zero_stage=3, offload_parameters=True)``), the optimizer allocating
+    nothing else (no master, no buffer), and nothing on the accelerator."""
+    import json
+
+    from lightning_fastopt import estimate_memory
+    from tests.helpers import memory_model
+
+    run_script(Path(__file__).resolve().parent / "scripts" / "zero_memory_run.py", tmp_path, "3host", "1.0",
+               timeout=300)
+    model = memory_model(layers=4, rows=(33, 32, 1))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        est = estimate_memory(model, optimizer="adam", amsgrad=True, zero_stage=3, world_size=2, rank=rank,
+                              offload_parameters=True)
+        assert est.gpu_total == 0 and est.cpu["master_weights"] == 0
+        assert est.cpu["params"] == 4 * got["rows"] and est.cpu["grads"] == 4 * got["grad_rows"]
+        assert 0 <= got["allocated"] - est.cpu["optimizer_state"] <= got["padding"]
+        assert est.cpu_total == 4 * got["rows"] * (1 + 1 + 3)  # 20 bytes an element with amsgrad, 16 without
+
+
+def test_the_estimate_of_host_parameters_refuses_what_the_strategy_refuses():
+    from lightning_fastopt import estimate_memory
+
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="offload_parameters=True is FSDP's .* got zero_stage=0"):
+        estimate_memory(model, offload_parameters=True)
+    with pytest.raises(ValueError, match="offload_fraction=0.5"):
+        estimate_memory(model, zero_stage=3, offload_fraction=0.5, offload_parameters=True)
+    with pytest.raises(TypeError, match="offload_parameters must be True or False"):
+        estimate_memory(model, zero_stage=3, offload_parameters=1)
