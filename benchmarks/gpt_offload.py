@@ -67,8 +67,10 @@ CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:
 # sharded with fully_shard, bf16-mixed): "fsdp" is ModelParallelStrategy with torch AdamW(fused=True) on the
 # GPU; "fsdp:cpu_offload" adds FSDP's CPUOffloadPolicy (parameters, gradients and optimizer state in host
 # memory, torch's fused AdamW stepping on the CPU after backward); "fastopt_fsdp:F[:stream]" is
-# FastOptFSDPStrategy(offload_fraction=F[, stream_cpu_step=True]) over the same sharding and optimizer
-FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
+# FastOptFSDPStrategy(offload_fraction=F[, stream_cpu_step=True]) over the same sharding and optimizer;
+# "fastopt_fsdp:1:params" is FastOptFSDPStrategy(offload_parameters=True) under the same CPUOffloadPolicy as
+# "fsdp:cpu_offload" (the host shards updated in place by our CPU kernels: issue 52's comparison)
+FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
 CONFIGS += FSDP_CONFIGS
 CLIP = ":clip"
 DELAYED_WARMUP = 2
@@ -97,7 +99,7 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
 
 
 def fsdp_strategy(config: str):
-    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream]`` (one rank)."""
+    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream|:params]`` (one rank)."""
     name, *mode = config.split(":")
     if name == "fsdp":
         if set(mode) - {"cpu_offload"}:
@@ -118,10 +120,10 @@ def fsdp_strategy(config: str):
     from lightning_fastopt import FastOptFSDPStrategy
 
     fraction, *rest = mode
-    if set(rest) - {"stream"}:
-        raise ValueError(f"{config!r}: expected 'fastopt_fsdp:F' or 'fastopt_fsdp:F:stream'")
+    if set(rest) - {"stream", "params"}:
+        raise ValueError(f"{config!r}: expected 'fastopt_fsdp:F' and ':stream' or ':params' (offload_parameters)")
     return FastOptFSDPStrategy(offload_fraction=float(fraction), stream_cpu_step="stream" in rest,
-                               data_parallel_size=1, tensor_parallel_size=1)
+                               offload_parameters="params" in rest, data_parallel_size=1, tensor_parallel_size=1)
 
 
 PROFILED_STEPS = 2  # the last warm-up steps, profiled: a delayed update runs into the next step
@@ -179,7 +181,8 @@ def child(config: str, args) -> dict:
 
             mesh = self.device_mesh["data_parallel"]
             pinned = torch.cuda.is_available()  # (pinned host memory needs an accelerator: a --tiny CPU run)
-            extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=pinned)) if config.endswith(":cpu_offload") else {}
+            host = config.endswith((":cpu_offload", ":params"))  # the shards in host memory
+            extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=pinned)) if host else {}
             for block in self.blocks:
                 fully_shard(block, mesh=mesh, **extra)
             fully_shard(self, mesh=mesh, **extra)

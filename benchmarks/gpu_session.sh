@@ -44,8 +44,9 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 HEADLINE="plain,fastopt:1:stream,fastopt:1:stream:t14,fastopt:1:delayed:t14,fastopt:1,fastopt:1:stream:clip,fastopt:0.5:stream,fastopt:auto:stream,fastopt:1:stream:bf16-true,fastopt:1:delayed"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, with FSDP's
-# CPUOffloadPolicy, and fastopt_fsdp at fraction 1 (exact, streamed), before the rest of the table
-OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
+# CPUOffloadPolicy, the same with offload_parameters=True (our CPU kernels updating the host shards in
+# place: issue 52's >= 3x target), and fastopt_fsdp at fraction 1 (exact, streamed), before the rest
+OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1:params,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
 HEADLINE_STEPS="--warmup 7 --steps 8"
 
 # The CUDA bit-exactness tests against torch: Adam, AdamW, SGD and Adagrad in torch's foreach,
@@ -67,7 +68,7 @@ REST_TESTS=(
     "tests/test_offload_cuda.py -m cuda -k 'not (test_trainer_on_gpu_matches_plain_lightning or test_offloaded_training_matches_the_reference)'"
     "tests/test_torch_fused.py tests/test_bf16_state.py tests/test_half_weights.py tests/test_weight_watch.py -m cuda"
     "tests/test_cuda_kernels.py tests/test_cuda_math.py tests/test_cuda_build.py"
-    "tests/test_fsdp_strategy.py -m cuda"
+    "tests/test_fsdp_strategy.py tests/test_fsdp_host_parameters.py -m cuda"
     "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact tests/test_fabric.py::test_on_gpu_equals_fabric_with_torch_adamw tests/test_fabric.py::test_bf16_mixed_equals_fabrics_own tests/test_fabric.py::test_on_gpu_fp16_overflow_skips_the_step_and_save_load_continues_exactly"
 )
 TRAINER_ON_GPU="tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py tests/test_streamed_step.py tests/test_speculative_step.py tests/test_half_weights.py tests/test_delayed_update.py tests/test_forward_waits.py"

@@ -30,9 +30,10 @@ def run(tmp_path_factory):
         key = (strategy, *extra)
         if key not in runs:
             out = tmp_path_factory.mktemp("host") / "run.pt"
-            run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=2)
-            apart = [Path(f"{out}.masters_apart.rank{r}") for r in (0, 1)]
-            runs[key] = ([torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)],
+            ranks = range(1 if "devices=1" in extra else 2)
+            run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=len(ranks))
+            apart = [Path(f"{out}.masters_apart.rank{r}") for r in ranks]
+            runs[key] = ([torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks],
                          [tuple(map(int, a.read_text().split())) if a.exists() else None for a in apart])
         return runs[key]
     return fit
@@ -69,6 +70,19 @@ def test_a_checkpoint_under_the_policy_resumes_as_under_model_parallel_strategy(
     own resume ends."""
     ours, _ = run("fastopt-1", "host_params", f"resume:{first}")
     _assert_same(ours, run("reference", "host_params", "resume:reference")[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", ["fastopt-1", "fastopt-1-classes"], ids=["configure_model", "one-line"])
+def test_on_one_gpu_the_host_shards_end_where_model_parallel_strategy_ends(run, form):
+    """On one GPU (NCCL): FSDP copies each unit's host shards up for forward and backward and
+    the gradients down; our CPU kernels update the shards in place; against torch's AdamW
+    stepping the same host DTensors under ``ModelParallelStrategy`` (benchmarks/gpu_session.sh
+    rest).  The one-line form pins the host shards; the reference's policy does not."""
+    gpu = ("accelerator=cuda", "devices=1")
+    ours, apart = run(form, "host_params", *gpu)
+    _assert_same(ours, run("reference", "host_params", *gpu)[0])
+    assert apart[0] is not None and apart[0][0] == 0
 
 
 FABRIC_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_fabric_run.py"

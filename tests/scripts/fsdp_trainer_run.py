@@ -235,14 +235,24 @@ MESH_AUTO = False  # with mesh=auto: our strategy is given no mesh sizes (the re
 HOST_PARAMS = False  # with host_params: the shards in host memory (CPUOffloadPolicy; ours: offload_parameters=True)
 
 
+class _KeepsHostShards(ModelParallelStrategy):
+    """The reference under ``CPUOffloadPolicy``, built the way FSDP accepts it: Lightning's
+    strategy moves the whole model to the GPU after ``configure_model`` (the host shards too,
+    which FSDP then refuses); here every module is sharded, so nothing is left to move."""
+
+    def model_to_device(self) -> None:
+        pass
+
+
 def _strategy(name, full, devices, copy_on_cpu=True, **options):
     if name.startswith("single-"):  # one process, no FSDP: FastOptStrategy, the transitive reference
         return FastOptStrategy(offload_fraction=float(name.split("-")[1]), copy_on_cpu=copy_on_cpu,
                                bucket_size_mb=0.0005,
                                **options)
     if name == "reference":
-        return ModelParallelStrategy(data_parallel_size=devices // TENSOR_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL,
-                                     save_distributed_checkpoint=not full)
+        cls = _KeepsHostShards if HOST_PARAMS else ModelParallelStrategy
+        return cls(data_parallel_size=devices // TENSOR_PARALLEL, tensor_parallel_size=TENSOR_PARALLEL,
+                   save_distributed_checkpoint=not full)
     _, fraction, *form = name.split("-")
     fraction = fraction if fraction == "auto" else float(fraction)
     if form:  # the one-line form: the mesh sizes left to the strategy too
