@@ -79,7 +79,7 @@ def test_benchmark_scripts_run(tmp_path):
 def test_the_gpt_benchmark_reads_its_configurations():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from gpt_offload import CONFIGS, fastopt_arguments
+        from gpt_offload import CONFIGS, fastopt_arguments, fsdp_strategy
     finally:
         sys.path.pop(0)
     assert fastopt_arguments("fastopt:0.5") == (dict(offload_fraction=0.5, stream_cpu_step=False), False)
@@ -93,9 +93,17 @@ def test_the_gpt_benchmark_reads_its_configurations():
                                                              forward_waits="module")
     assert fastopt_arguments("fastopt:1:stream:clip")[0] == dict(offload_fraction=1.0, stream_cpu_step=True)
     assert {"plain:clip", "fastopt:1:clip", "fastopt:1:stream:clip"} <= set(CONFIGS)
-    for config in CONFIGS:
-        if config.startswith("fastopt"):
-            FastOptStrategy(**fastopt_arguments(config)[0])  # every default configuration is a valid strategy
+    assert fastopt_arguments("fastopt:1:stream:t14")[0] == dict(offload_fraction=1.0, stream_cpu_step=True,
+                                                               cpu_threads=14)
+    with pytest.raises(ValueError, match=r"unknown suffix \['t14', 't8'\]"):
+        fastopt_arguments("fastopt:1:t14:t8")
+    assert fsdp_strategy("fastopt_fsdp:1:params").options.offload_parameters
+    assert not fsdp_strategy("fastopt_fsdp:1:stream").options.offload_parameters
+    for config in CONFIGS:  # every default configuration is a valid strategy
+        if config.startswith("fastopt:"):
+            FastOptStrategy(**fastopt_arguments(config)[0])
+        elif config.startswith(("fsdp", "fastopt_fsdp")):
+            fsdp_strategy(config)
 
 
 def test_the_docs_list_every_default_that_differs_from_torch():
