@@ -1,14 +1,15 @@
 """A ``fastopt_fsdp`` save killed (SIGKILL) mid-write, then a resume from the same path.
 
-    python tests/scripts/fsdp_kill_run.py save OUT    # exits killed
-    python tests/scripts/fsdp_kill_run.py resume OUT
+    python tests/scripts/fsdp_kill_run.py save OUT [host_params]    # exits killed
+    python tests/scripts/fsdp_kill_run.py resume OUT [host_params]
 
 ``save`` (one process): fits 3 steps, saves a distributed checkpoint to OUT/last.ckpt and
 records the weights (OUT/saved.pt), changes every weight and saves to the same path again,
 killing itself with SIGKILL once the shards are written, before the metadata file (the
 moment a save in place leaves new shards beside the old metadata).  ``resume``: a new
 Trainer resumes from OUT/last.ckpt and writes what it loaded (OUT/resumed.pt: the
-weights and the global step at the start of training).
+weights and the global step at the start of training).  ``host_params``: the shards in host
+memory (``CPUOffloadPolicy``, ``offload_parameters=True`` at fraction 1).
 """
 
 import os
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import fsdp_trainer_run  # noqa: E402
 from fsdp_trainer_run import ShardedNet, _data, _full  # noqa: E402
 
 from lightning_fastopt import FastOptFSDPStrategy  # noqa: E402
@@ -29,8 +31,13 @@ from lightning_fastopt import FastOptFSDPStrategy  # noqa: E402
 def _trainer(out, max_steps, callbacks=()):
     return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=out,
-                     strategy=FastOptFSDPStrategy(offload_fraction=0.5, copy_on_cpu=True, data_parallel_size=1,
+                     strategy=FastOptFSDPStrategy(offload_fraction=1.0 if HOST else 0.5, copy_on_cpu=True,
+                                                  offload_parameters=HOST, data_parallel_size=1,
                                                   tensor_parallel_size=1), callbacks=list(callbacks))
+
+
+HOST = "host_params" in sys.argv[3:]
+fsdp_trainer_run.HOST_PARAMS = HOST  # ShardedNet's configure_model passes CPUOffloadPolicy
 
 
 def _weights(model):
