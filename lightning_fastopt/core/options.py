@@ -150,8 +150,6 @@ def offload_arguments(options: Any) -> dict[str, Any]:
                 overlap=options.overlap, pin_memory=options.pin_memory,
                 wall_clock_breakdown=options.wall_clock_breakdown,
                 copy_on_cpu=options.copy_on_cpu or options.delayed_update)
-    if getattr(options, "offload_parameters", False):  # the host shards are the masters, on every machine
-        args["copy_on_cpu"] = False
     if options.host_state_dtype != torch.float32:
         args["host_state_dtype"] = options.host_state_dtype
     if options.delayed_update:
