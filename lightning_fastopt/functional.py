@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
-from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, CUDA_ROUNDINGS, SGD_ROUNDINGS, check_rounding,
+from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, check_rounding,
                                             check_rounding_device, check_torch_sqrt, fused_cuda_adagrad_clr,
                                             fused_cuda_scalars, kernel_code)
 
@@ -288,8 +288,6 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
     if not len(params):
         return False
     maxes = max_exp_avg_sqs if amsgrad else None
-    if rounding in CUDA_ROUNDINGS:
-        route = ops.with_adam_cuda_roundings(route)
     sc = _scalars(route, params, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf)
     if sc is None:
         return True

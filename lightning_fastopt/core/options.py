@@ -141,15 +141,17 @@ def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, An
                          "the weights) cannot be used with it")
 
 
-def offload_arguments(options: Any) -> dict[str, Any]:
+def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, Any]:
     """The arguments of the offload (or ZeRO) optimizer that come from the options (without
     ``device_grads`` and ``stream_cpu_step``, which depend on the run).  ``options``: a
     :class:`StrategyOptions`, or the Trainer's strategy, which keeps the same values as
-    attributes (read at set-up, as Lightning strategies' attributes are)."""
+    attributes (read at set-up, as Lightning strategies' attributes are).
+    ``params_on_host``: the parameters are host tensors already (FSDP's ``CPUOffloadPolicy``
+    shards), their own masters updated in place on every machine: nothing to copy."""
     args = dict(offload_fraction=options.offload_fraction, bucket_size_mb=options.bucket_size_mb,
                 overlap=options.overlap, pin_memory=options.pin_memory,
                 wall_clock_breakdown=options.wall_clock_breakdown,
-                copy_on_cpu=options.copy_on_cpu or options.delayed_update)
+                copy_on_cpu=(options.copy_on_cpu or options.delayed_update) and not params_on_host)
     if options.host_state_dtype != torch.float32:
         args["host_state_dtype"] = options.host_state_dtype
     if options.delayed_update:

@@ -177,9 +177,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         on_host = check_host_shards(module, self.options.offload_parameters)
         fused = fused_for(optimizer, module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
-        arguments = offload_arguments(self.options)
-        if on_host:  # the host shards are the masters, updated in place (fsdp/host_parameters.py)
-            arguments["copy_on_cpu"] = False
+        arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
         streaming = not self.options.keep_gradients
         streams = {}
         if self.options.stream_cpu_step and self.offload_fraction > 0:

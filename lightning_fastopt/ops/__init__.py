@@ -84,15 +84,6 @@ def cpu_backend() -> ModuleType | CpuKernels:
     return _cpu_kernels[choice]
 
 
-def with_adam_cuda_roundings(route: Route) -> Route:
-    """The route of Adam in one of torch's CUDA roundings: on host tensors, kernels that
-    have them (:class:`CpuKernels` loads the piece; a build of every piece made where no GPU
-    is visible has none: :mod:`lightning_fastopt.ops.cpu`)."""
-    if route.cuda or getattr(route.kernels, "adam_cuda_roundings", True):
-        return route
-    return Route(cpu_backend(), torch_backend)
-
-
 def cuda_backend() -> ModuleType | None:
     """The compiled CUDA kernels, or None when they are not to be used or did not build."""
     choice = backend_choice()
@@ -150,4 +141,4 @@ class _NeverRaised(Exception):
 
 
 __all__ = ["BACKEND_ENV", "KERNELS", "CpuKernels", "ExtensionBuildError", "Route", "backend_for", "check_environment", "cpu_backend",
-           "cuda_backend", "prepare", "route", "torch_backend", "unsupported_tensor_error", "with_adam_cuda_roundings"]
+           "cuda_backend", "prepare", "route", "torch_backend", "unsupported_tensor_error"]

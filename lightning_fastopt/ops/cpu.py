@@ -6,10 +6,10 @@ warning that quotes the compiler's message, and callers use the pure-PyTorch bac
 Adam in torch's CUDA roundings (csrc/cpu/adam_cuda_roundings.cpp) is about a quarter of the
 build's time and serves only the offloaded share of a GPU run, so it is built where a GPU is visible
 (``LIGHTNING_FASTOPT_CUDA_ROUNDINGS=1`` or ``0`` decides otherwise).  A build without it
-refuses those roundings before touching anything; :func:`lightning_fastopt.functional.fused_adam_`
-asks for one on host tensors through :func:`lightning_fastopt.ops.with_adam_cuda_roundings`,
-which loads (and on first use builds) the kernels that have them.  The pure-PyTorch path is
-no substitute: on host tensors its operations round as the CPU's.
+refuses those roundings before touching anything; a call in one of them on host tensors
+loads (and on first use builds) kernels that have them (:class:`~lightning_fastopt.ops.cpu_kernels.CpuKernels`
+takes the piece from the call's ``rounding``).  The pure-PyTorch path is no substitute: on
+host tensors its operations round as the CPU's.
 """
 
 from __future__ import annotations
@@ -181,14 +181,9 @@ def load_cpu_extension(isa: str | None = None, warn: bool = True,
         return module
 
 
-def built_with(pieces, isa: str | None = None) -> frozenset[str] | None:
-    """What the finished build in the cache that holds ``pieces`` holds: the full build if
-    it is there, else the build of just those pieces; None where neither is built."""
-    for candidate in (None, with_needs(pieces)):
-        spec = cpu_extension_spec(isa, None, candidate)
-        if spec.pieces >= with_needs(pieces) and is_built(spec):
-            return spec.pieces
-    return None
+def full_build_cached(isa: str | None = None) -> bool:
+    """Whether the cache holds a finished build of :func:`every_piece`."""
+    return is_built(cpu_extension_spec(isa))
 
 
 def _key(isa: str | None, cuda_roundings: bool | None, pieces=None) -> str:

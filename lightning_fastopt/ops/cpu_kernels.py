@@ -70,7 +70,7 @@ class CpuKernels:
             if self._failed:
                 return torch_backend
             every = cpu_build.every_piece()
-            if self._module is None and cpu_build.built_with(wanted) != every:
+            if self._module is None and not (wanted <= every and cpu_build.full_build_cached()):
                 self._module = self._load(wanted)  # the first need, no full build cached: just these pieces
             else:  # the full build (with what it leaves out where no GPU is visible, where asked for)
                 self._module = self._load(every | wanted)

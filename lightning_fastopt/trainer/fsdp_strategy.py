@@ -222,9 +222,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
         device_grads = self._device_grads(trainer)
-        arguments = offload_arguments(self.options)
-        if on_host:  # the host shards are the masters, updated in place (fsdp/host_parameters.py)
-            arguments["copy_on_cpu"] = False
+        arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
 
         def engine(opt) -> LocalShardOptimizer:
             fused = fused_for(opt, module, self.precision_plugin.precision)
