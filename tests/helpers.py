@@ -265,3 +265,11 @@ def assert_bfloat16_moments_followed(ours, exact, steps=6, lr=1e-2):
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0.02 * steps * lr)
         assert not all(torch.equal(a[k], b[k]) for k in weights)
         assert {a[k].dtype for k in a if k.startswith("state/") and not k.endswith("/step")} == {torch.float32}
+
+
+def run_counts(out, name: str, ranks) -> list[tuple[int, ...] | None]:
+    """Each rank's numbers a run script wrote to ``OUT.<name>.rank<r>`` (None where it wrote none)."""
+    from pathlib import Path
+
+    files = [Path(f"{out}.{name}.rank{r}") for r in ranks]
+    return [tuple(map(int, f.read_text().split())) if f.exists() else None for f in files]

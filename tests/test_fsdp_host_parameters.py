@@ -6,24 +6,32 @@ two gloo processes, clipping, gradient accumulation and an LR scheduler on
 (``tests/scripts/fsdp_trainer_run.py host_params``)."""
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_fastopt import FastOptFabricFSDPStrategy, FastOptFSDPStrategy
 from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments, host_sharded,
                                                     materialize_on_the_host, move_all_but_fsdp_parameters)
-from tests.helpers import assert_bfloat16_moments_followed, run_script
+from tests.helpers import assert_bfloat16_moments_followed, run_counts, run_script
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_trainer_run.py"
 slow = pytest.mark.slow
 
 
+class Run(NamedTuple):
+    results: list[dict]  # each rank's weights and optimizer state
+    apart: list  # each rank's (masters kept apart from the weights, parameters)
+    early: list  # each rank's (host bucket updates started during backward, of them kept by the steps)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """Each run's two ranks (results, and each rank's count of masters kept apart), run once per module."""
+    """Each run's two ranks (a :class:`Run`), run once per module."""
     runs = {}
 
     def fit(strategy, *extra):
@@ -32,9 +40,8 @@ def run(tmp_path_factory):
             out = tmp_path_factory.mktemp("host") / "run.pt"
             ranks = range(1 if "devices=1" in extra else 2)
             run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=len(ranks))
-            apart = [Path(f"{out}.masters_apart.rank{r}") for r in ranks]
-            runs[key] = ([torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks],
-                         [tuple(map(int, a.read_text().split())) if a.exists() else None for a in apart])
+            runs[key] = Run([torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks],
+                            run_counts(out, "masters_apart", ranks), run_counts(out, "early_updates", ranks))
         return runs[key]
     return fit
 
@@ -54,11 +61,11 @@ def test_host_shards_are_the_masters_and_end_where_model_parallel_strategy_ends(
     weights and AdamW state bit for bit ``ModelParallelStrategy``'s under the policy, and no
     float32 master kept apart from the weights (through ``copy_on_cpu=True`` too: the host
     shards are the masters on every machine)."""
-    ours, apart = run(form, "host_params")
-    ref, _ = run("reference", "host_params")
+    ours, apart, _ = run(form, "host_params")
+    ref = run("reference", "host_params").results
     _assert_same(ours, ref)
     assert all(a is not None and a[0] == 0 and a[1] > 0 for a in apart), apart
-    _, kept_apart = run("fastopt-1")  # without the policy, the accelerator's path keeps masters apart
+    kept_apart = run("fastopt-1").apart  # without the policy, the accelerator's path keeps masters apart
     assert all(a[0] == a[1] > 0 for a in kept_apart), kept_apart
 
 
@@ -68,8 +75,8 @@ def test_a_checkpoint_under_the_policy_resumes_as_under_model_parallel_strategy(
     """Half the steps under ``ModelParallelStrategy`` with the policy, or under ours, saved (a
     distributed checkpoint), resumed under ours to the end: where ``ModelParallelStrategy``'s
     own resume ends."""
-    ours, _ = run("fastopt-1", "host_params", f"resume:{first}")
-    _assert_same(ours, run("reference", "host_params", "resume:reference")[0])
+    ours = run("fastopt-1", "host_params", f"resume:{first}").results
+    _assert_same(ours, run("reference", "host_params", "resume:reference").results)
 
 
 @slow
@@ -79,7 +86,32 @@ def test_what_users_combine_with_it(run, extra):
     """bf16-mixed (autocast over the float32 host shards), and a full checkpoint (one file)
     written under ``ModelParallelStrategy`` with the policy, resumed under ours: where the
     reference doing the same ends."""
-    _assert_same(run("fastopt-1", "host_params", *extra)[0], run("reference", "host_params", *extra)[0])
+    _assert_same(run("fastopt-1", "host_params", *extra).results, run("reference", "host_params", *extra).results)
+
+
+STREAMED = {"streamed": ("clip=none",), "speculated-and-kept": ("clip=50",),
+            "speculated-and-redone": (), "activation-checkpointing": ("clip=50", "activation_checkpointing")}
+
+
+@slow
+@pytest.mark.parametrize("extra", STREAMED.values(), ids=STREAMED.keys())
+def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run, extra):
+    """``stream_cpu_step=True`` (through ``copy_on_cpu=True``, the accelerator's path): each
+    host bucket's CPU update starts during backward, in place on the host shards, once FSDP
+    has handed over its last gradient, and the run ends where ``ModelParallelStrategy``
+    ends.  Without clipping the updates are streamed; with clipping they are speculated and
+    checked at the step: every one kept where the clipping never fires
+    (``gradient_clip_val=50``; FSDP accumulating a unit's later gradient moves the version
+    counter of the others, views of one reduce-scatter output: no redo for that), every
+    one redone where it does (0.5: the first two steps, then held back); with activation
+    checkpointing (FSDP gathers each unit again for its recomputation) as well."""
+    ours = run("fastopt-1", "host_params", "stream_cpu_step", *extra)
+    _assert_same(ours.results, run("reference", "host_params", *extra).results)
+    assert all(a == (0, 6) for a in ours.apart), ours.apart  # the shards are still the masters
+    started = [early for early, _ in ours.early]
+    assert all(n >= 6 for n in started), ours.early  # (at least a bucket each step, on each rank)
+    kept = [kept for _, kept in ours.early]
+    assert kept == ([0, 0] if not extra else started), ours.early
 
 
 @slow
@@ -88,7 +120,8 @@ def test_bfloat16_moments_beside_the_host_shards(run):
     moments stochastically rounded, so no exact reference: within 2% of a step each of the
     float32 run's weights after 6 steps of lr 1e-2, not equal to them, the state given
     back as float32."""
-    ours, exact = run("fastopt-1", "host_params", "host_state_dtype=bfloat16")[0], run("fastopt-1", "host_params")[0]
+    ours = run("fastopt-1", "host_params", "host_state_dtype=bfloat16").results
+    exact = run("fastopt-1", "host_params").results
     assert_bfloat16_moments_followed(ours, exact)
 
 
@@ -122,8 +155,8 @@ def test_on_one_gpu_the_host_shards_end_where_model_parallel_strategy_ends(run, 
     stepping the same host DTensors under ``ModelParallelStrategy`` (benchmarks/gpu_session.sh
     rest).  The one-line form pins the host shards; the reference's policy does not."""
     gpu = ("accelerator=cuda", "devices=1")
-    ours, apart = run(form, "host_params", *gpu)
-    _assert_same(ours, run("reference", "host_params", *gpu)[0])
+    ours, apart, _ = run(form, "host_params", *gpu)
+    _assert_same(ours, run("reference", "host_params", *gpu).results)
     assert apart[0] is not None and apart[0][0] == 0
 
 
@@ -229,6 +262,85 @@ def test_moving_the_model_leaves_fsdps_parameters_where_it_put_them(one_process)
     assert all(p.device.type == "cpu" for p in model[0].parameters())  # FSDP's DTensors, on the host
     assert model[1].running_mean.is_meta and model[2].weight.is_meta and model[1].weight.is_meta
     assert model[1].extra is model[2].extra and model[1].extra.is_meta
+
+
+class _CopyInFlight:
+    """Stands for FSDP's ``grad_offload_event`` (a pinned gradient copy still on its way,
+    which some torch versions leave when the hooks run): says when it is waited for."""
+
+    def __init__(self, log, param):
+        self.log, self.param = log, param
+        log.append(("announced", param))
+
+    def synchronize(self):
+        self.log.append(("landed", self.param))
+
+
+def _host_sharded_steps(mesh, stream: bool, steps=4):
+    """A model under the policy stepped by the rows' optimizer over its host shards, in
+    place, streamed or not; each gradient copy announced as in flight when its hooks run.
+    Returns the model, the optimizer and the log of what was awaited and read."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+    from lightning_fastopt.fsdp.host_parameters import gradient_copy_waits
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, offload_policy=policy)
+    log = []
+    for module in (model[0], model[2]):
+        for record in module._get_fsdp_state()._fsdp_param_group.fsdp_params:  # before the optimizer's hooks
+            record.sharded_param.register_post_accumulate_grad_hook(
+                lambda p, record=record: setattr(record, "grad_offload_event", _CopyInFlight(log, p)))
+    waits = gradient_copy_waits(model)
+    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                              {p: n for n, p in model.named_parameters()}, device_grads="copy_when_reduced",
+                              wait_for_grad_copy=lambda p: (waits(p), log.append(("read", p))), host_shards=True,
+                              bucket_size_mb=0.0002, stream_cpu_step=stream)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=g)).square().mean().backward()
+        opt.step()
+    return model, opt, log
+
+
+def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_landed(one_process):
+    """The rows' optimizer over host shards (``host_shards``), streamed: each bucket's update
+    starts during backward, after FSDP's copy of its gradients is awaited, and the result is
+    the synchronous step's, bit for bit; nothing kept apart from the shards."""
+    streamed, opt, log = _host_sharded_steps(one_process, stream=True)
+    assert opt.local.schedule.started >= 4 * 2 and len(opt.local._buckets) >= 2
+    reads = [i for i, (what, _) in enumerate(log) if what == "read"]
+    assert len(reads) == 4 * 4  # 4 tensors, 4 steps
+    for i in reads:  # each read after its copy (announced in flight before the optimizer's hook ran) landed
+        before = [what for what, p in log[:i] if p is log[i][1] and what != "read"]
+        assert before[-2:] == ["announced", "landed"], before
+    assert not any(s.separate_master or s.host_grad is not None for s in opt.local._slots)
+    plain, plain_opt, _ = _host_sharded_steps(one_process, stream=False)
+    assert plain_opt.local.schedule.name == "at the step"
+    rows = lambda t: t.to_local() if isinstance(t, DTensor) else torch.as_tensor(t)  # noqa: E731
+    for p, q in zip(streamed.parameters(), plain.parameters()):
+        assert torch.equal(rows(p), rows(q))
+        ours, theirs = opt.state_of(p), plain_opt.state_of(q)
+        assert ours.keys() == theirs.keys() and all(torch.equal(rows(ours[k]), rows(theirs[k])) for k in ours)
+    opt.close()
+    plain_opt.close()
+
+
+def test_host_shards_are_their_own_masters_in_host_memory():
+    from lightning_fastopt import FusedSGD
+    from lightning_fastopt.offload import OffloadOptimizer
+
+    params = [nn.Parameter(torch.ones(4))]
+    with pytest.raises(TypeError, match="host_shards must be True or False, got 'yes'"):
+        OffloadOptimizer(FusedSGD(params, lr=0.1), host_shards="yes")
+    with pytest.raises(ValueError, match=r"host_shards=True: .* got parameters on cpu and copy_on_cpu=True"):
+        OffloadOptimizer(FusedSGD(params, lr=0.1), host_shards=True, copy_on_cpu=True)
 
 
 def test_a_model_built_on_the_meta_device_is_made_in_host_memory():

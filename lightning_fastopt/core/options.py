@@ -147,11 +147,14 @@ def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, A
     :class:`StrategyOptions`, or the Trainer's strategy, which keeps the same values as
     attributes (read at set-up, as Lightning strategies' attributes are).
     ``params_on_host``: the parameters are host tensors already (FSDP's ``CPUOffloadPolicy``
-    shards), their own masters updated in place on every machine: nothing to copy."""
+    shards), their own masters updated in place on every machine: nothing to copy
+    (the offload optimizer's ``host_shards``)."""
     args = dict(offload_fraction=options.offload_fraction, bucket_size_mb=options.bucket_size_mb,
                 overlap=options.overlap, pin_memory=options.pin_memory,
                 wall_clock_breakdown=options.wall_clock_breakdown,
                 copy_on_cpu=(options.copy_on_cpu or options.delayed_update) and not params_on_host)
+    if params_on_host:
+        args["host_shards"] = True
     if options.host_state_dtype != torch.float32:
         args["host_state_dtype"] = options.host_state_dtype
     if options.delayed_update:

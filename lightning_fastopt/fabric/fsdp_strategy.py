@@ -31,15 +31,16 @@ from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import (DISTRIBUTED_CHECKPOINT_FILES, refuse_to_replace_a_directory,
                                                  save_staged)
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names,
-                                            rows_refusals, stream_arguments)
+from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals,
+                                            register_fsdp_names, rows_refusals, stream_arguments)
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.fsdp.host_parameters import check_host_shards, host_shard_arguments, materialize_on_the_host
+from lightning_fastopt.fsdp.host_parameters import (check_host_shards, gradient_copy_waits, host_shard_arguments,
+                                                    materialize_on_the_host, say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
@@ -178,14 +179,18 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         fused = fused_for(optimizer, module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
         arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
+        if on_host:
+            say_host_shards()
         streaming = not self.options.keep_gradients
         streams = {}
         if self.options.stream_cpu_step and self.offload_fraction > 0:
             streams = stream_arguments("been reduce-scattered",
                                        [("clipping or fp16 loss scaling, where the loop applies them", True)],
-                                       rows_refusals(fused))
+                                       [*in_place_refusals(self.offload_fraction, self.root_device,
+                                                           self.options.copy_on_cpu), *rows_refusals(fused)])
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
+                                     wait_for_grad_copy=gradient_copy_waits(module) if on_host else None,
                                      **arguments, **streams)
         rank_zero_info(f"lightning_fastopt: {engine!r}")
         self._engines[id(optimizer)] = engine

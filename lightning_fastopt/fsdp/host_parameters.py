@@ -15,19 +15,24 @@ materializes on the device, which FSDP then refuses), leave FSDP's parameters wh
 ``fully_shard`` put them when moving the rest of the model to the device
 (:func:`move_all_but_fsdp_parameters`), and check, before the optimizers are set up, that
 the parameters are under the policy all together or not at all (:func:`host_sharded`).
+Each host bucket's update may start as FSDP hands its gradients over in host memory
+(``stream_cpu_step``: the offload optimizer's ``host_shards``), once FSDP's copy of them
+has landed (:func:`gradient_copy_waits`).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["check_host_shards", "host_shard_arguments", "host_sharded", "materialize_on_the_host",
-           "move_all_but_fsdp_parameters"]
+__all__ = ["check_host_shards", "gradient_copy_waits", "host_shard_arguments", "host_sharded",
+           "materialize_on_the_host", "move_all_but_fsdp_parameters", "say_host_shards"]
 
 
 def host_shard_arguments(offload_parameters: bool, device: torch.device, pin_memory: bool) -> dict[str, Any]:
@@ -41,12 +46,11 @@ def host_shard_arguments(offload_parameters: bool, device: torch.device, pin_mem
     return {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory and device.type == "cuda")}
 
 
-def fsdp_parameters(model: nn.Module) -> dict[nn.Parameter, bool]:
-    """Each parameter ``fully_shard`` manages in ``model``, and whether its group keeps it in
-    host memory (``CPUOffloadPolicy``), read from FSDP2's state."""
+def _fsdp_params(model: nn.Module) -> Iterator[tuple[Any, bool]]:
+    """FSDP2's record of each parameter ``fully_shard`` manages in ``model`` (its
+    ``FSDPParam``), and whether its group keeps it in host memory (``CPUOffloadPolicy``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    found: dict[nn.Parameter, bool] = {}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -55,8 +59,28 @@ def fsdp_parameters(model: nn.Module) -> dict[nn.Parameter, bool]:
             continue
         on_host = isinstance(group.offload_policy, CPUOffloadPolicy)
         for fsdp_param in group.fsdp_params:
-            found[fsdp_param.sharded_param] = on_host
-    return found
+            yield fsdp_param, on_host
+
+
+def fsdp_parameters(model: nn.Module) -> dict[nn.Parameter, bool]:
+    """Each parameter ``fully_shard`` manages in ``model``, and whether its group keeps it in
+    host memory (``CPUOffloadPolicy``), read from FSDP2's state."""
+    return {fsdp_param.sharded_param: on_host for fsdp_param, on_host in _fsdp_params(model)}
+
+
+def gradient_copy_waits(model: nn.Module) -> Callable[[Tensor], None]:
+    """A wait for FSDP's copy of a host shard's gradient into host memory, for its
+    post-accumulate-grad hook: torch versions that copy it without blocking (pinned memory,
+    ``grad_offload_event``) run the hooks before it has landed; later ones block for it
+    wherever a hook is registered, and record no event.  Called with a parameter of
+    ``model``; one FSDP does not keep in host memory has nothing to wait for."""
+    records = {fsdp_param.sharded_param: fsdp_param for fsdp_param, on_host in _fsdp_params(model) if on_host}
+
+    def wait(param: Tensor) -> None:
+        event = getattr(records.get(param), "grad_offload_event", None)
+        if event is not None:
+            event.synchronize()
+    return wait
 
 
 def host_sharded(model: nn.Module) -> bool:
@@ -82,6 +106,14 @@ def check_host_shards(model: nn.Module, offload_parameters: bool) -> bool:
                          "offload_policy=CPUOffloadPolicy() to each fully_shard call (the strategy applies it "
                          "itself only to a model without configure_model)")
     return on_host
+
+
+def say_host_shards() -> None:
+    """One line where the host shards are the masters: where the update runs, and that
+    nothing is copied for it (on any machine; a CPU run's ``copy_on_cpu`` only lets it stream)."""
+    rank_zero_info("lightning_fastopt: FSDP keeps the parameter shards and their gradients in host memory "
+                   "(CPUOffloadPolicy): the CPU kernels update the shards in place, the master weights themselves; "
+                   "nothing of the optimizer is copied or kept on the device")
 
 
 def materialize_on_the_host(model: nn.Module) -> None:

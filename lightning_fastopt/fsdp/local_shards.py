@@ -52,7 +52,7 @@ state dicts read it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -117,6 +117,9 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         process_group: the group the parameters are sharded over (overflow checks agree
             over it; default: the whole world).
         device_grads: ``"copy_at_step"`` (default) or ``"copy_when_reduced"`` (see above).
+        wait_for_grad_copy: called with a parameter before its landed gradient is read
+            (``"copy_when_reduced"``): FSDP's host shards' wait for FSDP's copy of it into
+            host memory (:func:`~lightning_fastopt.fsdp.host_parameters.gradient_copy_waits`).
         **offload_args: for this rank's :class:`~lightning_fastopt.offload.OffloadOptimizer`
             (``offload_fraction``, ``bucket_size_mb``, ``copy_on_cpu``, ``stream_cpu_step``,
             ``speculate``, ...).
@@ -125,13 +128,15 @@ class LocalShardOptimizer(LocalOffloadWrapper):
     shards_gradients = True  # gradients() holds this rank's rows: overflow flags and norms span the ranks
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
-                 process_group=None, device_grads: str = "copy_at_step", **offload_args: Any) -> None:
+                 process_group=None, device_grads: str = "copy_at_step",
+                 wait_for_grad_copy: Callable[[Tensor], None] | None = None, **offload_args: Any) -> None:
         super().__init__(optimizer)
         if device_grads not in _DEVICE_GRADS:
             raise ValueError(f"LocalShardOptimizer takes device_grads {_DEVICE_GRADS} (the gradients' rows at the "
                              f"step, or as FSDP's reduce-scatter lands them), got {device_grads!r}")
         self.group = process_group
         self.device_grads = device_grads
+        self._wait_for_grad_copy = wait_for_grad_copy
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
@@ -204,10 +209,15 @@ class LocalShardOptimizer(LocalOffloadWrapper):
     # ------------------------------------------------------------------ gradients and step
     def _landed(self, param: Tensor) -> None:
         """FSDP's reduce-scatter landed ``param``'s gradient (``device_grads="copy_when_reduced"``):
-        its rows go to the local optimizer, and an offloaded one's ``p.grad`` is dropped
-        once its copy to the host is on its way."""
+        its rows go to the local optimizer, with the hyperparameters the user's groups hold
+        now (an update started during backward uses them; LR schedulers wrote them after the
+        last step), and an offloaded one's ``p.grad`` is dropped once its copy to the host
+        is on its way."""
         if self.local.accumulating or param in self._at_step:
             return  # FSDP adds the next micro-batch's into p.grad; or it is taken at the step
+        if self._wait_for_grad_copy is not None:
+            self._wait_for_grad_copy(param)  # a host shard's gradient: FSDP's copy to the host has landed
+        copy_hyperparameters(self.local.optimizer, self.param_groups)
         alias = self._alias[param]
         alias.grad = _local_grad(param)
         self.local.grad_reduced(alias)

@@ -17,6 +17,9 @@ gradient intake (``device_grads``).
 When a bucket's last gradient is on its way, its parameters are checked for writes from
 outside the optimizer on the same stream (the answer lands with the gradients) and the
 step schedule is told (``grads_landed``: a streamed schedule starts the bucket's update).
+FSDP's host shards (``host_shards``) are their own masters and their gradients land in
+host memory: a reducer hands each over, nothing is copied or checked, and the schedule is
+told all the same once a bucket's last one is there.
 """
 
 from __future__ import annotations
@@ -79,8 +82,10 @@ class GradIntake:
         slot = opt._slot_of[param]
         first = not slot.grad_sent
         self._send(slot, grad)
+        if not first and slot.bucket.recorded:
+            opt.schedule.grads_changed(slot.bucket)
         if not (first and slot.grad_sent):
-            return  # a second backward's gradient was added to the host copy, in line
+            return  # a second backward's gradient was added to the host copy, in line (FSDP's host shards: by FSDP)
         bucket = slot.bucket
         bucket.unsent -= 1
         if bucket.unsent <= 0 and not bucket.recorded:
@@ -90,12 +95,15 @@ class GradIntake:
         """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
         ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
         slot = self.opt._slot_of[param]
-        if slot.offloaded and self.opt.copies.needed:
+        if slot.offloaded and self.opt.lands_during_backward:
             self.ready(param, grad)
 
     def _send(self, slot: ParamSlot, grad: Tensor | None = None) -> None:
         g = slot.param.grad if grad is None else grad
         if g is None or (slot.grad_sent and self.mode == "keep"):
+            return
+        if not self.opt.copies.needed:  # handed over in host memory (host_shards): the step reads it there
+            slot.grad_sent = True
             return
         if g.layout is not torch.strided:
             raise ValueError(f"OffloadOptimizer does not support sparse gradients ({slot.name})")
@@ -118,8 +126,9 @@ class GradIntake:
         when no user code runs between backward and the step, see ``device_grads``)."""
         copies = self.opt.copies
         self.norms.bucket_sent(bucket)
-        params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
-        copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
+        if bucket.written_flags is not None:  # (masters apart from the weights only)
+            params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
+            copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
         copies.mark_grads_sent(bucket.grads_ready)
         bucket.recorded = True
         self.opt.schedule.grads_landed(bucket)

@@ -147,6 +147,14 @@ class OffloadOptimizer(OptimizerWrapper):
         stays_on_device: the parameters never offloaded, whatever the fraction (their
             gradients are final only when the step starts: a wrapper hands them over
             then, with no copy to wait for); the fraction counts every element.
+        host_shards: the parameters are FSDP's shards in host memory (``CPUOffloadPolicy``):
+            compute never reads them, only the copies FSDP gathers from them before each
+            forward and backward, and their gradients land in host memory too.  They are
+            their own masters, updated in place (nothing copied), and a host bucket's
+            update may run as soon as a reducer has handed over its gradients
+            (``reduced_by``): ``stream_cpu_step`` streams (and ``speculate`` speculates)
+            the in-place updates into backward.  Needs every parameter on the CPU and no
+            ``copy_on_cpu``.
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -156,7 +164,7 @@ class OffloadOptimizer(OptimizerWrapper):
                  stream_cpu_step: bool = False, speculate: bool = False, delayed_update: bool = False,
                  delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
                  forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None,
-                 stays_on_device: Callable[[Tensor], bool] | None = None) -> None:
+                 stays_on_device: Callable[[Tensor], bool] | None = None, host_shards: bool = False) -> None:
         super().__init__(optimizer)
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
@@ -166,7 +174,7 @@ class OffloadOptimizer(OptimizerWrapper):
                               copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
                               delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
                               host_state_dtype=host_state_dtype, forward_waits=forward_waits, reduced_by=reduced_by,
-                              stays_on_device=stays_on_device)
+                              stays_on_device=stays_on_device, host_shards=host_shards)
         self.stays_on_device = stays_on_device
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
@@ -182,6 +190,8 @@ class OffloadOptimizer(OptimizerWrapper):
             raise ValueError(f"OffloadOptimizer needs every parameter on one device, got {sorted(map(str, devices))}")
         self.device = params[0].device if params else torch.device("cpu")
         self.copies = CopyStreams(self.device, overlap, copy_on_cpu)
+        _check_host_shards(host_shards, self.device, copy_on_cpu)
+        self.host_shards = host_shards
         self.forward_waits = forward_waits
         self._in_flight = WeightsInFlight(self.copies, by_module=forward_waits == "module")
         if delayed_update and not self.copies.needed:
@@ -268,6 +278,13 @@ class OffloadOptimizer(OptimizerWrapper):
         if self._device_slots:
             return self._device_inner
         return self._buckets[0].inner if self._buckets and self.schedule.host_updates_at_step else None
+
+    @property
+    def lands_during_backward(self) -> bool:
+        """Whether the host buckets' gradients land in host memory during backward, each
+        bucket's update free to start then: copied there by the gradient intake (an
+        accelerator, or ``copy_on_cpu``), or handed over there by a reducer (``host_shards``)."""
+        return self.copies.needed or self.host_shards
 
     # ------------------------------------------------------------------ weights on their way
     def modules_wait_for(self, params: set[Tensor]) -> None:
@@ -496,6 +513,15 @@ def _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_
                          f"needs stream_cpu_step=True, got speculate={speculate!r}, "
                          f"stream_cpu_step={stream_cpu_step!r}")
     check_forward_waits(forward_waits)
+
+
+def _check_host_shards(host_shards: Any, device: torch.device, copy_on_cpu: bool) -> None:
+    if not isinstance(host_shards, bool):
+        raise TypeError(f"host_shards must be True or False, got {host_shards!r}")
+    if host_shards and (device.type != "cpu" or copy_on_cpu):
+        raise ValueError(f"host_shards=True: the parameters are FSDP's shards in host memory, their own masters "
+                         f"updated in place; got parameters on {device} and copy_on_cpu={copy_on_cpu} (masters kept "
+                         "apart and copied)")
 
 
 def _host_state_dtype(optimizer: FusedOptimizer, asked: Any) -> torch.dtype | None:

@@ -39,6 +39,9 @@ class CpuStepSchedule:
     def grads_landed(self, bucket: HostBucket) -> None:
         """During backward: every gradient of ``bucket`` is on its way to the host."""
 
+    def grads_changed(self, bucket: HostBucket) -> None:
+        """During backward: a second backward added to gradients of ``bucket`` that had landed."""
+
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
         """At ``step()``, before anything is read: refuse a step this schedule cannot take."""
 

@@ -110,7 +110,10 @@ class ShareUpdates:
         return updated
 
     def send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:
-        """Copy the new weights of some of the bucket's slots to the device once ``after`` has passed."""
+        """Copy the new weights of some of the bucket's slots to the device once ``after`` has
+        passed (nothing where each parameter is its own master, in host memory: ``host_shards``)."""
+        if not self.opt.copies.needed:
+            return
         self.opt.copies.params_to_device(
             [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in slots],
             after, bucket.params_sent)

@@ -75,11 +75,13 @@ def remember_weights(slots: Sequence[ParamSlot]) -> None:
 
 
 def written_in_bucket(bucket: HostBucket) -> list[ParamSlot]:
-    """The bucket's slots written by others: the fingerprint check that travelled with
-    its gradients (``bucket.written_flags``, read once they have landed), or a moved
-    storage or version counter."""
+    """The bucket's slots with a master apart written by others: the fingerprint check that
+    travelled with its gradients (``bucket.written_flags``, read once they have landed), or
+    a moved storage or version counter (none where each parameter is its own master)."""
+    if bucket.written_flags is None:
+        return []
     flags = bucket.written_flags.tolist()
-    return [s for s, flag in zip(bucket.slots, flags) if flag or s.rebound_or_bumped()]
+    return [s for s, flag in zip(bucket.slots, flags) if s.separate_master and (flag or s.rebound_or_bumped())]
 
 
 def written_by_others(slots: Sequence[ParamSlot]) -> list[ParamSlot]:

@@ -13,8 +13,9 @@ norm), and still ends where the synchronous step ends, bit for bit.
 2. **Validate.** At ``step()`` the global facts are computed as the synchronous step
    computes them, on the gradients as they landed (the overflow check, the clipping
    norm, LAMB's global norm).  The speculation holds for a bucket when none of its
-   gradients was written since it landed (clipping multiplies them in place, which
-   moves their version counters), the step's loss scale, hyperparameters and keyword
+   gradients was written since backward ended (clipping multiplies them in place, which
+   moves their version counters; a second backward adding to them is told by the
+   gradient intake, :meth:`SpeculativeStep.grads_changed`), the step's loss scale, hyperparameters and keyword
    arguments (for the user's own step) are the ones it used, and the step context leads
    to the same update
    (:meth:`~lightning_fastopt.optim.base.FusedOptimizer.same_update`).
@@ -24,6 +25,10 @@ norm), and still ends where the synchronous step ends, bit for bit.
    snapshot and is updated again in line, as the synchronous step would update it.  A
    step skipped for an overflow (or gradients dropped without a step) restores every
    speculated bucket.
+
+FSDP's host shards (``host_shards``) are their own masters: the speculative update writes
+them in place (compute reads only what FSDP gathers from them at the next forward, after
+the step), the snapshot keeps them, and a commit has nothing to send.
 
 A redo costs more than the synchronous step would have: the snapshot, the speculative
 update, the restore and the update again (on an H100 with 16 host cores, a ~1B GPT whose
@@ -75,6 +80,7 @@ class Speculation:
     hyperparameters: list[dict[str, Any]]
     step_kwargs: dict[str, Any]  # for the user's own step (empty unless backward ran inside a step given some)
     future: Future = field(default_factory=Future)
+    changed: bool = False  # a gradient it read was added to since (a second backward)
 
 
 class SpeculativeStep(CpuStepSchedule):
@@ -96,13 +102,14 @@ class SpeculativeStep(CpuStepSchedule):
         self._counts = Counter()  # this step's
         self._redo_ms = 0.0
         self._open = True  # speculation starts only during backward, not once the step has begun
+        self._rebased = False  # the gradients' versions taken again once backward ended (this step)
 
     # ------------------------------------------------------------------ during backward
     def grads_landed(self, bucket: HostBucket) -> None:
         opt = self.opt
-        if not (opt.copies.needed and self._open):
+        if not (opt.lands_during_backward and self._open):
             return
-        spec = Speculation([s.host_grad._version for s in bucket.slots], _frozen(opt.expected_grad_scale),
+        spec = Speculation(_grad_versions(opt, bucket), _frozen(opt.expected_grad_scale),
                            opt.optimizer.unclipped_context(), _hyperparameters(opt.param_groups),
                            dict(opt.step_kwargs))
         if not self._speculating():
@@ -122,14 +129,34 @@ class SpeculativeStep(CpuStepSchedule):
             return opt.updates.step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
 
     # ------------------------------------------------------------------ at the step
+    def grads_changed(self, bucket: HostBucket) -> None:
+        """A second backward added to the bucket's gradients: an update speculated on them no longer holds."""
+        for spec in (self.running.get(bucket), self.watched.get(bucket)):
+            if spec is not None:
+                spec.changed = True
+
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
         self._open = False
+        self._backward_ended()
 
     def before_gradients_read(self) -> None:
         """The checks may scale the gradients in place: every speculative update has read them first."""
         self._open = False
         for spec in self.running.values():
             spec.future.result()
+        self._backward_ended()
+
+    def _backward_ended(self) -> None:
+        """Once per step, before anything outside backward may write the gradients: each
+        speculation's gradient versions taken again.  Writes since its bucket landed are
+        backward's own to other tensors sharing their version counter (FSDP's host shards:
+        a unit's gradients are views of one reduce-scatter output, and accumulating a later
+        one moves the counter of all); a second backward's is told (:meth:`grads_changed`)."""
+        if self._rebased:
+            return
+        self._rebased = True
+        for bucket, spec in [*self.running.items(), *self.watched.items()]:
+            spec.grad_versions = _grad_versions(self.opt, bucket)
 
     def host_step(self, grad_scale, context) -> Sent:
         opt = self.opt
@@ -183,7 +210,7 @@ class SpeculativeStep(CpuStepSchedule):
 
     def _holds(self, bucket: HostBucket, spec: Speculation, grad_scale, context) -> bool:
         opt = self.opt
-        return ([s.host_grad._version for s in bucket.slots] == spec.grad_versions
+        return (not spec.changed and _grad_versions(opt, bucket) == spec.grad_versions
                 and _same(spec.grad_scale, grad_scale)
                 and opt.optimizer.same_update(spec.context, context)
                 and _same(spec.hyperparameters, _hyperparameters(opt.param_groups))
@@ -196,6 +223,7 @@ class SpeculativeStep(CpuStepSchedule):
         self._drop()  # gradients forgotten without a step that took these updates
         self.watched = {}
         self._open = True
+        self._rebased = False
 
     def wait(self) -> None:
         """The state is about to be read or replaced: updates no step has taken are undone
@@ -259,6 +287,13 @@ def available_host_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def _grad_versions(opt, bucket: HostBucket) -> list[int]:
+    """The version counters of the gradients the bucket's update reads (in host memory:
+    copied there, or FSDP's host shards' own): clipping multiplies them in place."""
+    grads = [opt._intake.grad_of(s) for s in bucket.slots]
+    return [-1 if g is None else g._version for g in grads]
 
 
 def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

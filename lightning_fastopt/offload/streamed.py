@@ -3,7 +3,9 @@
 As soon as a host bucket's gradients are on their way, a worker thread waits for them to
 land, updates the bucket on the CPU and sends its new weights back (after the compute
 stream's work as it was then: backward no longer reads them), while backward computes
-the gradients of the earlier layers.  ``step()`` only waits for what is left.  The result
+the gradients of the earlier layers.  FSDP's host shards (``host_shards``) are updated in
+place, nothing sent: compute reads only the copies FSDP gathers from them, and the next
+gather is the next forward's.  ``step()`` only waits for what is left.  The result
 is the synchronous step's, bit for bit, provided nothing needs every gradient before the
 step starts: no overflow check, no clipping, no loss scale or step context, no keyword
 arguments for the user's own step, nobody reading ``gradients()``; those steps are
@@ -26,16 +28,18 @@ class StreamedStep(CpuStepSchedule):
     def __init__(self, optimizer) -> None:
         super().__init__(optimizer)
         self.running: dict[HostBucket, Future] = {}  # a bucket's update, started during backward
+        self.started = 0  # buckets whose update started during backward, over the whole run (tests, benchmarks)
 
     def grads_landed(self, bucket: HostBucket) -> None:
         """Start the bucket's update and copy back on the worker.  The copy back waits (on
         the device) for the compute stream as it is now: every use of those weights by
         backward precedes the hook that sent their last gradient."""
         opt = self.opt
-        if not opt.copies.needed:
+        if not opt.lands_during_backward:
             return
         opt.copies.mark_compute_done(bucket.backward_done)
         self.running[bucket] = opt.updates.pool().submit(opt.updates.bucket_step, bucket, None, None, bucket.backward_done)
+        self.started += 1
 
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
         if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None) or self.opt.step_kwargs:

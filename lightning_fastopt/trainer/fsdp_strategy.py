@@ -42,8 +42,9 @@ from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwa
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments, materialize_on_the_host,
-                                                    move_all_but_fsdp_parameters)
+from lightning_fastopt.fsdp.host_parameters import (check_host_shards, gradient_copy_waits, host_shard_arguments,
+                                                    materialize_on_the_host, move_all_but_fsdp_parameters,
+                                                    say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
@@ -221,7 +222,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         super().setup_optimizers(trainer)
         module = self.lightning_module
         names = {p: n for n, p in module.named_parameters()}
-        device_grads = self._device_grads(trainer)
+        device_grads = self._device_grads(trainer, on_host)
         arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
 
         def engine(opt) -> LocalShardOptimizer:
@@ -229,8 +230,9 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             # its kernels load (or build, saying so) now, not after the first training step
             ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host,
                         pieces=fused.kernel_pieces())
-            return LocalShardOptimizer(fused, names, device_grads=device_grads, **arguments,
-                                       **self._streams(trainer, device_grads, fused))
+            return LocalShardOptimizer(fused, names, device_grads=device_grads,
+                                       wait_for_grad_copy=gradient_copy_waits(module) if on_host else None,
+                                       **arguments, **self._streams(trainer, device_grads, fused))
 
         self._take_over_optimizers(engine)
         self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
@@ -250,13 +252,18 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         return self._step_probed(optimizer, closure, lambda timed: super(FSDPTrainerStrategy, self).optimizer_step(
             optimizer, timed, model, **kwargs))
 
-    def _device_grads(self, trainer) -> str:
-        """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line."""
+    def _device_grads(self, trainer, on_host: bool) -> str:
+        """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line
+        (``on_host``: FSDP's host shards, whose gradients land in host memory)."""
+        if on_host:
+            say_host_shards()
         readers = gradient_readers(self.lightning_module, trainer.callbacks, self.package, self.options.keep_gradients)
         if readers:
             rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step, as in torch: "
                            f"{', '.join(readers)} can read them")
             return "copy_at_step"
+        if on_host:
+            return "copy_when_reduced"  # each bucket's gradients handed over as FSDP lands them (streamed updates)
         if self.offload_fraction != 0 and (self.root_device.type != "cpu" or self.options.copy_on_cpu):
             rank_zero_info("lightning_fastopt: the offloaded rows' gradients go to the host as FSDP's reduce-scatter "
                            "lands them, and are freed on the device (no hook or callback reads p.grad; "

@@ -42,7 +42,12 @@ sizes (its default: every process data-parallel).  ``in_place``: ``copy_on_cpu=F
 shards in host memory (the reference's ``configure_model`` passes ``CPUOffloadPolicy`` to
 ``fully_shard``; ours ``offload_parameters=True``, which the one-line form applies itself);
 OUT.masters_apart.rank<r> says how many of the local optimizer's parameters have float32
-masters apart from the weights, of how many.
+masters apart from the weights, of how many; OUT.early_updates.rank<r> how many host buckets'
+CPU updates started during backward over the run (``stream_cpu_step``: streamed or
+speculated), and how many of them the steps kept (streamed, or speculated and committed).
+``clip=none`` or ``clip=VALUE``: no clipping, or ``gradient_clip_val=VALUE`` (0.5 by default).
+``activation_checkpointing``: :class:`Net`'s layers (and so :class:`ShardedNet`'s) each run under
+``torch.utils.checkpoint`` (non-reentrant), their activations recomputed in backward.
 """
 
 import sys
@@ -53,6 +58,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.helpers import finish_process  # noqa: E402
@@ -83,7 +89,11 @@ class Net(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        if not ACTIVATION_CHECKPOINTING:
+            return nn.functional.mse_loss(self.net(x), y)
+        for layer in self.net:  # each layer's activations recomputed in backward (FSDP gathers its weights again)
+            x = checkpoint(layer, x, use_reentrant=False)
+        return nn.functional.mse_loss(x, y)
 
     def configure_optimizers(self):
         return _with_scheduler(OPTIMIZERS[self.optimizer](self.parameters()))
@@ -232,6 +242,7 @@ def _data(tied=False, sequences=False):
 
 TENSOR_PARALLEL = 1  # with tp=N: the mesh's tensor-parallel size (the model: TensorParallelNet)
 MESH_AUTO = False  # with mesh=auto: our strategy is given no mesh sizes (the reference: every process data-parallel)
+ACTIVATION_CHECKPOINTING = False  # with activation_checkpointing: Net's layers under torch.utils.checkpoint
 HOST_PARAMS = False  # with host_params: the shards in host memory (CPUOffloadPolicy; ours: offload_parameters=True)
 
 
@@ -280,11 +291,14 @@ ACCELERATOR = "cpu"  # "cuda" with accelerator=cuda: one GPU per process
 NODES = 1  # with nodes=N: N nodes (torchrun --nnodes N), each running `devices` processes
 
 
+CLIP = 0.5  # gradient_clip_val; with clip=none: no clipping (a streamed step need not be speculated)
+
+
 def _trainer(name, root, precision, full=False, devices=2, options=None, **kw):
     return L.Trainer(accelerator=ACCELERATOR, devices=devices, num_nodes=NODES,
                      strategy=_strategy(name, full, devices * NODES, **(options or {})),
                      precision=precision,
-                     gradient_clip_val=0.5, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                     gradient_clip_val=CLIP, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, **kw)
 
 
@@ -313,9 +327,11 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
-    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO, HOST_PARAMS
+    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO, HOST_PARAMS, CLIP, ACTIVATION_CHECKPOINTING
     MESH_AUTO = extra.get("mesh") == "auto"
     HOST_PARAMS = "host_params" in extra
+    ACTIVATION_CHECKPOINTING = "activation_checkpointing" in extra
+    CLIP = None if extra.get("clip") == "none" else float(extra.get("clip", CLIP))
     ACCELERATOR = extra.get("accelerator", ACCELERATOR)
     NODES = int(extra.get("nodes", NODES))
     TENSOR_PARALLEL = int(extra.get("tp", TENSOR_PARALLEL))
@@ -365,6 +381,12 @@ def main():
         # the float32 masters kept apart from the model's weights (none where the host shards are the masters)
         apart = sum(s.separate_master for s in local._slots)
         Path(f"{out}.masters_apart.rank{trainer.global_rank}").write_text(f"{apart} {len(local._slots)}")
+        # host buckets whose CPU update started during backward (streamed, or speculated), over the run
+        schedule = local.schedule
+        totals = getattr(schedule, "totals", {})  # the speculative schedule's
+        started = getattr(schedule, "started", 0)  # the streamed one's
+        early, kept = started + totals.get("speculated", 0), started + totals.get("committed", 0)
+        Path(f"{out}.early_updates.rank{trainer.global_rank}").write_text(f"{early} {kept}")
     finish_process()  # results written: leave without the interpreter's finalization (tests.helpers)
 
 
