@@ -15,9 +15,11 @@ import torch
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
+from lightning_fastopt.offload.state_tiers import check_offload_device
 from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.optim.closure import check_closure_optimizers, check_optimizer_names
 from lightning_fastopt.optim.base import check_range
+from lightning_fastopt.runtime.direct_io import check_directory
 
 
 @dataclass
@@ -45,6 +47,9 @@ class StrategyOptions:
     per_parameter_optimizers: tuple[str, ...] = ()  # the DDP strategies': stepped on shares of whole parameters
     elementwise_optimizers: tuple[str, ...] = ()  # the FSDP strategies': stepped on each rank's rows
     offload_parameters: bool = False  # the FSDP strategies': the parameter shards in host memory (CPUOffloadPolicy)
+    offload_optimizer_device: str = "cpu"  # where the offloaded masters and state live: host memory, or "nvme"
+    nvme_path: str | None = None
+    nvme_window_mb: float = 512.0
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -53,8 +58,12 @@ class StrategyOptions:
               min_loss_scale: Any, at_min_loss_scale: Any, wall_clock_breakdown: Any, zero_stage: Any,
               copy_on_cpu: Any, keep_gradients: Any, stream_cpu_step: Any, delayed_update: Any,
               delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
-              forward_waits: Any, closure_optimizers: Any, per_parameter_optimizers: Any = ()) -> StrategyOptions:
+              forward_waits: Any, closure_optimizers: Any, per_parameter_optimizers: Any = (),
+              offload_optimizer_device: Any = "cpu", nvme_path: Any = None,
+              nvme_window_mb: Any = 512.0) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
+        check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction,
+                        stream_cpu_step=stream_cpu_step, delayed_update=delayed_update)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
@@ -91,6 +100,8 @@ class StrategyOptions:
                    forward_waits=forward_waits, closure_optimizers=check_closure_optimizers(closure_optimizers),
                    per_parameter_optimizers=check_optimizer_names(per_parameter_optimizers,
                                                                   "per_parameter_optimizers"),
+                   offload_optimizer_device=offload_optimizer_device,
+                   nvme_path=None if nvme_path is None else str(nvme_path), nvme_window_mb=float(nvme_window_mb),
                    scale_knobs=knobs)
 
     @classmethod
@@ -159,7 +170,28 @@ def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, A
         args["host_state_dtype"] = options.host_state_dtype
     if options.delayed_update:
         args.update(delayed_update=True, delayed_update_warmup=options.delayed_update_warmup)
+    if options.offload_optimizer_device != "cpu":
+        args.update(offload_optimizer_device=options.offload_optimizer_device, nvme_path=options.nvme_path,
+                    nvme_window_mb=options.nvme_window_mb)
     return args
+
+
+def check_disk_tier(device: Any, nvme_path: Any, nvme_window_mb: Any, *, offload_fraction: Any,
+                    stream_cpu_step: Any, delayed_update: Any) -> None:
+    """``offload_optimizer_device``, ``nvme_path`` and ``nvme_window_mb`` checked with the
+    arguments they go with (the directory too: it exists and this process can write there;
+    the space the file needs is checked when the optimizer is set up)."""
+    check_offload_device(device, nvme_path, nvme_window_mb)
+    if device != "nvme":
+        return
+    check_directory(nvme_path)
+    if not isinstance(offload_fraction, str) and offload_fraction == 0:
+        raise ValueError("offload_optimizer_device='nvme' keeps the offloaded share's masters and optimizer state "
+                         "on disk: offload_fraction=0 offloads nothing")
+    if stream_cpu_step or delayed_update:
+        raise ValueError("offload_optimizer_device='nvme' runs with the CPU update at the step: "
+                         f"stream_cpu_step={stream_cpu_step} and delayed_update={delayed_update} (updates during "
+                         "backward or the next forward) are not taken with it yet")
 
 
 def check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:

@@ -45,13 +45,16 @@ class EngineState:
         delayed update (moved over, not applied); returns ``new``."""
         opt = self.opt
         saved = self.saved()  # the state and a delayed update's pending masters, by name
-        masters = {s.name: s.master for s in opt._slots if s.separate_master}
+        masters = {s.name: s.master.clone() if opt.layout.tier.on_disk else s.master
+                   for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master])
+                   for s in members}
         opt.close(apply_pending=False)
         new.load_state_dict(saved)
         pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))
         kept = [s for s in new._slots if s.separate_master and s.name in masters and s.name not in pending]
-        for s in kept:  # a half-precision weight's master has more bits than the weight
-            put_master(s, masters[s.name])
+        for members in new.layout.in_residence(kept):
+            for s in members:  # a half-precision weight's master has more bits than the weight
+                put_master(s, masters[s.name])
         remember_weights(kept)
         new.skipped_steps = opt.skipped_steps
         new.accumulating = opt.accumulating
@@ -66,13 +69,15 @@ class EngineState:
         opt = self.opt
         opt.schedule.wait()
         state = {}
-        for s in opt._slots:
-            st = opt._inner_of(s).state.get(s.master)
-            if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
-                state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else v
-                                 for k, v in st.items()}
-                if s.param.dtype != s.master.dtype:
-                    state[s.name][MASTER_KEY] = s.master
+        kept = _copy if opt.layout.tier.on_disk else (lambda v: v)  # a disk tier's tensors point at nothing after
+        for members in opt.layout.in_residence(opt._slots):
+            for s in members:
+                st = opt._inner_of(s).state.get(s.master)
+                if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
+                    state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else kept(v)
+                                     for k, v in st.items()}
+                    if s.param.dtype != s.master.dtype:
+                        state[s.name][MASTER_KEY] = kept(s.master)
         saved = named_state_dict(opt.param_groups, self._names(), state)
         if opt._delayed is not None:
             saved[SAVED_KEY] = opt._delayed.saved()
@@ -92,12 +97,13 @@ class EngineState:
         for inner in opt._inners():
             inner.state.clear()
         masters = {}
-        for s in opt._slots:
-            st = dict(by_name.get(s.name) or {})
-            if MASTER_KEY in st:
-                masters[s] = st.pop(MASTER_KEY)
-            if st:
-                opt._set_state(s, st)
+        for members in opt.layout.in_residence(opt._slots):
+            for s in members:
+                st = dict(by_name.get(s.name) or {})
+                if MASTER_KEY in st:
+                    masters[s] = st.pop(MASTER_KEY)
+                if st:
+                    opt._set_state(s, st)
         self._load_masters(masters)
         self._load_pending(state_dict.get(SAVED_KEY))
 
@@ -106,12 +112,14 @@ class EngineState:
         weight (loaded first) is that master rounded: the weight was not changed since, and
         the master carries the bits it lacks; elsewhere the master follows the weight."""
         taken = []
-        for s, m in masters.items():
-            if not s.separate_master or tuple(m.shape) != tuple(s.param.shape):
-                continue
-            if torch.equal(m.to(s.param.device, s.param.dtype), s.param.detach()):
-                put_master(s, m)
-                taken.append(s)
+        for members in self.opt.layout.in_residence(list(masters)):
+            for s in members:
+                m = masters[s]
+                if not s.separate_master or tuple(m.shape) != tuple(s.param.shape):
+                    continue
+                if torch.equal(m.to(s.param.device, s.param.dtype), s.param.detach()):
+                    put_master(s, m)
+                    taken.append(s)
         remember_weights(taken)
 
     def _load_pending(self, saved: Mapping[str, Any] | None) -> None:
@@ -132,10 +140,15 @@ class EngineState:
             if saved:
                 delayed.steps = int(saved.get("steps", 0))
         now = [s for s in pending if s not in later]
-        for s in now:
-            if s.separate_master:
-                put_master(s, pending[s])
-                s.param.data.copy_(s.master)
-            else:
-                s.param.data.copy_(pending[s])
+        for members in self.opt.layout.in_residence(now):
+            for s in members:
+                if s.separate_master:
+                    put_master(s, pending[s])
+                    s.param.data.copy_(s.master)
+                else:
+                    s.param.data.copy_(pending[s])
         remember_weights(list(pending))  # the model's weights as loaded are the device's
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value

@@ -78,6 +78,7 @@ from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_by_others,
                                              written_in_bucket)
 from lightning_fastopt.offload.speculative import SpeculativeStep, afford_speculation
+from lightning_fastopt.offload.state_tiers import check_offload_device, make_tier
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
@@ -155,6 +156,16 @@ class OffloadOptimizer(OptimizerWrapper):
             (``reduced_by``): ``stream_cpu_step`` streams (and ``speculate`` speculates)
             the in-place updates into backward.  Needs every parameter on the CPU and no
             ``copy_on_cpu``.
+        offload_optimizer_device: where the offloaded share's float32 masters (where kept
+            apart from the weights) and optimizer state live between updates: ``"cpu"``
+            (host memory) or ``"nvme"`` (a working file in ``nvme_path``, read and written
+            bucket by bucket through a window of ``nvme_window_mb`` of host memory;
+            :mod:`~lightning_fastopt.offload.state_tiers`).  The result is the same, bit
+            for bit.  ``"nvme"`` runs with the CPU update at the step (no
+            ``stream_cpu_step``, ``delayed_update``).
+        nvme_path: the directory of that file (``"nvme"`` only): a fast disk's.
+        nvme_window_mb: host memory for the buckets on their way to and from the disk
+            (two buckets' masters and state at least).
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -164,8 +175,15 @@ class OffloadOptimizer(OptimizerWrapper):
                  stream_cpu_step: bool = False, speculate: bool = False, delayed_update: bool = False,
                  delayed_update_warmup: int = 40, host_state_dtype: torch.dtype | str | None = None,
                  forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None,
-                 stays_on_device: Callable[[Tensor], bool] | None = None, host_shards: bool = False) -> None:
+                 stays_on_device: Callable[[Tensor], bool] | None = None, host_shards: bool = False,
+                 offload_optimizer_device: str = "cpu", nvme_path: str | None = None,
+                 nvme_window_mb: float = 512.0) -> None:
         super().__init__(optimizer)
+        check_offload_device(offload_optimizer_device, nvme_path, nvme_window_mb)
+        if offload_optimizer_device == "nvme" and (stream_cpu_step or delayed_update):
+            raise ValueError("offload_optimizer_device='nvme' runs with the CPU update at the step: "
+                             f"stream_cpu_step={stream_cpu_step} and delayed_update={delayed_update} (updates during "
+                             "backward or the next forward) are not taken with it yet")
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
         # every argument but the fraction, for with_fraction()
@@ -174,7 +192,9 @@ class OffloadOptimizer(OptimizerWrapper):
                               copy_on_cpu=copy_on_cpu, stream_cpu_step=stream_cpu_step, speculate=speculate,
                               delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup,
                               host_state_dtype=host_state_dtype, forward_waits=forward_waits, reduced_by=reduced_by,
-                              stays_on_device=stays_on_device, host_shards=host_shards)
+                              stays_on_device=stays_on_device, host_shards=host_shards,
+                              offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path,
+                              nvme_window_mb=nvme_window_mb)
         self.stays_on_device = stays_on_device
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
@@ -199,8 +219,10 @@ class OffloadOptimizer(OptimizerWrapper):
                              "or copy_on_cpu=True on a CPU run")
         self._timer = StepTimer(wall_clock_breakdown, self.copies.synchronize)
         self._param_names = param_names if param_names is not None else {}
-        self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20),
-                                  pin_memory and self.copies.is_cuda, self._host_state_dtype)
+        pin = pin_memory and self.copies.is_cuda
+        self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20), pin,
+                                  self._host_state_dtype,
+                                  make_tier(offload_optimizer_device, nvme_path, nvme_window_mb, pin, self.copies))
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
@@ -310,7 +332,11 @@ class OffloadOptimizer(OptimizerWrapper):
         ``self.state`` holds to the accelerator, which would undo the offload."""
         self.schedule.wait()
         slot = self._slot_of[param]
-        return self._inner_of(slot).state.get(slot.master, {})
+        if slot.bucket is None or not self.layout.tier.on_disk:
+            return self._inner_of(slot).state.get(slot.master, {})
+        with self.layout.tier.resident(slot.bucket):  # a copy: the tensors point at nothing once it is written back
+            return {k: v.clone() if isinstance(v, Tensor) else v
+                    for k, v in self._inner_of(slot).state.get(slot.master, {}).items()}
 
     # ------------------------------------------------------------------ gradients
     def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
@@ -372,8 +398,9 @@ class OffloadOptimizer(OptimizerWrapper):
         return self._refresh(slots)
 
     def _refresh(self, slots: list[ParamSlot]) -> int:
-        for s in slots:
-            s.master.copy_(s.param.detach())
+        for members in self.layout.in_residence(slots):
+            for s in members:
+                s.master.copy_(s.param.detach())
         remember_weights(slots)
         return len(slots)
 
@@ -425,10 +452,12 @@ class OffloadOptimizer(OptimizerWrapper):
         :meth:`~lightning_fastopt.optim.base.FusedOptimizer.norm_sums`).  For a
         :attr:`before_updates` hook, where the gradients are in place."""
         out = self.updates.norm_sums(self._device_inner, self._device_slots, grad_scale, context)
-        for bucket in self._buckets:
+        for i, bucket in enumerate(self._buckets):
             self.copies.wait_on_host(bucket.grads_ready)
             self._refresh_written(written_in_bucket(bucket))  # (as its update would first)
-            out.update(self.updates.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
+            self.layout.tier.prefetch(self._buckets[i:i + 2])
+            with self.layout.tier.resident(bucket):
+                out.update(self.updates.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
         return out
 
     def give_norms(self, norms: Mapping[Tensor, Tensor] | None) -> None:
@@ -450,6 +479,7 @@ class OffloadOptimizer(OptimizerWrapper):
         for name, value in self.schedule.breakdown().items():
             self._timer.add(name, value)
         self._timer.end_step()
+        self.layout.tier.end_step()
 
     def _inners(self) -> list[FusedOptimizer]:
         return self.layout.inners()
@@ -490,6 +520,7 @@ class OffloadOptimizer(OptimizerWrapper):
             self.schedule.wait()
         self.updates.shutdown()
         self.copies.synchronize()
+        self.layout.tier.close()
 
     def _describe(self) -> str:
         total = sum(s.param.numel() for s in self._slots)

@@ -78,9 +78,10 @@ class CpuStepSchedule:
         """Update ``buckets`` now, each once its gradients have landed, sending its weights
         back while the next one updates."""
         opt, written, sent = self.opt, [], []
-        for b in buckets:
+        for i, b in enumerate(buckets):
+            opt.layout.tier.prefetch(buckets[i:i + 2])  # a disk tier reads the next bucket while this one updates
             if not opt.copies.needed:  # a CPU run: nothing to wait for or copy
-                with opt._timer.phase("cpu_step"):
+                with opt._timer.phase("cpu_step"), opt.layout.tier.resident(b):
                     written += opt.updates.step_inner(b.inner, b.slots, grad_scale, context)
                 continue
             updated = opt.updates.bucket_step(b, grad_scale, context, opt._compute_done, timed=True)

@@ -10,8 +10,9 @@ choice; the slots and buckets themselves are :mod:`~lightning_fastopt.offload.sl
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, master_dtype, remember_weights
+from lightning_fastopt.offload.state_tiers import DiskTier, HostMemoryTier
 from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters
 
 
@@ -33,11 +35,15 @@ class ShareLayout:
         bucket_bytes: about how many bytes of float32 masters a host bucket holds.
         pin: page-locked host buffers.
         host_state_dtype: the host buckets' Adam moments' dtype (None: float32).
+        tier: where the host buckets' masters and state live between updates
+            (:mod:`~lightning_fastopt.offload.state_tiers`): anything reading or writing
+            them does it inside ``tier.resident(bucket)`` (:meth:`in_residence`).
     """
 
     def __init__(self, opt, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str], bucket_bytes: int,
-                 pin: bool, host_state_dtype: torch.dtype | None) -> None:
+                 pin: bool, host_state_dtype: torch.dtype | None, tier: HostMemoryTier | DiskTier) -> None:
         self.opt = opt
+        self.tier = tier
         self.optimizer = optimizer
         self.param_names = param_names  # read again for groups added later
         self.bucket_bytes = bucket_bytes
@@ -50,6 +56,16 @@ class ShareLayout:
         self.device_inner = optimizer.sibling([[] for _ in optimizer.param_groups])
         if host_state_dtype is not None and opt.device.type == "cpu":  # a CPU run: the same kernels
             self.device_inner.state_dtype = host_state_dtype
+
+    def in_residence(self, slots: list[ParamSlot]) -> Iterator[list[ParamSlot]]:
+        """``slots`` by share (each host bucket's, then the device's), each bucket's masters
+        and state resident while its slots are handled (a disk tier holds a few at a time)."""
+        shares: dict[HostBucket | None, list[ParamSlot]] = {}
+        for s in slots:
+            shares.setdefault(s.bucket, []).append(s)
+        for bucket, members in shares.items():
+            with self.tier.resident(bucket) if bucket is not None else contextlib.nullcontext():
+                yield members
 
     def inner_of(self, slot: ParamSlot) -> FusedOptimizer:
         return slot.bucket.inner if slot.bucket is not None else self.device_inner
@@ -77,6 +93,7 @@ class ShareLayout:
         buckets = [self._make_bucket(chunk) for chunk in
                    split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded], self.bucket_bytes)]
         self.opt._intake.add(offloaded, buckets)
+        self.tier.add(buckets)
         self.buckets += buckets
 
     def adopt_group(self, group: dict[str, Any]) -> None:
@@ -127,7 +144,10 @@ class ShareLayout:
         """The bucket's host buffers, each slot's views into them: masters (copied from the
         weights), gradients (and spare ones where the schedule needs them), half copies."""
         shapes = [s.param.shape for s in slots]
-        masters, bufs = carve(shapes, [master_dtype(s.param) for s in slots], self.pin)
+        if self.tier.on_disk:  # host memory for the masters only until the tier has them (ShareLayout.add)
+            masters, bufs = [torch.empty(s.param.shape, dtype=master_dtype(s.param)) for s in slots], []
+        else:
+            masters, bufs = carve(shapes, [master_dtype(s.param) for s in slots], self.pin)
         grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self.pin)
         if self.opt.schedule.needs_spare_grads:  # the next step's gradients land here while an update reads the others
             spares, sbufs = carve(shapes, [s.param.dtype for s in slots], self.pin)
@@ -160,10 +180,9 @@ class ShareLayout:
 
     def take_state(self, optimizer: FusedOptimizer) -> None:
         """Move state the wrapped optimizer already had (a resumed torch optimizer)."""
-        for s in self.slots:
-            st = optimizer.state.pop(s.param, None)
-            if st:
-                self.set_state(s, st)
+        for members in self.in_residence([s for s in self.slots if optimizer.state.get(s.param)]):
+            for s in members:
+                self.set_state(s, optimizer.state.pop(s.param))
         optimizer.state.clear()
 
 

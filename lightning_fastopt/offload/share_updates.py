@@ -101,12 +101,13 @@ class ShareUpdates:
         phase = opt._timer.phase if timed else (lambda name: contextlib.nullcontext())
         with phase("grad_d2h"):
             opt.copies.wait_on_host(bucket.grads_ready)
-        opt._refresh_written(written_in_bucket(bucket))
-        with phase("cpu_step"), (contextlib.nullcontext() if timed else self.on_worker()):
-            updated = self.step_inner(bucket.inner, bucket.slots, grad_scale, context)
-        if updated:
-            with phase("param_h2d"):
-                self.send_weights(bucket, updated, after)
+        with opt.layout.tier.resident(bucket, sent=bucket.params_sent):
+            opt._refresh_written(written_in_bucket(bucket))
+            with phase("cpu_step"), (contextlib.nullcontext() if timed else self.on_worker()):
+                updated = self.step_inner(bucket.inner, bucket.slots, grad_scale, context)
+            if updated:
+                with phase("param_h2d"):
+                    self.send_weights(bucket, updated, after)
         return updated
 
     def send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:

@@ -132,7 +132,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
-                 offload_parameters: bool = False, data_parallel_size: int | str = "auto",
+                 offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
+                 nvme_path: str | None = None, nvme_window_mb: float = 512.0, data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
@@ -147,7 +148,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
             delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb,
             host_state_dtype=host_state_dtype, elementwise_optimizers=elementwise_optimizers,
-            offload_parameters=offload_parameters)
+            offload_parameters=offload_parameters, offload_optimizer_device=offload_optimizer_device,
+            nvme_path=nvme_path, nvme_window_mb=nvme_window_mb)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params

@@ -46,11 +46,13 @@ masters apart from the weights, of how many; OUT.early_updates.rank<r> how many 
 CPU updates started during backward over the run (``stream_cpu_step``: streamed or
 speculated), and how many of them the steps kept (streamed, or speculated and committed).
 ``clip=none`` or ``clip=VALUE``: no clipping, or ``gradient_clip_val=VALUE`` (0.5 by default).
-``activation_checkpointing``: :class:`Net`'s layers (and so :class:`ShardedNet`'s) each run under
+``nvme``: ``offload_optimizer_device="nvme"`` (the masters and state in a file in a new
+temporary directory, through a window of two buckets).  ``activation_checkpointing``: :class:`Net`'s layers (and so :class:`ShardedNet`'s) each run under
 ``torch.utils.checkpoint`` (non-reentrant), their activations recomputed in backward.
 """
 
 import sys
+import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -346,6 +348,9 @@ def main():
         options["copy_on_cpu"] = False
     if "host_state_dtype" in extra:
         options["host_state_dtype"] = extra["host_state_dtype"]
+    if "nvme" in extra:  # the offloaded masters and state in a file of a directory of this process's
+        options.update(offload_optimizer_device="nvme", nvme_path=tempfile.mkdtemp(prefix="nvme-", dir=Path(out).parent),
+                       nvme_window_mb=0.02)
     if "elementwise" in extra:
         options["elementwise_optimizers"] = [extra["elementwise"]]
     if HOST_PARAMS:

@@ -1,0 +1,418 @@
+"""Where the host buckets' float32 masters and optimizer state live between updates: the
+storage tier of an offload optimizer (``offload_optimizer_device``).
+
+- :class:`HostMemoryTier` (``"cpu"``, the default): in host memory, always at hand.
+- :class:`DiskTier` (``"nvme"``): in a working file on a fast disk (``nvme_path``;
+  :class:`~lightning_fastopt.runtime.direct_io.DirectFile`), each bucket's masters (where
+  the optimizer keeps its own: not where a parameter is its own master, as FSDP's host
+  shards and a CPU run's float32 weights are) and state in a region of it.  Host memory
+  holds a bounded window (``nvme_window_mb``) of slots, each holding one bucket's region:
+  a bucket is read into a slot before anything touches its masters or state and written
+  back after; the next bucket is read while one is updated and the last one is written.
+
+Everything that reads or writes a host bucket's masters or state does it inside
+``tier.resident(bucket)`` (the update, the norms LAMB and LARS read, a master refreshed
+from its weight, a state loaded or saved).  The tensors keep their identity (the inner
+optimizers key their state by the masters): on the disk tier each one is pointed into its
+slot while the bucket is resident and at an empty tensor otherwise
+(``Tensor.set_``), so a read outside ``resident`` fails loudly instead of reading stale bits.
+
+[Note: the region of a bucket]  Planned when the bucket is made: each slot's master (where
+apart from the weight), then each state tensor its inner optimizer keeps
+(``_bucket_state_keys``), in the dtype it keeps it in, each on a cache line; the sizes
+every bucket will need once its state exists, so the disk space is checked at set-up.
+State the plan did not foresee (another optimizer's keys loaded from a checkpoint) moves
+the bucket to a new region at the file's end, as large as it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.runtime.direct_io import DirectFile, aligned_empty, round_up
+
+__all__ = ["DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_offload_device", "make_tier"]
+
+OFFLOAD_DEVICES = ("cpu", "nvme")
+_LINE = 64  # bytes: every tensor of a region starts on a cache line
+
+
+class HostMemoryTier:
+    """Masters and state in host memory (``offload_optimizer_device="cpu"``): always resident."""
+
+    on_disk = False
+
+    def add(self, buckets: Sequence[HostBucket]) -> None:
+        """New buckets (their masters made, their state not yet)."""
+
+    @contextlib.contextmanager
+    def resident(self, bucket: HostBucket, sent=None) -> Iterator[None]:
+        """Inside: the bucket's masters and state are in host memory.  ``sent``: an event
+        after which nothing reads them any more (copies to the device in flight)."""
+        yield
+
+    def prefetch(self, buckets: Sequence[HostBucket]) -> None:
+        """Start bringing these buckets in, in this order (the next to be used first)."""
+
+    def end_step(self) -> None:
+        """A step has ended: any write that failed is said now."""
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Entry:
+    slot: ParamSlot
+    key: str  # "" for the master, else the state key
+    dtype: torch.dtype
+    offset: int  # bytes into the region
+
+
+@dataclass(eq=False)
+class _Region:
+    offset: int  # bytes into the file
+    size: int
+    entries: list[_Entry]
+
+
+@dataclass(eq=False)
+class _WindowSlot:
+    buffer: Tensor  # aligned uint8 host memory
+    bucket: HostBucket | None = None  # whose region the buffer holds (or is being read into)
+    read: Future | None = None  # the region read into it
+    written: Future | None = None  # the last write of it
+    sent: Any = None  # an event after which the device no longer reads it
+    in_use: bool = False
+    last_used: int = 0
+
+
+class DiskTier:
+    """Masters and state in a working file in ``directory`` (see the module's documentation).
+
+    Args:
+        directory: ``nvme_path``.
+        window_mb: host memory for the slots (``nvme_window_mb``): at least two buckets' regions.
+        pin: the window in page-locked memory (new weights are copied to the device from it).
+        copies: the optimizer's copy streams (to wait for the copies that read a slot).
+    """
+
+    on_disk = True
+
+    def __init__(self, directory, window_mb: float, pin: bool, copies) -> None:
+        self.directory = directory
+        self.window_mb = window_mb
+        self.window_bytes = round(window_mb * 2**20)
+        self.pin = pin
+        self.copies = copies
+        self.file: DirectFile | None = None
+        self.regions: dict[HostBucket, _Region] = {}
+        self.window: list[_WindowSlot] = []
+        self._end = 0  # bytes of the file planned so far
+        self._clock = 0
+        self._lock = threading.RLock()
+        self._stager: ThreadPoolExecutor | None = None
+        self._failed: list[BaseException] = []
+
+    # ------------------------------------------------------------------ planning
+    def add(self, buckets: Sequence[HostBucket]) -> None:
+        """Plan the new buckets' regions, reserve them in the file (made at the first
+        buckets, in ``directory``; its space checked then) and write each bucket's masters
+        there (made in host memory by the layout; freed here)."""
+        buckets = [b for b in buckets if b not in self.regions]
+        if not buckets:
+            return
+        for b in buckets:
+            self.regions[b] = self._plan(b, _planned_entries(b))
+        if self.file is None:
+            self.file = DirectFile(self.directory, self._end)
+        else:
+            self.file.grow(self._end)
+        self._size_window(max(r.size for r in self.regions.values()))
+        for b in buckets:
+            with self.resident(b, fresh=True):
+                pass  # the release takes the masters in and writes the region
+
+    def _plan(self, bucket: HostBucket, entries: list[tuple[ParamSlot, str, torch.dtype]]) -> _Region:
+        planned, size = [], 0
+        for slot, key, dtype in entries:
+            size = round_up(size, _LINE)
+            planned.append(_Entry(slot, key, dtype, size))
+            size += slot.param.numel() * torch.empty((), dtype=dtype).element_size()
+        region = _Region(self._end, round_up(max(size, 1)), planned)
+        self._end += region.size
+        return region
+
+    def _size_window(self, region_bytes: int) -> None:
+        """Slots that each hold the largest region, as many as the window allows (two at least)."""
+        if self.window and self.window[0].buffer.numel() >= region_bytes:
+            return
+        count = self.window_bytes // region_bytes
+        if count < 2:
+            raise ValueError(f"nvme_window_mb={self.window_mb!r} holds {count} of the host buckets' "
+                             f"regions on disk ({region_bytes / 2**20:.3g} MiB each: a bucket's masters and optimizer "
+                             "state); it needs two at least (one updated while the next is read): give a larger "
+                             "nvme_window_mb, or a smaller bucket_size_mb")
+        for old in self.window:
+            self._settle(old)
+            if old.bucket is not None:
+                self._evict(old.bucket)
+        self.window = [_WindowSlot(aligned_empty(region_bytes, self.pin)) for _ in range(count)]
+
+    def disk_bytes(self) -> int:
+        return self.file.size if self.file is not None else self._end
+
+    # ------------------------------------------------------------------ residency
+    @contextlib.contextmanager
+    def resident(self, bucket: HostBucket, sent=None, fresh: bool = False) -> Iterator[None]:
+        """Inside: the bucket's masters and state point into a window slot holding its
+        region; on leaving, the ones made or replaced inside are taken into the slot, the
+        region is written back, and the tensors point at nothing until the next time.
+        ``fresh``: the region has never been written (the bucket was just made).  Inside
+        it again (a refresh inside an update), nothing more happens."""
+        with self._lock:
+            held = self._holding(bucket)
+            if held is not None and held.in_use:
+                nested = True
+            else:
+                nested = False
+                slot = self._bring_in(bucket, read=not fresh)
+                slot.in_use = True
+        if nested:
+            yield
+            return
+        try:
+            if not fresh:
+                self._point(bucket, slot)
+            yield
+        finally:
+            with self._lock:
+                try:
+                    self._take_in(bucket, slot)
+                    slot.written = self.file.write_from(slot.buffer[:self.regions[bucket].size],
+                                                        self.regions[bucket].offset)
+                    slot.sent = sent
+                finally:
+                    self._evict(bucket)
+                    slot.in_use = False
+                    self._clock += 1
+                    slot.last_used = self._clock
+
+    def prefetch(self, buckets: Sequence[HostBucket]) -> None:
+        """Start reading the next buckets' regions into free slots (keeping one for the
+        bucket about to be used), in order, on the stager thread."""
+        with self._lock:
+            for bucket in buckets:
+                if self._holding(bucket) is not None:
+                    continue
+                spare = [s for s in self.window if not s.in_use and s.read is None]
+                if len(spare) < 2:
+                    return
+                slot = min(spare, key=lambda s: s.last_used)
+                slot.bucket = bucket
+                slot.read = self._stage().submit(self._read_when_free, slot, bucket)
+
+    def _bring_in(self, bucket: HostBucket, read: bool) -> _WindowSlot:
+        """The slot holding (or made to hold) ``bucket``'s region, read and settled."""
+        slot = self._holding(bucket)
+        if slot is None:
+            slot = min((s for s in self.window if not s.in_use), key=lambda s: s.last_used)
+            if slot.read is not None:  # another bucket's read ahead, into it: done before the slot changes hands
+                with contextlib.suppress(BaseException):
+                    slot.read.result()
+                slot.read = None
+            slot.bucket = bucket
+            if read:
+                self._read_when_free(slot, bucket)
+            else:
+                self._settle(slot)
+        if slot.read is not None:
+            slot.read.result()
+            slot.read = None
+        self._settle(slot)  # a write of this region still in flight: done before it changes
+        return slot
+
+    def _holding(self, bucket: HostBucket) -> _WindowSlot | None:
+        return next((s for s in self.window if s.bucket is bucket), None)
+
+    def _read_when_free(self, slot: _WindowSlot, bucket: HostBucket) -> None:
+        """Once the slot's last write has landed and nothing reads it, read ``bucket``'s region into it."""
+        self._settle(slot)
+        region = self.regions[bucket]
+        self.file.read_into(slot.buffer[:region.size], region.offset).result()
+
+    def _settle(self, slot: _WindowSlot) -> None:
+        """Wait for the slot's last write and the copies that read it."""
+        if slot.written is not None:
+            written, slot.written = slot.written, None
+            try:
+                written.result()
+            except BaseException as e:
+                self._failed.append(e)
+                raise
+        if slot.sent is not None:
+            self.copies.wait_on_host(slot.sent)
+            slot.sent = None
+
+    def _stage(self) -> ThreadPoolExecutor:
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-disk-stage")
+        return self._stager
+
+    # ------------------------------------------------------------------ the tensors
+    def _point(self, bucket: HostBucket, slot: _WindowSlot) -> None:
+        """Point the bucket's masters and existing state at their places in the slot."""
+        for e in self.regions[bucket].entries:
+            tensor = _tensor_of(bucket, e)
+            if tensor is not None:
+                _point_into(tensor, slot.buffer, e, _shape(e))
+
+    def _take_in(self, bucket: HostBucket, slot: _WindowSlot) -> None:
+        """The masters and state made or replaced while resident (a first step's state, a
+        loaded one) copied into their places in the slot; state the region has no place
+        for moves the bucket to a larger region (see the module's note)."""
+        region = self.regions[bucket]
+        planned = {(e.slot.index, e.key) for e in region.entries}
+        actual = _actual_entries(bucket)
+        if any((s.index, k) not in planned for s, k, _ in actual) or any(
+                e.dtype != t.dtype for e in region.entries for t in [_tensor_of(bucket, e)] if t is not None):
+            self._replan(bucket, slot, actual)
+            region = self.regions[bucket]
+        base = slot.buffer.data_ptr()
+        for e in region.entries:
+            tensor = _tensor_of(bucket, e)
+            if tensor is not None and tensor.data_ptr() != base + e.offset:
+                _point_into(tensor, slot.buffer, e, _shape(e), copy=True)
+
+    def _replan(self, bucket: HostBucket, slot: _WindowSlot, actual) -> None:
+        held = {(e.slot.index, e.key): e for e in self.regions[bucket].entries}
+        kept = {}  # what the slot holds now, before a new plan moves the places
+        for s, key, _ in actual:
+            e = held.get((s.index, key))
+            t = _tensor_of(bucket, _Entry(s, key, torch.float32, 0))
+            if e is not None and t is not None and t.data_ptr() == slot.buffer.data_ptr() + e.offset:
+                kept[(s.index, key)] = t.clone()
+        self.regions[bucket] = self._plan(bucket, actual)
+        self.file.grow(self._end)
+        if self.regions[bucket].size > slot.buffer.numel():
+            raise RuntimeError(f"a host bucket's masters and state now take {self.regions[bucket].size / 2**20:.1f} "
+                               f"MiB, more than a slot of nvme_window_mb holds ({slot.buffer.numel() / 2**20:.1f} MiB)")
+        for (index, key), value in kept.items():
+            s = next(x for x in bucket.slots if x.index == index)
+            _tensor_of(bucket, _Entry(s, key, value.dtype, 0)).set_(value)
+
+    def _evict(self, bucket: HostBucket) -> None:
+        """The bucket's masters and state point at nothing (its region stays in the slot until reused)."""
+        for e in self.regions[bucket].entries:
+            tensor = _tensor_of(bucket, e)
+            if tensor is not None:
+                tensor.set_(torch.empty(0, dtype=tensor.dtype))
+
+    # ------------------------------------------------------------------ steps and teardown
+    def end_step(self) -> None:
+        """Say a write that failed (it names the path); the others go on."""
+        with self._lock:
+            for slot in self.window:
+                if slot.written is not None and slot.written.done() and slot.written.exception() is not None:
+                    self._settle(slot)
+            if self._failed:
+                raise self._failed[-1]
+
+    def close(self) -> None:
+        """Finish the reads and writes in flight.  The file stays while the tier does (it
+        goes with the optimizer): a closed optimizer's state is still read from it (the
+        Trainer gives the user's optimizer its state back after fit, and may save it)."""
+        with self._lock:
+            for slot in self.window:
+                if slot.read is not None:
+                    with contextlib.suppress(BaseException):
+                        slot.read.result()
+                with contextlib.suppress(BaseException):
+                    self._settle(slot)
+            if self._stager is not None:
+                self._stager.shutdown(wait=True)
+                self._stager = None
+
+
+def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:
+    """What a bucket's region holds (see the module's note): each slot's master where apart
+    from its weight, then the state its inner optimizer keeps for it, in that state's dtype."""
+    inner = bucket.inner
+    moments, moment_dtype = getattr(inner, "state_keys", ()), getattr(inner, "state_dtype", torch.float32)
+    out = []
+    for s in bucket.slots:
+        if s.separate_master:
+            out.append((s, "", s.master.dtype))
+        for key in inner._bucket_state_keys(inner.param_groups[s.group]):
+            out.append((s, key, moment_dtype if key in moments else torch.float32))
+    return out
+
+
+def _actual_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:
+    """What a bucket holds now: each slot's master where apart, and each of its state
+    tensors of the master's shape (a scalar, such as the step count, stays in host memory)."""
+    out = []
+    for s in bucket.slots:
+        if s.separate_master:
+            out.append((s, "", s.master.dtype))
+        for key, value in (bucket.inner.state.get(s.master) or {}).items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == s.param.numel():
+                out.append((s, key, value.dtype))
+    return out
+
+
+def _tensor_of(bucket: HostBucket, e: _Entry) -> Tensor | None:
+    if e.key == "":
+        return e.slot.master if e.slot.separate_master else None
+    value = (bucket.inner.state.get(e.slot.master) or {}).get(e.key)
+    return value if isinstance(value, Tensor) and value.dim() > 0 else None
+
+
+def _shape(e: _Entry) -> torch.Size:
+    return e.slot.param.shape
+
+
+def _point_into(tensor: Tensor, buffer: Tensor, e: _Entry, shape: torch.Size, copy: bool = False) -> None:
+    """``tensor`` made a view of its place in ``buffer`` (``copy``: its values moved there first)."""
+    size = torch.empty((), dtype=e.dtype).element_size()
+    start = buffer.storage_offset() + e.offset
+    place = torch.empty(0, dtype=e.dtype).set_(buffer.untyped_storage(), start // size, shape)
+    if copy:
+        place.copy_(tensor.detach().reshape(shape))
+    tensor.set_(place)
+
+
+def check_offload_device(device: Any, nvme_path: Any, nvme_window_mb: Any) -> str:
+    """Refuse a bad ``offload_optimizer_device`` or a ``nvme_path`` that goes without it."""
+    if device not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload_optimizer_device must be one of {OFFLOAD_DEVICES} (where the offloaded masters "
+                         f"and optimizer state live: host memory, or files in nvme_path), got {device!r}")
+    if device == "nvme" and nvme_path is None:
+        raise ValueError("offload_optimizer_device='nvme' keeps the offloaded masters and optimizer state in files "
+                         "in nvme_path: give nvme_path, a directory on a fast disk")
+    if device != "nvme" and nvme_path is not None:
+        raise ValueError(f"nvme_path is for offload_optimizer_device='nvme', got offload_optimizer_device={device!r}")
+    if isinstance(nvme_window_mb, bool) or not isinstance(nvme_window_mb, (int, float)) or not nvme_window_mb > 0:
+        raise ValueError(f"nvme_window_mb must be a positive number of MiB (host memory for the buckets read from "
+                         f"and written to disk), got {nvme_window_mb!r}")
+    return device
+
+
+def make_tier(device: str, nvme_path, nvme_window_mb: float, pin: bool, copies) -> HostMemoryTier | DiskTier:
+    if device == "nvme":
+        from lightning_fastopt.runtime.direct_io import check_directory
+
+        return DiskTier(check_directory(nvme_path), nvme_window_mb, pin, copies)
+    return HostMemoryTier()

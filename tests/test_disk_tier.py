@@ -1,0 +1,340 @@
+"""The offloaded masters and optimizer state on a disk (``offload_optimizer_device="nvme"``,
+issue 53): the offload optimizer with its host buckets' masters and state in a working file
+(``lightning_fastopt/offload/state_tiers.py`` over ``runtime/direct_io.py``) ends where the
+same optimizer with them in host memory ends, bit for bit, for every optimizer the kernels
+step, at fractions 0.4 and 1, on the CPU's path and the accelerator's (``copy_on_cpu=True``),
+with half-precision weights, clipping, loss scaling and accumulation; its state dict is the
+same and loads both ways; between steps the tensors point at nothing and host memory holds
+only the window; a bad directory, window or disk is an error naming what to change; the
+file leaves nothing behind."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from lightning_fastopt import FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, FusedLion, FusedSGD
+from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.runtime import direct_io
+from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty
+from tests.helpers import SIZES, split_groups
+
+GROUPS = [dict(), dict(lr=3e-3, weight_decay=0.0)]
+ALGORITHMS = {
+    "adamw": lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05),
+    "amsgrad": lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, amsgrad=True),
+    "adamw-bf16-moments": lambda g: FusedAdam(g, lr=1e-2, weight_decay=0.05, state_dtype=torch.bfloat16),
+    "sgd": lambda g: FusedSGD(g, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adagrad": lambda g: FusedAdagrad(g, lr=1e-2, lr_decay=1e-3),
+    "lion": lambda g: FusedLion(g, lr=1e-3, weight_decay=0.1),
+    "lars": lambda g: FusedLars(g, lr=1e-2, momentum=0.9, weight_decay=1e-4),
+    "lamb": lambda g: FusedLAMB(g, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0),
+}
+SIZES_HERE = SIZES * 2 + (3000,)
+
+
+def _params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g).to(dtype).requires_grad_() for n in SIZES_HERE]
+
+
+def _optimizer(params, make, tmp_path=None, window_mb=None, **kw):
+    """The offload optimizer over ``params`` in two groups, its masters and state on disk
+    in ``tmp_path`` where given, through a window of two slots (``window_mb``: of this
+    size): with three buckets or more, every step reads some of them back from the file."""
+    def build(**disk):
+        return OffloadOptimizer(make(split_groups(params, GROUPS)), {p: f"p{i}" for i, p in enumerate(params)},
+                                bucket_size_mb=0.004, **disk, **kw)
+    if tmp_path is None:
+        return build()
+    if window_mb is None:
+        sizing = build(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=64)
+        window_mb = 2.5 * sizing.layout.tier.window[0].buffer.numel() / 2**20
+        sizing.close()
+    return build(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=window_mb)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """How many regions the disk tiers read back from their files."""
+    count = [0]
+    read_into = DirectFile.read_into
+
+    def counted(self, buffer, offset):
+        count[0] += 1
+        return read_into(self, buffer, offset)
+    monkeypatch.setattr(DirectFile, "read_into", counted)
+    return count
+
+
+def _train(opt, params, steps, seed=1, start=0):
+    """Steps with some parameters without a gradient, two backwards on some steps
+    (accumulation), a spike (LAMB's clipping), loss scaling with an overflow (a skipped
+    step) and clipping by norm on others."""
+    g = torch.Generator().manual_seed(seed)
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for _ in range(2 if step % 3 == 0 else 1):
+            for i, p in enumerate(params):
+                if (step + i) % 5 == 0:
+                    continue
+                grad = torch.randn(p.shape, generator=g).to(p.dtype) * (1e3 if step == 2 and i == 1 else 1)
+                p.grad = grad if p.grad is None else p.grad + grad
+        if step % 4 == 1:  # fp16-style: scaled gradients, checked for overflow, unscaled in the kernel
+            grads = opt.gradients()
+            torch._foreach_mul_(grads, 128.0)
+            if step == 5 and grads and grads[-1].numel():
+                grads[-1][0] = float("inf")
+            opt.step(grad_scale=128.0, check_finite=True)
+            continue
+        if step % 4 == 3:  # clipping by norm, as the precision plugins clip
+            total = opt.gradient_norm()
+            torch._foreach_mul_(opt.gradients(), torch.clamp(0.5 / (total + 1e-6), max=1.0))
+        opt.step()
+
+
+@pytest.mark.parametrize("copy_on_cpu", [False, True], ids=["cpu-run", "accelerator-path"])
+@pytest.mark.parametrize("fraction", [0.4, 1.0])
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_the_disk_tier_ends_where_host_memory_ends(tmp_path, reads, algorithm, fraction, copy_on_cpu):
+    make = ALGORITHMS[algorithm]
+    ref_params, params = _params(), _params()
+    ref = _optimizer(ref_params, make, offload_fraction=fraction, copy_on_cpu=copy_on_cpu)
+    opt = _optimizer(params, make, tmp_path, offload_fraction=fraction, copy_on_cpu=copy_on_cpu)
+    assert len(opt._buckets) >= (3 if fraction == 1.0 else 2) and len(opt.layout.tier.window) == 2
+    _train(ref, ref_params, 12)
+    _train(opt, params, 12)
+    assert reads[0] >= (12 if fraction == 1.0 else 0)  # (each step read buckets back from the file)
+    assert opt.skipped_steps == ref.skipped_steps == 1
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    _assert_same_state(opt.state_dict(), ref.state_dict())
+    opt.close()
+    ref.close()
+
+
+def _assert_same_state(ours, ref):
+    assert ours["param_groups"] == ref["param_groups"] and ours["state"].keys() == ref["state"].keys()
+    for name, st in ref["state"].items():
+        assert ours["state"][name].keys() == st.keys(), name
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(ours["state"][name][key]), torch.as_tensor(value)), (name, key)
+
+
+def test_half_weights_keep_their_float32_masters_on_disk(tmp_path):
+    """bfloat16 weights: the float32 masters (and the state) in the file, the half copies
+    that go to the device in host memory; the masters' low bits survive every round trip."""
+    ref_params, params = _params(torch.bfloat16), _params(torch.bfloat16)
+    make = ALGORITHMS["adamw"]
+    ref = _optimizer(ref_params, make, copy_on_cpu=True)
+    opt = _optimizer(params, make, tmp_path, copy_on_cpu=True)
+    _train(ref, ref_params, 8)
+    _train(opt, params, 8)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    _assert_same_state(opt.state_dict(), ref.state_dict())  # (fp32_master beside each half weight's state)
+    assert any("fp32_master" in st for st in opt.state_dict()["state"].values())
+    opt.close()
+    ref.close()
+
+
+def test_between_steps_only_the_window_is_in_host_memory(tmp_path):
+    """After a step every master and state tensor of the buckets points at nothing: host
+    memory holds the window (two slots here), the gradient buffers and the step counts."""
+    params = _params()
+    opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True)
+    _train(opt, params, 3)
+    tier = opt.layout.tier
+    for b in opt._buckets:
+        assert all(s.master.numel() == 0 for s in b.slots)
+        for s in b.slots:
+            state = b.inner.state.get(s.master, {})
+            assert state and all(v.numel() <= 1 for v in state.values()), s.name  # (the step count)
+    window = sum(slot.buffer.numel() for slot in tier.window)
+    assert window <= tier.window_bytes and len(tier.window) == 2
+    held = sum(s.param.numel() for s in opt._slots if s.offloaded)
+    assert tier.disk_bytes() >= 12 * held  # the masters and two moments of every offloaded parameter
+    assert os.listdir(tmp_path) == []  # the working file has no name: a killed run leaves nothing
+    opt.close()
+
+
+def test_a_state_dict_loads_both_ways_and_another_fraction_follows(tmp_path):
+    """A host-memory optimizer's state dict into a disk one (and back): both go on to the
+    same bits; ``with_fraction`` moves the state, masters included, to a new disk optimizer."""
+    make = ALGORITHMS["adamw"]
+    first = _params()
+    src = _optimizer(first, make, copy_on_cpu=True)
+    _train(src, first, 5)
+    saved = src.state_dict()
+    ref_params, params = [p.detach().clone().requires_grad_() for p in first], \
+        [p.detach().clone().requires_grad_() for p in first]
+    ref = _optimizer(ref_params, make, copy_on_cpu=True)
+    opt = _optimizer(params, make, tmp_path, copy_on_cpu=True)
+    ref.load_state_dict(saved)
+    opt.load_state_dict(saved)
+    _train(ref, ref_params, 3, start=5)
+    _train(ref, ref_params, 2, start=8)
+    _train(opt, params, 3, start=5)
+    opt = opt.with_fraction(0.4)
+    _train(opt, params, 2, start=8)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    back = _optimizer([p.detach().clone().requires_grad_() for p in params], make, copy_on_cpu=True)
+    back.load_state_dict(opt.state_dict())
+    _assert_same_state(back.state_dict(), ref.state_dict())
+    for o in (src, ref, opt, back):
+        o.close()
+
+
+def test_bad_directories_windows_and_schedules_are_refused_by_name(tmp_path):
+    params = _params()
+    sgd = lambda ps: FusedSGD(ps, lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"offload_optimizer_device must be one of \('cpu', 'nvme'\)"):
+        OffloadOptimizer(sgd(params), offload_optimizer_device="disk")
+    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' .* give nvme_path"):
+        OffloadOptimizer(sgd(params), offload_optimizer_device="nvme")
+    with pytest.raises(ValueError, match="nvme_path is for offload_optimizer_device='nvme'"):
+        OffloadOptimizer(sgd(params), nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="nvme_window_mb must be a positive number"):
+        OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0)
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"nvme_window_mb=0\.001 holds 0 of the host buckets' regions .* give a "
+                                         r"larger nvme_window_mb, or a smaller bucket_size_mb"):
+        OffloadOptimizer(ALGORITHMS["adamw"](params), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
+                         nvme_window_mb=0.001, bucket_size_mb=0.01, copy_on_cpu=True)
+    for schedule in (dict(stream_cpu_step=True), dict(delayed_update=True)):
+        with pytest.raises(ValueError, match="offload_optimizer_device='nvme' runs with the CPU update at the step"):
+            OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
+                             copy_on_cpu=True, **schedule)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_a_directory_this_process_cannot_write_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="is not writable by this process"):
+        OffloadOptimizer(FusedSGD(_params(), lr=0.1), offload_optimizer_device="nvme", nvme_path=str(locked))
+
+
+def test_a_disk_too_small_is_said_at_set_up_and_a_full_one_during_a_step(tmp_path, monkeypatch):
+    """The space the file needs is checked when the optimizer is built; a write that fails
+    (the disk filled) is an error naming the path, at the end of that step at the latest."""
+    free = lambda path: os.statvfs_result((4096, 4096, 1, 1, 1, 1, 1, 1, 0, 255))  # noqa: E731, ARG005
+    with monkeypatch.context() as m:
+        m.setattr(direct_io.shutil, "disk_usage", lambda path: type("U", (), {"free": 4096})())
+        with pytest.raises(ValueError, match=r"nvme_path=.* has 0.00 GiB free; the optimizer state needs"):
+            OffloadOptimizer(ALGORITHMS["adamw"](_params()), offload_optimizer_device="nvme",
+                             nvme_path=str(tmp_path), copy_on_cpu=True, bucket_size_mb=0.01)
+    del free
+    params = _params()
+    opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True)
+    _train(opt, params, 1)
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(direct_io.os, "pwritev", full)
+    with pytest.raises(OSError, match=r"writing the optimizer state's working file in nvme_path=.* failed \(the disk "
+                                      r"is full\)"):
+        _train(opt, params, 1, start=1)
+    monkeypatch.undo()
+    opt.close()
+
+
+def test_direct_io_moves_aligned_buffers_and_falls_back_where_the_file_system_has_none(tmp_path, monkeypatch):
+    f = DirectFile(tmp_path, 3 * ALIGN + 1)
+    assert f.size == 4 * ALIGN and f.direct
+    data = aligned_empty(2 * ALIGN)
+    data.copy_(torch.randint(0, 256, (2 * ALIGN,), dtype=torch.uint8))
+    f.write_from(data, ALIGN).result()
+    back = aligned_empty(2 * ALIGN)
+    f.read_into(back, ALIGN).result()
+    assert torch.equal(back, data) and back.data_ptr() % ALIGN == 0
+    with pytest.raises(ValueError, match="direct I/O moves aligned uint8 buffers at aligned offsets"):
+        f.write_from(data, 1)
+    with pytest.raises(ValueError, match="reading bytes"):
+        f.read_into(back, 3 * ALIGN)
+    f.close()
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
+    buffered = DirectFile(tmp_path, ALIGN)
+    assert not buffered.direct
+    buffered.write_from(data[:ALIGN], 0).result()
+    buffered.read_into(back[:ALIGN], 0).result()
+    assert torch.equal(back[:ALIGN], data[:ALIGN])
+    buffered.close()
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------- under the Trainer
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(tmp_path, zero_stage):
+    """``FastOptStrategy(offload_optimizer_device="nvme")`` on the accelerator's path (and
+    with ZeRO, whose rank's share goes to disk the same way): two groups, a step-interval
+    scheduler, accumulation and clipping, as plain Lightning with torch's AdamW ends; a
+    checkpoint saved halfway (the state read from the file) resumes to the same end."""
+    import lightning as L
+
+    from lightning_fastopt import FastOptStrategy
+    from tests.test_precision import _data
+    from tests.test_strategy import Model, _fit
+
+    make = lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01)  # noqa: E731
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+
+    def ours():
+        return FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(disk), nvme_window_mb=0.008,
+                               bucket_size_mb=0.0001, copy_on_cpu=True, zero_stage=zero_stage)
+    kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.1)
+    model, ref = Model(make), Model(make)
+    trainer = _fit(ours(), model, **kw)
+    _fit("auto", ref, **kw)
+    engine = trainer.strategy.engines[0]
+    engine = getattr(engine, "local", engine)  # ZeRO's rank's offload optimizer
+    assert engine.layout.tier.on_disk and len(engine._buckets) >= 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    first = Model(make)
+    half = _fit(ours(), first, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path, **kw)
+    resumed = Model(make)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, strategy=ours(), **kw)
+    trainer.fit(resumed, _data(), ckpt_path=half.checkpoint_callback.best_model_path)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), ref.parameters()))
+    assert os.listdir(disk) == []
+
+
+def test_in_a_fabric_loop_with_fp16_scaling_an_overflow_and_a_save_in_the_middle(tmp_path):
+    """Fabric's strategy with the state on disk: fp16 loss scaling (an injected inf skips a
+    step), clipping, accumulation; the run equals the one with the state in host memory,
+    and a run saved halfway and loaded again ends on the same bits."""
+    import lightning as L
+
+    from lightning_fastopt.fabric import FastOptFabricPrecision, FastOptFabricStrategy
+    from tests.fabric_loop import train
+
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+
+    def fabric(on_disk: bool):
+        tier = dict(offload_optimizer_device="nvme", nvme_path=str(disk), nvme_window_mb=0.008) if on_disk else {}
+        f = L.Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(
+            copy_on_cpu=True, bucket_size_mb=0.0001, **tier),
+            plugins=[FastOptFabricPrecision("16-mixed", initial_scale_power=8, hysteresis=1)])
+        f.launch()
+        return f
+
+    in_memory = [p.detach().clone() for p in train(fabric(False), inject_at={2}).parameters()]
+    on_disk = fabric(True)
+    ours = train(on_disk, inject_at={2})
+    assert on_disk.strategy.precision.skipped_steps == 1
+    assert on_disk.strategy._wrappers[0].layout.tier.on_disk
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), in_memory))
+    path = tmp_path / "mid.ckpt"
+    train(fabric(True), inject_at={2}, save_at=5, path=path)
+    resumed = train(fabric(True), inject_at={2}, start=5, path=path)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), in_memory))
