@@ -338,3 +338,15 @@ def test_in_a_fabric_loop_with_fp16_scaling_an_overflow_and_a_save_in_the_middle
     train(fabric(True), inject_at={2}, save_at=5, path=path)
     resumed = train(fabric(True), inject_at={2}, start=5, path=path)
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), in_memory))
+
+
+def test_the_benchmark_measures_the_disk_and_the_step_on_it(tmp_path):
+    """``benchmarks/disk_tier.py --quick`` runs: the disk's rates, both steps and the share
+    of the disk's rate the step reached, printed."""
+    from tests.helpers import run_script
+
+    proc = run_script("benchmarks/disk_tier.py", "--quick", "--params", "4e5", "--dir", tmp_path)
+    out = proc.stdout
+    assert "disk, direct I/O, 8 MiB transfers, 4 in flight: write" in out and "read+write" in out
+    assert "step in host memory:" in out and "of the disk's rate reading and writing at once (target >= 80%)" in out
+    assert os.listdir(tmp_path) == []

@@ -211,14 +211,16 @@ class DiskTier:
                     slot.last_used = self._clock
 
     def prefetch(self, buckets: Sequence[HostBucket]) -> None:
-        """Start reading the next buckets' regions into free slots (keeping one for the
-        bucket about to be used), in order, on the stager thread."""
+        """Start reading the buckets' regions, in this order (the one about to be used
+        first), each into the slot used longest ago that no bucket is using or being read
+        into, on the stager thread once that slot's last write has landed: with two slots,
+        the next bucket's read follows the last one's write while this one updates."""
         with self._lock:
             for bucket in buckets:
                 if self._holding(bucket) is not None:
                     continue
                 spare = [s for s in self.window if not s.in_use and s.read is None]
-                if len(spare) < 2:
+                if not spare:
                     return
                 slot = min(spare, key=lambda s: s.last_used)
                 slot.bucket = bucket

@@ -81,6 +81,10 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         host_state_dtype: as for ``FastOptStrategy``: ``"bfloat16"`` keeps the offloaded
             rows' Adam moments in bfloat16 (stochastic rounding; changes the math);
             checkpoints and the optimizer given back after fit hold them as float32.
+        offload_optimizer_device, nvme_path, nvme_window_mb: as for ``FastOptStrategy``:
+            ``"nvme"`` keeps the offloaded rows' masters (not the host shards of
+            ``offload_parameters``, which are the masters) and state in a file per rank in
+            ``nvme_path``.
         delayed_update, delayed_update_warmup: as for ``FastOptStrategy`` (each offloaded
             update runs during the next forward and backward, which use weights one update
             old).  A checkpoint holds the model with the pending update applied (torch's

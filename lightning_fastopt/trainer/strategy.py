@@ -170,6 +170,17 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             so): a step that combines parameters (a norm over every gradient, a step size
             estimated over all of them) would see one share's
             (:mod:`~lightning_fastopt.optim.known_steps`).
+        offload_optimizer_device: ``"cpu"`` (default: the offloaded share's float32
+            masters and optimizer state in host memory) or ``"nvme"``: in a working file in
+            ``nvme_path`` (one per process, unnamed, its space reserved at set-up), read and
+            written bucket by bucket through ``nvme_window_mb`` of host memory while the
+            CPU update runs; the same results, bit for bit.  The words of Lightning's
+            ``DeepSpeedStrategy``.  With the CPU update at the step (not with
+            ``stream_cpu_step`` or ``delayed_update`` yet); see docs/strategy.md.
+        nvme_path: the directory of that file (a fast disk's), for ``"nvme"``.
+        nvme_window_mb: host memory for the buckets on their way to and from the disk
+            (default 512; two buckets' masters and state at least: about 3 x
+            ``bucket_size_mb`` each with Adam).
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
