@@ -46,7 +46,7 @@ class EngineState:
         opt = self.opt
         saved = self.saved()  # the state and a delayed update's pending masters, by name
         masters = {s.name: s.master.clone() if opt.layout.tier.on_disk else s.master
-                   for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master])
+                   for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master], writes=False)
                    for s in members}
         opt.close(apply_pending=False)
         new.load_state_dict(saved)
@@ -70,7 +70,7 @@ class EngineState:
         opt.schedule.wait()
         state = {}
         kept = _copy if opt.layout.tier.on_disk else (lambda v: v)  # a disk tier's tensors point at nothing after
-        for members in opt.layout.in_residence(opt._slots):
+        for members in opt.layout.in_residence(opt._slots, writes=False):
             for s in members:
                 st = opt._inner_of(s).state.get(s.master)
                 if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them

@@ -334,7 +334,7 @@ class OffloadOptimizer(OptimizerWrapper):
         slot = self._slot_of[param]
         if slot.bucket is None or not self.layout.tier.on_disk:
             return self._inner_of(slot).state.get(slot.master, {})
-        with self.layout.tier.resident(slot.bucket):  # a copy: the tensors point at nothing once it is written back
+        with self.layout.tier.resident(slot.bucket, writes=False):  # a copy: the tensors point at nothing after
             return {k: v.clone() if isinstance(v, Tensor) else v
                     for k, v in self._inner_of(slot).state.get(slot.master, {}).items()}
 
@@ -456,7 +456,7 @@ class OffloadOptimizer(OptimizerWrapper):
             self.copies.wait_on_host(bucket.grads_ready)
             self._refresh_written(written_in_bucket(bucket))  # (as its update would first)
             self.layout.tier.prefetch(self._buckets[i:i + 2])
-            with self.layout.tier.resident(bucket):
+            with self.layout.tier.resident(bucket, writes=False):
                 out.update(self.updates.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
         return out
 

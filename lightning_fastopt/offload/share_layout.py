@@ -57,14 +57,15 @@ class ShareLayout:
         if host_state_dtype is not None and opt.device.type == "cpu":  # a CPU run: the same kernels
             self.device_inner.state_dtype = host_state_dtype
 
-    def in_residence(self, slots: list[ParamSlot]) -> Iterator[list[ParamSlot]]:
+    def in_residence(self, slots: list[ParamSlot], writes: bool = True) -> Iterator[list[ParamSlot]]:
         """``slots`` by share (each host bucket's, then the device's), each bucket's masters
-        and state resident while its slots are handled (a disk tier holds a few at a time)."""
+        and state resident while its slots are handled (a disk tier holds a few at a time;
+        ``writes=False``: only read, nothing written back)."""
         shares: dict[HostBucket | None, list[ParamSlot]] = {}
         for s in slots:
             shares.setdefault(s.bucket, []).append(s)
         for bucket, members in shares.items():
-            with self.tier.resident(bucket) if bucket is not None else contextlib.nullcontext():
+            with self.tier.resident(bucket, writes=writes) if bucket is not None else contextlib.nullcontext():
                 yield members
 
     def inner_of(self, slot: ParamSlot) -> FusedOptimizer:

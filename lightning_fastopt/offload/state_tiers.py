@@ -55,9 +55,10 @@ class HostMemoryTier:
         """New buckets (their masters made, their state not yet)."""
 
     @contextlib.contextmanager
-    def resident(self, bucket: HostBucket, sent=None) -> Iterator[None]:
+    def resident(self, bucket: HostBucket, sent=None, writes: bool = True) -> Iterator[None]:
         """Inside: the bucket's masters and state are in host memory.  ``sent``: an event
-        after which nothing reads them any more (copies to the device in flight)."""
+        after which nothing reads them any more (copies to the device in flight);
+        ``writes``: False where nothing inside changes them (nothing to write back)."""
         yield
 
     def prefetch(self, buckets: Sequence[HostBucket]) -> None:
@@ -176,12 +177,13 @@ class DiskTier:
 
     # ------------------------------------------------------------------ residency
     @contextlib.contextmanager
-    def resident(self, bucket: HostBucket, sent=None, fresh: bool = False) -> Iterator[None]:
+    def resident(self, bucket: HostBucket, sent=None, writes: bool = True, fresh: bool = False) -> Iterator[None]:
         """Inside: the bucket's masters and state point into a window slot holding its
         region; on leaving, the ones made or replaced inside are taken into the slot, the
-        region is written back, and the tensors point at nothing until the next time.
-        ``fresh``: the region has never been written (the bucket was just made).  Inside
-        it again (a refresh inside an update), nothing more happens."""
+        region is written back (not with ``writes=False``: a reader's), and the tensors
+        point at nothing until the next time.  ``fresh``: the region has never been
+        written (the bucket was just made).  Inside it again (a refresh inside an
+        update), nothing more happens."""
         with self._lock:
             held = self._holding(bucket)
             if held is not None and held.in_use:
@@ -200,9 +202,10 @@ class DiskTier:
         finally:
             with self._lock:
                 try:
-                    self._take_in(bucket, slot)
-                    slot.written = self.file.write_from(slot.buffer[:self.regions[bucket].size],
-                                                        self.regions[bucket].offset)
+                    if writes:
+                        self._take_in(bucket, slot)
+                        slot.written = self.file.write_from(slot.buffer[:self.regions[bucket].size],
+                                                            self.regions[bucket].offset)
                     slot.sent = sent
                 finally:
                     self._evict(bucket)
