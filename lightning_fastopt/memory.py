@@ -19,6 +19,7 @@ import torch
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
 from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
 from lightning_fastopt.offload.partition import choose_offloaded
+from lightning_fastopt.offload.state_tiers import check_offload_device
 from lightning_fastopt.zero.partition import assign_owners
 
 # float32 state tensors per parameter element, per optimizer
@@ -39,6 +40,8 @@ class MemoryEstimate:
     rank: int = 0
     world_size: int = 1
     zero_stage: int = 0
+    disk: int = 0  # offload_optimizer_device="nvme": the masters and state in the rank's file
+    disk_window: int = 0  # and the host memory of its window (counted in cpu_total)
 
     @property
     def gpu_total(self) -> int:
@@ -46,13 +49,17 @@ class MemoryEstimate:
 
     @property
     def cpu_total(self) -> int:
-        return sum(self.cpu.values())
+        return sum(self.cpu.values()) + self.disk_window
 
     def __str__(self) -> str:
         rows = [f"{'':16s}{'GPU':>12s}{'CPU':>12s}"]
         for k in _FIELDS:
             rows.append(f"{k:16s}{_gib(self.gpu[k]):>12s}{_gib(self.cpu[k]):>12s}")
+        if self.disk:
+            rows.append(f"{'disk window':16s}{'':>12s}{_gib(self.disk_window):>12s}")
         rows.append(f"{'total':16s}{_gib(self.gpu_total):>12s}{_gib(self.cpu_total):>12s}")
+        if self.disk:
+            rows.append(f"(on disk, nvme_path: {_gib(self.disk).strip()} of float32 masters and optimizer state)")
         rows.append(f"({self.offloaded_params:,} of {self.total_params:,} parameters offloaded)")
         if self.zero_stage and self.world_size > 1:
             what = "rows of every parameter" if self.zero_stage == 3 else "parameters"
@@ -65,7 +72,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                     optimizer: str = "adam", amsgrad: bool = False, speculate: bool = False, zero_stage: int = 0,
                     world_size: int = 1, rank: int | None = None, tensor_parallel_size: int = 1,
                     tensor_parallel_plan: Mapping[str, Any] | None = None,
-                    offload_parameters: bool = False) -> MemoryEstimate:
+                    offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
+                    nvme_window_mb: float = 512.0) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
     rank.
@@ -113,6 +121,12 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       an element with AdamW); nothing persistent on the accelerator, where FSDP gathers
       the units it is working on (their size depends on how the model is sharded, and with
       the activations is not counted here).
+    - ``offload_optimizer_device="nvme"``: the offloaded float32 masters kept apart from the
+      weights and the offloaded optimizer state on disk (``disk``: a rank's file, less the
+      alignment of each tensor to 64 bytes and each bucket to 4 KiB) instead of in host
+      memory, which holds the window instead (``disk_window``: ``nvme_window_mb``, at
+      most).  The half copies and gradient buffers stay in host memory; so do the host
+      shards of ``offload_parameters`` (the masters), their state going to disk.
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -124,18 +138,26 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     owners = _owners(params, zero_stage, world_size, rank)
     tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
     _check_offload_parameters(offload_parameters, zero_stage, offload_fraction)
+    check_offload_device(offload_optimizer_device, "(checked)" if offload_optimizer_device == "nvme" else None,
+                         nvme_window_mb)
+    if offload_optimizer_device == "nvme" and speculate:
+        raise ValueError("offload_optimizer_device='nvme' runs with the CPU update at the step: speculate=True "
+                         "(stream_cpu_step) is not taken with it yet")
+    on_disk = offload_optimizer_device == "nvme"
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
         pieces = {t: _tensor_parallel_pieces(model, params, tensor_parallel_plan, tp, t)
                   for t in {r % tp for r in ranks}}  # each tensor-parallel rank's once
         each = [_rank_estimate(_local_rows(pieces[r % tp], r // tp, world_size // tp),
                                [True] * len(params), offload_fraction, state_tensors, speculate, 3, world_size, r,
-                               sum(p.numel() for p in params), on_host=offload_parameters)
+                               sum(p.numel() for p in params), on_host=offload_parameters,
+                               window=nvme_window_mb if on_disk else None)
                 for r in ranks]
         return max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
 
     def estimate(r: int, owned: list[bool]) -> MemoryEstimate:
-        return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r)
+        return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r,
+                              window=nvme_window_mb if on_disk else None)
 
     if owners is None:  # one process holds everything, on every rank
         return estimate(rank or 0, [True] * len(params))
@@ -146,10 +168,11 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
 
 def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fraction: float, state_tensors: int,
                    speculate: bool, zero_stage: int, world_size: int, rank: int,
-                   total: int | None = None, on_host: bool = False) -> MemoryEstimate:
+                   total: int | None = None, on_host: bool = False, window: float | None = None) -> MemoryEstimate:
     """One rank's figures, owning the parameters ``owned`` marks (see :func:`estimate_memory`;
     at stage 3 ``params`` are the rank's rows, ``total`` the model's elements; ``on_host``:
-    the rows themselves in host memory, their own masters)."""
+    the rows themselves in host memory, their own masters; ``window``: ``nvme_window_mb``,
+    the offloaded masters and state on disk)."""
     mine = [p for p, o in zip(params, owned) if o]
     chosen = iter(choose_offloaded(mine, offload_fraction))
     est = MemoryEstimate(total_params=sum(p.numel() for p in params) if total is None else total,
@@ -164,7 +187,10 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             est.offloaded_params += n
             est.cpu["params"] += n * size
             est.cpu["grads"] += n * size
-            est.cpu["optimizer_state"] += m * n * state_tensors
+            if window is None:
+                est.cpu["optimizer_state"] += m * n * state_tensors
+            else:
+                est.disk += m * n * state_tensors
             est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
             continue
         est.gpu["params"] += n * size
@@ -175,13 +201,19 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             # copied at the step: stage 1's (DDP's) and stage 3's (FSDP's p.grad) stay until zero_grad
             est.gpu["grads"] += n * size if sharded and zero_stage in (1, 3) else 0
             est.cpu["grads"] += n * size
-            est.cpu["master_weights"] += m * n + (n * size if half else 0)
-            est.cpu["optimizer_state"] += m * n * state_tensors
+            est.cpu["master_weights"] += n * size if half else 0  # the half copy sent to the device
+            if window is None:
+                est.cpu["master_weights"] += m * n
+                est.cpu["optimizer_state"] += m * n * state_tensors
+            else:
+                est.disk += m * n * (1 + state_tensors)
             est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
         else:
             est.gpu["grads"] += n * size
             est.gpu["master_weights"] += m * n if half else 0
             est.gpu["optimizer_state"] += m * n * state_tensors
+    if window is not None and est.disk:
+        est.disk_window = round(window * 2**20)
     return est
 
 

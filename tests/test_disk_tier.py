@@ -350,3 +350,33 @@ def test_the_benchmark_measures_the_disk_and_the_step_on_it(tmp_path):
     assert "disk, direct I/O, 8 MiB transfers, 4 in flight: write" in out and "read+write" in out
     assert "step in host memory:" in out and "of the disk's rate reading and writing at once (target >= 80%)" in out
     assert os.listdir(tmp_path) == []
+
+
+def test_the_memory_estimate_gives_the_disk_and_the_window(tmp_path):
+    """``estimate_memory(..., offload_optimizer_device="nvme")``: the masters and AdamW's
+    moments leave host memory for the disk, which holds them (the file's size less each
+    tensor's alignment to 64 bytes and each bucket's to 4 KiB), host memory the window
+    (never more than ``nvme_window_mb``); the gradient buffers stay."""
+    from torch import nn
+
+    from lightning_fastopt import estimate_memory
+    from lightning_fastopt.runtime.direct_io import ALIGN
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 48))
+    in_memory = estimate_memory(model, offload_fraction=1.0, optimizer="adamw")
+    est = estimate_memory(model, offload_fraction=1.0, optimizer="adamw", offload_optimizer_device="nvme",
+                          nvme_window_mb=0.2)
+    n = sum(p.numel() for p in model.parameters())
+    assert est.disk == 12 * n == in_memory.cpu["master_weights"] + in_memory.cpu["optimizer_state"]
+    assert est.cpu["master_weights"] == est.cpu["optimizer_state"] == 0 and est.cpu["grads"] == 4 * n
+    assert est.disk_window == round(0.2 * 2**20) and est.cpu_total == 4 * n + est.disk_window
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), copy_on_cpu=True, bucket_size_mb=0.01,
+                           offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.2)
+    tier = opt.layout.tier
+    padding = len(opt._buckets) * ALIGN + 3 * len(opt._slots) * 64
+    assert est.disk <= tier.disk_bytes() <= est.disk + padding
+    assert sum(slot.buffer.numel() for slot in tier.window) <= est.disk_window
+    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' runs with the CPU update at the step"):
+        estimate_memory(model, optimizer="adamw", speculate=True, offload_optimizer_device="nvme")
+    opt.close()

@@ -157,11 +157,12 @@ class DiskTier:
         return region
 
     def _size_window(self, region_bytes: int) -> None:
-        """Slots that each hold the largest region, as many as the window allows (two at least)."""
+        """Slots that each hold the largest region, as many as the window allows (two at
+        least, where there are two buckets) and no more than there are buckets."""
         if self.window and self.window[0].buffer.numel() >= region_bytes:
             return
-        count = self.window_bytes // region_bytes
-        if count < 2:
+        count = min(self.window_bytes // region_bytes, len(self.regions))
+        if count < min(2, len(self.regions)):
             raise ValueError(f"nvme_window_mb={self.window_mb!r} holds {count} of the host buckets' "
                              f"regions on disk ({region_bytes / 2**20:.3g} MiB each: a bucket's masters and optimizer "
                              "state); it needs two at least (one updated while the next is read): give a larger "
