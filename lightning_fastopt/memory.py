@@ -141,8 +141,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     check_offload_device(offload_optimizer_device, "(checked)" if offload_optimizer_device == "nvme" else None,
                          nvme_window_mb)
     if offload_optimizer_device == "nvme" and speculate:
-        raise ValueError("offload_optimizer_device='nvme' runs with the CPU update at the step: speculate=True "
-                         "(stream_cpu_step) is not taken with it yet")
+        raise ValueError("offload_optimizer_device='nvme' updates each bucket once, at the step or streamed into "
+                         "backward: speculate=True (updates kept apart) is not taken with it yet")
     on_disk = offload_optimizer_device == "nvme"
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]

@@ -202,10 +202,45 @@ def test_bad_directories_windows_and_schedules_are_refused_by_name(tmp_path):
                                          r"larger nvme_window_mb, or a smaller bucket_size_mb"):
         OffloadOptimizer(ALGORITHMS["adamw"](params), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
                          nvme_window_mb=0.001, bucket_size_mb=0.01, copy_on_cpu=True)
-    for schedule in (dict(stream_cpu_step=True), dict(delayed_update=True)):
-        with pytest.raises(ValueError, match="offload_optimizer_device='nvme' runs with the CPU update at the step"):
+    for schedule in (dict(stream_cpu_step=True, speculate=True), dict(delayed_update=True)):
+        with pytest.raises(ValueError, match="offload_optimizer_device='nvme' updates each bucket once, at the step "
+                                             "or streamed into backward"):
             OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
                              copy_on_cpu=True, **schedule)
+    from lightning_fastopt import FastOptStrategy
+
+    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' updates each bucket once, .* "
+                                         "delayed_update=True"):
+        FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(tmp_path), delayed_update=True)
+    with pytest.raises(ValueError, match="offload_fraction=0 offloads nothing"):
+        FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(tmp_path), offload_fraction=0.0)
+
+
+def test_the_update_streamed_into_backward_reads_each_bucket_from_disk_as_it_lands(tmp_path, reads):
+    """``stream_cpu_step=True``: each bucket's update on the worker thread during backward,
+    its masters and state read from the file (the next bucket's read started meanwhile);
+    the run ends where the step at the step ends, with the state in host memory."""
+    from torch import nn
+
+    def train(**kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                               {p: n for n, p in model.named_parameters()}, bucket_size_mb=0.02, copy_on_cpu=True, **kw)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            opt.zero_grad()
+            model(torch.randn(16, 64, generator=g)).square().mean().backward()
+            opt.step()
+        return model, opt
+
+    streamed, opt = train(stream_cpu_step=True, offload_optimizer_device="nvme", nvme_path=str(tmp_path),
+                          nvme_window_mb=0.12)
+    assert len(opt._buckets) == 6 and len(opt.layout.tier.window) == 2
+    assert opt.schedule.started == 6 * 6 and reads[0] >= 6 * 5  # (most buckets read back each step)
+    plain, _ = train()
+    assert all(torch.equal(a, b) for a, b in zip(streamed.parameters(), plain.parameters()))
+    opt.close()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
@@ -377,6 +412,35 @@ def test_the_memory_estimate_gives_the_disk_and_the_window(tmp_path):
     padding = len(opt._buckets) * ALIGN + 3 * len(opt._slots) * 64
     assert est.disk <= tier.disk_bytes() <= est.disk + padding
     assert sum(slot.buffer.numel() for slot in tier.window) <= est.disk_window
-    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' runs with the CPU update at the step"):
+    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' updates each bucket once, at the step or "
+                                         "streamed into backward: speculate=True"):
         estimate_memory(model, optimizer="adamw", speculate=True, offload_optimizer_device="nvme")
     opt.close()
+
+
+@pytest.mark.parametrize("clip", [None, 0.1], ids=["streamed", "clipped"])
+def test_under_the_trainer_the_update_streams_from_disk_where_nothing_checks_the_gradients(tmp_path, monkeypatch,
+                                                                                           clip):
+    """``stream_cpu_step=True`` with the state on disk: streamed where the step checks
+    nothing; where it clips, not used (a speculated update would keep the masters and state
+    apart), said in one line; both end where plain Lightning ends."""
+    from lightning_fastopt import FastOptStrategy
+    from lightning_fastopt.core import engines
+    from tests.helpers import said_lines
+    from tests.test_strategy import Model, _fit
+
+    said = said_lines(monkeypatch, engines)
+    make = lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.01)  # noqa: E731
+    model, ref = Model(make), Model(make)
+    strategy = FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.008,
+                               bucket_size_mb=0.0001, copy_on_cpu=True, stream_cpu_step=True)
+    trainer = _fit(strategy, model, gradient_clip_val=clip)
+    _fit("auto", ref, gradient_clip_val=clip)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    engine = trainer.strategy.engines[0]
+    if clip is None:
+        assert engine.schedule.started > 0
+    else:
+        assert engine.schedule.name == "at the step"
+        assert any("stream_cpu_step=True not used: the step checks the gradients first (gradient clipping), and an "
+                   "update speculated before that keeps the masters and state apart" in line for line in said), said

@@ -161,8 +161,8 @@ class OffloadOptimizer(OptimizerWrapper):
             (host memory) or ``"nvme"`` (a working file in ``nvme_path``, read and written
             bucket by bucket through a window of ``nvme_window_mb`` of host memory;
             :mod:`~lightning_fastopt.offload.state_tiers`).  The result is the same, bit
-            for bit.  ``"nvme"`` runs with the CPU update at the step (no
-            ``stream_cpu_step``, ``delayed_update``).
+            for bit.  ``"nvme"`` updates each bucket once, at the step or streamed
+            (not with ``speculate`` or ``delayed_update``).
         nvme_path: the directory of that file (``"nvme"`` only): a fast disk's.
         nvme_window_mb: host memory for the buckets on their way to and from the disk
             (two buckets' masters and state at least).
@@ -180,10 +180,10 @@ class OffloadOptimizer(OptimizerWrapper):
                  nvme_window_mb: float = 512.0) -> None:
         super().__init__(optimizer)
         check_offload_device(offload_optimizer_device, nvme_path, nvme_window_mb)
-        if offload_optimizer_device == "nvme" and (stream_cpu_step or delayed_update):
-            raise ValueError("offload_optimizer_device='nvme' runs with the CPU update at the step: "
-                             f"stream_cpu_step={stream_cpu_step} and delayed_update={delayed_update} (updates during "
-                             "backward or the next forward) are not taken with it yet")
+        if offload_optimizer_device == "nvme" and (speculate or delayed_update):
+            raise ValueError("offload_optimizer_device='nvme' updates each bucket once, at the step or streamed into "
+                             f"backward: speculate={speculate} and delayed_update={delayed_update} (updates kept "
+                             "apart, or during the next forward) are not taken with it yet")
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
         # every argument but the fraction, for with_fraction()

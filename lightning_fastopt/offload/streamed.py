@@ -38,8 +38,16 @@ class StreamedStep(CpuStepSchedule):
         if not opt.lands_during_backward:
             return
         opt.copies.mark_compute_done(bucket.backward_done)
-        self.running[bucket] = opt.updates.pool().submit(opt.updates.bucket_step, bucket, None, None, bucket.backward_done)
+        self.running[bucket] = opt.updates.pool().submit(self._update, bucket)
         self.started += 1
+
+    def _update(self, bucket: HostBucket) -> list[ParamSlot]:
+        """On the worker: the bucket's update, the next bucket's masters and state read
+        meanwhile where they are on disk (buckets land in their order)."""
+        opt = self.opt
+        i = opt._buckets.index(bucket)
+        opt.layout.tier.prefetch(opt._buckets[i:i + 2])
+        return opt.updates.bucket_step(bucket, None, None, bucket.backward_done)
 
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
         if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None) or self.opt.step_kwargs:
