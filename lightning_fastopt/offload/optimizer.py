@@ -455,7 +455,7 @@ class OffloadOptimizer(OptimizerWrapper):
         for i, bucket in enumerate(self._buckets):
             self.copies.wait_on_host(bucket.grads_ready)
             self._refresh_written(written_in_bucket(bucket))  # (as its update would first)
-            self.layout.tier.prefetch(self._buckets[i:i + 2])
+            self.layout.tier.prefetch(self._buckets[i:])
             with self.layout.tier.resident(bucket, writes=False):
                 out.update(self.updates.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
         return out

@@ -79,7 +79,7 @@ class CpuStepSchedule:
         back while the next one updates."""
         opt, written, sent = self.opt, [], []
         for i, b in enumerate(buckets):
-            opt.layout.tier.prefetch(buckets[i:i + 2])  # a disk tier reads the next bucket while this one updates
+            opt.layout.tier.prefetch(buckets[i:])  # a disk tier reads the next buckets (as slots allow) meanwhile
             if not opt.copies.needed:  # a CPU run: nothing to wait for or copy
                 with opt._timer.phase("cpu_step"), opt.layout.tier.resident(b):
                     written += opt.updates.step_inner(b.inner, b.slots, grad_scale, context)

@@ -46,7 +46,7 @@ class StreamedStep(CpuStepSchedule):
         meanwhile where they are on disk (buckets land in their order)."""
         opt = self.opt
         i = opt._buckets.index(bucket)
-        opt.layout.tier.prefetch(opt._buckets[i:i + 2])
+        opt.layout.tier.prefetch(opt._buckets[i:])
         return opt.updates.bucket_step(bucket, None, None, bucket.backward_done)
 
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
