@@ -167,6 +167,13 @@ case "$part" in
         run_tests $(((until - SECONDS) / 2)) rest_tests.txt "${REST_TESTS[@]}"
         say "the other GPT rows"
         gpt "$OTHERS" gpt_others $(((until - SECONDS) * 2 / 3)) $HEADLINE_STEPS
+        say "the CPU step with the state on this machine's disk, beside it in host memory (issue 53)"
+        disk_size="--params 2e8"  # 2.4 GB of masters and moments
+        [ -n "$tiny" ] && disk_size="--quick --params 4e5"
+        mkdir -p "$WORK/nvme"
+        # shellcheck disable=SC2086
+        timeout 150 python3 benchmarks/disk_tier.py --dir "$WORK/nvme" $disk_size 2>&1 | tee "$WORK/disk_tier.md"
+        pack
         say "the Trainer-level comparisons on the GPU"
         FASTOPT_TEST_ACCELERATOR=gpu run_tests $((until - SECONDS)) rest_trainer_on_gpu.txt "$TRAINER_ON_GPU $parallel"
         say "done"

@@ -85,3 +85,4 @@ def test_rest_holds_what_first_leaves_out(tmp_path):
     headline = re.search(r'^HEADLINE="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
                          re.M).group(1).split(",")
     assert set(others) & set(headline) == {"plain"}  # plain again: the bound's GPU step, on rest's machine
+    assert "of the disk's rate reading and writing at once" in files["disk_tier.md"]  # the disk row (issue 53)
