@@ -50,7 +50,7 @@ def _optimizer(params, make, tmp_path=None, window_mb=None, **kw):
         return build()
     if window_mb is None:
         sizing = build(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=64)
-        window_mb = 2.5 * sizing.layout.tier.window[0].buffer.numel() / 2**20
+        window_mb = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
         sizing.close()
     return build(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=window_mb)
 
@@ -444,3 +444,30 @@ def test_under_the_trainer_the_update_streams_from_disk_where_nothing_checks_the
         assert engine.schedule.name == "at the step"
         assert any("stream_cpu_step=True not used: the step checks the gradients first (gradient clipping), and an "
                    "update speculated before that keeps the masters and state apart" in line for line in said), said
+
+
+def test_state_the_plan_did_not_foresee_moves_the_bucket_to_a_larger_region(tmp_path, reads):
+    """A state dict of AMSGrad loaded into plain AdamW brings a third moment per parameter
+    (``max_exp_avg_sq``), which AdamW's regions have no place for: each bucket moves to a
+    new region at the file's end, and the run goes on as the same optimizer in host memory
+    that loaded the same state."""
+    first = _params()
+    src = _optimizer(first, ALGORITHMS["amsgrad"], copy_on_cpu=True)
+    _train(src, first, 3)
+    saved = src.state_dict()
+    ref_params = [p.detach().clone().requires_grad_() for p in first]
+    params = [p.detach().clone().requires_grad_() for p in first]
+    ref = _optimizer(ref_params, ALGORITHMS["adamw"], copy_on_cpu=True)
+    opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True,
+                     window_mb=0.3)  # room for a region a third larger
+    before = opt.layout.tier.disk_bytes()
+    ref.load_state_dict(saved)
+    opt.load_state_dict(saved)
+    assert opt.layout.tier.disk_bytes() > before  # the new regions
+    _train(ref, ref_params, 4, start=3)
+    _train(opt, params, 4, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    _assert_same_state(opt.state_dict(), ref.state_dict())
+    assert any("max_exp_avg_sq" in st for st in opt.state_dict()["state"].values())
+    for o in (src, ref, opt):
+        o.close()

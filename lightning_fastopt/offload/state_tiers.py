@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
-from lightning_fastopt.runtime.direct_io import DirectFile, aligned_empty, round_up
+from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, round_up
 
 __all__ = ["DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_offload_device", "make_tier"]
 
@@ -158,7 +158,8 @@ class DiskTier:
 
     def _size_window(self, region_bytes: int) -> None:
         """Slots that each hold the largest region, as many as the window allows (two at
-        least, where there are two buckets) and no more than there are buckets."""
+        least, where there are two buckets) and no more than there are buckets, sharing the
+        whole window (room for a region that grows: see the module's note)."""
         if self.window and self.window[0].buffer.numel() >= region_bytes:
             return
         count = min(self.window_bytes // region_bytes, len(self.regions))
@@ -171,7 +172,8 @@ class DiskTier:
             self._settle(old)
             if old.bucket is not None:
                 self._evict(old.bucket)
-        self.window = [_WindowSlot(aligned_empty(region_bytes, self.pin)) for _ in range(count)]
+        size = max(region_bytes, self.window_bytes // max(count, 1) // ALIGN * ALIGN)
+        self.window = [_WindowSlot(aligned_empty(size, self.pin)) for _ in range(count)]
 
     def disk_bytes(self) -> int:
         return self.file.size if self.file is not None else self._end
@@ -313,8 +315,10 @@ class DiskTier:
         self.regions[bucket] = self._plan(bucket, actual)
         self.file.grow(self._end)
         if self.regions[bucket].size > slot.buffer.numel():
-            raise RuntimeError(f"a host bucket's masters and state now take {self.regions[bucket].size / 2**20:.1f} "
-                               f"MiB, more than a slot of nvme_window_mb holds ({slot.buffer.numel() / 2**20:.1f} MiB)")
+            raise RuntimeError(f"a host bucket's masters and state now take {self.regions[bucket].size / 2**20:.3g} "
+                               f"MiB (state its optimizer does not keep was loaded), more than a slot of the window "
+                               f"holds ({slot.buffer.numel() / 2**20:.3g} MiB): give a larger nvme_window_mb "
+                               f"(now {self.window_mb!r})")
         for (index, key), value in kept.items():
             s = next(x for x in bucket.slots if x.index == index)
             _tensor_of(bucket, _Entry(s, key, value.dtype, 0)).set_(value)
