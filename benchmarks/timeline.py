@@ -11,7 +11,10 @@ From a ``torch.profiler`` trace (CPU and CUDA activities):
   (weights coming back);
 - ``CPU update``: the offload optimizer's CPU updates (its ``fastopt::cpu_update``
   ranges, on the main thread or the worker: :func:`profile` records every thread, where
-  torch's profiler records only the thread that started it by default).
+  torch's profiler records only the thread that started it by default);
+- ``disk read``, ``disk write``: with the masters and state on disk
+  (``offload_optimizer_device="nvme"``), the transfers of their file (``fastopt::disk_read``,
+  ``fastopt::disk_write``, on the I/O threads).
 
 :func:`hidden_exposed` splits each lane's busy time into the part during which GPU
 compute ran (hidden) and the rest (exposed: the GPU waited, or nothing needed it yet);
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-LANES = ("GPU compute", "D2H", "H2D", "CPU update")
+LANES = ("GPU compute", "D2H", "H2D", "CPU update", "disk read", "disk write")
 CPU_UPDATE = "fastopt::cpu_update"  # the record_function name of a bucket's CPU update
+RANGE_LANES = {CPU_UPDATE: "CPU update", "fastopt::disk_read": "disk read", "fastopt::disk_write": "disk write"}
+DISK_LANES = ("disk read", "disk write")
 
 Intervals = list[tuple[float, float]]
 
@@ -69,11 +74,12 @@ def lanes_from_events(events) -> dict[str, Intervals]:
                 raw["H2D"].append(span)
             elif "Memcpy" not in e.name and "Memset" not in e.name:
                 raw["GPU compute"].append(span)
-        elif e.name == CPU_UPDATE:
-            raw["CPU update"].append(span)
+        elif e.name in RANGE_LANES:
+            raw[RANGE_LANES[e.name]].append(span)
     starts = [s for spans in raw.values() for s, _ in spans]
     t0 = min(starts) if starts else 0.0
-    return {lane: merge((s - t0, e - t0) for s, e in spans) for lane, spans in raw.items()}
+    return {lane: merge((s - t0, e - t0) for s, e in spans) for lane, spans in raw.items()
+            if spans or lane not in DISK_LANES}  # the disk's lanes where the state is on disk
 
 
 def _overlap(a: Intervals, b: Intervals) -> float:
@@ -115,7 +121,8 @@ def draw(lanes: dict[str, Intervals], path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [lane for lane in LANES if lane in lanes] + [lane for lane in lanes if lane not in LANES]
-    colors = {"GPU compute": "tab:green", "D2H": "tab:orange", "H2D": "tab:purple", "CPU update": "tab:blue"}
+    colors = {"GPU compute": "tab:green", "D2H": "tab:orange", "H2D": "tab:purple", "CPU update": "tab:blue",
+              "disk read": "tab:brown", "disk write": "tab:red"}
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(names) + 1.2))
     for row, lane in enumerate(reversed(names)):
         spans = lanes[lane]

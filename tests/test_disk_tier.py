@@ -471,3 +471,16 @@ def test_state_the_plan_did_not_foresee_moves_the_bucket_to_a_larger_region(tmp_
     assert any("max_exp_avg_sq" in st for st in opt.state_dict()["state"].values())
     for o in (src, ref, opt):
         o.close()
+
+
+def test_the_breakdown_says_what_the_disk_moved_and_what_the_step_waited_for(tmp_path):
+    """``wall_clock_breakdown=True``: each step's MiB read and written back, and the
+    milliseconds it waited for buckets to be brought in."""
+    params = _params()
+    opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True, wall_clock_breakdown=True)
+    _train(opt, params, 2)
+    times = opt.last_step_times
+    region_mb = sum(r.size for r in opt.layout.tier.regions.values()) / 2**20
+    assert times["disk_written_mb"] == pytest.approx(region_mb)  # every bucket written back once
+    assert 0 < times["disk_read_mb"] <= region_mb and times["disk_wait"] >= 0.0
+    opt.close()

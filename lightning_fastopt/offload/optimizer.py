@@ -222,7 +222,8 @@ class OffloadOptimizer(OptimizerWrapper):
         pin = pin_memory and self.copies.is_cuda
         self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20), pin,
                                   self._host_state_dtype,
-                                  make_tier(offload_optimizer_device, nvme_path, nvme_window_mb, pin, self.copies))
+                                  make_tier(offload_optimizer_device, nvme_path, nvme_window_mb, pin, self.copies,
+                                            self._timer.now))
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False
@@ -476,7 +477,7 @@ class OffloadOptimizer(OptimizerWrapper):
         remember_weights([s for s in written if s.separate_master])
         self._intake.renew()
         self._timer.add("cpu_step_background", self.updates.take_background_ms())  # the worker's, all joined now
-        for name, value in self.schedule.breakdown().items():
+        for name, value in [*self.schedule.breakdown().items(), *self.layout.tier.breakdown().items()]:
             self._timer.add(name, value)
         self._timer.end_step()
         self.layout.tier.end_step()

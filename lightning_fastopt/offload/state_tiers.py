@@ -67,6 +67,10 @@ class HostMemoryTier:
     def end_step(self) -> None:
         """A step has ended: any write that failed is said now."""
 
+    def breakdown(self) -> dict[str, float]:
+        """What the tier adds to ``last_step_times`` since the last call."""
+        return {}
+
     def disk_bytes(self) -> int:
         return 0
 
@@ -108,11 +112,12 @@ class DiskTier:
         window_mb: host memory for the slots (``nvme_window_mb``): at least two buckets' regions.
         pin: the window in page-locked memory (new weights are copied to the device from it).
         copies: the optimizer's copy streams (to wait for the copies that read a slot).
+        clock: the step timer's clock (seconds; 0.0 while timing is off), for :meth:`breakdown`.
     """
 
     on_disk = True
 
-    def __init__(self, directory, window_mb: float, pin: bool, copies) -> None:
+    def __init__(self, directory, window_mb: float, pin: bool, copies, clock=lambda: 0.0) -> None:
         self.directory = directory
         self.window_mb = window_mb
         self.window_bytes = round(window_mb * 2**20)
@@ -122,10 +127,12 @@ class DiskTier:
         self.regions: dict[HostBucket, _Region] = {}
         self.window: list[_WindowSlot] = []
         self._end = 0  # bytes of the file planned so far
-        self._clock = 0
+        self._uses = 0  # counts releases: which slot was used longest ago
         self._lock = threading.RLock()
         self._stager: ThreadPoolExecutor | None = None
         self._failed: list[BaseException] = []
+        self._clock = clock
+        self._counts = dict.fromkeys(("disk_wait", "disk_read_mb", "disk_written_mb"), 0.0)
 
     # ------------------------------------------------------------------ planning
     def add(self, buckets: Sequence[HostBucket]) -> None:
@@ -193,7 +200,9 @@ class DiskTier:
                 nested = True
             else:
                 nested = False
+                started = self._clock()
                 slot = self._bring_in(bucket, read=not fresh)
+                self._counts["disk_wait"] += (self._clock() - started) * 1e3
                 slot.in_use = True
         if nested:
             yield
@@ -209,12 +218,13 @@ class DiskTier:
                         self._take_in(bucket, slot)
                         slot.written = self.file.write_from(slot.buffer[:self.regions[bucket].size],
                                                             self.regions[bucket].offset)
+                        self._counts["disk_written_mb"] += self.regions[bucket].size / 2**20
                     slot.sent = sent
                 finally:
                     self._evict(bucket)
                     slot.in_use = False
-                    self._clock += 1
-                    slot.last_used = self._clock
+                    self._uses += 1
+                    slot.last_used = self._uses
 
     def prefetch(self, buckets: Sequence[HostBucket]) -> None:
         """Start reading the buckets' regions, in this order (the one about to be used
@@ -260,6 +270,7 @@ class DiskTier:
         self._settle(slot)
         region = self.regions[bucket]
         self.file.read_into(slot.buffer[:region.size], region.offset).result()
+        self._counts["disk_read_mb"] += region.size / 2**20
 
     def _settle(self, slot: _WindowSlot) -> None:
         """Wait for the slot's last write and the copies that read it."""
@@ -331,6 +342,13 @@ class DiskTier:
                 tensor.set_(torch.empty(0, dtype=tensor.dtype))
 
     # ------------------------------------------------------------------ steps and teardown
+    def breakdown(self) -> dict[str, float]:
+        """Since the last call: milliseconds waited for buckets to be brought in
+        (``disk_wait``, timed while the step timer is on), MiB read and written."""
+        with self._lock:
+            counts, self._counts = self._counts, dict.fromkeys(self._counts, 0.0)
+        return counts
+
     def end_step(self) -> None:
         """Say a write that failed (it names the path); the others go on."""
         with self._lock:
@@ -420,9 +438,10 @@ def check_offload_device(device: Any, nvme_path: Any, nvme_window_mb: Any) -> st
     return device
 
 
-def make_tier(device: str, nvme_path, nvme_window_mb: float, pin: bool, copies) -> HostMemoryTier | DiskTier:
+def make_tier(device: str, nvme_path, nvme_window_mb: float, pin: bool, copies,
+              clock=lambda: 0.0) -> HostMemoryTier | DiskTier:
     if device == "nvme":
         from lightning_fastopt.runtime.direct_io import check_directory
 
-        return DiskTier(check_directory(nvme_path), nvme_window_mb, pin, copies)
+        return DiskTier(check_directory(nvme_path), nvme_window_mb, pin, copies, clock)
     return HostMemoryTier()

@@ -30,11 +30,12 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-__all__ = ["ALIGN", "DirectFile", "aligned_empty", "round_up"]
+__all__ = ["ALIGN", "RANGES", "DirectFile", "aligned_empty", "round_up"]
 
 ALIGN = 4096  # bytes: addresses, offsets and lengths of every transfer
 CHUNK = 8 * 2**20  # bytes a thread moves in one call
 THREADS = 4  # transfers in flight (an NVMe disk needs several to reach its bandwidth)
+RANGES = {"reading": "fastopt::disk_read", "writing": "fastopt::disk_write"}  # each transfer's profiler range
 
 
 def round_up(n: int, unit: int = ALIGN) -> int:
@@ -131,14 +132,15 @@ class DirectFile:
 
     def _transfer(self, call, view: memoryview, offset: int, doing: str) -> None:
         done = 0
-        while done < len(view):
-            try:
-                moved = call(self.fd, [view[done:]], offset + done)
-            except OSError as e:
-                raise self._error(doing, e) from e
-            if moved <= 0:
-                raise self._error(doing, OSError(errno.EIO, "the file ended early"))
-            done += moved
+        with torch.profiler.record_function(RANGES[doing]):  # (benchmarks/timeline.py draws them)
+            while done < len(view):
+                try:
+                    moved = call(self.fd, [view[done:]], offset + done)
+                except OSError as e:
+                    raise self._error(doing, e) from e
+                if moved <= 0:
+                    raise self._error(doing, OSError(errno.EIO, "the file ended early"))
+                done += moved
 
     def _error(self, doing: str, e: OSError) -> OSError:
         full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
