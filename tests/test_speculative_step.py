@@ -183,6 +183,28 @@ def test_a_step_given_another_scale_or_learning_rate_redoes_the_update(backend):
     assert schedule.totals["redone"] == 2 * buckets and schedule.totals["committed"] == 2 * buckets
 
 
+def test_a_second_backward_onto_landed_gradients_redoes_the_update(backend):
+    """Two backwards before a step (the second adds to gradients whose bucket's update was
+    already speculated): the gradient intake says so (``grads_changed``), and the update is
+    redone on the sum, as the synchronous step takes it.  The gradients' versions alone no
+    longer say it: they are taken again when backward ends."""
+    runs = []
+    for speculate in (True, False):
+        model = _net()
+        opt = _offload(model, ADAMW, speculate)
+        for x in _inputs(3):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward(retain_graph=True)
+            (loss * 0.5).backward()
+            opt.step(check_finite=True)
+        runs.append((model, opt.schedule))
+        opt.close()
+    (a, schedule), (b, _) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert schedule.totals["speculated"] > 0 and schedule.totals["redone"] == schedule.totals["speculated"]
+
+
 def test_speculation_is_held_back_while_more_than_one_of_the_last_8_steps_did_not_hold(backend):
     """Clipping fires at steps 3 and 5 to 7; step 10 overflows (fp16).  Speculation goes on
     past one miss (step 3), stops after the second (5), and the held-back steps update at
