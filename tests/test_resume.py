@@ -71,6 +71,21 @@ def test_sigkill_and_resume_is_bit_exact(fp16_run, tmp_path):
     assert resumed["loss_scale"] == ref["loss_scale"]
 
 
+def test_with_the_state_on_disk_a_killed_run_resumes_bit_exact_and_leaves_no_file(fp16_run, tmp_path):
+    """``offload_optimizer_device="nvme"``: killed (SIGKILL) mid-run, resumed from the last
+    checkpoint (which holds the state read from the working file), it ends where the run
+    with the state in host memory ends; the killed run's working file is gone (it never had
+    a name)."""
+    _, ref = fp16_run
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    _run(tmp_path, "--fp16", "--nvme", str(disk), "--kill-at-step", "20", expect_kill=True)
+    assert os.listdir(disk) == []
+    resumed = _run(tmp_path, "--fp16", "--nvme", str(disk), "--resume", str(tmp_path / "ckpt" / "last.ckpt"))
+    _assert_same(resumed, ref)
+    assert resumed["loss_scale"] == ref["loss_scale"]
+
+
 def test_resume_with_another_offload_fraction(fp16_run, tmp_path):
     ref_dir, ref = fp16_run
     resumed = _run(tmp_path, "--fp16", "--fraction", "0.5", "--resume", str(ref_dir / "ckpt" / EPOCH_2))

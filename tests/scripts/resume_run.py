@@ -2,7 +2,7 @@
 of every epoch, optionally killed with SIGKILL at a given step, optionally resumed.
 
     python tests/scripts/resume_run.py OUT --strategy fastopt_offload --fraction 0.5
-        [--fp16] [--kill-at-step 20] [--resume CKPT] [--accelerator gpu]
+        [--fp16] [--kill-at-step 20] [--resume CKPT] [--accelerator gpu] [--nvme DIR]
 
 Writes OUT/final.pt (the model's weights, the loss scale and the step) when it finishes.
 """
@@ -69,8 +69,10 @@ def main():
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--prefix", default="net")
     ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    ap.add_argument("--nvme", help="a directory: the offloaded state on disk there (offload_optimizer_device='nvme')")
     args = ap.parse_args()
-    strategy = (FastOptStrategy(offload_fraction=args.fraction, bucket_size_mb=0.0005)
+    disk = dict(offload_optimizer_device="nvme", nvme_path=args.nvme, nvme_window_mb=0.01) if args.nvme else {}
+    strategy = (FastOptStrategy(offload_fraction=args.fraction, bucket_size_mb=0.0005, **disk)
                 if args.strategy == "fastopt_offload" else "auto")  # plain: Trainer()
     plugins = [FastOptPrecision("16-mixed", initial_scale_power=12, loss_scale_window=5)] if args.fp16 else None
     callbacks = [ModelCheckpoint(dirpath=args.out / "ckpt", every_n_epochs=1, save_top_k=-1, save_last=True)]
