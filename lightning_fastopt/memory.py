@@ -126,7 +126,9 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       alignment of each tensor to 64 bytes and each bucket to 4 KiB) instead of in host
       memory, which holds the window instead (``disk_window``: ``nvme_window_mb``, at
       most).  The half copies and gradient buffers stay in host memory; so do the host
-      shards of ``offload_parameters`` (the masters), their state going to disk.
+      shards of ``offload_parameters`` (the masters), their state going to disk.  With
+      ``speculate`` the file holds each bucket twice (a speculated update is written
+      beside the last state), and nothing more is in host memory.
     """
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
@@ -140,9 +142,6 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     _check_offload_parameters(offload_parameters, zero_stage, offload_fraction)
     check_offload_device(offload_optimizer_device, "(checked)" if offload_optimizer_device == "nvme" else None,
                          nvme_window_mb)
-    if offload_optimizer_device == "nvme" and speculate:
-        raise ValueError("offload_optimizer_device='nvme' updates each bucket once, at the step or streamed into "
-                         "backward: speculate=True (updates kept apart) is not taken with it yet")
     on_disk = offload_optimizer_device == "nvme"
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
@@ -189,9 +188,9 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             est.cpu["grads"] += n * size
             if window is None:
                 est.cpu["optimizer_state"] += m * n * state_tensors
-            else:
-                est.disk += m * n * state_tensors
-            est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
+                est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
+            else:  # (a speculated update is written beside the state: the file twice over)
+                est.disk += m * n * state_tensors * (2 if speculate else 1)
             continue
         est.gpu["params"] += n * size
         if not own:  # another rank's: stage 1 keeps its gradient (DDP's) until the step, stage 2 frees it
@@ -205,9 +204,9 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             if window is None:
                 est.cpu["master_weights"] += m * n
                 est.cpu["optimizer_state"] += m * n * state_tensors
-            else:
-                est.disk += m * n * (1 + state_tensors)
-            est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
+                est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
+            else:  # (a speculated update is written beside the masters and state: the file twice over)
+                est.disk += m * n * (1 + state_tensors) * (2 if speculate else 1)
         else:
             est.gpu["grads"] += n * size
             est.gpu["master_weights"] += m * n if half else 0

@@ -140,20 +140,14 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
 
 
 def stream_arguments(landed: str, checks: Iterable[tuple[str, bool]],
-                     refusals: Iterable[tuple[str, bool]] = (), on_disk: bool = False) -> dict[str, bool]:
+                     refusals: Iterable[tuple[str, bool]] = ()) -> dict[str, bool]:
     """The offload optimizer's arguments of ``stream_cpu_step``, said in one line: each host
     bucket's CPU update starts during backward once its gradients have ``landed``;
     speculated, and checked at the step, where the step checks the gradients first
     (``checks``: what it may check, each with whether it does); none, and why, where one
-    of ``refusals`` (reasons, each with whether it applies) applies, or where the step
-    checks the gradients and the masters and state are on disk (``on_disk``: nothing of
-    them is kept apart for a speculated update there)."""
+    of ``refusals`` (reasons, each with whether it applies) applies."""
     checks = [check for check, applies in checks if applies]
     why_not = [reason for reason, applies in refusals if applies]
-    if on_disk and checks:
-        why_not.append(f"the step checks the gradients first ({', '.join(checks)}), and an update speculated "
-                       "before that keeps the masters and state apart, which offload_optimizer_device='nvme' does "
-                       "not")
     if why_not:
         rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
         return {}

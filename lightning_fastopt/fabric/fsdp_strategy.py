@@ -189,8 +189,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             streams = stream_arguments("been reduce-scattered",
                                        [("clipping or fp16 loss scaling, where the loop applies them", True)],
                                        [*in_place_refusals(self.offload_fraction, self.root_device,
-                                                           self.options.copy_on_cpu), *rows_refusals(fused)],
-                                       on_disk=self.options.offload_optimizer_device == "nvme")
+                                                           self.options.copy_on_cpu), *rows_refusals(fused)])
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
                                      wait_for_grad_copy=gradient_copy_waits(module) if on_host else None,

@@ -77,7 +77,7 @@ from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forwa
 from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_by_others,
                                              written_in_bucket)
-from lightning_fastopt.offload.speculative import SpeculativeStep, afford_speculation
+from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.offload.state_tiers import check_offload_device, make_tier
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
@@ -161,8 +161,9 @@ class OffloadOptimizer(OptimizerWrapper):
             (host memory) or ``"nvme"`` (a working file in ``nvme_path``, read and written
             bucket by bucket through a window of ``nvme_window_mb`` of host memory;
             :mod:`~lightning_fastopt.offload.state_tiers`).  The result is the same, bit
-            for bit.  ``"nvme"`` updates each bucket once, at the step or streamed
-            (not with ``speculate`` or ``delayed_update``).
+            for bit.  Not with ``delayed_update``; with ``speculate``, a speculated
+            update is written beside the bucket's last state in the file until the step
+            keeps one.
         nvme_path: the directory of that file (``"nvme"`` only): a fast disk's.
         nvme_window_mb: host memory for the buckets on their way to and from the disk
             (two buckets' masters and state at least).
@@ -180,10 +181,10 @@ class OffloadOptimizer(OptimizerWrapper):
                  nvme_window_mb: float = 512.0) -> None:
         super().__init__(optimizer)
         check_offload_device(offload_optimizer_device, nvme_path, nvme_window_mb)
-        if offload_optimizer_device == "nvme" and (speculate or delayed_update):
-            raise ValueError("offload_optimizer_device='nvme' updates each bucket once, at the step or streamed into "
-                             f"backward: speculate={speculate} and delayed_update={delayed_update} (updates kept "
-                             "apart, or during the next forward) are not taken with it yet")
+        if offload_optimizer_device == "nvme" and delayed_update:
+            raise ValueError("offload_optimizer_device='nvme' updates each bucket at the step or during backward: "
+                             "delayed_update=True (an update during the next forward, its masters apart) is not "
+                             "taken with it yet")
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
         # every argument but the fraction, for with_fraction()
@@ -232,7 +233,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self.before_updates: Callable[[Any, Any], None] | None = None
         self.layout.add(params)
         self.layout.take_state(optimizer)
-        if isinstance(self.schedule, SpeculativeStep) and not afford_speculation(self._buckets):
+        if isinstance(self.schedule, SpeculativeStep) and not self.layout.tier.reserve_snapshots(self._buckets):
             self.schedule = SynchronousStep(self)
         self._ready = True
 

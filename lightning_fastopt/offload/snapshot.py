@@ -56,6 +56,10 @@ class BucketSnapshot:
                         state[k] = v.clone() if isinstance(v, Tensor) else v
         self._saved = []
 
+    def commit(self) -> None:
+        """The update holds: nothing to undo (the next :meth:`take` replaces the copies)."""
+        self._saved = []
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers.values())

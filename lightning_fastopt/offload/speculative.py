@@ -28,7 +28,11 @@ norm), and still ends where the synchronous step ends, bit for bit.
 
 FSDP's host shards (``host_shards``) are their own masters: the speculative update writes
 them in place (compute reads only what FSDP gathers from them at the next forward, after
-the step), the snapshot keeps them, and a commit has nothing to send.
+the step), the snapshot keeps them, and a commit has nothing to send.  Where the masters
+and state are on disk (``offload_optimizer_device="nvme"``) the snapshot is the file: the
+speculative update is written beside the bucket's last state, which stays until the step
+commits the new one or discards it (the tier's ``snapshot``,
+:class:`~lightning_fastopt.offload.state_tiers.DiskSnapshot`).
 
 A redo costs more than the synchronous step would have: the snapshot, the speculative
 update, the restore and the update again (on an H100 with 16 host cores, a ~1B GPT whose
@@ -124,8 +128,9 @@ class SpeculativeStep(CpuStepSchedule):
         opt = self.opt
         opt.copies.wait_on_host(bucket.grads_ready)
         opt._refresh_written(written_in_bucket(bucket))
-        with opt.updates.on_worker():
-            self.snapshots.setdefault(bucket, BucketSnapshot()).take(bucket.inner, bucket.slots)
+        tier = opt.layout.tier
+        with opt.updates.on_worker(), tier.resident(bucket, speculative=True):
+            self.snapshots.setdefault(bucket, tier.snapshot(bucket)).take(bucket.inner, bucket.slots)
             return opt.updates.step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)
 
     # ------------------------------------------------------------------ at the step
@@ -175,8 +180,10 @@ class SpeculativeStep(CpuStepSchedule):
                 held.append(self._holds(b, spec, grad_scale, context))
                 if held[-1]:
                     self._counts["committed"] += 1
+                    self.snapshots[b].commit()
                     if updated:
-                        with opt._timer.phase("param_h2d"):
+                        with opt._timer.phase("param_h2d"), opt.layout.tier.resident(b, sent=b.params_sent,
+                                                                                     writes=False):
                             opt.updates.send_weights(b, updated, opt._compute_done)
                     w, s = updated, [b] if updated else []
                 else:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.offload.snapshot import BucketSnapshot
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, round_up
 
 __all__ = ["DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_offload_device", "make_tier"]
@@ -55,11 +56,25 @@ class HostMemoryTier:
         """New buckets (their masters made, their state not yet)."""
 
     @contextlib.contextmanager
-    def resident(self, bucket: HostBucket, sent=None, writes: bool = True) -> Iterator[None]:
+    def resident(self, bucket: HostBucket, sent=None, writes: bool = True, speculative: bool = False
+                 ) -> Iterator[None]:
         """Inside: the bucket's masters and state are in host memory.  ``sent``: an event
         after which nothing reads them any more (copies to the device in flight);
-        ``writes``: False where nothing inside changes them (nothing to write back)."""
+        ``writes``: False where nothing inside changes them (nothing to write back);
+        ``speculative``: what changes inside may be undone (the bucket's :meth:`snapshot`)."""
         yield
+
+    def snapshot(self, bucket: HostBucket) -> BucketSnapshot:
+        """What keeps a bucket's masters and state as they were before a speculative update
+        (``take``, then ``commit`` or ``restore``): here copies of them in host memory."""
+        return BucketSnapshot()
+
+    def reserve_snapshots(self, buckets: Sequence[HostBucket]) -> bool:
+        """Room for the snapshots of ``buckets``, said in one line; False where there is none
+        (the updates then run at the step)."""
+        from lightning_fastopt.offload.speculative import afford_speculation
+
+        return afford_speculation(list(buckets))
 
     def prefetch(self, buckets: Sequence[HostBucket]) -> None:
         """Start bringing these buckets in, in this order (the next to be used first)."""
@@ -133,6 +148,8 @@ class DiskTier:
         self._failed: list[BaseException] = []
         self._clock = clock
         self._counts = dict.fromkeys(("disk_wait", "disk_read_mb", "disk_written_mb"), 0.0)
+        self.spares: dict[HostBucket, _Region] = {}  # where a bucket's next speculative update is written
+        self._undo: dict[HostBucket, _Region] = {}  # a bucket's region before its speculative update
 
     # ------------------------------------------------------------------ planning
     def add(self, buckets: Sequence[HostBucket]) -> None:
@@ -187,13 +204,15 @@ class DiskTier:
 
     # ------------------------------------------------------------------ residency
     @contextlib.contextmanager
-    def resident(self, bucket: HostBucket, sent=None, writes: bool = True, fresh: bool = False) -> Iterator[None]:
+    def resident(self, bucket: HostBucket, sent=None, writes: bool = True, speculative: bool = False,
+                 fresh: bool = False) -> Iterator[None]:
         """Inside: the bucket's masters and state point into a window slot holding its
         region; on leaving, the ones made or replaced inside are taken into the slot, the
-        region is written back (not with ``writes=False``: a reader's), and the tensors
-        point at nothing until the next time.  ``fresh``: the region has never been
-        written (the bucket was just made).  Inside it again (a refresh inside an
-        update), nothing more happens."""
+        region is written back (not with ``writes=False``: a reader's; with
+        ``speculative``, into the bucket's spare region, the old one kept until
+        :meth:`commit` or :meth:`discard`), and the tensors point at nothing until the next
+        time.  ``fresh``: the region has never been written (the bucket was just made).
+        Inside it again (a refresh inside an update), nothing more happens."""
         with self._lock:
             held = self._holding(bucket)
             if held is not None and held.in_use:
@@ -215,7 +234,12 @@ class DiskTier:
             with self._lock:
                 try:
                     if writes:
+                        before = self.regions[bucket]
                         self._take_in(bucket, slot)
+                        if speculative:
+                            if self.regions[bucket] is before:  # (not moved to a larger region)
+                                self.regions[bucket] = self._spare(bucket, before)
+                            self._undo[bucket] = before
                         slot.written = self.file.write_from(slot.buffer[:self.regions[bucket].size],
                                                             self.regions[bucket].offset)
                         self._counts["disk_written_mb"] += self.regions[bucket].size / 2**20
@@ -261,6 +285,56 @@ class DiskTier:
             slot.read = None
         self._settle(slot)  # a write of this region still in flight: done before it changes
         return slot
+
+    # ------------------------------------------------------------------ speculation: the file keeps the old state
+    def snapshot(self, bucket: HostBucket) -> DiskSnapshot:
+        return DiskSnapshot(self, bucket)
+
+    def reserve_snapshots(self, buckets: Sequence[HostBucket]) -> bool:
+        """A spare region for each of ``buckets`` (a speculative update writes there, the
+        old state staying where it was until the step commits or discards it): the
+        file's space reserved now, said in one line."""
+        with self._lock:
+            for b in buckets:
+                if b not in self.spares:
+                    self.spares[b] = self._spare(b, self.regions[b])
+            self.file.grow(self._end)
+        from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+        rank_zero_info(f"lightning_fastopt: speculate=True writes each speculated bucket beside its last state in "
+                       f"nvme_path, until the step keeps one: the file takes {self._end / 2**30:.2f} GiB")
+        return True
+
+    def _spare(self, bucket: HostBucket, like: _Region) -> _Region:
+        """The bucket's spare region, laid out as ``like`` (a new one at the file's end where
+        it has none of that size yet)."""
+        spare = self.spares.pop(bucket, None)
+        if spare is None or spare.size != like.size:
+            spare = _Region(self._end, like.size, like.entries)
+            self._end += like.size
+            self.file.grow(self._end)
+        return _Region(spare.offset, spare.size, like.entries)
+
+    def commit(self, bucket: HostBucket) -> None:
+        """The speculative update of ``bucket`` holds: its region before becomes the spare."""
+        with self._lock:
+            before = self._undo.pop(bucket, None)
+            if before is not None and before.size == self.regions[bucket].size:
+                self.spares[bucket] = before
+
+    def discard(self, bucket: HostBucket) -> None:
+        """Undo the speculative update of ``bucket``: its region before is its region again
+        (the slot holding the update's bytes gives them up once their write has landed)."""
+        with self._lock:
+            before = self._undo.pop(bucket, None)
+            if before is None:
+                return
+            speculated, self.regions[bucket] = self.regions[bucket], before
+            if speculated.size == before.size:
+                self.spares[bucket] = speculated
+            held = self._holding(bucket)
+            if held is not None:
+                held.bucket = None
 
     def _holding(self, bucket: HostBucket) -> _WindowSlot | None:
         return next((s for s in self.window if s.bucket is bucket), None)
@@ -372,6 +446,54 @@ class DiskTier:
             if self._stager is not None:
                 self._stager.shutdown(wait=True)
                 self._stager = None
+
+
+class DiskSnapshot:
+    """What a speculative update of a bucket on disk may have to undo: its masters and
+    state in the file stay where they were (the update is written to the bucket's spare
+    region, :meth:`DiskTier.resident`), so only what lives in host memory is copied (the
+    step counts, state the update creates is noted to be removed)."""
+
+    def __init__(self, tier: DiskTier, bucket: HostBucket) -> None:
+        self.tier = tier
+        self.bucket = bucket
+        self._saved: list[tuple[ParamSlot, dict[str, Any] | None]] = []
+
+    def take(self, inner, slots: Sequence[ParamSlot]) -> None:
+        """Inside the bucket's speculative residency, before the update."""
+        self._saved = []
+        for s in slots:
+            state = inner.state.get(s.master)
+            kept = None if state is None else {
+                k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()
+                if not (isinstance(v, Tensor) and v.dim() > 0 and v.numel() == s.param.numel())}
+            self._saved.append((s, kept if state is None else (kept, set(state))))
+
+    def commit(self) -> None:
+        self.tier.commit(self.bucket)
+        self._saved = []
+
+    def restore(self, inner) -> None:
+        """The file's region before the update is the bucket's again; the state in host
+        memory as it was, state the update created removed."""
+        self.tier.discard(self.bucket)
+        with torch.no_grad():
+            for s, saved in self._saved:
+                if saved is None:
+                    inner.state.pop(s.master, None)
+                    continue
+                kept, keys = saved
+                state = inner.state[s.master]
+                for k in [k for k in state if k not in keys]:
+                    del state[k]
+                for k, v in kept.items():
+                    if isinstance(v, Tensor) and isinstance(state.get(k), Tensor) and state[k].shape == v.shape:
+                        state[k].copy_(v)
+                    else:
+                        state[k] = v
+        self._saved = []
+
+    nbytes = 0  # nothing of the masters and state in host memory
 
 
 def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:

@@ -79,8 +79,7 @@ class CopyPlan:
             *in_place_refusals(self.offload_fraction, self.root_device, self.copy_on_cpu),
         ]
         checks = [*self._step_checks(trainer), (f"{type(fused).__name__}'s global norm", needs_step_context(fused))]
-        streams = stream_arguments("been reduced and landed" if ddp else "landed", checks, refusals,
-                                   on_disk=self.offload_optimizer_device == "nvme")
+        streams = stream_arguments("been reduced and landed" if ddp else "landed", checks, refusals)
         if not streams:
             return {}
         if ddp:  # DDP's buckets, each handed over once its all-reduce has completed

@@ -283,8 +283,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         refusals = [("user code reads gradients before the step", device_grads != "copy_when_reduced"),
                     *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu),
                     *rows_refusals(fused)]
-        return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals,
-                                on_disk=self.options.offload_optimizer_device == "nvme")
+        return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals)
 
     @override
     def on_train_start(self) -> None:
