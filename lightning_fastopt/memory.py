@@ -189,8 +189,9 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             if window is None:
                 est.cpu["optimizer_state"] += m * n * state_tensors
                 est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
-            else:  # (a speculated update is written beside the state: the file twice over)
+            else:  # a speculated update's state is written beside the last: the file twice over; the rows kept here
                 est.disk += m * n * state_tensors * (2 if speculate else 1)
+                est.cpu["speculation"] += m * n if speculate else 0
             continue
         est.gpu["params"] += n * size
         if not own:  # another rank's: stage 1 keeps its gradient (DDP's) until the step, stage 2 frees it

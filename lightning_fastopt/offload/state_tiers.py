@@ -451,23 +451,25 @@ class DiskTier:
 class DiskSnapshot:
     """What a speculative update of a bucket on disk may have to undo: its masters and
     state in the file stay where they were (the update is written to the bucket's spare
-    region, :meth:`DiskTier.resident`), so only what lives in host memory is copied (the
-    step counts, state the update creates is noted to be removed)."""
+    region, :meth:`DiskTier.resident`), so only what lives in host memory is copied: a
+    master that is its own weight (FSDP's host shards, updated in place), the step counts;
+    state the update creates is noted to be removed."""
 
     def __init__(self, tier: DiskTier, bucket: HostBucket) -> None:
         self.tier = tier
         self.bucket = bucket
-        self._saved: list[tuple[ParamSlot, dict[str, Any] | None]] = []
+        self._saved: list[tuple[ParamSlot, Tensor | None, Any]] = []
 
     def take(self, inner, slots: Sequence[ParamSlot]) -> None:
         """Inside the bucket's speculative residency, before the update."""
         self._saved = []
         for s in slots:
             state = inner.state.get(s.master)
-            kept = None if state is None else {
+            kept = None if state is None else ({
                 k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()
-                if not (isinstance(v, Tensor) and v.dim() > 0 and v.numel() == s.param.numel())}
-            self._saved.append((s, kept if state is None else (kept, set(state))))
+                if not (isinstance(v, Tensor) and v.dim() > 0 and v.numel() == s.param.numel())}, set(state))
+            own = None if s.separate_master else s.master.detach().clone()  # not in the file: kept here
+            self._saved.append((s, own, kept))
 
     def commit(self) -> None:
         self.tier.commit(self.bucket)
@@ -478,7 +480,9 @@ class DiskSnapshot:
         memory as it was, state the update created removed."""
         self.tier.discard(self.bucket)
         with torch.no_grad():
-            for s, saved in self._saved:
+            for s, own, saved in self._saved:
+                if own is not None:
+                    s.master.copy_(own)
                 if saved is None:
                     inner.state.pop(s.master, None)
                     continue
@@ -493,7 +497,10 @@ class DiskSnapshot:
                         state[k] = v
         self._saved = []
 
-    nbytes = 0  # nothing of the masters and state in host memory
+    @property
+    def nbytes(self) -> int:
+        """Host bytes kept: the masters that are their own weights (none where every master is in the file)."""
+        return sum(own.numel() * own.element_size() for _, own, _ in self._saved if own is not None)
 
 
 def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:
