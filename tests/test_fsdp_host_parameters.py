@@ -177,12 +177,14 @@ def _fabric_loop(tmp_path, strategy, *extra):
 
 
 @slow
-@pytest.mark.parametrize("form", ["fastopt-1", "fastopt-1-classes"], ids=["parallelize_fn", "sharded-by-the-strategy"])
-def test_in_a_fabric_loop_too(tmp_path, form):
+@pytest.mark.parametrize("form, extra", [("fastopt-1", ()), ("fastopt-1-classes", ()), ("fastopt-1", ("nvme",))],
+                         ids=["parallelize_fn", "sharded-by-the-strategy", "state-on-disk"])
+def test_in_a_fabric_loop_too(tmp_path, form, extra):
     """``FastOptFabricFSDPStrategy(offload_parameters=True)``: a Fabric loop with
     ``fabric.clip_gradients`` and accumulation ends where Fabric's ``ModelParallelStrategy``
-    with the same policy and torch's AdamW ends, with no master kept apart."""
-    ours, apart = _fabric_loop(tmp_path, form, "host_params", "grads=free")
+    with the same policy and torch's AdamW ends, with no master kept apart (and with AdamW's
+    state on disk, ``offload_optimizer_device="nvme"``)."""
+    ours, apart = _fabric_loop(tmp_path, form, "host_params", "grads=free", *extra)
     ref, _ = _fabric_loop(tmp_path, "reference", "host_params")
     for a, b in zip(ours, ref):
         assert a.keys() == b.keys() and any(k.startswith("state/") for k in a)

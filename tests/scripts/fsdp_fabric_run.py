@@ -16,12 +16,13 @@ and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded grad
 during backward); ``grads=stream``: and ``stream_cpu_step=True``.  ``optimizer=whole_norms``:
 a user's optimizer whose step takes norms over whole parameters (``tests.references.WholeTensorNorms``)
 instead of AdamW; ``optimizer=lamb``: ``FusedLAMB`` (trust ratios and clipping over whole parameters).  ``tp=2``: 2-way tensor parallelism (``parallelize_module`` in ``parallelize_fn``,
-then FSDP over the one-way data-parallel dimension).  ``host_params``: the shards in host memory
+then FSDP over the one-way data-parallel dimension).  ``nvme``: ours with ``offload_optimizer_device="nvme"`` (a file per process).  ``host_params``: the shards in host memory
 (the reference's ``parallelize_fn`` passes ``CPUOffloadPolicy``; ours ``offload_parameters=True``).
 """
 
 import copy
 import sys
+import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -132,6 +133,9 @@ def main():
                "stream": dict(keep_gradients=False, stream_cpu_step=True)}.get(next(
                    (a.partition("=")[2] for a in extra if a.startswith("grads=")), None), {})
     options.update(a.split("=", 1) for a in extra if a.startswith("host_state_dtype="))
+    if "nvme" in extra and name != "reference":  # the offloaded rows' state in a file of this process's
+        options.update(offload_optimizer_device="nvme", nvme_window_mb=0.02,
+                       nvme_path=tempfile.mkdtemp(prefix="nvme-", dir=Path(out).parent))
     resume = next((a for a in extra if a.startswith("resume:")), None)
     global OPTIMIZER, TENSOR_PARALLEL, HOST_PARAMS
     HOST_PARAMS = "host_params" in extra
