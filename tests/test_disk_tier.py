@@ -202,15 +202,8 @@ def test_bad_directories_windows_and_schedules_are_refused_by_name(tmp_path):
                                          r"larger nvme_window_mb, or a smaller bucket_size_mb"):
         OffloadOptimizer(ALGORITHMS["adamw"](params), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
                          nvme_window_mb=0.001, bucket_size_mb=0.01, copy_on_cpu=True)
-    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' updates each bucket at the step or during "
-                                         "backward: delayed_update=True"):
-        OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path), copy_on_cpu=True,
-                         delayed_update=True)
     from lightning_fastopt import FastOptStrategy
 
-    with pytest.raises(ValueError, match="offload_optimizer_device='nvme' updates each bucket once, .* "
-                                         "delayed_update=True"):  # (the strategy's words)
-        FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(tmp_path), delayed_update=True)
     with pytest.raises(ValueError, match="offload_fraction=0 offloads nothing"):
         FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(tmp_path), offload_fraction=0.0)
 
@@ -256,6 +249,36 @@ def test_the_update_streamed_into_backward_reads_each_bucket_from_disk_as_it_lan
     plain, _ = _backward_steps()
     assert all(torch.equal(a, b) for a, b in zip(streamed.parameters(), plain.parameters()))
     opt.close()
+
+
+def test_the_delayed_update_reads_and_writes_the_file_during_the_next_forward(tmp_path):
+    """``delayed_update=True`` (after 2 synchronous steps): each update runs on the worker
+    during the next step's forward and backward, its bucket resident there, its weights
+    read back from the file when the next step sends them; the run, the state dict (the
+    pending masters with it) and the pending update applied at the end, also by a fresh
+    optimizer that loaded that state dict: all as with the state in host memory."""
+    disk = dict(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.12)
+    delayed = dict(delayed_update=True, delayed_update_warmup=2)
+    ours, opt = _backward_steps(**delayed, **disk)
+    ref_model, ref = _backward_steps(**delayed)
+    assert opt.schedule.name == ref.schedule.name == "delayed by one step" and opt._delayed.pending
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref_model.parameters()))
+    saved, ref_saved = opt.state_dict(), ref.state_dict()
+    _assert_same_state(saved, ref_saved)
+    assert all(torch.equal(saved["delayed_update"]["weights"][k], v)
+               for k, v in ref_saved["delayed_update"]["weights"].items())
+    import copy
+
+    fresh_model = copy.deepcopy(ours)  # the weights as saved, the pending update not in them
+    fresh = OffloadOptimizer(FusedAdam(fresh_model.parameters(), lr=1e-2, weight_decay=0.01),
+                             {p: n for n, p in fresh_model.named_parameters()}, bucket_size_mb=0.02, copy_on_cpu=True,
+                             **delayed, **dict(disk, nvme_path=str(tmp_path)))
+    fresh.load_state_dict(saved)  # the pending masters written to its file, pending again
+    assert opt.apply_pending_update() == ref.apply_pending_update() == fresh.apply_pending_update() > 0
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref_model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), ref_model.parameters()))
+    for o in (opt, ref, fresh):
+        o.close()
 
 
 def test_a_speculated_update_is_written_beside_the_last_state_until_the_step_keeps_one(tmp_path):

@@ -62,8 +62,7 @@ class StrategyOptions:
               offload_optimizer_device: Any = "cpu", nvme_path: Any = None,
               nvme_window_mb: Any = 512.0) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
-        check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction,
-                        delayed_update=delayed_update)
+        check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
@@ -176,8 +175,7 @@ def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, A
     return args
 
 
-def check_disk_tier(device: Any, nvme_path: Any, nvme_window_mb: Any, *, offload_fraction: Any,
-                    delayed_update: Any) -> None:
+def check_disk_tier(device: Any, nvme_path: Any, nvme_window_mb: Any, *, offload_fraction: Any) -> None:
     """``offload_optimizer_device``, ``nvme_path`` and ``nvme_window_mb`` checked with the
     arguments they go with (the directory too: it exists and this process can write there;
     the space the file needs is checked when the optimizer is set up)."""
@@ -188,10 +186,7 @@ def check_disk_tier(device: Any, nvme_path: Any, nvme_window_mb: Any, *, offload
     if not isinstance(offload_fraction, str) and offload_fraction == 0:
         raise ValueError("offload_optimizer_device='nvme' keeps the offloaded share's masters and optimizer state "
                          "on disk: offload_fraction=0 offloads nothing")
-    if delayed_update:
-        raise ValueError("offload_optimizer_device='nvme' updates each bucket once, at the step or streamed into "
-                         "backward: delayed_update=True (an update during the next forward, its masters apart) is "
-                         "not taken with it yet")
+
 
 
 def check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:

@@ -71,20 +71,25 @@ class DelayedUpdates:
     def take_all(self) -> list[ParamSlot]:
         return [s for b in list(self.pending) for s in self.take(b)]
 
-    def saved(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the step count and the masters not yet on the device."""
+    def saved(self, layout) -> dict[str, Any]:
+        """What a checkpoint keeps: the step count and the masters not yet on the device
+        (read where ``layout``'s tier keeps them)."""
         self.wait()
-        weights = {s.name: s.master.detach().clone() for f in self.pending.values() for s in f.result()}
+        weights = {}
+        for members in layout.in_residence([s for f in self.pending.values() for s in f.result()], writes=False):
+            weights.update((s.name, s.master.detach().clone()) for s in members)
         return {"steps": self.steps, "weights": weights}
 
-    def restore(self, weights: Mapping[ParamSlot, Tensor]) -> None:
+    def restore(self, weights: Mapping[ParamSlot, Tensor], layout) -> None:
         """Take a checkpoint's pending masters of offloaded slots back as pending updates
-        (the model's weights, loaded before, are the device's)."""
+        (the model's weights, loaded before, are the device's), written where ``layout``'s
+        tier keeps them."""
         self.pending = {}
         by_bucket: dict[HostBucket, list[ParamSlot]] = {}
-        for slot, weight in weights.items():
-            put_master(slot, weight)
-            by_bucket.setdefault(slot.bucket, []).append(slot)
+        for members in layout.in_residence(list(weights)):
+            for slot in members:
+                put_master(slot, weights[slot])
+                by_bucket.setdefault(slot.bucket, []).append(slot)
         for bucket, updated in by_bucket.items():
             done: Future = Future()
             done.set_result(updated)
@@ -140,7 +145,7 @@ class DelayedStep(CpuStepSchedule):
     def _run(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
         opt = self.opt
         opt.copies.wait_on_host(bucket.params_sent)  # the last copy to the device has read what this update writes
-        with opt.updates.on_worker():
+        with opt.updates.on_worker(), opt.layout.tier.resident(bucket):
             return opt.updates.run(bucket.inner, plan, grad_scale, context)
 
     def _send_pending(self) -> Sent:
@@ -159,7 +164,7 @@ class DelayedStep(CpuStepSchedule):
             opt._refresh_written(written)
             keep = [s for s in updated if s not in written]
             if keep:
-                with timer.phase("param_h2d"):
+                with timer.phase("param_h2d"), opt.layout.tier.resident(b, sent=b.params_sent, writes=False):
                     opt.updates.send_weights(b, keep, opt._compute_done)
                 sent, buckets = sent + keep, buckets + [b]
         return sent, buckets
@@ -180,7 +185,8 @@ class DelayedStep(CpuStepSchedule):
         for b in opt._buckets:
             mine = [s for s in keep if s.bucket is b]
             if mine:
-                opt.updates.send_weights(b, mine, opt._compute_done)
+                with opt.layout.tier.resident(b, sent=b.params_sent, writes=False):
+                    opt.updates.send_weights(b, mine, opt._compute_done)
                 last = b.params_sent
         opt.copies.compute_waits_for(last)
         remember_weights(keep)

@@ -80,7 +80,7 @@ class EngineState:
                         state[s.name][MASTER_KEY] = kept(s.master)
         saved = named_state_dict(opt.param_groups, self._names(), state)
         if opt._delayed is not None:
-            saved[SAVED_KEY] = opt._delayed.saved()
+            saved[SAVED_KEY] = opt._delayed.saved(opt.layout)
         return saved
 
     def load(self, state_dict: dict[str, Any]) -> None:
@@ -136,7 +136,7 @@ class EngineState:
         pending = {by_name[n]: w for n, w in weights.items()}
         later = {s: w for s, w in pending.items() if delayed is not None and s.bucket is not None}
         if delayed is not None:
-            delayed.restore(later)
+            delayed.restore(later, self.opt.layout)
             if saved:
                 delayed.steps = int(saved.get("steps", 0))
         now = [s for s in pending if s not in later]

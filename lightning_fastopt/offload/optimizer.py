@@ -161,9 +161,8 @@ class OffloadOptimizer(OptimizerWrapper):
             (host memory) or ``"nvme"`` (a working file in ``nvme_path``, read and written
             bucket by bucket through a window of ``nvme_window_mb`` of host memory;
             :mod:`~lightning_fastopt.offload.state_tiers`).  The result is the same, bit
-            for bit.  Not with ``delayed_update``; with ``speculate``, a speculated
-            update is written beside the bucket's last state in the file until the step
-            keeps one.
+            for bit, on every schedule; with ``speculate``, a speculated update is written
+            beside the bucket's last state in the file until the step keeps one.
         nvme_path: the directory of that file (``"nvme"`` only): a fast disk's.
         nvme_window_mb: host memory for the buckets on their way to and from the disk
             (two buckets' masters and state at least).
@@ -181,10 +180,6 @@ class OffloadOptimizer(OptimizerWrapper):
                  nvme_window_mb: float = 512.0) -> None:
         super().__init__(optimizer)
         check_offload_device(offload_optimizer_device, nvme_path, nvme_window_mb)
-        if offload_optimizer_device == "nvme" and delayed_update:
-            raise ValueError("offload_optimizer_device='nvme' updates each bucket at the step or during backward: "
-                             "delayed_update=True (an update during the next forward, its masters apart) is not "
-                             "taken with it yet")
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
         # every argument but the fraction, for with_fraction()

@@ -175,7 +175,7 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
             ``nvme_path`` (one per process, unnamed, its space reserved at set-up), read and
             written bucket by bucket through ``nvme_window_mb`` of host memory while the
             CPU update runs; the same results, bit for bit.  The words of Lightning's
-            ``DeepSpeedStrategy``.  Not with ``delayed_update``; see docs/strategy.md.
+            ``DeepSpeedStrategy``; see docs/strategy.md.
         nvme_path: the directory of that file (a fast disk's), for ``"nvme"``.
         nvme_window_mb: host memory for the buckets on their way to and from the disk
             (default 512; two buckets' masters and state at least: about 3 x
