@@ -23,6 +23,14 @@ apart from the weight), then each state tensor its inner optimizer keeps
 every bucket will need once its state exists, so the disk space is checked at set-up.
 State the plan did not foresee (another optimizer's keys loaded from a checkpoint) moves
 the bucket to a new region at the file's end, as large as it needs.
+
+[Note: speculation on disk]  A speculated update (``stream_cpu_step`` where the step
+checks the gradients first) must be undoable until the step: the tier's :meth:`snapshot`
+keeps what it changes.  In host memory that is a copy of the masters and state
+(:class:`~lightning_fastopt.offload.snapshot.BucketSnapshot`); on disk the file itself: the
+update is written to the bucket's spare region (reserved at set-up), the last state stays
+in its region until the step commits the new one (the regions swap) or discards it, and
+only what lives in host memory is copied (:class:`DiskSnapshot`).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.offload.snapshot import BucketSnapshot
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, round_up
 
-__all__ = ["DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_offload_device", "make_tier"]
+__all__ = ["DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_offload_device",
+           "make_tier"]
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 _LINE = 64  # bytes: every tensor of a region starts on a cache line
