@@ -106,7 +106,8 @@ def main() -> None:
           f"and moments; bucket_size_mb={bucket:g}, nvme_window_mb={window:g}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     rates = disk_rates(directory, min(state, 4 * 2**30), 8 * 2**20)
-    print("disk, direct I/O, 8 MiB transfers, 4 in flight: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in rates.items()))
+    measured = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in rates.items())
+    print(f"disk, direct I/O, 8 MiB transfers, 4 in flight: {measured}")
     in_memory, _ = step_times(params, None, bucket, window, steps)
     on_disk, held = step_times(params, directory, bucket, window, steps)
     moved = 2 * held  # every region read and written back

@@ -106,8 +106,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, host_state_dtype=host_state_dtype,
-            elementwise_optimizers=elementwise_optimizers, offload_parameters=offload_parameters, offload_optimizer_device=offload_optimizer_device,
-            nvme_path=nvme_path, nvme_window_mb=nvme_window_mb)
+            elementwise_optimizers=elementwise_optimizers, offload_parameters=offload_parameters,
+            offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path, nvme_window_mb=nvme_window_mb)
         if stream_cpu_step and keep_gradients:
             raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
                              "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")

@@ -16,7 +16,8 @@ and runs the rest.  ``grads=free``: ``keep_gradients=False`` (the offloaded grad
 during backward); ``grads=stream``: and ``stream_cpu_step=True``.  ``optimizer=whole_norms``:
 a user's optimizer whose step takes norms over whole parameters (``tests.references.WholeTensorNorms``)
 instead of AdamW; ``optimizer=lamb``: ``FusedLAMB`` (trust ratios and clipping over whole parameters).  ``tp=2``: 2-way tensor parallelism (``parallelize_module`` in ``parallelize_fn``,
-then FSDP over the one-way data-parallel dimension).  ``nvme``: ours with ``offload_optimizer_device="nvme"`` (a file per process).  ``host_params``: the shards in host memory
+then FSDP over the one-way data-parallel dimension).  ``nvme``: ours with
+``offload_optimizer_device="nvme"`` (a file per process).  ``host_params``: the shards in host memory
 (the reference's ``parallelize_fn`` passes ``CPUOffloadPolicy``; ours ``offload_parameters=True``).
 """
 
