@@ -313,13 +313,11 @@ def test_a_directory_this_process_cannot_write_is_refused(tmp_path):
 def test_a_disk_too_small_is_said_at_set_up_and_a_full_one_during_a_step(tmp_path, monkeypatch):
     """The space the file needs is checked when the optimizer is built; a write that fails
     (the disk filled) is an error naming the path, at the end of that step at the latest."""
-    free = lambda path: os.statvfs_result((4096, 4096, 1, 1, 1, 1, 1, 1, 0, 255))  # noqa: E731, ARG005
     with monkeypatch.context() as m:
         m.setattr(direct_io.shutil, "disk_usage", lambda path: type("U", (), {"free": 4096})())
         with pytest.raises(ValueError, match=r"nvme_path=.* has 0.00 GiB free; the optimizer state needs"):
             OffloadOptimizer(ALGORITHMS["adamw"](_params()), offload_optimizer_device="nvme",
                              nvme_path=str(tmp_path), copy_on_cpu=True, bucket_size_mb=0.01)
-    del free
     params = _params()
     opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True)
     _train(opt, params, 1)
