@@ -19,7 +19,7 @@ import torch
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
 from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
 from lightning_fastopt.offload.partition import choose_offloaded
-from lightning_fastopt.offload.state_tiers import check_offload_device
+from lightning_fastopt.offload.state_tiers import check_device_and_window
 from lightning_fastopt.zero.partition import assign_owners
 
 # float32 state tensors per parameter element, per optimizer
@@ -140,8 +140,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     owners = _owners(params, zero_stage, world_size, rank)
     tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
     _check_offload_parameters(offload_parameters, zero_stage, offload_fraction)
-    check_offload_device(offload_optimizer_device, "(checked)" if offload_optimizer_device == "nvme" else None,
-                         nvme_window_mb)
+    check_device_and_window(offload_optimizer_device, nvme_window_mb)
     on_disk = offload_optimizer_device == "nvme"
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]

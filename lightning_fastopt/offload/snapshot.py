@@ -43,17 +43,7 @@ class BucketSnapshot:
         with torch.no_grad():
             for s, kept in self._saved:
                 s.master.copy_(self._buffers[(s.index, "")])
-                if kept is None:
-                    inner.state.pop(s.master, None)
-                    continue
-                state = inner.state[s.master]
-                for k in [k for k in state if k not in kept]:
-                    del state[k]
-                for k, v in kept.items():
-                    if isinstance(v, Tensor) and isinstance(state.get(k), Tensor) and state[k].shape == v.shape:
-                        state[k].copy_(v)
-                    else:
-                        state[k] = v.clone() if isinstance(v, Tensor) else v
+                put_state_back(inner, s.master, kept, None if kept is None else set(kept))
         self._saved = []
 
     def commit(self) -> None:
@@ -71,3 +61,21 @@ class BucketSnapshot:
         with torch.no_grad():
             buffer.copy_(value)
         return buffer
+
+
+def put_state_back(inner: FusedOptimizer, master: Tensor, kept: dict[str, Any] | None, keys: set[str] | None) -> None:
+    """A slot's state in ``inner`` as a snapshot kept it: none where it had none
+    (``kept`` None), else only the keys it had (``keys``; state an update created is
+    removed) and ``kept``'s values put back, in the same tensors where the shapes match (the
+    inner optimizer's buckets keep pointing at them).  Called under ``torch.no_grad()``."""
+    if kept is None:
+        inner.state.pop(master, None)
+        return
+    state = inner.state[master]
+    for k in [k for k in state if k not in keys]:
+        del state[k]
+    for k, v in kept.items():
+        if isinstance(v, Tensor) and isinstance(state.get(k), Tensor) and state[k].shape == v.shape:
+            state[k].copy_(v)
+        else:
+            state[k] = v.clone() if isinstance(v, Tensor) else v

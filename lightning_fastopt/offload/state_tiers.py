@@ -43,14 +43,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
-from lightning_fastopt.offload.snapshot import BucketSnapshot
-from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, round_up
+from lightning_fastopt.offload.snapshot import BucketSnapshot, put_state_back
+from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
 
-__all__ = ["DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_offload_device",
-           "make_tier"]
+__all__ = ["DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_device_and_window",
+           "check_offload_device", "make_tier"]
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 _LINE = 64  # bytes: every tensor of a region starts on a cache line
@@ -308,8 +309,6 @@ class DiskTier:
                 if b not in self.spares:
                     self.spares[b] = self._spare(b, self.regions[b])
             self.file.grow(self._end)
-        from lightning.fabric.utilities.rank_zero import rank_zero_info
-
         rank_zero_info(f"lightning_fastopt: speculate=True writes each speculated bucket beside its last state in "
                        f"nvme_path, until the step keeps one: the file takes {self._end / 2**30:.2f} GiB")
         return True
@@ -377,7 +376,7 @@ class DiskTier:
     def _point(self, bucket: HostBucket, slot: _WindowSlot) -> None:
         """Point the bucket's masters and existing state at their places in the slot."""
         for e in self.regions[bucket].entries:
-            tensor = _tensor_of(bucket, e)
+            tensor = _tensor_of(bucket, e.slot, e.key)
             if tensor is not None:
                 _point_into(tensor, slot.buffer, e, _shape(e))
 
@@ -386,15 +385,14 @@ class DiskTier:
         loaded one) copied into their places in the slot; state the region has no place
         for moves the bucket to a larger region (see the module's note)."""
         region = self.regions[bucket]
-        planned = {(e.slot.index, e.key) for e in region.entries}
+        planned = {(e.slot.index, e.key): e.dtype for e in region.entries}
         actual = _actual_entries(bucket)
-        if any((s.index, k) not in planned for s, k, _ in actual) or any(
-                e.dtype != t.dtype for e in region.entries for t in [_tensor_of(bucket, e)] if t is not None):
+        if any(planned.get((s.index, k)) != dtype for s, k, dtype in actual):
             self._replan(bucket, slot, actual)
             region = self.regions[bucket]
         base = slot.buffer.data_ptr()
         for e in region.entries:
-            tensor = _tensor_of(bucket, e)
+            tensor = _tensor_of(bucket, e.slot, e.key)
             if tensor is not None and tensor.data_ptr() != base + e.offset:
                 _point_into(tensor, slot.buffer, e, _shape(e), copy=True)
 
@@ -403,7 +401,7 @@ class DiskTier:
         kept = {}  # what the slot holds now, before a new plan moves the places
         for s, key, _ in actual:
             e = held.get((s.index, key))
-            t = _tensor_of(bucket, _Entry(s, key, torch.float32, 0))
+            t = _tensor_of(bucket, s, key)
             if e is not None and t is not None and t.data_ptr() == slot.buffer.data_ptr() + e.offset:
                 kept[(s.index, key)] = t.clone()
         self.regions[bucket] = self._plan(bucket, actual)
@@ -415,12 +413,12 @@ class DiskTier:
                                f"(now {self.window_mb!r})")
         for (index, key), value in kept.items():
             s = next(x for x in bucket.slots if x.index == index)
-            _tensor_of(bucket, _Entry(s, key, value.dtype, 0)).set_(value)
+            _tensor_of(bucket, s, key).set_(value)
 
     def _evict(self, bucket: HostBucket) -> None:
         """The bucket's masters and state point at nothing (its region stays in the slot until reused)."""
         for e in self.regions[bucket].entries:
-            tensor = _tensor_of(bucket, e)
+            tensor = _tensor_of(bucket, e.slot, e.key)
             if tensor is not None:
                 tensor.set_(torch.empty(0, dtype=tensor.dtype))
 
@@ -467,18 +465,19 @@ class DiskSnapshot:
     def __init__(self, tier: DiskTier, bucket: HostBucket) -> None:
         self.tier = tier
         self.bucket = bucket
-        self._saved: list[tuple[ParamSlot, Tensor | None, Any]] = []
+        # each slot, its master where not in the file, its state in host memory and its state's keys
+        self._saved: list[tuple[ParamSlot, Tensor | None, dict[str, Any] | None, set[str] | None]] = []
 
     def take(self, inner, slots: Sequence[ParamSlot]) -> None:
         """Inside the bucket's speculative residency, before the update."""
         self._saved = []
         for s in slots:
             state = inner.state.get(s.master)
-            kept = None if state is None else ({
+            kept = None if state is None else {
                 k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()
-                if not (isinstance(v, Tensor) and v.dim() > 0 and v.numel() == s.param.numel())}, set(state))
+                if not _in_region(v, s)}
             own = None if s.separate_master else s.master.detach().clone()  # not in the file: kept here
-            self._saved.append((s, own, kept))
+            self._saved.append((s, own, kept, None if state is None else set(state)))
 
     def commit(self) -> None:
         self.tier.commit(self.bucket)
@@ -489,27 +488,16 @@ class DiskSnapshot:
         memory as it was, state the update created removed."""
         self.tier.discard(self.bucket)
         with torch.no_grad():
-            for s, own, saved in self._saved:
+            for s, own, kept, keys in self._saved:
                 if own is not None:
                     s.master.copy_(own)
-                if saved is None:
-                    inner.state.pop(s.master, None)
-                    continue
-                kept, keys = saved
-                state = inner.state[s.master]
-                for k in [k for k in state if k not in keys]:
-                    del state[k]
-                for k, v in kept.items():
-                    if isinstance(v, Tensor) and isinstance(state.get(k), Tensor) and state[k].shape == v.shape:
-                        state[k].copy_(v)
-                    else:
-                        state[k] = v
+                put_state_back(inner, s.master, kept, keys)
         self._saved = []
 
     @property
     def nbytes(self) -> int:
         """Host bytes kept: the masters that are their own weights (none where every master is in the file)."""
-        return sum(own.numel() * own.element_size() for _, own, _ in self._saved if own is not None)
+        return sum(own.numel() * own.element_size() for _, own, _, _ in self._saved if own is not None)
 
 
 def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:
@@ -534,16 +522,23 @@ def _actual_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtyp
         if s.separate_master:
             out.append((s, "", s.master.dtype))
         for key, value in (bucket.inner.state.get(s.master) or {}).items():
-            if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == s.param.numel():
+            if _in_region(value, s):
                 out.append((s, key, value.dtype))
     return out
 
 
-def _tensor_of(bucket: HostBucket, e: _Entry) -> Tensor | None:
-    if e.key == "":
-        return e.slot.master if e.slot.separate_master else None
-    value = (bucket.inner.state.get(e.slot.master) or {}).get(e.key)
+def _tensor_of(bucket: HostBucket, slot: ParamSlot, key: str) -> Tensor | None:
+    """The tensor of ``slot`` a region holds under ``key`` ("": the master), where it has one."""
+    if key == "":
+        return slot.master if slot.separate_master else None
+    value = (bucket.inner.state.get(slot.master) or {}).get(key)
     return value if isinstance(value, Tensor) and value.dim() > 0 else None
+
+
+def _in_region(value: Any, slot: ParamSlot) -> bool:
+    """Whether a state value of ``slot`` is one a region holds: a tensor of the master's size
+    (a scalar, such as the step count, stays in host memory)."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.param.numel()
 
 
 def _shape(e: _Entry) -> torch.Size:
@@ -561,25 +556,30 @@ def _point_into(tensor: Tensor, buffer: Tensor, e: _Entry, shape: torch.Size, co
 
 
 def check_offload_device(device: Any, nvme_path: Any, nvme_window_mb: Any) -> str:
-    """Refuse a bad ``offload_optimizer_device`` or a ``nvme_path`` that goes without it."""
-    if device not in OFFLOAD_DEVICES:
-        raise ValueError(f"offload_optimizer_device must be one of {OFFLOAD_DEVICES} (where the offloaded masters "
-                         f"and optimizer state live: host memory, or files in nvme_path), got {device!r}")
+    """Refuse a bad ``offload_optimizer_device`` or ``nvme_window_mb``, or a ``nvme_path``
+    that goes without it."""
+    check_device_and_window(device, nvme_window_mb)
     if device == "nvme" and nvme_path is None:
         raise ValueError("offload_optimizer_device='nvme' keeps the offloaded masters and optimizer state in files "
                          "in nvme_path: give nvme_path, a directory on a fast disk")
     if device != "nvme" and nvme_path is not None:
         raise ValueError(f"nvme_path is for offload_optimizer_device='nvme', got offload_optimizer_device={device!r}")
+    return device
+
+
+def check_device_and_window(device: Any, nvme_window_mb: Any) -> None:
+    """Refuse a bad ``offload_optimizer_device`` or ``nvme_window_mb`` (for what has no
+    directory to check: ``estimate_memory``)."""
+    if device not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload_optimizer_device must be one of {OFFLOAD_DEVICES} (where the offloaded masters "
+                         f"and optimizer state live: host memory, or files in nvme_path), got {device!r}")
     if isinstance(nvme_window_mb, bool) or not isinstance(nvme_window_mb, (int, float)) or not nvme_window_mb > 0:
         raise ValueError(f"nvme_window_mb must be a positive number of MiB (host memory for the buckets read from "
                          f"and written to disk), got {nvme_window_mb!r}")
-    return device
 
 
 def make_tier(device: str, nvme_path, nvme_window_mb: float, pin: bool, copies,
               clock=lambda: 0.0) -> HostMemoryTier | DiskTier:
     if device == "nvme":
-        from lightning_fastopt.runtime.direct_io import check_directory
-
         return DiskTier(check_directory(nvme_path), nvme_window_mb, pin, copies, clock)
     return HostMemoryTier()
