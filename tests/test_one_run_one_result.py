@@ -38,6 +38,14 @@ CONFIGS = {
     "fsdp-offload-in-place-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "in_place", "resume"], 2),
     "fsdp-offload-streamed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "stream_cpu_step"], 2),
     "fsdp-offload-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "resume"], 2),
+    # the host shards updated in place as FSDP hands their gradients over (streamed), and speculated with AdamW's
+    # state on disk (the disk tier's reads and writes on threads of their own); the rows' state on disk, speculated
+    "fsdp-host-shards-streamed": ("fsdp_trainer_run.py",
+                                  ["fastopt-1", "adamw", "{out}", "host_params", "stream_cpu_step", "clip=none"], 2),
+    "fsdp-host-shards-on-disk-speculated": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
+                                                                    "nvme", "stream_cpu_step", "clip=50"], 2),
+    "fsdp-offload-on-disk-speculated": ("fsdp_trainer_run.py",
+                                        ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"], 2),
     "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], None),
     "zero2-offload-speculated": ("ddp_run.py", ["zero2_speculate", "{out}"], None),
     "offload-ddp-speculated": ("ddp_run.py", ["ddp_speculate", "{out}"], None),
