@@ -534,3 +534,147 @@ def test_the_breakdown_says_what_the_disk_moved_and_what_the_step_waited_for(tmp
     assert times["disk_written_mb"] == pytest.approx(region_mb)  # every bucket written back once
     assert 0 < times["disk_read_mb"] <= region_mb and times["disk_wait"] >= 0.0
     opt.close()
+
+
+# ---------------------------------------------------------------------------- the state taken out whole
+def _anonymous_bytes() -> int:
+    """The process's memory that no file backs (``RssAnon``)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+
+def _held_in(directory) -> list[str]:
+    """The unlinked files of ``directory`` this process maps."""
+    with open("/proc/self/maps") as maps:
+        return [line.split(maxsplit=5)[5].strip() for line in maps
+                if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(str(directory))]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps and status (Linux)")
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_a_state_dict_of_the_state_on_disk_is_held_in_files_not_in_host_memory(tmp_path, moments):
+    """The state may be larger than host memory: the state dict (and ``state_of``) hold
+    copies in files of their own in nvme_path, mapped into memory (the page cache's), so
+    taking the state out and saving it grows the process's own memory by a small part of
+    it; the copies equal the state in host memory's (bfloat16 moments as float32, as
+    torch keeps them), save and load, and their files go with them."""
+    import gc
+
+    from lightning_fastopt.runtime.mapped_copies import SMALL, mapped_file_of
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1024, 1024)] * 4 + [(300,)]
+    first = [torch.randn(s, generator=g) for s in shapes]
+    make = (ALGORITHMS["adamw"] if moments == "float32" else ALGORITHMS["adamw-bf16-moments"])
+
+    def run(**disk):
+        params = [t.clone().requires_grad_() for t in first]
+        opt = OffloadOptimizer(make(split_groups(params, GROUPS)), {p: f"p{i}" for i, p in enumerate(params)},
+                               bucket_size_mb=4, copy_on_cpu=True, **disk)
+        _train(opt, params, 2)
+        return opt, params
+    ref, _ = run()
+    window_mb = 26 if moments == "float32" else 18  # two slots of a bucket's region
+    opt, params = run(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=window_mb)
+    state_bytes = opt.layout.tier.disk_bytes()
+    assert state_bytes > 1.5 * window_mb * 2**20  # masters and moments: more than the window holds
+    gc.collect()
+    before = _anonymous_bytes()
+    saved = opt.state_dict()
+    torch.save(saved, tmp_path.parent / "state.pt")
+    grown = _anonymous_bytes() - before
+    assert grown < state_bytes / 8, (grown, state_bytes)
+    big = [v for st in saved["state"].values() for v in st.values()
+           if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= SMALL]
+    assert len(big) == 4 * 2  # each large parameter's two moments
+    for v in big:
+        assert v.dtype == torch.float32
+        held = mapped_file_of(v)
+        assert held is not None and held.startswith(str(tmp_path)) and held.endswith("(deleted)"), held
+    _assert_same_state(saved, ref.state_dict())
+    _assert_same_state(torch.load(tmp_path.parent / "state.pt"), ref.state_dict())
+    st = opt.state_of(params[0])
+    assert st["exp_avg"].dtype == torch.float32 and mapped_file_of(st["exp_avg"]).startswith(str(tmp_path))
+    assert torch.equal(st["exp_avg_sq"], ref.state_of(ref._slots[0].param)["exp_avg_sq"].float())
+    assert os.listdir(tmp_path) == []  # (each copy's file has no name)
+    assert _held_in(tmp_path)
+    del saved, big, st, v
+    gc.collect()
+    assert _held_in(tmp_path) == []  # the last tensor gone, its file went
+    opt.close()
+    ref.close()
+
+
+def test_a_copy_the_disk_cannot_hold_is_an_error_naming_the_path(tmp_path, monkeypatch):
+    from lightning_fastopt.runtime import mapped_copies
+
+    params = [torch.randn(512, 1024, requires_grad=True)]
+    opt = OffloadOptimizer(FusedAdam(params, lr=1e-2), {params[0]: "w"}, copy_on_cpu=True,
+                           offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=16)
+    _train(opt, params, 2)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(mapped_copies.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"a copy of the optimizer state .* in nvme_path=.* failed \(the disk is full\)"):
+        opt.state_dict()
+    monkeypatch.undo()
+    assert set(opt.state_dict()["state"]["w"]) == {"step", "exp_avg", "exp_avg_sq"}  # nothing of the state lost
+    opt.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_after_fit_the_state_given_back_and_a_checkpoint_read_stay_in_files(tmp_path):
+    """After fit the Trainer gives the user's optimizer the state on disk back in files of
+    their own in nvme_path (mapped), as plain Lightning's AdamW holds it; a checkpoint the
+    strategy reads is mapped from its file, not read whole into host memory."""
+    import gc
+
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_fastopt import FastOptStrategy
+    from lightning_fastopt.runtime.mapped_copies import SMALL, mapped_file_of
+
+    class Wide(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(64, 4096), nn.Tanh(), nn.Linear(4096, 1))  # 1 MiB weights
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g)), batch_size=8)
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+
+    def fit(strategy):
+        model = Wide()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, strategy=strategy)
+        trainer.fit(model, data)
+        return trainer, model
+    trainer, model = fit(FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(disk), nvme_window_mb=8,
+                                         bucket_size_mb=1, copy_on_cpu=True))
+    ref_trainer, ref = fit("auto")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    opt, ref_opt = trainer.optimizers[0], ref_trainer.optimizers[0]
+    assert type(opt) is torch.optim.AdamW
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][key], value), key
+            if value.numel() * value.element_size() >= SMALL:
+                assert mapped_file_of(opt.state[p][key]).startswith(str(disk)), key
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    read = trainer.strategy.checkpoint_io.load_checkpoint(tmp_path / "after.ckpt")
+    weight = read["state_dict"]["net.0.weight"]
+    assert torch.equal(weight, model.net[0].weight) and mapped_file_of(weight) == str(tmp_path / "after.ckpt")
+    del read, weight, opt, trainer
+    gc.collect()

@@ -4,7 +4,11 @@ Lightning's own writer streams the bytes into the final file name; a process kil
 mid-write (out of memory, SIGKILL, node failure) can leave a truncated file under the
 name that ``ckpt_path="last"`` then picks.  This writer saves local paths with
 :func:`lightning_fastopt.checkpoint.atomic.save_atomically` (a temporary file, flushed,
-renamed over the target).  Remote paths (``s3://`` ...) go through Lightning's writer
+renamed over the target) and reads them mapped into memory (``torch.load(mmap=True)``,
+as Lightning's ``ModelParallelStrategy`` reads a full checkpoint: a checkpoint larger than
+host memory, such as one holding an optimizer state kept on disk, is read tensor by tensor
+as the strategy takes it in, never whole; a new checkpoint under the same name is a new
+file, so the one read stays whole).  Remote paths (``s3://`` ...) go through Lightning's writer
 unchanged.  A sharded checkpoint directory of the same name (a ZeRO run resumed without
 ZeRO) is replaced whole; any other directory in the way is an error.  Reading a sharded
 checkpoint directory gives the merged checkpoint
@@ -14,8 +18,10 @@ checkpoint directory gives the merged checkpoint
 from __future__ import annotations
 
 import os
+import zipfile
 from typing import Any
 
+import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.plugins.io import TorchCheckpointIO
@@ -41,6 +47,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         if is_sharded(path):
             return load_sharded(path, weights_only)
-        if map_location is None:
-            return super().load_checkpoint(path, weights_only=weights_only)
-        return super().load_checkpoint(path, map_location, weights_only)
+        location = _as_saved if map_location is None else map_location
+        if isinstance(get_filesystem(path), LocalFileSystem) and os.path.isfile(path) and zipfile.is_zipfile(path):
+            return torch.load(path, map_location=location, weights_only=weights_only, mmap=True)
+        return super().load_checkpoint(path, location, weights_only)
+
+
+def _as_saved(storage, location):
+    """Lightning's default ``map_location``: every tensor where it was saved from."""
+    return storage

@@ -77,7 +77,7 @@ class DelayedUpdates:
         self.wait()
         weights = {}
         for members in layout.in_residence([s for f in self.pending.values() for s in f.result()], writes=False):
-            weights.update((s.name, s.master.detach().clone()) for s in members)
+            weights.update((s.name, layout.tier.hand_out(s.master.detach(), copy=True)) for s in members)
         return {"steps": self.steps, "weights": weights}
 
     def restore(self, weights: Mapping[ParamSlot, Tensor], layout) -> None:

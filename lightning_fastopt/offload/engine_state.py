@@ -45,7 +45,7 @@ class EngineState:
         delayed update (moved over, not applied); returns ``new``."""
         opt = self.opt
         saved = self.saved()  # the state and a delayed update's pending masters, by name
-        masters = {s.name: s.master.clone() if opt.layout.tier.on_disk else s.master
+        masters = {s.name: opt.layout.tier.hand_out(s.master)
                    for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master], writes=False)
                    for s in members}
         opt.close(apply_pending=False)
@@ -69,15 +69,14 @@ class EngineState:
         opt = self.opt
         opt.schedule.wait()
         state = {}
-        kept = _copy if opt.layout.tier.on_disk else (lambda v: v)  # a disk tier's tensors point at nothing after
+        tier = opt.layout.tier  # (on disk: copies, in files of their own)
         for members in opt.layout.in_residence(opt._slots, writes=False):
             for s in members:
                 st = opt._inner_of(s).state.get(s.master)
-                if st:  # bfloat16 moments (host_state_dtype) are saved as float32, as torch.optim keeps them
-                    state[s.name] = {k: v.float() if isinstance(v, Tensor) and v.dtype == torch.bfloat16 else kept(v)
-                                     for k, v in st.items()}
+                if st:
+                    state[s.name] = {k: tier.hand_out(v, saved_dtype(v)) for k, v in st.items()}
                     if s.param.dtype != s.master.dtype:
-                        state[s.name][MASTER_KEY] = kept(s.master)
+                        state[s.name][MASTER_KEY] = tier.hand_out(s.master)
         saved = named_state_dict(opt.param_groups, self._names(), state)
         if opt._delayed is not None:
             saved[SAVED_KEY] = opt._delayed.saved(opt.layout)
@@ -150,5 +149,7 @@ class EngineState:
         remember_weights(list(pending))  # the model's weights as loaded are the device's
 
 
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, Tensor) else value
+def saved_dtype(value: Any) -> torch.dtype | None:
+    """The dtype a state value is saved in where it is not its own: bfloat16 moments
+    (``host_state_dtype``) as float32, as torch.optim keeps them."""
+    return torch.float32 if isinstance(value, Tensor) and value.dtype == torch.bfloat16 else None

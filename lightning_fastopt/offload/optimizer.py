@@ -69,7 +69,7 @@ from typing_extensions import override
 from lightning_fastopt.functional import grads_all_finite
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.delayed import DelayedStep, DelayedUpdates, check_delayed_update
-from lightning_fastopt.offload.engine_state import EngineState
+from lightning_fastopt.offload.engine_state import EngineState, saved_dtype
 from lightning_fastopt.offload.grad_intake import GradIntake, check_device_grads
 from lightning_fastopt.offload.share_layout import ShareLayout
 from lightning_fastopt.offload.share_updates import ShareUpdates
@@ -326,14 +326,17 @@ class OffloadOptimizer(OptimizerWrapper):
     def state_of(self, param: Tensor) -> dict[str, Any]:
         """The optimizer state of a model parameter (empty before its first step).  The
         state lives in inner optimizers, not in ``self.state``: Lightning moves whatever
-        ``self.state`` holds to the accelerator, which would undo the offload."""
+        ``self.state`` holds to the accelerator, which would undo the offload.  With the
+        state on disk, a copy as a checkpoint keeps it, in files of its own
+        (:meth:`DiskTier.hand_out <lightning_fastopt.offload.state_tiers.DiskTier.hand_out>`)."""
         self.schedule.wait()
         slot = self._slot_of[param]
-        if slot.bucket is None or not self.layout.tier.on_disk:
+        tier = self.layout.tier
+        if slot.bucket is None or not tier.on_disk:
             return self._inner_of(slot).state.get(slot.master, {})
-        with self.layout.tier.resident(slot.bucket, writes=False):  # a copy: the tensors point at nothing after
-            return {k: v.clone() if isinstance(v, Tensor) else v
-                    for k, v in self._inner_of(slot).state.get(slot.master, {}).items()}
+        with tier.resident(slot.bucket, writes=False):  # (the tensors point at nothing after)
+            state = self._inner_of(slot).state.get(slot.master, {})
+            return {k: tier.hand_out(v, saved_dtype(v)) for k, v in state.items()}
 
     # ------------------------------------------------------------------ gradients
     def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:

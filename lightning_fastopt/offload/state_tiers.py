@@ -49,6 +49,7 @@ from torch import Tensor
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.offload.snapshot import BucketSnapshot, put_state_back
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
+from lightning_fastopt.runtime.mapped_copies import MappedCopies
 
 __all__ = ["DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_device_and_window",
            "check_offload_device", "make_tier"]
@@ -73,6 +74,16 @@ class HostMemoryTier:
         ``writes``: False where nothing inside changes them (nothing to write back);
         ``speculative``: what changes inside may be undone (the bucket's :meth:`snapshot`)."""
         yield
+
+    def hand_out(self, value: Any, dtype: torch.dtype | None = None, copy: bool = False) -> Any:
+        """A master or state value of a resident bucket as it leaves the tier (a state dict,
+        the state given back after fit): here the tensor itself (``copy``: a copy), in
+        ``dtype`` where given (a copy where that is another dtype)."""
+        if not isinstance(value, Tensor):
+            return value
+        if dtype is not None and dtype != value.dtype:
+            return value.to(dtype)
+        return value.clone() if copy else value
 
     def snapshot(self, bucket: HostBucket) -> BucketSnapshot:
         """What keeps a bucket's masters and state as they were before a speculative update
@@ -160,6 +171,7 @@ class DiskTier:
         self._counts = dict.fromkeys(("disk_wait", "disk_read_mb", "disk_written_mb"), 0.0)
         self.spares: dict[HostBucket, _Region] = {}  # where a bucket's next speculative update is written
         self._undo: dict[HostBucket, _Region] = {}  # a bucket's region before its speculative update
+        self._copies: MappedCopies | None = None  # what hand_out gives (made at its first use)
 
     # ------------------------------------------------------------------ planning
     def add(self, buckets: Sequence[HostBucket]) -> None:
@@ -295,6 +307,18 @@ class DiskTier:
             slot.read = None
         self._settle(slot)  # a write of this region still in flight: done before it changes
         return slot
+
+    def hand_out(self, value: Any, dtype: torch.dtype | None = None, copy: bool = True) -> Any:
+        """A master or state value of a resident bucket as it leaves the tier: a copy (the
+        tensor points at nothing once the bucket leaves the window), in ``dtype`` where
+        given, in a file of its own in ``directory`` mapped into memory, not in host memory
+        (:class:`~lightning_fastopt.runtime.mapped_copies.MappedCopies`: the state on disk
+        may be larger than host memory, and a state dict holds all of it at once)."""
+        if not isinstance(value, Tensor):
+            return value
+        if self._copies is None:
+            self._copies = MappedCopies(self.directory)
+        return self._copies.copy(value, dtype)
 
     # ------------------------------------------------------------------ speculation: the file keeps the old state
     def snapshot(self, bucket: HostBucket) -> DiskSnapshot:

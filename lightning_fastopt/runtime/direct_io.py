@@ -30,7 +30,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-__all__ = ["ALIGN", "RANGES", "DirectFile", "aligned_empty", "round_up"]
+__all__ = ["ALIGN", "RANGES", "DirectFile", "aligned_empty", "open_unlinked", "round_up"]
 
 ALIGN = 4096  # bytes: addresses, offsets and lengths of every transfer
 CHUNK = 8 * 2**20  # bytes a thread moves in one call
@@ -65,6 +65,18 @@ def check_directory(path: str | os.PathLike) -> Path:
     return directory
 
 
+def open_unlinked(directory: Path, flags: int, suffix: str = ".state") -> int:
+    """A new file in ``directory``, opened with ``flags`` under a name no other run uses and
+    unlinked at once: it lives while this process holds it (its descriptor, or a mapping of
+    it), and no longer."""
+    fd, name = tempfile.mkstemp(prefix="fastopt-", suffix=suffix, dir=directory)
+    os.close(fd)
+    try:
+        return os.open(name, flags)
+    finally:
+        os.unlink(name)
+
+
 class DirectFile:
     """A working file of ``size`` bytes in ``directory`` (see the module's documentation).
 
@@ -81,19 +93,14 @@ class DirectFile:
         if round_up(size) > free:
             raise ValueError(f"nvme_path={str(self.directory)!r} has {_gib(free)} free; the {what} needs "
                              f"{_gib(round_up(size))} there")
-        fd, name = tempfile.mkstemp(prefix="fastopt-", suffix=".state", dir=self.directory)
-        os.close(fd)
         self.direct = True
         try:
-            try:
-                self.fd = os.open(name, os.O_RDWR | getattr(os, "O_DIRECT", 0))
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self.direct = False  # the file system has no direct I/O (tmpfs)
-                self.fd = os.open(name, os.O_RDWR)
-        finally:
-            os.unlink(name)  # the file lives while this process holds it, and no longer
+            self.fd = open_unlinked(self.directory, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.direct = False  # the file system has no direct I/O (tmpfs)
+            self.fd = open_unlinked(self.directory, os.O_RDWR)
         if not self.direct or not hasattr(os, "O_DIRECT"):
             self.direct = False
             rank_zero_info(f"lightning_fastopt: {self.directory} takes no direct I/O: the {what}'s file is read and "

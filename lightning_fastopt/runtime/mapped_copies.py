@@ -1,0 +1,84 @@
+"""Copies of tensors that live in files on a disk, not in the process's own memory.
+
+A state on disk (``offload_optimizer_device="nvme"``) may be larger than host memory:
+whatever takes it out of the working file whole (a checkpoint's state dict, the state the
+Trainer gives back to the user's optimizer after fit, the masters moved to an optimizer at
+another fraction) must not make a copy of it in host memory.  :class:`MappedCopies` makes
+each copy a file of its own in the same directory, created under a name no other run uses
+and unlinked at once, its blocks reserved (a disk that cannot hold it is an error naming
+the path), and mapped into memory shared with the file: the copy's pages belong to the
+page cache, written back to the disk and dropped as the kernel needs the memory, and the
+file goes when the last tensor viewing it does.  The tensors are ordinary CPU tensors
+(``torch.save`` writes them, torch's optimizers step them); small ones (under
+:data:`SMALL` bytes, such as Adam's step counts) are copied into host memory, where a file
+each would cost more than it holds.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_fastopt.runtime.direct_io import check_directory, open_unlinked
+
+__all__ = ["SMALL", "MappedCopies"]
+
+SMALL = 2**20  # bytes: a copy smaller than this stays in host memory
+
+
+class MappedCopies:
+    """Copies of tensors in memory-mapped files in ``directory`` (see the module's documentation)."""
+
+    def __init__(self, directory: str | os.PathLike, what: str = "optimizer state") -> None:
+        self.directory: Path = check_directory(directory)
+        self.what = what
+
+    def copy(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A copy of ``tensor`` (in ``dtype``, else its own), contiguous, on the CPU."""
+        dtype = tensor.dtype if dtype is None else dtype
+        nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes < SMALL:
+            return tensor.detach().to("cpu", dtype, copy=True)
+        out = self.empty(tensor.shape, dtype)
+        out.copy_(tensor.detach())
+        return out
+
+    def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialized CPU tensor whose memory is a file of its own (at least one byte)."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+        fd = open_unlinked(self.directory, os.O_RDWR, suffix=".copy")
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+                raise OSError(e.errno, f"lightning_fastopt: a copy of the {self.what} ({nbytes / 2**30:.2f} GiB) "
+                                       f"in nvme_path={str(self.directory)!r} failed{full}: {e.strerror or e}") from e
+            mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping holds the file
+        return torch.frombuffer(mapped, dtype=dtype, count=numel).view(tuple(shape))
+
+
+def mapped_file_of(tensor: Tensor) -> str | None:
+    """The file (as ``/proc/self/maps`` names it) whose mapping holds ``tensor``'s memory,
+    or None where it is the process's own (Linux; None elsewhere)."""
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    except OSError:
+        return None
+    return None
