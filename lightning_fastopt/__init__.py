@@ -22,7 +22,7 @@ with lightnings_logging_kept():  # importing lightning.pytorch here does not mov
     from lightning_fastopt.checkpoint import load_guard
     from lightning_fastopt.core.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
     from lightning_fastopt.fabric import FastOptFabricFSDPStrategy, FastOptFabricPrecision, FastOptFabricStrategy
-    from lightning_fastopt.memory import MemoryEstimate, estimate_memory
+    from lightning_fastopt.memory import MemoryEstimate, estimate_memory, sizes_that_fit
     from lightning_fastopt.offload import OffloadOptimizer
     from lightning_fastopt.optim import (
         CPUAdam, FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, FusedLion, FusedOptimizer, FusedSGD,
@@ -60,5 +60,5 @@ __all__ = [
     "FastOptStrategy", "FusedAdagrad", "FusedAdam",
     "FusedLAMB", "FusedLars", "FusedLion", "FusedOptimizer", "FusedSGD", "LossScaleAtMinimumError", "MemoryEstimate",
     "OffloadOptimizer",
-    "estimate_memory", "functional", "__version__",
+    "estimate_memory", "functional", "sizes_that_fit", "__version__",
 ]

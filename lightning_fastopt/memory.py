@@ -10,13 +10,15 @@ unsharded gradients of the layers in flight) are not included.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
+from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy
+from lightning_fastopt.fsdp.units_in_flight import units_in_flight
 from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
 from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.offload.state_tiers import check_device_and_window
@@ -24,13 +26,14 @@ from lightning_fastopt.zero.partition import assign_owners
 
 # float32 state tensors per parameter element, per optimizer
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "lion": 1, "adagrad": 1}
-_FIELDS = ("params", "grads", "master_weights", "optimizer_state", "speculation")
+_FIELDS = ("params", "grads", "master_weights", "optimizer_state", "speculation", "gathered")
 
 
 @dataclass
 class MemoryEstimate:
     """Bytes on each side; ``gpu`` and ``cpu`` map each of ``params``, ``grads``,
-    ``master_weights``, ``optimizer_state``, ``speculation`` to a byte count."""
+    ``master_weights``, ``optimizer_state``, ``speculation``, ``gathered`` (FSDP's units in
+    flight) to a byte count."""
 
     gpu: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_FIELDS, 0))
     cpu: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_FIELDS, 0))
@@ -50,6 +53,13 @@ class MemoryEstimate:
     @property
     def cpu_total(self) -> int:
         return sum(self.cpu.values()) + self.disk_window
+
+    def fits(self, gpu_memory: float, host_memory: float) -> bool:
+        """Whether these figures fit an accelerator of ``gpu_memory`` bytes and a host of
+        ``host_memory`` bytes (for this rank: a host with several ranks needs each one's),
+        before activations, the CUDA context and the allocator's slack, which the figures
+        do not count: leave room for them."""
+        return self.gpu_total <= gpu_memory and self.cpu_total <= host_memory
 
     def __str__(self) -> str:
         rows = [f"{'':16s}{'GPU':>12s}{'CPU':>12s}"]
@@ -73,7 +83,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                     world_size: int = 1, rank: int | None = None, tensor_parallel_size: int = 1,
                     tensor_parallel_plan: Mapping[str, Any] | None = None,
                     offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
-                    nvme_window_mb: float = 512.0) -> MemoryEstimate:
+                    nvme_window_mb: float = 512.0, auto_wrap_policy: Any = None,
+                    min_num_params: int | None = None) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
     rank.
@@ -121,6 +132,14 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       an element with AdamW); nothing persistent on the accelerator, where FSDP gathers
       the units it is working on (their size depends on how the model is sharded, and with
       the activations is not counted here).
+    - ``auto_wrap_policy`` (module classes) or ``min_num_params`` (with ``zero_stage=3``):
+      the units the strategies' one-line form makes with that policy, and ``gathered``: the
+      weights FSDP gathers whole on each rank's accelerator for the units in flight and
+      their unsharded gradients (the roots' weights, the two largest other units', the
+      largest unit's gradients: :mod:`~lightning_fastopt.fsdp.units_in_flight`), about,
+      activations not counted.  A LightningModule is sharded as the Trainer's strategy
+      does (its children holding the rest as roots), any other module as Fabric's (itself
+      the root).  Without either, ``gathered`` is 0: not counted.
     - ``offload_optimizer_device="nvme"``: the offloaded float32 masters kept apart from the
       weights and the offloaded optimizer state on disk (``disk``: a rank's file, less the
       alignment of each tensor to 64 bytes and each bucket to 4 KiB) instead of in host
@@ -141,6 +160,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
     _check_offload_parameters(offload_parameters, zero_stage, offload_fraction)
     check_device_and_window(offload_optimizer_device, nvme_window_mb)
+    units = _check_units(auto_wrap_policy, min_num_params, zero_stage)
     on_disk = offload_optimizer_device == "nvme"
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
@@ -151,7 +171,11 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                                sum(p.numel() for p in params), on_host=offload_parameters,
                                window=nvme_window_mb if on_disk else None)
                 for r in ranks]
-        return max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
+        chosen = max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
+        if units is not None:
+            weights, grads = units_in_flight(model, units[0], units[1], forward_runs=not _is_lightning_module(model))
+            chosen.gpu["gathered"] = weights + grads
+        return chosen
 
     def estimate(r: int, owned: list[bool]) -> MemoryEstimate:
         return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r,
@@ -222,6 +246,44 @@ def _check_offload_parameters(offload_parameters: Any, zero_stage: int, offload_
     if offload_parameters and (zero_stage != 3 or offload_fraction != 1.0):
         raise ValueError(f"offload_parameters=True is FSDP's (zero_stage=3) with every row in host memory "
                          f"(offload_fraction=1.0), got zero_stage={zero_stage!r}, offload_fraction={offload_fraction!r}")
+
+
+def _check_units(policy: Any, min_num_params: Any, zero_stage: int) -> tuple[tuple[type, ...], int] | None:
+    """The one-line form's policy (classes, threshold) to plan FSDP's units with, or None."""
+    if policy is None and min_num_params is None:
+        return None
+    if zero_stage != 3:
+        raise ValueError(f"auto_wrap_policy and min_num_params plan FSDP's units (zero_stage=3), got "
+                         f"zero_stage={zero_stage!r}")
+    threshold = 100_000_000 if min_num_params is None else min_num_params
+    return check_auto_wrap_policy(policy, threshold), threshold
+
+
+def _is_lightning_module(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a LightningModule (of either Lightning package)."""
+    return any(c.__name__ == "LightningModule" and c.__module__.startswith(("lightning.pytorch", "pytorch_lightning"))
+               for c in type(model).__mro__)
+
+
+def sizes_that_fit(build: Callable[[Any], torch.nn.Module], sizes: Iterable[Any], gpu_memory: float,
+                   host_memory: float, **estimate_args: Any) -> list[tuple[Any, MemoryEstimate, bool]]:
+    """Which model sizes fit an accelerator of ``gpu_memory`` bytes and a host of
+    ``host_memory`` bytes: for each of ``sizes``, the model ``build(size)`` makes (on the
+    meta device: nothing is allocated), its :func:`estimate_memory` with ``estimate_args``
+    and whether it :meth:`~MemoryEstimate.fits` (before activations).  For example, the
+    GPTs of 24 to 48 layers on a 24 GiB GPU and a 128 GiB host, weights in host memory::
+
+        sizes_that_fit(lambda n: GPT(layers=n), range(24, 49, 4), 24 * 2**30, 128 * 2**30,
+                       zero_stage=3, offload_parameters=True, auto_wrap_policy={Block},
+                       precision="bf16-mixed")
+    """
+    out = []
+    for size in sizes:
+        with torch.device("meta"):
+            model = build(size)
+        est = estimate_memory(model, **estimate_args)
+        out.append((size, est, est.fits(gpu_memory, host_memory)))
+    return out
 
 
 def _owners(params: list[torch.Tensor], zero_stage: int, world_size: int, rank: int | None) -> list[int] | None:

@@ -417,3 +417,35 @@ def test_the_estimate_of_host_parameters_refuses_what_the_strategy_refuses():
         estimate_memory(model, zero_stage=3, offload_fraction=0.5, offload_parameters=True)
     with pytest.raises(TypeError, match="offload_parameters must be True or False"):
         estimate_memory(model, zero_stage=3, offload_parameters=1)
+
+
+PEAK_SCRIPT = Path(__file__).resolve().parent / "scripts" / "host_parameters_peak.py"
+
+
+def _peak_run(tmp_path, accelerator):
+    import json
+
+    out = tmp_path / "peak.json"
+    run_script(PEAK_SCRIPT, out, accelerator, ranks=1)
+    return json.loads(out.read_text())
+
+
+@slow
+def test_the_peak_script_trains_and_estimates_on_a_cpu(tmp_path):
+    """The script the GPU check below runs: on a CPU it trains its 16-block GPT with the
+    weights in host memory and gives the estimate (nothing to measure on a CPU)."""
+    got = _peak_run(tmp_path, "cpu")
+    assert got["steps"] == 3 and got["peak"] is None
+    assert 0 < got["estimate_gpu"] < got["param_bytes"] / 2 and got["estimate_host"] == 4 * got["param_bytes"]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_model_is_never_all_on_it_and_the_estimate_says_so(tmp_path):
+    """On one GPU, a 16-block GPT with its weights in host memory: the GPU never holds all
+    its weights at once (FSDP gathers the units it works on); its peak against the
+    estimate's units in flight is printed for the results (the estimate counts no
+    activations and none of FSDP's copy buffers)."""
+    got = _peak_run(tmp_path, "cuda")
+    print(f"host-parameters peak: {got['peak'] / 2**20:.1f} MiB of {got['param_bytes'] / 2**20:.1f} MiB of weights; "
+          f"estimate {got['estimate_gpu'] / 2**20:.1f} MiB (peak/estimate {got['peak'] / got['estimate_gpu']:.2f})")
+    assert got["steps"] == 3 and got["peak"] < got["param_bytes"] * 0.75

@@ -41,9 +41,10 @@ def test_estimate_arithmetic_for_a_known_model():
     model = torch.nn.Linear(1000, 1000)  # 1,001,000 float32 parameters
     full = estimate_memory(model, offload_fraction=1.0, optimizer="adamw")
     n = 1_001_000
-    assert full.gpu == {"params": 4 * n, "grads": 0, "master_weights": 0, "optimizer_state": 0, "speculation": 0}
+    assert full.gpu == {"params": 4 * n, "grads": 0, "master_weights": 0, "optimizer_state": 0, "speculation": 0,
+                        "gathered": 0}
     assert full.cpu == {"params": 0, "grads": 4 * n, "master_weights": 4 * n, "optimizer_state": 8 * n,
-                        "speculation": 0}
+                        "speculation": 0, "gathered": 0}
     speculating = estimate_memory(model, offload_fraction=1.0, optimizer="adamw", speculate=True)
     assert speculating.cpu["speculation"] == 12 * n and speculating.cpu_total == full.cpu_total + 12 * n
     none = estimate_memory(model, offload_fraction=0.0, optimizer="adamw")
@@ -221,3 +222,101 @@ def test_the_speculation_estimate_matches_the_snapshots(fraction):
     slots = sum(len(b.slots) for b in opt._buckets)
     assert promised == est.cpu["speculation"] and 0 <= kept - promised <= 4 * slots
     opt.close()
+
+
+# ---------------------------------------------------------------------------- FSDP's units in flight, what fits
+class Block(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _gpt(layers, width=64, vocab=100):
+    """A LightningModule as a GPT lays itself out: embedding, blocks, norm, head."""
+    import lightning as L
+
+    class GPT(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+            self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab)
+    return GPT()
+
+
+def test_the_units_planned_are_those_the_one_line_form_shards(monkeypatch):
+    """``plan_units`` (what ``estimate_memory`` reads) takes the path ``shard_model`` takes:
+    each Block, then the LightningModule's children holding the rest as roots."""
+    import torch.distributed.fsdp
+
+    from lightning_fastopt.fsdp.auto_shard import plan_units, shard_model
+
+    model = _gpt(3)
+    calls = []
+    monkeypatch.setattr(torch.distributed.fsdp, "fully_shard", lambda m, **kw: calls.append(m))
+    shard_model(model, None, (Block,), 100_000_000)
+    units = plan_units(model, (Block,), 100_000_000)
+    assert [u.modules[0] for u in units] == calls == [*model.blocks, model.embed, model.norm, model.head]
+    assert [u.root for u in units] == [False] * 3 + [True] * 3
+    plain = nn.Sequential(*[Block() for _ in range(2)])
+    assert [(u.modules[0], u.root) for u in plan_units(plain, (Block,), 1, forward_runs=True)] == \
+        [(plain[0], False), (plain[1], False), (plain, True)]
+
+
+def test_the_gathered_figure_is_the_roots_two_units_and_one_units_gradients():
+    """``auto_wrap_policy``: the roots' weights (kept gathered from forward to backward),
+    the two largest other units' (one working, the next prefetched) and the largest
+    unit's gradients, in the model's dtype, the same on every rank; with the rows in host
+    memory that is all the accelerator holds of the model."""
+    block = 64 * 256 * 2 + 256 + 64
+    roots = 100 * 64 + 2 * 64 + 64 * 100 + 100
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        model = _gpt(4).to(dtype)
+        for world_size in (1, 4):
+            est = estimate_memory(model, zero_stage=3, world_size=world_size, offload_parameters=True,
+                                  auto_wrap_policy={Block}, precision="bf16-mixed")
+            assert est.gpu["gathered"] == size * (roots + 2 * block + block) == est.gpu_total
+    frozen = _gpt(4)
+    frozen.blocks.requires_grad_(False)  # gathered all the same; gradients only of the roots (the head's the largest)
+    est = estimate_memory(frozen, zero_stage=3, auto_wrap_policy={Block})
+    assert est.gpu["gathered"] == 4 * (roots + 2 * block + 64 * 100 + 100)
+    sized = estimate_memory(_gpt(4), zero_stage=3, min_num_params=block)  # each block by size, as the classes
+    assert sized.gpu["gathered"] == estimate_memory(_gpt(4), zero_stage=3, auto_wrap_policy={Block}).gpu["gathered"]
+    assert estimate_memory(_gpt(4), zero_stage=3).gpu["gathered"] == 0  # no policy given: not counted
+
+
+def test_which_sizes_fit_a_gpu_and_a_host():
+    """``sizes_that_fit``: each size built on the meta device, estimated, and compared with
+    the GPU and host given; with the weights in host memory the host decides the depth
+    (16 bytes a parameter with AdamW), the GPU the units in flight."""
+    from lightning_fastopt import sizes_that_fit
+
+    def params(layers):
+        return sum(p.numel() for p in _gpt(layers).parameters())
+    host = 16 * params(6)  # six layers fit, seven do not
+    built = []
+
+    def build(layers):
+        built.append(_gpt(layers))
+        return built[-1]
+    rows = sizes_that_fit(build, range(2, 10), gpu_memory=2**30, host_memory=host, zero_stage=3,
+                          offload_parameters=True, auto_wrap_policy={Block})
+    assert [(n, fits) for n, _, fits in rows] == [(n, n <= 6) for n in range(2, 10)]
+    assert all(e.cpu_total == 16 * params(n) and e.gpu_total == e.gpu["gathered"] for n, e, _ in rows)
+    assert all(p.is_meta for m in built for p in m.parameters())  # nothing allocated
+    small_gpu = sizes_that_fit(_gpt, [4], gpu_memory=rows[0][1].gpu_total - 1, host_memory=host, zero_stage=3,
+                               offload_parameters=True, auto_wrap_policy={Block})
+    assert small_gpu[0][2] is False
+
+
+def test_the_units_policy_is_checked_by_name():
+    with pytest.raises(ValueError, match=r"auto_wrap_policy and min_num_params plan FSDP's units \(zero_stage=3\)"):
+        estimate_memory(_gpt(2), auto_wrap_policy={Block})
+    with pytest.raises(TypeError, match="auto_wrap_policy must be a set of torch.nn.Module classes"):
+        estimate_memory(_gpt(2), zero_stage=3, auto_wrap_policy="Block")
+    with pytest.raises(ValueError, match="min_num_params must be a positive integer"):
+        estimate_memory(_gpt(2), zero_stage=3, min_num_params=0)

@@ -23,12 +23,12 @@ saying to shard it in ``configure_model``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-__all__ = ["check_auto_wrap_policy", "shard_model"]
+__all__ = ["Unit", "check_auto_wrap_policy", "plan_units", "shard_model"]
 
 
 def check_auto_wrap_policy(policy: Any, min_num_params: Any) -> tuple[type, ...]:
@@ -50,6 +50,36 @@ def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_para
     the policy (``classes``, or ``min_num_params``), then ``module`` itself as the root when
     its forward runs (``forward_runs``), else its children that still hold unsharded
     parameters, as roots; returns what it did, in words, for a log line."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(modules: list[nn.Module], root: bool) -> None:
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, **shard_args)
+    return _pass(module, classes, min_num_params, forward_runs, shard)
+
+
+class Unit(NamedTuple):
+    """What one ``fully_shard`` call of :func:`shard_model` takes: its modules, and whether
+    they are a root (FSDP keeps a root's weights gathered from its forward to its backward)."""
+
+    modules: list[nn.Module]
+    root: bool
+
+
+def plan_units(module: nn.Module, classes: tuple[type, ...], min_num_params: int, *,
+               forward_runs: bool = False) -> list[Unit]:
+    """The units :func:`shard_model` would make of ``module``, in the order it makes them,
+    sharding nothing (``module`` may be on the meta device: ``estimate_memory``)."""
+    units: list[Unit] = []
+    _pass(module, classes, min_num_params, forward_runs, lambda modules, root: units.append(Unit(modules, root)),
+          say=False)
+    return units
+
+
+def _pass(module: nn.Module, classes: tuple[type, ...], min_num_params: int, forward_runs: bool, shard,
+          say: bool = True) -> str:
+    """One pass of the policy over ``module`` (see :func:`shard_model`), calling
+    ``shard(modules, root)`` for each unit it makes; returns what it did, in words
+    (``say``: a choice the user should know of in a log line)."""
     name = type(module).__name__
     policy = (f"each {', '.join(c.__name__ for c in classes)}" if classes
               else f"modules of at least {min_num_params:,} parameters")
@@ -58,38 +88,36 @@ def shard_model(module: nn.Module, mesh, classes: tuple[type, ...], min_num_para
         raise ValueError(f"{name} holds parameters of its own ({', '.join(names)}), outside any "
                          "submodule: the strategy cannot shard them on its own; shard the model in the "
                          "LightningModule's configure_model (with torch's fully_shard), as under ModelParallelStrategy")
-    sharder = _Sharder(module, mesh, classes, min_num_params, shard_args)
+    sharder = _Sharder(module, classes, min_num_params, shard)
     sharder.visit(module)
     picked = sharder.sharded
     if not forward_runs:
         try:
             for root in sharder.roots(module):
-                sharder.shard([root])
+                sharder.shard([root], root=True)
             rest = sharder.sharded - picked
             return f"sharded {picked} module(s) with fully_shard ({policy}), then {rest} holding the rest"
         except _Tied as tied:
-            rank_zero_info(f"lightning_fastopt: {' and '.join(type(m).__name__ for m in tied.modules)} share a "
-                           f"parameter: {name} itself is sharded as the root, so its forward must run "
-                           "(training_step calling self(...)); else shard the model in configure_model")
-    sharder.shard([module])
+            if say:
+                rank_zero_info(f"lightning_fastopt: {' and '.join(type(m).__name__ for m in tied.modules)} share a "
+                               f"parameter: {name} itself is sharded as the root, so its forward must run "
+                               "(training_step calling self(...)); else shard the model in configure_model")
+    sharder.shard([module], root=True)
     return f"sharded {picked} module(s) with fully_shard ({policy}), then {name} itself"
 
 
 class _Sharder:
-    """One pass of :func:`shard_model` over ``module``: what is sharded so far."""
+    """One pass of the policy over ``module``: what is sharded so far (``apply`` shards,
+    or notes, each unit)."""
 
-    def __init__(self, module: nn.Module, mesh, classes: tuple[type, ...], min_num_params: int,
-                 shard_args: dict[str, Any]) -> None:
-        self.module, self.mesh, self.classes, self.min_num_params = module, mesh, classes, min_num_params
-        self.shard_args = shard_args
+    def __init__(self, module: nn.Module, classes: tuple[type, ...], min_num_params: int, apply) -> None:
+        self.module, self.classes, self.min_num_params, self.apply = module, classes, min_num_params, apply
         self.holders = _holders(module)
         self.done: set[int] = set()  # the parameters sharded so far
         self.sharded = 0  # fully_shard calls made
 
-    def shard(self, modules: list[nn.Module]) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=self.mesh, **self.shard_args)
+    def shard(self, modules: list[nn.Module], root: bool = False) -> None:
+        self.apply(modules, root)
         self.done.update(id(p) for m in modules for p in m.parameters())
         self.sharded += len(modules)
 
