@@ -127,11 +127,12 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       ``world_size // tensor_parallel_size`` data-parallel ranks
       (:mod:`~lightning_fastopt.fsdp.tensor_parallel_pieces`).
     - ``offload_parameters=True`` (with ``zero_stage=3``, ``offload_fraction`` 1:
-      ``fastopt_fsdp_offload_parameters``): a rank's rows of every parameter (float32),
-      their gradients and their state in host memory, the rows their own masters (16 bytes
-      an element with AdamW); nothing persistent on the accelerator, where FSDP gathers
-      the units it is working on (their size depends on how the model is sharded, and with
-      the activations is not counted here).
+      ``fastopt_fsdp_offload_parameters``): a rank's rows of every parameter, their
+      gradients and their state in host memory, float32 rows their own masters (16 bytes
+      an element with AdamW), half rows (``bf16-true``, ``16-true``: give the model in
+      that dtype) each with a float32 master apart (16 bytes too: 2 + 2 + 4 + 8); nothing
+      persistent on the accelerator, where FSDP gathers the units it is working on
+      (``gathered``, with a policy: below).
     - ``auto_wrap_policy`` (module classes) or ``min_num_params`` (with ``zero_stage=3``):
       the units the strategies' one-line form makes with that policy, and ``gathered``: the
       weights FSDP gathers whole on each rank's accelerator for the units in flight and
@@ -205,16 +206,19 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
         n, size = p.numel(), p.element_size()
         m = 8 if p.dtype == torch.float64 else 4  # the master's (and the state's) bytes per element
         half = size < 4
-        if on_host:  # the rows, their gradients and state in host memory; the rows are the masters
+        if on_host:  # the rows, their gradients and state in host memory; float32 rows are the masters
             est.offloaded_params += n
             est.cpu["params"] += n * size
             est.cpu["grads"] += n * size
+            master = m * n if half else 0  # a half row's float32 master apart
             if window is None:
+                est.cpu["master_weights"] += master
                 est.cpu["optimizer_state"] += m * n * state_tensors
-                est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
-            else:  # a speculated update's state is written beside the last: the file twice over; the rows kept here
-                est.disk += m * n * state_tensors * (2 if speculate else 1)
-                est.cpu["speculation"] += m * n if speculate else 0
+                # a speculated update keeps the master and state aside, and a half row it writes in place
+                est.cpu["speculation"] += m * n * (1 + state_tensors) + (n * size if half else 0) if speculate else 0
+            else:  # a speculated update's is written beside the last: the file twice over; the rows kept here
+                est.disk += (master + m * n * state_tensors) * (2 if speculate else 1)
+                est.cpu["speculation"] += (n * size if half else m * n) if speculate else 0
             continue
         est.gpu["params"] += n * size
         if not own:  # another rank's: stage 1 keeps its gradient (DDP's) until the step, stage 2 frees it

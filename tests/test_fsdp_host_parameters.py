@@ -119,6 +119,34 @@ def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run,
     assert kept == ([0, 0] if "clip=none" not in extra and "clip=50" not in extra else started), ours.early
 
 
+HALF = {"bf16-true": ("precision=bf16-true",), "16-true": ("precision=16-true",),
+        "bf16-true-streamed": ("precision=bf16-true", "clip=none", "+stream_cpu_step"),
+        "16-true-speculated-and-redone": ("precision=16-true", "+stream_cpu_step"),
+        "16-true-speculated-and-kept": ("precision=16-true", "clip=50", "+stream_cpu_step")}
+
+
+@slow
+@pytest.mark.parametrize("extra", HALF.values(), ids=HALF.keys())
+def test_half_host_shards_on_one_rank_end_where_fastopt_ends_in_one_process(run, extra):
+    """``bf16-true`` and ``16-true`` (fp16 loss scaling, two overflows skipped) under the
+    policy: the host shards are half, each with a float32 master beside it in host memory
+    (which ``ModelParallelStrategy`` does not keep), so the reference is ours without FSDP:
+    one rank ends on the bits of ``FastOptStrategy`` in one process (the batches in its
+    order), synchronous, streamed, and speculated with the updates redone or kept.  Two
+    causes this found: an update streamed into backward writes the half shard in place, and
+    the check for weights others wrote (made at the step for the host shards) took that
+    write for another's and rounded the masters to it; and a step skipped for an overflow
+    undid the speculated updates only at ``zero_grad``, after Lightning's next forward had
+    read the speculated shards (every later step overflowed)."""
+    flags = ("devices=1", "no-distributed-sampler", *(e for e in extra if not e.startswith("+")))
+    ours = run("fastopt-1", "host_params", *flags, *(e[1:] for e in extra if e.startswith("+")))
+    _assert_same(ours.results, run("single-1", *flags).results)
+    assert ours.apart[0][0] == ours.apart[0][1] > 0  # every half shard has its master apart
+    if "+stream_cpu_step" in extra:
+        started, kept = ours.early[0]
+        assert started >= 6 * 2 and (kept > 0) == ("clip=none" in extra or "clip=50" in extra), ours.early
+
+
 @slow
 def test_bfloat16_moments_beside_the_host_shards(run):
     """``host_state_dtype="bfloat16"`` (12 bytes a parameter in host memory with AdamW): the
@@ -449,3 +477,82 @@ def test_on_a_gpu_the_model_is_never_all_on_it_and_the_estimate_says_so(tmp_path
     print(f"host-parameters peak: {got['peak'] / 2**20:.1f} MiB of {got['param_bytes'] / 2**20:.1f} MiB of weights; "
           f"estimate {got['estimate_gpu'] / 2**20:.1f} MiB (peak/estimate {got['peak'] / got['estimate_gpu']:.2f})")
     assert got["steps"] == 3 and got["peak"] < got["param_bytes"] * 0.75
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["at-the-step", "streamed"])
+def test_a_half_host_shard_others_wrote_gives_its_master_the_write(one_process, stream):
+    """bfloat16 host shards with float32 masters apart: a shard written between steps
+    (``load_state_dict``, a callback) is found before its bucket's update (not at the step,
+    where the streamed update may already have written it in place) and its master takes
+    the write; the shards the updates wrote themselves keep their masters' low bits."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=one_process, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
+                              device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002,
+                              stream_cpu_step=stream)
+    g = torch.Generator().manual_seed(1)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(8, 6, generator=g).to(torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+    step()
+    step()
+    slots = opt.local._slots
+    assert all(s.separate_master for s in slots)
+    kept = [s.master.clone() for s in slots]
+    assert any(not torch.equal(m, s.param.float()) for m, s in zip(kept, slots))  # low bits the shard lacks
+    written = model[2].weight.to_local()
+    with torch.no_grad():
+        written.fill_(0.5)  # others write one shard
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # the next update moves nothing: each master is what the step started from
+    step()
+    for s, before in zip(slots, kept):
+        if s.param.data_ptr() == written.data_ptr():
+            assert torch.all(s.master == 0.5) and torch.all(s.param == 0.5)
+        else:
+            assert torch.equal(s.master, before), s.name  # (decoupled weight decay is 0 here)
+    opt.close()
+
+
+def test_the_estimate_of_half_host_shards_is_what_the_rows_optimizer_holds(one_process):
+    """bfloat16 host shards (``bf16-true`` under the policy): the rows, their gradients, a
+    float32 master apart for each and AdamW's two moments, as ``estimate_memory`` gives them
+    (16 bytes an element), speculation's copies too."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_fastopt import FusedAdam, estimate_memory
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+    est = estimate_memory(model, zero_stage=3, offload_parameters=True, precision="bf16-true")
+    spec = estimate_memory(model, zero_stage=3, offload_parameters=True, precision="bf16-true", speculate=True)
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=one_process, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
+                              device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002,
+                              stream_cpu_step=True, speculate=True)
+    for _ in range(2):  # (the second speculation keeps the state the first made)
+        opt.zero_grad()
+        model(torch.randn(8, 6).to(torch.bfloat16)).float().square().mean().backward()
+        grads = sum(p.grad.to_local().numel() * 2 for p in model.parameters())
+        opt.step()
+    local = opt.local
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert est.cpu["params"] == nbytes(s.param for s in local._slots) and est.cpu["grads"] == grads
+    assert est.cpu["master_weights"] == nbytes(s.master for s in local._slots if s.separate_master) > 0
+    state = [v for b in local._buckets for st in b.inner.state.values() for k, v in st.items() if k != "step"]
+    assert est.cpu["optimizer_state"] == nbytes(state) and est.cpu_total == 16 * est.total_params
+    snapshots = local.schedule.snapshots.values()
+    kept = sum(s.nbytes for s in snapshots)  # (and each slot's step count, a float32 scalar, not estimated)
+    assert spec.cpu["speculation"] > 0 and kept - spec.cpu["speculation"] == 4 * len(local._slots)
+    opt.close()

@@ -133,6 +133,9 @@ class PrecisionCore:
             engine.expected_grad_scale = self.scaler.scale if self.scaler is not None else None
 
     def _skip_step(self, optimizer) -> None:
+        engine = engine_of(optimizer)
+        if isinstance(engine, OptimizerWrapper):
+            engine.step_skipped()
         self.scaler.update(overflow=True)
         self.announce_grad_scale(optimizer)
         optimizer._opt_called = True  # LR schedulers check this; the skipped step still counts

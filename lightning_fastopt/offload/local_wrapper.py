@@ -39,3 +39,6 @@ class LocalOffloadWrapper(OptimizerWrapper):
 
     def leading_share(self):
         return self.local.leading_share()
+
+    def step_skipped(self) -> None:
+        self.local.step_skipped()

@@ -369,6 +369,12 @@ class OffloadOptimizer(OptimizerWrapper):
         super().zero_grad(set_to_none)
         self._intake.renew()
 
+    def step_skipped(self) -> None:
+        """Updates begun during backward are undone now (speculated ones: their masters,
+        state and in-place weights put back), not at ``zero_grad``: Lightning runs the next
+        forward before it, and FSDP's host shards updated in place are the weights it reads."""
+        self.schedule.skipped()
+
     # ------------------------------------------------------------------ the delayed update
     def apply_pending_update(self) -> int:
         """Send the weights of the delayed update still pending to the model now, so that
@@ -416,8 +422,9 @@ class OffloadOptimizer(OptimizerWrapper):
         timer = self._timer
         timer.start_step()
         self._in_flight.wait_all()  # weights of the last step that no forward waited for
-        # the offloaded parameters' check travels with their gradients (GradIntake._sent)
-        self._refresh_written(written_by_others(self._device_slots if self.copies.needed else self._slots))
+        # the device share's check; each host bucket's is made before its update (written_in_bucket:
+        # travelled with its gradients, GradIntake._sent, or made then where the weights are on the host)
+        self._refresh_written(written_by_others(self._device_slots))
         needs_all = check_finite or (step_context is COMPUTE and needs_step_context(self.optimizer))
         self.schedule.check_step(needs_all, grad_scale, step_context)
         with timer.phase("grad_d2h"):

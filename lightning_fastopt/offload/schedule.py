@@ -21,7 +21,7 @@ which changes the math (see its module).
 
 from __future__ import annotations
 
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
 
 Sent = tuple[list[ParamSlot], list[HostBucket]]  # the slots a step wrote, and the buckets whose weights it sent
 
@@ -82,6 +82,7 @@ class CpuStepSchedule:
             opt.layout.tier.prefetch(buckets[i:])  # a disk tier reads the next buckets (as slots allow) meanwhile
             if not opt.copies.needed:  # a CPU run: nothing to wait for or copy
                 with opt._timer.phase("cpu_step"), opt.layout.tier.resident(b):
+                    opt._refresh_written(written_in_bucket(b))
                     written += opt.updates.step_inner(b.inner, b.slots, grad_scale, context)
                 continue
             updated = opt.updates.bucket_step(b, grad_scale, context, opt._compute_done, timed=True)

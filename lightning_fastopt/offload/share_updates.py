@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket, written_in_place
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
 
 
@@ -54,7 +54,7 @@ class ShareUpdates:
             sources[s.master] = g
             updated.append(s)
             if s.param.dtype != s.master.dtype:
-                targets[s.master] = s.host_copy if s.host_copy is not None else s.param.data
+                targets[s.master] = s.param.data if written_in_place(s) else s.host_copy
         step_kwargs = dict(opt.step_kwargs if step_kwargs is None else step_kwargs)
         return (updated, sources, targets or None, step_kwargs, opt.step_closure) if updated else None
 

@@ -62,6 +62,13 @@ class ParamSlot:
         return self.seen != (self.param.data_ptr(), self.param._version)
 
 
+def written_in_place(slot: ParamSlot) -> bool:
+    """Whether an update of ``slot`` writes its new half-precision weight into the parameter
+    itself (FSDP's half host shards, beside their float32 masters: nothing is copied to a
+    device), not into a host copy that is sent to the device later."""
+    return slot.param.dtype != slot.master.dtype and slot.host_copy is None
+
+
 def remember_weights(slots: Sequence[ParamSlot]) -> None:
     """Note each parameter as we left it: its storage, version and (for a separate
     master) fingerprint, all fingerprints in one pass per device."""
@@ -77,9 +84,10 @@ def remember_weights(slots: Sequence[ParamSlot]) -> None:
 def written_in_bucket(bucket: HostBucket) -> list[ParamSlot]:
     """The bucket's slots with a master apart written by others: the fingerprint check that
     travelled with its gradients (``bucket.written_flags``, read once they have landed), or
-    a moved storage or version counter (none where each parameter is its own master)."""
+    a moved storage or version counter (none where each parameter is its own master); where
+    no check travelled (the weights are in host memory: FSDP's host shards), the check now."""
     if bucket.written_flags is None:
-        return []
+        return written_by_others(bucket.slots)
     flags = bucket.written_flags.tolist()
     return [s for s, flag in zip(bucket.slots, flags) if s.separate_master and (flag or s.rebound_or_bumped())]
 

@@ -1,6 +1,8 @@
 """What a host bucket's update changes, kept so that the update can be undone: the float32
-masters and the optimizer state (step counts included) of its parameters, copied into
-buffers of their own before a speculative update writes them in place.
+masters and the optimizer state (step counts included) of its parameters, and the
+half-precision weights it writes in place (FSDP's half host shards,
+:func:`~lightning_fastopt.offload.slots.written_in_place`), copied into buffers of their
+own before a speculative update writes them.
 
 The buffers are allocated once, at the first snapshot, and reused every step: they cost
 the masters' and the state's size again in host memory (``estimate_memory(...,
@@ -15,8 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.offload.slots import ParamSlot
+from lightning_fastopt.offload.slots import ParamSlot, written_in_place
 from lightning_fastopt.optim.base import FusedOptimizer
+
+
+WEIGHT = "<weight>"  # the key of a weight written in place among a slot's copies (no state key)
 
 
 class BucketSnapshot:
@@ -31,6 +36,8 @@ class BucketSnapshot:
         self._saved = []
         for s in slots:
             self._copy(s.index, "", s.master)
+            if written_in_place(s):
+                self._copy(s.index, WEIGHT, s.param.data)
             state = inner.state.get(s.master)
             kept = None if state is None else {k: self._copy(s.index, k, v) if isinstance(v, Tensor) else v
                                                for k, v in state.items()}
@@ -43,6 +50,8 @@ class BucketSnapshot:
         with torch.no_grad():
             for s, kept in self._saved:
                 s.master.copy_(self._buffers[(s.index, "")])
+                if written_in_place(s):
+                    s.param.data.copy_(self._buffers[(s.index, WEIGHT)])
                 put_state_back(inner, s.master, kept, None if kept is None else set(kept))
         self._saved = []
 

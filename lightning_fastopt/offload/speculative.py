@@ -65,7 +65,7 @@ from torch import Tensor
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot
 from lightning_fastopt.optim.base import hyperparameters
 
@@ -274,13 +274,15 @@ def afford_speculation(buckets: list[HostBucket]) -> bool:
 
 def snapshot_bytes(buckets: list[HostBucket]) -> int:
     """Host bytes the snapshots of ``buckets`` take once every bucket has state: each
-    offloaded master and each of its state tensors (in the state's dtype) once more."""
+    offloaded master and each of its state tensors (in the state's dtype) once more, and
+    each half weight the update writes in place."""
     total = 0
     for b in buckets:
         state_size = torch.empty((), dtype=getattr(b.inner, "state_dtype", torch.float32)).element_size()
         for s in b.slots:
             keys = b.inner._bucket_state_keys(b.inner.param_groups[s.group])
-            total += s.param.numel() * (s.master.element_size() + state_size * len(keys))
+            weight = s.param.element_size() if written_in_place(s) else 0
+            total += s.param.numel() * (s.master.element_size() + state_size * len(keys) + weight)
     return total
 
 

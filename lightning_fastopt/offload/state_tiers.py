@@ -46,7 +46,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot, put_state_back
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
@@ -483,13 +483,15 @@ class DiskSnapshot:
     """What a speculative update of a bucket on disk may have to undo: its masters and
     state in the file stay where they were (the update is written to the bucket's spare
     region, :meth:`DiskTier.resident`), so only what lives in host memory is copied: a
-    master that is its own weight (FSDP's host shards, updated in place), the step counts;
-    state the update creates is noted to be removed."""
+    master that is its own weight (FSDP's host shards, updated in place), a half weight the
+    update writes in place (FSDP's half host shards), the step counts; state the update
+    creates is noted to be removed."""
 
     def __init__(self, tier: DiskTier, bucket: HostBucket) -> None:
         self.tier = tier
         self.bucket = bucket
-        # each slot, its master where not in the file, its state in host memory and its state's keys
+        # each slot, what of it lives in host memory (its master or half weight where the
+        # update writes it in place), its state in host memory and its state's keys
         self._saved: list[tuple[ParamSlot, Tensor | None, dict[str, Any] | None, set[str] | None]] = []
 
     def take(self, inner, slots: Sequence[ParamSlot]) -> None:
@@ -500,7 +502,7 @@ class DiskSnapshot:
             kept = None if state is None else {
                 k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()
                 if not _in_region(v, s)}
-            own = None if s.separate_master else s.master.detach().clone()  # not in the file: kept here
+            own = s.param.detach().clone() if not s.separate_master or written_in_place(s) else None
             self._saved.append((s, own, kept, None if state is None else set(state)))
 
     def commit(self) -> None:
@@ -514,13 +516,14 @@ class DiskSnapshot:
         with torch.no_grad():
             for s, own, kept, keys in self._saved:
                 if own is not None:
-                    s.master.copy_(own)
+                    s.param.data.copy_(own)  # (the master itself, or a half weight beside a master in the file)
                 put_state_back(inner, s.master, kept, keys)
         self._saved = []
 
     @property
     def nbytes(self) -> int:
-        """Host bytes kept: the masters that are their own weights (none where every master is in the file)."""
+        """Host bytes kept: the masters that are their own weights and the half weights written in
+        place (none where every master is in the file and every weight goes to a device)."""
         return sum(own.numel() * own.element_size() for _, own, _, _ in self._saved if own is not None)
 
 

@@ -21,7 +21,8 @@ What a driver may use:
   ``step_context``, as :meth:`FusedOptimizer.step
   <lightning_fastopt.optim.base.FusedOptimizer.step>`, and any other keyword arguments
   for the user's own ``step`` (:attr:`step_kwargs` while it runs); ``skipped_steps`` and
-  ``last_step_skipped`` count the steps skipped for overflow.
+  ``last_step_skipped`` count the steps skipped for overflow; :meth:`step_skipped` where a
+  precision plugin skips the step itself, without calling :meth:`step`.
 - :attr:`accumulating`: set while gradients accumulate over micro-batches that do not
   step (nothing is copied or communicated yet).
 - :attr:`expected_grad_scale`: the ``grad_scale`` the next :meth:`step` will be given,
@@ -191,6 +192,11 @@ class OptimizerWrapper(torch.optim.Optimizer):
     def last_step_times(self) -> dict[str, float]:
         """Milliseconds per phase of the last step (with ``wall_clock_breakdown``)."""
         return {}
+
+    def step_skipped(self) -> None:
+        """A precision plugin skipped this step (an overflow) without calling :meth:`step`:
+        undo, now, whatever was begun for it during backward (before the next forward reads
+        the weights)."""
 
     def close(self) -> None:
         """Undo what construction attached to the model (backward hooks) and wait for
