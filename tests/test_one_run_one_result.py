@@ -44,6 +44,9 @@ CONFIGS = {
                                   ["fastopt-1", "adamw", "{out}", "host_params", "stream_cpu_step", "clip=none"], 2),
     "fsdp-host-shards-on-disk-speculated": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
                                                                     "nvme", "stream_cpu_step", "clip=50"], 2),
+    # half host shards (fp16 loss scaling, overflows skipped) speculated in place, redone or undone at once
+    "fsdp-half-host-shards-speculated": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
+                                                                 "precision=16-true", "stream_cpu_step"], 2),
     "fsdp-offload-on-disk-speculated": ("fsdp_trainer_run.py",
                                         ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"], 2),
     "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], None),
