@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_session.sh tests     # every cuda-marked test and the Trainer-level comparisons
 #   bash benchmarks/gpu_session.sh kernels   # benchmarks/cuda_optimizers.py, offload_step.py, weight_watch.py
 #   bash benchmarks/gpu_session.sh e2e [CONFIGS NAME]   # benchmarks/gpt_offload.py, every (or CONFIGS) configuration
+#   bash benchmarks/gpu_session.sh largest   # the largest GPT that trains with the GPU capped at 24 GiB, its
+#                                            # weights in host memory (issue 52): float32, then bfloat16 moments
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
@@ -201,6 +203,18 @@ case "$part" in
         python3 benchmarks/offload_step.py --out "$OUT/offload_step.json" 2>&1 | tee "$OUT/offload_step.md"
         python3 benchmarks/weight_watch.py 2>&1 | tee "$OUT/weight_watch.md"
         ;;
+    largest)
+        record_commit
+        build largest_build.txt
+        for state in float32 bfloat16; do
+            say "the largest GPT at 24 GiB of GPU, AdamW moments $state"
+            # shellcheck disable=SC2086
+            timeout 280 python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 --state $state \
+                --out "$WORK/largest_$state.json" 2>&1 | tee "$WORK/largest_$state.md"
+            pack
+        done
+        say "done"
+        ;;
     e2e)
         build "build_$part.txt"
         # the timeline pictures where matplotlib is installed
@@ -213,7 +227,7 @@ case "$part" in
             | tee "$OUT/$name.md"
         ;;
     *)
-        echo "usage: $0 first [--tiny] | rest [SECONDS|--tiny] | tests | kernels | e2e [CONFIGS NAME]" >&2
+        echo "usage: $0 first [--tiny] | rest [SECONDS|--tiny] | largest [--tiny] | tests | kernels | e2e [CONFIGS NAME]" >&2
         return 2
         ;;
 esac

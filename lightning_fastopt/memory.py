@@ -19,6 +19,7 @@ import torch
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy
 from lightning_fastopt.fsdp.units_in_flight import units_in_flight
+from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
 from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.offload.state_tiers import check_device_and_window
@@ -84,7 +85,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                     tensor_parallel_plan: Mapping[str, Any] | None = None,
                     offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
                     nvme_window_mb: float = 512.0, auto_wrap_policy: Any = None,
-                    min_num_params: int | None = None) -> MemoryEstimate:
+                    min_num_params: int | None = None, host_state_dtype: Any = None) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
     rank.
@@ -141,6 +142,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       activations not counted.  A LightningModule is sharded as the Trainer's strategy
       does (its children holding the rest as roots), any other module as Fabric's (itself
       the root).  Without either, ``gathered`` is 0: not counted.
+    - ``host_state_dtype="bfloat16"`` (adam/adamw): the offloaded share's two moments in
+      bfloat16 (2 bytes an element each; the masters stay float32).
     - ``offload_optimizer_device="nvme"``: the offloaded float32 masters kept apart from the
       weights and the offloaded optimizer state on disk (``disk``: a rank's file, less the
       alignment of each tensor to 64 bytes and each bucket to 4 KiB) instead of in host
@@ -156,6 +159,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     if key not in _STATE_TENSORS:
         raise ValueError(f"optimizer must be one of {sorted(_STATE_TENSORS)}, got {optimizer!r}")
     state_tensors = _STATE_TENSORS[key] + (1 if amsgrad and key in ("adam", "adamw") else 0)
+    host_state = _host_state_bytes(host_state_dtype, key, amsgrad)
     params = [p for p in model.parameters() if p.requires_grad]
     owners = _owners(params, zero_stage, world_size, rank)
     tp = _check_tensor_parallel(tensor_parallel_size, tensor_parallel_plan, zero_stage, world_size)
@@ -170,7 +174,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
         each = [_rank_estimate(_local_rows(pieces[r % tp], r // tp, world_size // tp),
                                [True] * len(params), offload_fraction, state_tensors, speculate, 3, world_size, r,
                                sum(p.numel() for p in params), on_host=offload_parameters,
-                               window=nvme_window_mb if on_disk else None)
+                               window=nvme_window_mb if on_disk else None, host_state=host_state)
                 for r in ranks]
         chosen = max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
         if units is not None:
@@ -180,7 +184,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
 
     def estimate(r: int, owned: list[bool]) -> MemoryEstimate:
         return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r,
-                              window=nvme_window_mb if on_disk else None)
+                              window=nvme_window_mb if on_disk else None, host_state=host_state)
 
     if owners is None:  # one process holds everything, on every rank
         return estimate(rank or 0, [True] * len(params))
@@ -191,11 +195,13 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
 
 def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fraction: float, state_tensors: int,
                    speculate: bool, zero_stage: int, world_size: int, rank: int,
-                   total: int | None = None, on_host: bool = False, window: float | None = None) -> MemoryEstimate:
+                   total: int | None = None, on_host: bool = False, window: float | None = None,
+                   host_state: int | None = None) -> MemoryEstimate:
     """One rank's figures, owning the parameters ``owned`` marks (see :func:`estimate_memory`;
     at stage 3 ``params`` are the rank's rows, ``total`` the model's elements; ``on_host``:
     the rows themselves in host memory, their own masters; ``window``: ``nvme_window_mb``,
-    the offloaded masters and state on disk)."""
+    the offloaded masters and state on disk; ``host_state``: bytes an element of an
+    offloaded state tensor, where not the master's)."""
     mine = [p for p, o in zip(params, owned) if o]
     chosen = iter(choose_offloaded(mine, offload_fraction))
     est = MemoryEstimate(total_params=sum(p.numel() for p in params) if total is None else total,
@@ -205,6 +211,7 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
     for p, own in zip(params, owned):
         n, size = p.numel(), p.element_size()
         m = 8 if p.dtype == torch.float64 else 4  # the master's (and the state's) bytes per element
+        hs = host_state or m  # an offloaded state tensor's
         half = size < 4
         if on_host:  # the rows, their gradients and state in host memory; float32 rows are the masters
             est.offloaded_params += n
@@ -213,11 +220,11 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             master = m * n if half else 0  # a half row's float32 master apart
             if window is None:
                 est.cpu["master_weights"] += master
-                est.cpu["optimizer_state"] += m * n * state_tensors
+                est.cpu["optimizer_state"] += hs * n * state_tensors
                 # a speculated update keeps the master and state aside, and a half row it writes in place
-                est.cpu["speculation"] += m * n * (1 + state_tensors) + (n * size if half else 0) if speculate else 0
+                est.cpu["speculation"] += (m + hs * state_tensors) * n + (n * size if half else 0) if speculate else 0
             else:  # a speculated update's is written beside the last: the file twice over; the rows kept here
-                est.disk += (master + m * n * state_tensors) * (2 if speculate else 1)
+                est.disk += (master + hs * n * state_tensors) * (2 if speculate else 1)
                 est.cpu["speculation"] += (n * size if half else m * n) if speculate else 0
             continue
         est.gpu["params"] += n * size
@@ -231,10 +238,10 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             est.cpu["master_weights"] += n * size if half else 0  # the half copy sent to the device
             if window is None:
                 est.cpu["master_weights"] += m * n
-                est.cpu["optimizer_state"] += m * n * state_tensors
-                est.cpu["speculation"] += m * n * (1 + state_tensors) if speculate else 0
+                est.cpu["optimizer_state"] += hs * n * state_tensors
+                est.cpu["speculation"] += (m + hs * state_tensors) * n if speculate else 0
             else:  # (a speculated update is written beside the masters and state: the file twice over)
-                est.disk += m * n * (1 + state_tensors) * (2 if speculate else 1)
+                est.disk += (m + hs * state_tensors) * n * (2 if speculate else 1)
         else:
             est.gpu["grads"] += n * size
             est.gpu["master_weights"] += m * n if half else 0
@@ -250,6 +257,16 @@ def _check_offload_parameters(offload_parameters: Any, zero_stage: int, offload_
     if offload_parameters and (zero_stage != 3 or offload_fraction != 1.0):
         raise ValueError(f"offload_parameters=True is FSDP's (zero_stage=3) with every row in host memory "
                          f"(offload_fraction=1.0), got zero_stage={zero_stage!r}, offload_fraction={offload_fraction!r}")
+
+
+def _host_state_bytes(dtype: Any, optimizer: str, amsgrad: bool) -> int | None:
+    """Bytes an element of an offloaded state tensor with ``host_state_dtype`` (None: the master's)."""
+    if dtype is None:
+        return None
+    if optimizer not in ("adam", "adamw"):
+        raise ValueError(f"host_state_dtype is for adam and adamw (the Adam moments in host memory), got "
+                         f"optimizer={optimizer!r}")
+    return torch.empty((), dtype=check_state_dtype(dtype, amsgrad)).element_size()
 
 
 def _check_units(policy: Any, min_num_params: Any, zero_stage: int) -> tuple[tuple[type, ...], int] | None:

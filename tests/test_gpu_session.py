@@ -86,3 +86,16 @@ def test_rest_holds_what_first_leaves_out(tmp_path):
                          re.M).group(1).split(",")
     assert set(others) & set(headline) == {"plain"}  # plain again: the bound's GPU step, on rest's machine
     assert "of the disk's rate reading and writing at once" in files["disk_tier.md"]  # the disk row (issue 53)
+
+
+def test_largest_estimates_the_depths_and_trains_the_deepest_that_fits(tmp_path):
+    """The largest-model part (issue 52): the estimate's table for each depth, then the
+    deepest estimated to fit trained with its weights in host memory, float32 and bfloat16
+    moments (a tiny GPT whose host is capped at a few MiB here)."""
+    _, files = _session(tmp_path, "largest")
+    for state in ("float32", "bfloat16"):
+        got = json.loads(files[f"largest_{state}.json"])
+        fits = [r["layers"] for r in got["plan"] if r["fits"]]
+        assert fits and len(fits) < len(got["plan"])  # the host cap leaves the deeper ones out
+        assert got["tries"][0]["layers"] == max(fits) and got["tries"][0]["trained"], got["tries"]
+        assert f"trained: {max(fits)} layers" in files[f"largest_{state}.md"]

@@ -320,3 +320,24 @@ def test_the_units_policy_is_checked_by_name():
         estimate_memory(_gpt(2), zero_stage=3, auto_wrap_policy="Block")
     with pytest.raises(ValueError, match="min_num_params must be a positive integer"):
         estimate_memory(_gpt(2), zero_stage=3, min_num_params=0)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 1.0])
+def test_bfloat16_host_moments_are_estimated_as_allocated(fraction):
+    """``host_state_dtype="bfloat16"``: the offloaded share's two Adam moments at 2 bytes an
+    element (the masters float32), as the offload optimizer allocates them; other
+    optimizers are refused by name."""
+    model = _model()
+    est = estimate_memory(model, offload_fraction=fraction, optimizer="adamw", host_state_dtype="bfloat16")
+    fp32 = estimate_memory(model, offload_fraction=fraction, optimizer="adamw")
+    opt = OffloadOptimizer(FusedAdam(model.parameters()), offload_fraction=fraction, bucket_size_mb=0.001,
+                           copy_on_cpu=True, host_state_dtype=torch.bfloat16)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    allocated, padding = allocated_bytes(opt)
+    assert 0 <= allocated - (est.cpu_total + est.gpu["master_weights"] + est.gpu["optimizer_state"]) <= padding
+    assert fp32.cpu["optimizer_state"] - est.cpu["optimizer_state"] == 4 * est.offloaded_params
+    with pytest.raises(ValueError, match="host_state_dtype is for adam and adamw"):
+        estimate_memory(model, optimizer="sgd", host_state_dtype="bfloat16")
+    with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
+        estimate_memory(model, host_state_dtype="float16")

@@ -1,0 +1,186 @@
+"""The largest GPT that trains on one GPU with its weights in host memory (issue 52).
+
+    python benchmarks/largest_model.py --gpu-gib 24                 # float32 Adam moments
+    python benchmarks/largest_model.py --gpu-gib 24 --state bfloat16  # host_state_dtype="bfloat16"
+    python benchmarks/largest_model.py --tiny                       # a tiny GPT on any machine: the script runs
+
+The GPU is capped at ``--gpu-gib`` (``torch.cuda.set_per_process_memory_fraction``), the
+host is what the kernel says is available (``MemAvailable``, or ``--host-gib``).  First
+``sizes_that_fit`` estimates, for the byte-level GPT of examples/gpt.py at width
+``--width`` and each depth of ``--layers``, what ``FastOptFSDPStrategy(offload_parameters=True,
+auto_wrap_policy={Block})`` holds on the GPU (FSDP's units in flight, before activations)
+and in host memory (the shards, their gradients, AdamW's state: 16 bytes a parameter, 12
+with bfloat16 moments), each model built on the meta device, and prints the table.  Then
+the deepest model estimated to fit (leaving ``--headroom`` of the host for everything the
+estimate does not count) trains ``--steps`` steps in a process of its own (a fresh CUDA
+context), built on the meta device and materialized in host memory, bf16-mixed,
+``stream_cpu_step=True``, one sequence of ``--tokens`` a step; where it fails (out of
+memory), the next shallower one.  Printed and written to ``--out`` (JSON): each try's
+parameters, whether it trained, its last steps' time, the GPU's peak allocation and the
+process's peak resident host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "examples"))
+
+
+def _gpt(layers: int, width: int, tokens: int):
+    from gpt import TinyGPT
+
+    return TinyGPT(n_layer=layers, n_head=max(width // 128, 1), n_embd=width, block_size=tokens)
+
+
+def available_host_bytes() -> int:
+    with open("/proc/meminfo") as info:
+        return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+
+
+def plan(args) -> list[dict]:
+    """The estimate of each depth: parameters, GPU and host bytes, whether it fits."""
+    from gpt import Block
+
+    from lightning_fastopt import sizes_that_fit
+
+    rows = sizes_that_fit(lambda n: _gpt(n, args.width, args.tokens), args.layers, args.gpu_gib * 2**30,
+                          args.host_bytes * (1 - args.headroom), zero_stage=3, offload_parameters=True,
+                          auto_wrap_policy={Block}, precision="bf16-mixed",
+                          host_state_dtype=None if args.state == "float32" else args.state)
+    return [dict(layers=n, params=e.total_params, gpu_gib=e.gpu_total / 2**30, host_gib=e.cpu_total / 2**30,
+                 fits=fits) for n, e, fits in rows]
+
+
+def child(args) -> None:
+    """One depth trained (in its own process): prints one JSON line."""
+    import lightning as L
+    import torch
+    from gpt import Block
+
+    from lightning_fastopt import FastOptFSDPStrategy
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(args.gpu_gib * 2**30 / total, 1.0))
+
+    class Timed(L.Callback):
+        def __init__(self):
+            self.times = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if cuda:
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.started)
+
+    class Model(L.LightningModule):  # the GPT with AdamW (examples/gpt.py takes its optimizer from the CLI)
+        def __init__(self):
+            super().__init__()
+            self.gpt = _gpt(args.child, args.width, args.tokens)
+
+        def forward(self, x):
+            return self.gpt(x)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x).float().flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (args.steps, args.tokens + 1), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=1)
+    timed = Timed()
+    strategy = FastOptFSDPStrategy(offload_parameters=True, auto_wrap_policy={Block}, stream_cpu_step=True,
+                                   host_state_dtype=args.state)
+    trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, max_steps=args.steps, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        precision="bf16-mixed", strategy=strategy, callbacks=[timed])
+    started = time.perf_counter()
+    with trainer.init_module(empty_init=True):
+        model = Model()
+    trainer.fit(model, loader)
+    last = timed.times[-2:] if len(timed.times) > 2 else timed.times
+    print(json.dumps(dict(layers=args.child, params=sum(p.numel() for p in model.parameters()), trained=True,
+                          steps=trainer.global_step, step_s=sum(last) / len(last), wall_s=time.perf_counter() - started,
+                          gpu_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                          host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30)))
+
+
+def run_child(args, layers: int) -> dict:
+    command = [sys.executable, __file__, "--child", str(layers), "--width", str(args.width), "--tokens",
+               str(args.tokens), "--steps", str(args.steps), "--state", args.state, "--gpu-gib", str(args.gpu_gib)]
+    command += ["--tiny"] if args.tiny else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+    return dict(layers=layers, trained=False, error=tail[0][:300])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpu-gib", type=float, default=24.0)
+    parser.add_argument("--host-gib", type=float, default=None, help="default: MemAvailable")
+    parser.add_argument("--headroom", type=float, default=0.1, help="share of the host left to what is not estimated")
+    parser.add_argument("--state", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
+                        default=list(range(8, 81, 4)), help="depths to estimate, comma-separated")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--tries", type=int, default=2, help="depths to try, deepest fitting first")
+    parser.add_argument("--timeout-s", type=int, default=600)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.tiny and args.child is None:
+        args.width, args.tokens, args.steps, args.gpu_gib = 64, 16, 3, 1.0
+        args.layers = [1, 2, 3, 4, 5, 6]
+        args.host_gib = args.host_gib or 2.5 * 2**20 / 2**30  # a few MiB: the deeper ones do not fit
+        args.headroom = 0.0
+    if args.child is not None:
+        return child(args)
+    args.host_bytes = args.host_gib * 2**30 if args.host_gib else available_host_bytes()
+    rows = plan(args)
+    print(f"GPU capped at {args.gpu_gib:g} GiB, host {args.host_bytes / 2**30:.3g} GiB ({args.headroom:.0%} left "
+          f"aside), width {args.width}, AdamW moments {args.state}")
+    print("| layers | parameters | GPU GiB (units in flight) | host GiB | fits |")
+    print("|---:|---:|---:|---:|:---:|")
+    for r in rows:
+        print(f"| {r['layers']} | {r['params'] / 1e9:.3g}B | {r['gpu_gib']:.3g} | {r['host_gib']:.3g} | "
+              f"{'yes' if r['fits'] else 'no'} |")
+    tries = []
+    for r in sorted((r for r in rows if r["fits"]), key=lambda r: -r["layers"])[:args.tries]:
+        got = run_child(args, r["layers"])
+        tries.append(dict(r, **got))
+        if got["trained"]:
+            print(f"trained: {got['layers']} layers, {got['params'] / 1e9:.3g}B parameters, {got['step_s']:.3g} s a "
+                  f"step, GPU peak {got['gpu_peak_gib'] or 0:.3g} GiB, host peak {got['host_peak_gib']:.3g} GiB")
+            break
+        print(f"did not train: {r['layers']} layers ({got['error']})")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(plan=rows, tries=tries), indent=1))
+
+
+if __name__ == "__main__":
+    main()
