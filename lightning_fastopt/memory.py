@@ -4,8 +4,10 @@ The figures are exact for what the strategy allocates per parameter (weights,
 gradients, float32 masters, optimizer state, host buffers), for the same split of
 parameters the strategy makes, on one rank (with ZeRO, the rank's shard); activations,
 the CUDA context, allocator slack and communication buffers (DDP's gradient buckets,
-ZeRO's reduction and broadcast buckets of ``bucket_size_mb``, FSDP's gathered weights and
-unsharded gradients of the layers in flight) are not included.
+ZeRO's reduction and broadcast buckets of ``bucket_size_mb``) are not included.  FSDP's
+gathered weights and unsharded gradients of the units in flight are, approximately, where
+the sharding policy is given (``gathered``); :func:`sizes_that_fit` says which model sizes
+fit a GPU and a host.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch
 
 from lightning_fastopt.core.precision import SUPPORTED_PRECISIONS
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy
-from lightning_fastopt.fsdp.units_in_flight import units_in_flight
-from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
+from lightning_fastopt.fsdp.units_in_flight import units_in_flight
 from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.offload.state_tiers import check_device_and_window
+from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.zero.partition import assign_owners
 
 # float32 state tensors per parameter element, per optimizer
