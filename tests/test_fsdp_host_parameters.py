@@ -80,14 +80,17 @@ def test_a_checkpoint_under_the_policy_resumes_as_under_model_parallel_strategy(
 
 
 @slow
-@pytest.mark.parametrize("extra", [("precision=bf16-mixed",), ("resume:reference", "checkpoint=full"), ("nvme",)],
-                         ids=["bf16-mixed", "full-checkpoint-resumed", "state-on-disk"])
+@pytest.mark.parametrize("extra", [("precision=bf16-mixed",), ("resume:reference", "checkpoint=full"),
+                                   ("resume:reference", "checkpoint=full", "empty_init"), ("nvme",)],
+                         ids=["bf16-mixed", "full-checkpoint-resumed", "meta-model-read-from-a-full-checkpoint",
+                              "state-on-disk"])
 def test_what_users_combine_with_it(run, extra):
     """bf16-mixed (autocast over the float32 host shards), a full checkpoint (one file)
-    written under ``ModelParallelStrategy`` with the policy, resumed under ours, and AdamW's
-    state on disk (``offload_optimizer_device="nvme"``: the shards stay the masters, in host
-    memory): where the reference doing the same ends."""
-    reference = [e for e in extra if e != "nvme"]
+    written under ``ModelParallelStrategy`` with the policy, resumed under ours (into a model
+    built on the meta device too: made in host memory, then each parameter read from the
+    file into its host shards), and AdamW's state on disk (``offload_optimizer_device="nvme"``:
+    the shards stay the masters, in host memory): where the reference doing the same ends."""
+    reference = [e for e in extra if e not in ("nvme", "empty_init")]
     _assert_same(run("fastopt-1", "host_params", *extra).results, run("reference", "host_params", *reference).results)
 
 

@@ -47,10 +47,12 @@ CPU updates started during backward over the run (``stream_cpu_step``: streamed 
 speculated), and how many of them the steps kept (streamed, or speculated and committed).
 ``clip=none`` or ``clip=VALUE``: no clipping, or ``gradient_clip_val=VALUE`` (0.5 by default).
 ``nvme``: ``offload_optimizer_device="nvme"`` (the masters and state in a file in a new
-temporary directory, through a window of two buckets).  ``activation_checkpointing``: :class:`Net`'s layers (and so :class:`ShardedNet`'s) each run under
+temporary directory, through a window of two buckets).  ``empty_init``: the resumed run's model is built on the meta device
+(``trainer.init_module(empty_init=True)``), its weights read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (and so :class:`ShardedNet`'s) each run under
 ``torch.utils.checkpoint`` (non-reentrant), their activations recomputed in backward.
 """
 
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -365,13 +367,15 @@ def main():
         if "first-only" in extra:
             Path(f"{out}.checkpoint").write_text(path)
             return
-    if path is not None:
-        torch.manual_seed(1)  # the second run's weights come from the checkpoint
-        model = _model(name, optimizer, tied, sequence_parallel)
     trainer = _trainer(name, root, precision, devices=devices, options=_delayed(name, extra, options),
                        max_steps=STEPS, enable_checkpointing="checkpointing" in extra,
                        callbacks=_callbacks(name, extra, saves="checkpointing" in extra),
                        use_distributed_sampler="no-distributed-sampler" not in extra)
+    if path is not None:
+        torch.manual_seed(1)  # the second run's weights come from the checkpoint
+        with trainer.init_module(empty_init=True) if "empty_init" in extra else contextlib.nullcontext():
+            model = _model(name, optimizer, tied, sequence_parallel)
+        assert "empty_init" not in extra or all(p.is_meta for p in model.parameters())
     trainer.fit(model, data, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
