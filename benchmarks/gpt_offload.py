@@ -69,8 +69,10 @@ CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:
 # memory, torch's fused AdamW stepping on the CPU after backward); "fastopt_fsdp:F[:stream]" is
 # FastOptFSDPStrategy(offload_fraction=F[, stream_cpu_step=True]) over the same sharding and optimizer;
 # "fastopt_fsdp:1:params" is FastOptFSDPStrategy(offload_parameters=True) under the same CPUOffloadPolicy as
-# "fsdp:cpu_offload" (the host shards updated in place by our CPU kernels: issue 52's comparison)
-FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
+# "fsdp:cpu_offload" (the host shards updated in place by our CPU kernels: issue 52's comparison), and
+# "fastopt_fsdp:1:params:stream" each unit's update started in backward as its gradients land on the host
+FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1:params:stream", "fastopt_fsdp:1",
+                "fastopt_fsdp:1:stream"]
 CONFIGS += FSDP_CONFIGS
 CLIP = ":clip"
 DELAYED_WARMUP = 2
@@ -181,7 +183,7 @@ def child(config: str, args) -> dict:
 
             mesh = self.device_mesh["data_parallel"]
             pinned = torch.cuda.is_available()  # (pinned host memory needs an accelerator: a --tiny CPU run)
-            host = config.endswith((":cpu_offload", ":params"))  # the shards in host memory
+            host = {"cpu_offload", "params"} & set(config.split(":"))  # the shards in host memory
             extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=pinned)) if host else {}
             for block in self.blocks:
                 fully_shard(block, mesh=mesh, **extra)
