@@ -198,10 +198,16 @@ def test_bad_directories_windows_and_schedules_are_refused_by_name(tmp_path):
         OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0)
     with pytest.raises(ValueError, match="is not an existing directory"):
         OffloadOptimizer(sgd(params), offload_optimizer_device="nvme", nvme_path=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match=r"nvme_window_mb=0\.001 holds 0 of the host buckets' regions .* give a "
-                                         r"larger nvme_window_mb, or a smaller bucket_size_mb"):
-        OffloadOptimizer(ALGORITHMS["adamw"](params), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
+    small = [torch.zeros(500, requires_grad=True) for _ in range(8)]  # several tensors a bucket
+    with pytest.raises(ValueError, match=r"nvme_window_mb=0\.001 holds 0 of the host buckets' regions .* give "
+                                         r"nvme_window_mb=[\d.]+ at least, or a smaller bucket_size_mb"):
+        OffloadOptimizer(ALGORITHMS["adamw"](small), offload_optimizer_device="nvme", nvme_path=str(tmp_path),
                          nvme_window_mb=0.001, bucket_size_mb=0.01, copy_on_cpu=True)
+    big = [torch.zeros(40_000, requires_grad=True), torch.zeros(10, requires_grad=True)]  # one tensor, one bucket
+    with pytest.raises(ValueError, match=r"the largest is one tensor, w0 \(40,000 elements\), whose masters and "
+                                         r"state a bucket holds whole: give nvme_window_mb=0\.9\d* at least"):
+        OffloadOptimizer(ALGORITHMS["adamw"](big), {big[0]: "w0", big[1]: "w1"}, offload_optimizer_device="nvme",
+                         nvme_path=str(tmp_path), nvme_window_mb=0.5, bucket_size_mb=0.01, copy_on_cpu=True)
     from lightning_fastopt import FastOptStrategy
 
     with pytest.raises(ValueError, match="offload_fraction=0 offloads nothing"):

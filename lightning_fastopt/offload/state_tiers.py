@@ -187,7 +187,7 @@ class DiskTier:
             self.file = DirectFile(self.directory, self._end)
         else:
             self.file.grow(self._end)
-        self._size_window(max(r.size for r in self.regions.values()))
+        self._size_window(max(self.regions.values(), key=lambda r: r.size))
         for b in buckets:
             with self.resident(b, fresh=True):
                 pass  # the release takes the masters in and writes the region
@@ -202,18 +202,26 @@ class DiskTier:
         self._end += region.size
         return region
 
-    def _size_window(self, region_bytes: int) -> None:
+    def _size_window(self, largest: _Region) -> None:
         """Slots that each hold the largest region, as many as the window allows (two at
         least, where there are two buckets) and no more than there are buckets, sharing the
         whole window (room for a region that grows: see the module's note)."""
+        region_bytes = largest.size
         if self.window and self.window[0].buffer.numel() >= region_bytes:
             return
         count = min(self.window_bytes // region_bytes, len(self.regions))
         if count < min(2, len(self.regions)):
+            need = f"nvme_window_mb={2 * region_bytes / 2**20:.4g} at least"
+            slots = {id(e.slot): e.slot for e in largest.entries}
+            if len(slots) == 1:  # a bucket holds whole tensors: a smaller bucket_size_mb cannot help
+                slot = next(iter(slots.values()))
+                advice = (f"the largest is one tensor, {slot.name} ({slot.param.numel():,} elements), whose masters "
+                          f"and state a bucket holds whole: give {need}")
+            else:
+                advice = f"give {need}, or a smaller bucket_size_mb"
             raise ValueError(f"nvme_window_mb={self.window_mb!r} holds {count} of the host buckets' "
                              f"regions on disk ({region_bytes / 2**20:.3g} MiB each: a bucket's masters and optimizer "
-                             "state); it needs two at least (one updated while the next is read): give a larger "
-                             "nvme_window_mb, or a smaller bucket_size_mb")
+                             f"state); it needs two at least (one updated while the next is read): {advice}")
         for old in self.window:
             self._settle(old)
             if old.bucket is not None:
