@@ -80,6 +80,16 @@ def test_a_checkpoint_under_the_policy_resumes_as_under_model_parallel_strategy(
 
 
 @slow
+@pytest.mark.parametrize("checkpoint", [(), ("checkpoint=full",)], ids=["distributed", "full"])
+def test_our_checkpoint_under_the_policy_resumes_under_model_parallel_strategy(run, checkpoint):
+    """The other way: half the steps under ours with the host shards, saved (a distributed
+    checkpoint, or one full file), resumed under ``ModelParallelStrategy`` with the policy
+    and torch's AdamW: where its own run resumed from its own checkpoint ends."""
+    ours = run("reference", "host_params", "resume:fastopt-1", *checkpoint).results
+    _assert_same(ours, run("reference", "host_params", "resume:reference", *checkpoint).results)
+
+
+@slow
 @pytest.mark.parametrize("extra", [("precision=bf16-mixed",), ("resume:reference", "checkpoint=full"),
                                    ("resume:reference", "checkpoint=full", "empty_init"), ("nvme",)],
                          ids=["bf16-mixed", "full-checkpoint-resumed", "meta-model-read-from-a-full-checkpoint",
