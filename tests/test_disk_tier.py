@@ -631,9 +631,11 @@ def test_a_copy_the_disk_cannot_hold_is_an_error_naming_the_path(tmp_path, monke
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
 def test_after_fit_the_state_given_back_and_a_checkpoint_read_stay_in_files(tmp_path):
-    """After fit the Trainer gives the user's optimizer the state on disk back in files of
-    their own in nvme_path (mapped), as plain Lightning's AdamW holds it; a checkpoint the
-    strategy reads is mapped from its file, not read whole into host memory."""
+    """After fit the Trainer gives the user's optimizer the state on disk back as plain
+    Lightning's AdamW holds it, mapped from the working file itself (nothing writes it once
+    training ended: no copy, no more disk), which torch's AdamW then steps in place; a
+    checkpoint saved after fit holds that state; a checkpoint the strategy reads is mapped
+    from its file, not read whole into host memory."""
     import gc
 
     import lightning as L
@@ -677,10 +679,21 @@ def test_after_fit_the_state_given_back_and_a_checkpoint_read_stay_in_files(tmp_
         for key, value in ref_opt.state[q].items():
             assert torch.equal(opt.state[p][key], value), key
             if value.numel() * value.element_size() >= SMALL:
-                assert mapped_file_of(opt.state[p][key]).startswith(str(disk)), key
+                held = mapped_file_of(opt.state[p][key])
+                assert held.startswith(str(disk)) and held.endswith(".state (deleted)"), held  # the working file
+    assert set(_held_in(disk)) == {mapped_file_of(opt.state[model.net[0].weight]["exp_avg"])}  # no copy
     trainer.save_checkpoint(tmp_path / "after.ckpt")
     read = trainer.strategy.checkpoint_io.load_checkpoint(tmp_path / "after.ckpt")
     weight = read["state_dict"]["net.0.weight"]
     assert torch.equal(weight, model.net[0].weight) and mapped_file_of(weight) == str(tmp_path / "after.ckpt")
-    del read, weight, opt, trainer
+    saved = read["optimizer_states"][0]
+    first = saved["param_groups"][0]["params"][0]  # (net.0.weight's key: its name or position)
+    assert torch.equal(saved["state"][first]["exp_avg"], ref_opt.state[ref.net[0].weight]["exp_avg"])
+    for p, q in zip(model.parameters(), ref.parameters()):  # torch's own step on what was given back
+        p.grad = q.grad = torch.full_like(p, 0.01)
+    opt.step()
+    ref_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert torch.equal(opt.state[model.net[0].weight]["exp_avg"], ref_opt.state[ref.net[0].weight]["exp_avg"])
+    del read, weight, saved, opt, trainer
     gc.collect()

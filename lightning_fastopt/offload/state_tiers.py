@@ -172,6 +172,7 @@ class DiskTier:
         self.spares: dict[HostBucket, _Region] = {}  # where a bucket's next speculative update is written
         self._undo: dict[HostBucket, _Region] = {}  # a bucket's region before its speculative update
         self._copies: MappedCopies | None = None  # what hand_out gives (made at its first use)
+        self._closed = False  # (close: nothing writes the file any more)
 
     # ------------------------------------------------------------------ planning
     def add(self, buckets: Sequence[HostBucket]) -> None:
@@ -317,16 +318,38 @@ class DiskTier:
         return slot
 
     def hand_out(self, value: Any, dtype: torch.dtype | None = None, copy: bool = True) -> Any:
-        """A master or state value of a resident bucket as it leaves the tier: a copy (the
-        tensor points at nothing once the bucket leaves the window), in ``dtype`` where
-        given, in a file of its own in ``directory`` mapped into memory, not in host memory
-        (:class:`~lightning_fastopt.runtime.mapped_copies.MappedCopies`: the state on disk
-        may be larger than host memory, and a state dict holds all of it at once)."""
+        """A master or state value of a resident bucket as it leaves the tier, never in host
+        memory (the state on disk may be larger than host memory, and a state dict holds all
+        of it at once): while the optimizer runs, a copy (the tensor points at nothing once
+        the bucket leaves the window, and the next step rewrites the file), in ``dtype``
+        where given, in a file of its own in ``directory`` mapped into memory
+        (:class:`~lightning_fastopt.runtime.mapped_copies.MappedCopies`); once the tier is
+        closed (nothing writes the file any more: the state given back after fit), the
+        tensor where the working file holds it, mapped from it (no copy, no more disk)."""
         if not isinstance(value, Tensor):
             return value
+        if self._closed and dtype in (None, value.dtype):
+            in_file = self._in_file(value)
+            if in_file is not None:
+                return in_file
         if self._copies is None:
             self._copies = MappedCopies(self.directory)
         return self._copies.copy(value, dtype)
+
+    def _in_file(self, value: Tensor) -> Tensor | None:
+        """``value`` (a tensor of a resident bucket, in its window slot) mapped from the same
+        bytes of the file (a slot holds its bucket's region byte for byte); None for a tensor
+        no slot holds (in host memory: step counts, masters that are their own weights)."""
+        address, nbytes = value.data_ptr(), value.numel() * value.element_size()
+        for slot in self.window:
+            start = slot.buffer.data_ptr()
+            if slot.in_use and slot.bucket is not None and start <= address < start + slot.buffer.numel():
+                offset = address - start
+                if offset + nbytes > self.regions[slot.bucket].size or not value.is_contiguous():
+                    return None
+                place = self.file.mapped(self.regions[slot.bucket].offset + offset, nbytes)
+                return place.view(value.dtype).view(value.shape)
+        return None
 
     # ------------------------------------------------------------------ speculation: the file keeps the old state
     def snapshot(self, bucket: HostBucket) -> DiskSnapshot:
@@ -472,9 +495,11 @@ class DiskTier:
                 raise self._failed[-1]
 
     def close(self) -> None:
-        """Finish the reads and writes in flight.  The file stays while the tier does (it
-        goes with the optimizer): a closed optimizer's state is still read from it (the
-        Trainer gives the user's optimizer its state back after fit, and may save it)."""
+        """Finish the reads and writes in flight; nothing writes the file after.  The file
+        stays while the tier does (it goes with the optimizer), and while any tensor
+        :meth:`hand_out` mapped from it lives: a closed optimizer's state is still read from
+        it (the Trainer gives the user's optimizer its state back after fit, and may save it)."""
+        self._closed = True
         with self._lock:
             for slot in self.window:
                 if slot.read is not None:

@@ -19,6 +19,7 @@ multiples of the disk's block size: :func:`aligned_empty` gives such buffers and
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import tempfile
@@ -106,6 +107,7 @@ class DirectFile:
             rank_zero_info(f"lightning_fastopt: {self.directory} takes no direct I/O: the {what}'s file is read and "
                            "written through the page cache")
         self._pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="fastopt-disk")
+        self._mapping: mmap.mmap | None = None  # (made by mapped)
         self.grow(size)
 
     def grow(self, size: int) -> None:
@@ -118,6 +120,15 @@ class DirectFile:
         except OSError as e:
             raise self._error(f"reserving {_gib(size)}", e) from e
         self.size = size
+
+    def mapped(self, offset: int, nbytes: int) -> Tensor:
+        """``nbytes`` of the file from ``offset`` as a uint8 CPU tensor mapped from it, shared
+        (it reads what the file holds and writes to it), for a file no direct I/O writes any
+        more (the reads and writes of a closed optimizer's state); the mapping keeps the file
+        while any such tensor lives, after :meth:`close` too."""
+        if self._mapping is None or len(self._mapping) < self.size:
+            self._mapping = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes, offset=offset)
 
     def read_into(self, buffer: Tensor, offset: int) -> Future:
         return self._move(os.preadv, buffer, offset, "reading")

@@ -47,8 +47,10 @@ CPU updates started during backward over the run (``stream_cpu_step``: streamed 
 speculated), and how many of them the steps kept (streamed, or speculated and committed).
 ``clip=none`` or ``clip=VALUE``: no clipping, or ``gradient_clip_val=VALUE`` (0.5 by default).
 ``nvme``: ``offload_optimizer_device="nvme"`` (the masters and state in a file in a new
-temporary directory, through a window of two buckets).  ``empty_init``: the resumed run's model is built on the meta device
-(``trainer.init_module(empty_init=True)``), its weights read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (and so :class:`ShardedNet`'s) each run under
+temporary directory, through a window of two buckets).  ``empty_init``: the resumed run's
+model is built on the meta device (``trainer.init_module(empty_init=True)``), its weights
+read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (and so
+:class:`ShardedNet`'s) each run under
 ``torch.utils.checkpoint`` (non-reentrant), their activations recomputed in backward.
 """
 
