@@ -273,3 +273,19 @@ def run_counts(out, name: str, ranks) -> list[tuple[int, ...] | None]:
 
     files = [Path(f"{out}.{name}.rank{r}") for r in ranks]
     return [tuple(map(int, f.read_text().split())) if f.exists() else None for f in files]
+
+
+def mapped_file_of(tensor) -> str | None:
+    """The file (as ``/proc/self/maps`` names it) whose mapping holds ``tensor``'s memory,
+    or None where it is the process's own (Linux; None elsewhere)."""
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    except OSError:
+        return None
+    return None

@@ -566,7 +566,8 @@ def test_a_state_dict_of_the_state_on_disk_is_held_in_files_not_in_host_memory(t
     torch keeps them), save and load, and their files go with them."""
     import gc
 
-    from lightning_fastopt.runtime.mapped_copies import SMALL, mapped_file_of
+    from lightning_fastopt.runtime.mapped_copies import SMALL
+    from tests.helpers import mapped_file_of
 
     g = torch.Generator().manual_seed(0)
     shapes = [(1024, 1024)] * 4 + [(300,)]
@@ -643,7 +644,8 @@ def test_after_fit_the_state_given_back_and_a_checkpoint_read_stay_in_files(tmp_
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_fastopt import FastOptStrategy
-    from lightning_fastopt.runtime.mapped_copies import SMALL, mapped_file_of
+    from lightning_fastopt.runtime.mapped_copies import SMALL
+    from tests.helpers import mapped_file_of
 
     class Wide(L.LightningModule):
         def __init__(self):

@@ -1,9 +1,9 @@
 """Copies of tensors that live in files on a disk, not in the process's own memory.
 
 A state on disk (``offload_optimizer_device="nvme"``) may be larger than host memory:
-whatever takes it out of the working file whole (a checkpoint's state dict, the state the
-Trainer gives back to the user's optimizer after fit, the masters moved to an optimizer at
-another fraction) must not make a copy of it in host memory.  :class:`MappedCopies` makes
+whatever copies it out of the working file whole (a checkpoint's state dict while training
+runs, bfloat16 moments given back as float32 after fit, the masters moved to an optimizer
+at another fraction) must not make that copy in host memory.  :class:`MappedCopies` makes
 each copy a file of its own in the same directory, created under a name no other run uses
 and unlinked at once, its blocks reserved (a disk that cannot hold it is an error naming
 the path), and mapped into memory shared with the file: the copy's pages belong to the
@@ -67,18 +67,3 @@ class MappedCopies:
             os.close(fd)  # the mapping holds the file
         return torch.frombuffer(mapped, dtype=dtype, count=numel).view(tuple(shape))
 
-
-def mapped_file_of(tensor: Tensor) -> str | None:
-    """The file (as ``/proc/self/maps`` names it) whose mapping holds ``tensor``'s memory,
-    or None where it is the process's own (Linux; None elsewhere)."""
-    address = tensor.data_ptr()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
-    except OSError:
-        return None
-    return None
