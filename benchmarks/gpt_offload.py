@@ -265,12 +265,15 @@ def child(config: str, args) -> dict:
     seconds = measure.t1 - measure.t0
     opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
     copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
+    # weights in host memory (FSDP's CPUOffloadPolicy): each block's gathered for forward and again for backward
+    host_weights = {"cpu_offload", "params"} & set(base.split(":"))
     speculated = dict(getattr(getattr(opt, "schedule", None), "totals", {}))  # the speculative step's bucket counts
     # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
     fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
     return dict(configuration=config, fraction=fraction, params=n_params,
                 tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
                 step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
+                h2d_bytes_per_param=2 * copy_bytes if host_weights else copy_bytes,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 phases_s=phases.seconds, **(measure.profile or {}))
 
@@ -339,7 +342,8 @@ def row_bound(r: dict, terms: Terms | None, gpu_step_ms: float | None) -> tuple[
     """A row's bound (ms) and the term that sets it: offloading rows only."""
     if terms is None or r.get("fraction") is None:
         return None, ""
-    return bound_ms(terms, gpu_step_ms, r["fraction"] * r["params"], r["copy_bytes_per_param"])
+    return bound_ms(terms, gpu_step_ms, r["fraction"] * r["params"], r["copy_bytes_per_param"],
+                    r.get("h2d_bytes_per_param"))
 
 
 def main() -> None:

@@ -52,16 +52,19 @@ class Terms:
 
 
 def bound_ms(terms: Terms, gpu_step_ms: float | None, offloaded_params: float,
-             copy_bytes_per_param: float) -> tuple[float | None, str]:
+             copy_bytes_per_param: float, h2d_bytes_per_param: float | None = None) -> tuple[float | None, str]:
     """The bound of a step that offloads ``offloaded_params`` parameters, copying
-    ``copy_bytes_per_param`` bytes of each one each way (on a GPU: a run without one copies
-    nothing), and the name of the term that sets it; (None, why) without a plain row."""
+    ``copy_bytes_per_param`` bytes of each one each way (``h2d_bytes_per_param`` to the
+    device where that differs: weights in host memory, gathered for forward and again for
+    backward; on a GPU: a run without one copies nothing), and the name of the term that
+    sets it; (None, why) without a plain row."""
     if gpu_step_ms is None:
         return None, "no plain row"
     named = {"GPU step": gpu_step_ms, "CPU update": offloaded_params / terms.cpu_params_per_s * 1e3}
+    up = copy_bytes_per_param if h2d_bytes_per_param is None else h2d_bytes_per_param
     if terms.d2h_bytes_per_s is not None:
         named["D2H copies"] = offloaded_params * copy_bytes_per_param / terms.d2h_bytes_per_s * 1e3
-        named["H2D copies"] = offloaded_params * copy_bytes_per_param / terms.h2d_bytes_per_s * 1e3
+        named["H2D copies"] = offloaded_params * up / terms.h2d_bytes_per_s * 1e3
     term = max(named, key=named.get)
     return named[term], term
 

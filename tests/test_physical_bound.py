@@ -25,6 +25,8 @@ def test_the_longest_term_sets_the_bound():
     # copies slower than the CPU: 1 GB/s up makes 1B half weights 2000 ms
     slow_up = Terms(cpu_params_per_s=1e9, threads=16, d2h_bytes_per_s=50e9, h2d_bytes_per_s=1e9)
     assert bound_ms(slow_up, 100.0, 1e9, 2) == (pytest.approx(2000.0), "H2D copies")
+    # weights in host memory: gathered for forward and again for backward, twice the bytes up
+    assert bound_ms(slow_up, 100.0, 1e9, 2, h2d_bytes_per_param=4) == (pytest.approx(4000.0), "H2D copies")
     # nothing offloaded: the GPU's step
     assert bound_ms(GPU_HOST, 100.0, 0, 4) == (100.0, "GPU step")
 
