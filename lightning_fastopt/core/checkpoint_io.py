@@ -48,9 +48,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if is_sharded(path):
             return load_sharded(path, weights_only)
         location = _as_saved if map_location is None else map_location
-        if isinstance(get_filesystem(path), LocalFileSystem) and os.path.isfile(path) and zipfile.is_zipfile(path):
+        if _maps(path):
             return torch.load(path, map_location=location, weights_only=weights_only, mmap=True)
         return super().load_checkpoint(path, location, weights_only)
+
+
+def _maps(path) -> bool:
+    """Whether ``path`` is read mapped: a local file in torch's zip format, on a POSIX system
+    (where a file replaced while mapped stays whole for its readers; Windows refuses to
+    replace a mapped file, which the next save of the same name does)."""
+    return (os.name == "posix" and isinstance(get_filesystem(path), LocalFileSystem) and os.path.isfile(path)
+            and zipfile.is_zipfile(path))
 
 
 def _as_saved(storage, location):
