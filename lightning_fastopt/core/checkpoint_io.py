@@ -4,7 +4,7 @@ Lightning's own writer streams the bytes into the final file name; a process kil
 mid-write (out of memory, SIGKILL, node failure) can leave a truncated file under the
 name that ``ckpt_path="last"`` then picks.  This writer saves local paths with
 :func:`lightning_fastopt.checkpoint.atomic.save_atomically` (a temporary file, flushed,
-renamed over the target) and reads them mapped into memory (``torch.load(mmap=True)``,
+renamed over the target) and, on POSIX systems, reads them mapped into memory (``torch.load(mmap=True)``,
 as Lightning's ``ModelParallelStrategy`` reads a full checkpoint: a checkpoint larger than
 host memory, such as one holding an optimizer state kept on disk, is read tensor by tensor
 as the strategy takes it in, never whole; a new checkpoint under the same name is a new
