@@ -128,6 +128,11 @@ def fsdp_strategy(config: str):
                                offload_parameters="params" in rest, data_parallel_size=1, tensor_parallel_size=1)
 
 
+def host_weights(config: str) -> bool:
+    """Whether ``config`` keeps the weights in host memory (FSDP's ``CPUOffloadPolicy``)."""
+    return bool({"cpu_offload", "params"} & set(config.split(":")))
+
+
 PROFILED_STEPS = 2  # the last warm-up steps, profiled: a delayed update runs into the next step
 
 
@@ -183,8 +188,7 @@ def child(config: str, args) -> dict:
 
             mesh = self.device_mesh["data_parallel"]
             pinned = torch.cuda.is_available()  # (pinned host memory needs an accelerator: a --tiny CPU run)
-            host = {"cpu_offload", "params"} & set(config.split(":"))  # the shards in host memory
-            extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=pinned)) if host else {}
+            extra = dict(offload_policy=CPUOffloadPolicy(pin_memory=pinned)) if host_weights(config) else {}
             for block in self.blocks:
                 fully_shard(block, mesh=mesh, **extra)
             fully_shard(self, mesh=mesh, **extra)
@@ -265,15 +269,15 @@ def child(config: str, args) -> dict:
     seconds = measure.t1 - measure.t0
     opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
     copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
-    # weights in host memory (FSDP's CPUOffloadPolicy): each block's gathered for forward and again for backward
-    host_weights = {"cpu_offload", "params"} & set(base.split(":"))
+
     speculated = dict(getattr(getattr(opt, "schedule", None), "totals", {}))  # the speculative step's bucket counts
     # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
     fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
     return dict(configuration=config, fraction=fraction, params=n_params,
                 tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
                 step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
-                h2d_bytes_per_param=2 * copy_bytes if host_weights else copy_bytes,
+                # weights in host memory: each block's gathered for forward and again for backward
+                h2d_bytes_per_param=2 * copy_bytes if host_weights(config) else copy_bytes,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                 phases_s=phases.seconds, **(measure.profile or {}))
 

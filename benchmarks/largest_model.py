@@ -42,9 +42,10 @@ def _gpt(layers: int, width: int, tokens: int):
     return TinyGPT(n_layer=layers, n_head=max(width // 128, 1), n_embd=width, block_size=tokens)
 
 
-def available_host_bytes() -> int:
-    with open("/proc/meminfo") as info:
-        return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+def available_host_bytes() -> int | None:
+    from lightning_fastopt.offload.speculative import available_host_bytes as available
+
+    return available()
 
 
 def plan(args) -> list[dict]:
@@ -161,6 +162,8 @@ def main() -> None:
     if args.child is not None:
         return child(args)
     args.host_bytes = args.host_gib * 2**30 if args.host_gib else available_host_bytes()
+    if args.host_bytes is None:
+        parser.error("this system does not say how much host memory is available: give --host-gib")
     rows = plan(args)
     print(f"GPU capped at {args.gpu_gib:g} GiB, host {args.host_bytes / 2**30:.3g} GiB ({args.headroom:.0%} left "
           f"aside), width {args.width}, AdamW moments {args.state}")

@@ -275,17 +275,19 @@ def run_counts(out, name: str, ranks) -> list[tuple[int, ...] | None]:
     return [tuple(map(int, f.read_text().split())) if f.exists() else None for f in files]
 
 
-def mapped_file_of(tensor) -> str | None:
-    """The file (as ``/proc/self/maps`` names it) whose mapping holds ``tensor``'s memory,
-    or None where it is the process's own (Linux; None elsewhere)."""
-    address = tensor.data_ptr()
+def mapped_files() -> list[tuple[int, int, str]]:
+    """Each file mapping of this process: (start, end, the file as ``/proc/self/maps`` names
+    it, `` (deleted)`` after an unlinked one's name); empty where there is no such file (not Linux)."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+            fields = [line.split(maxsplit=5) for line in maps]
     except OSError:
-        return None
-    return None
+        return []
+    return [(int(f[0].split("-")[0], 16), int(f[0].split("-")[1], 16), f[5].strip())
+            for f in fields if len(f) == 6 and f[5].startswith("/")]
+
+
+def mapped_file_of(tensor) -> str | None:
+    """The file whose mapping holds ``tensor``'s memory, or None where it is the process's own."""
+    address = tensor.data_ptr()
+    return next((name for start, end, name in mapped_files() if start <= address < end), None)

@@ -550,10 +550,10 @@ def _anonymous_bytes() -> int:
 
 
 def _held_in(directory) -> list[str]:
-    """The unlinked files of ``directory`` this process maps."""
-    with open("/proc/self/maps") as maps:
-        return [line.split(maxsplit=5)[5].strip() for line in maps
-                if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith(str(directory))]
+    """The files of ``directory`` this process maps."""
+    from tests.helpers import mapped_files
+
+    return [name for _, _, name in mapped_files() if name.startswith(str(directory))]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps and status (Linux)")

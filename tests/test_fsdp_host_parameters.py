@@ -492,24 +492,33 @@ def test_on_a_gpu_the_model_is_never_all_on_it_and_the_estimate_says_so(tmp_path
     assert got["steps"] == 3 and got["peak"] < got["param_bytes"] * 0.75
 
 
+def _half_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+
+
+def _half_host_shards(model, mesh, **options):
+    """``model`` (bfloat16) sharded under the policy in one process, and the rows'
+    optimizer (AdamW) over its host shards with ``options``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
+                               device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002, **options)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["at-the-step", "streamed"])
 def test_a_half_host_shard_others_wrote_gives_its_master_the_write(one_process, stream):
     """bfloat16 host shards with float32 masters apart: a shard written between steps
     (``load_state_dict``, a callback) is found before its bucket's update (not at the step,
     where the streamed update may already have written it in place) and its master takes
     the write; the shards the updates wrote themselves keep their masters' low bits."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    from lightning_fastopt import FusedAdam
-    from lightning_fastopt.fsdp import LocalShardOptimizer
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
-    for module in (model[0], model[2], model):
-        fully_shard(module, mesh=one_process, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
-                              device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002,
-                              stream_cpu_step=stream)
+    model = _half_model()
+    opt = _half_host_shards(model, one_process, stream_cpu_step=stream)
     g = torch.Generator().manual_seed(1)
 
     def step():
@@ -540,20 +549,12 @@ def test_the_estimate_of_half_host_shards_is_what_the_rows_optimizer_holds(one_p
     """bfloat16 host shards (``bf16-true`` under the policy): the rows, their gradients, a
     float32 master apart for each and AdamW's two moments, as ``estimate_memory`` gives them
     (16 bytes an element), speculation's copies too."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from lightning_fastopt import estimate_memory
 
-    from lightning_fastopt import FusedAdam, estimate_memory
-    from lightning_fastopt.fsdp import LocalShardOptimizer
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+    model = _half_model()
     est = estimate_memory(model, zero_stage=3, offload_parameters=True, precision="bf16-true")
     spec = estimate_memory(model, zero_stage=3, offload_parameters=True, precision="bf16-true", speculate=True)
-    for module in (model[0], model[2], model):
-        fully_shard(module, mesh=one_process, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
-                              device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002,
-                              stream_cpu_step=True, speculate=True)
+    opt = _half_host_shards(model, one_process, stream_cpu_step=True, speculate=True)
     for _ in range(2):  # (the second speculation keeps the state the first made)
         opt.zero_grad()
         model(torch.randn(8, 6).to(torch.bfloat16)).float().square().mean().backward()

@@ -188,7 +188,6 @@ def check_disk_tier(device: Any, nvme_path: Any, nvme_window_mb: Any, *, offload
                          "on disk: offload_fraction=0 offloads nothing")
 
 
-
 def check_fraction(offload_fraction: Any, budget_gb: Any, zero_stage: Any) -> bool:
     """Refuse a bad ``offload_fraction`` or ``gpu_memory_budget_gb``; True for ``"auto"``."""
     auto = offload_fraction == "auto"

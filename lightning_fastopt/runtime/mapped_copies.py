@@ -17,6 +17,7 @@ each would cost more than it holds.
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 from pathlib import Path
@@ -50,9 +51,7 @@ class MappedCopies:
 
     def empty(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialized CPU tensor whose memory is a file of its own (at least one byte)."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
         fd = open_unlinked(self.directory, os.O_RDWR, suffix=".copy")
         try:
