@@ -132,6 +132,34 @@ def test_steps_that_need_every_gradient_first_are_refused():
     opt.close()
 
 
+def test_a_second_backward_is_refused_unless_the_optimizer_is_told_it_accumulates():
+    """Two backwards before a step: the first one's updates have started (their weights may
+    have reached the second forward), so it is an error, every time (it was a result that
+    depended on the worker's progress); told (``accumulating`` for the first), the run
+    ends where the unstreamed one ends."""
+    def run(stream, told):
+        model = _net()
+        opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
+                               bucket_size_mb=0.002, copy_on_cpu=True, stream_cpu_step=stream)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            opt.zero_grad()
+            for i in range(2):
+                opt.accumulating = told and i == 0
+                model(torch.randn(16, 24, generator=g)).square().mean().backward()
+            opt.step()
+        opt.close()
+        return model
+
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=r"second backward before step\(\) .* optimizer.accumulating = True "
+                                               r".* speculate=True"):
+            run(True, told=False)
+    plain = run(False, told=False)
+    assert all(torch.equal(a, b) for a, b in zip(run(True, told=True).parameters(), plain.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(run(False, told=True).parameters(), plain.parameters()))
+
+
 def _fit(strategy, **kw):
     model = Model(lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), sched=True)
     trainer = L.Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, max_epochs=2, logger=False,

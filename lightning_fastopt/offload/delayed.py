@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others, written_in_bucket
 
@@ -75,10 +76,12 @@ class DelayedUpdates:
         """What a checkpoint keeps: the step count and the masters not yet on the device
         (read where ``layout``'s tier keeps them)."""
         self.wait()
-        weights = {}
+        tier = layout.tier
+        weights = WholeValues(lambda value, dtype: tier.hand_out(value, dtype, copy=True), tier.blank)
         for members in layout.in_residence([s for f in self.pending.values() for s in f.result()], writes=False):
-            weights.update((s.name, layout.tier.hand_out(s.master.detach(), copy=True)) for s in members)
-        return {"steps": self.steps, "weights": weights}
+            for s in members:
+                weights.add(s, "", s.master.detach())
+        return {"steps": self.steps, "weights": {name: values[""] for name, values in weights.by_name.items()}}
 
     def restore(self, weights: Mapping[ParamSlot, Tensor], layout) -> None:
         """Take a checkpoint's pending masters of offloaded slots back as pending updates

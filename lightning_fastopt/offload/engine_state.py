@@ -13,6 +13,9 @@ Loaded: the groups' settings in place (LR schedulers hold those dicts), each sta
 inner optimizer that owns the parameter now, each saved master where the model's weight
 (loaded first) is still that master rounded, and a delayed update's pending masters:
 pending again for a delayed optimizer's offloaded parameters, into the model otherwise.
+
+A parameter split into pieces (:mod:`~lightning_fastopt.offload.pieces`) is saved whole,
+its pieces' tensors put together, and each piece loads its range.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.offload.delayed import SAVED_KEY, put_master
+from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import ParamSlot, remember_weights
 
 # In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
@@ -45,16 +49,19 @@ class EngineState:
         delayed update (moved over, not applied); returns ``new``."""
         opt = self.opt
         saved = self.saved()  # the state and a delayed update's pending masters, by name
-        masters = {s.name: opt.layout.tier.hand_out(s.master)
-                   for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master], writes=False)
-                   for s in members}
+        tier = opt.layout.tier
+        whole = WholeValues(tier.hand_out, tier.blank)
+        for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master], writes=False):
+            for s in members:
+                whole.add(s, "", s.master)
+        masters = {name: values[""] for name, values in whole.by_name.items()}
         opt.close(apply_pending=False)
         new.load_state_dict(saved)
         pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))
         kept = [s for s in new._slots if s.separate_master and s.name in masters and s.name not in pending]
         for members in new.layout.in_residence(kept):
             for s in members:  # a half-precision weight's master has more bits than the weight
-                put_master(s, masters[s.name])
+                put_master(s, s.of(masters[s.name]))
         remember_weights(kept)
         new.skipped_steps = opt.skipped_steps
         new.accumulating = opt.accumulating
@@ -68,16 +75,17 @@ class EngineState:
         """The state dict, once every update under way has finished."""
         opt = self.opt
         opt.schedule.wait()
-        state = {}
         tier = opt.layout.tier  # (on disk: copies, in files of their own)
+        state = WholeValues(tier.hand_out, tier.blank, saved_dtype)
         for members in opt.layout.in_residence(opt._slots, writes=False):
             for s in members:
                 st = opt._inner_of(s).state.get(s.master)
                 if st:
-                    state[s.name] = {k: tier.hand_out(v, saved_dtype(v)) for k, v in st.items()}
+                    for k, v in st.items():
+                        state.add(s, k, v)
                     if s.param.dtype != s.master.dtype:
-                        state[s.name][MASTER_KEY] = tier.hand_out(s.master)
-        saved = named_state_dict(opt.param_groups, self._names(), state)
+                        state.add(s, MASTER_KEY, s.master)
+        saved = named_state_dict(opt.param_groups, self._names(), state.by_name)
         if opt._delayed is not None:
             saved[SAVED_KEY] = opt._delayed.saved(opt.layout)
         return saved
@@ -116,7 +124,8 @@ class EngineState:
                 m = masters[s]
                 if not s.separate_master or tuple(m.shape) != tuple(s.param.shape):
                     continue
-                if torch.equal(m.to(s.param.device, s.param.dtype), s.param.detach()):
+                m = s.of(m)
+                if torch.equal(m.to(s.param.device, s.param.dtype), s.weight()):
                     put_master(s, m)
                     taken.append(s)
         remember_weights(taken)
@@ -126,13 +135,15 @@ class EngineState:
         offloaded parameters of a delayed optimizer, into the model for any other."""
         delayed = self.opt._delayed
         weights = dict((saved or {}).get("weights", {}))
-        by_name = {s.name: s for s in self.opt._slots}
+        by_name: dict[str, list[ParamSlot]] = {}
+        for s in self.opt._slots:
+            by_name.setdefault(s.name, []).append(s)
         for name, w in weights.items():
-            slot = by_name.get(name)
-            if slot is None or tuple(w.shape) != tuple(slot.param.shape):
+            slots = by_name.get(name)
+            if slots is None or tuple(w.shape) != tuple(slots[0].param.shape):
                 raise CheckpointMismatchError(f"the checkpoint's pending weight {name!r} "
                                               f"({tuple(w.shape)}) does not match a parameter of this model")
-        pending = {by_name[n]: w for n, w in weights.items()}
+        pending = {s: s.of(w) for n, w in weights.items() for s in by_name[n]}
         later = {s: w for s, w in pending.items() if delayed is not None and s.bucket is not None}
         if delayed is not None:
             delayed.restore(later, self.opt.layout)
@@ -143,9 +154,9 @@ class EngineState:
             for s in members:
                 if s.separate_master:
                     put_master(s, pending[s])
-                    s.param.data.copy_(s.master)
+                    s.weight().copy_(s.master)
                 else:
-                    s.param.data.copy_(pending[s])
+                    s.weight().copy_(pending[s])
         remember_weights(list(pending))  # the model's weights as loaded are the device's
 
 

@@ -20,6 +20,10 @@ step schedule is told (``grads_landed``: a streamed schedule starts the bucket's
 FSDP's host shards (``host_shards``) are their own masters and their gradients land in
 host memory: a reducer hands each over, nothing is copied or checked, and the schedule is
 told all the same once a bucket's last one is there.
+
+A parameter split into pieces (:mod:`~lightning_fastopt.offload.pieces`) has its gradient
+copied piece by piece, each piece counted in its own bucket; the gradient's norm (for
+clipping) is the whole gradient's, under the first piece.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class GradIntake:
     def add(self, offloaded: list[ParamSlot], buckets: list[HostBucket]) -> None:
         """Take in the gradients of new offloaded parameters, in their new buckets."""
         if self.opt.copies.needed and self.mode == "copy_in_backward":
-            self.hooks.add(s.param for s in offloaded)
+            self.hooks.add(dict.fromkeys(s.param for s in offloaded))
         for b in buckets:
             self.reset(b)
 
@@ -79,17 +83,19 @@ class GradIntake:
         opt._in_flight.wait_all()  # the weights' checks below read them: every copy first
         if opt.accumulating:
             return  # Lightning is accumulating: the gradient is not final yet
-        slot = opt._slot_of[param]
-        first = not slot.grad_sent
-        self._send(slot, grad)
-        if not first and slot.bucket.recorded:
-            opt.schedule.grads_changed(slot.bucket)
-        if not (first and slot.grad_sent):
-            return  # a second backward's gradient was added to the host copy, in line (FSDP's host shards: by FSDP)
-        bucket = slot.bucket
-        bucket.unsent -= 1
-        if bucket.unsent <= 0 and not bucket.recorded:
-            self._sent(bucket)
+        g = param.grad if grad is None else grad
+        for slot in opt.layout.pieces_of[param]:
+            first = not slot.grad_sent
+            self._send(slot, g)
+            if not first and slot.bucket.recorded:
+                opt.schedule.grads_changed(slot.bucket)
+            if not (first and slot.grad_sent):
+                continue  # a second backward's gradient was added to the host copy, in line (FSDP's host shards: by FSDP)
+            bucket = slot.bucket
+            bucket.unsent -= 1
+            if bucket.unsent <= 0 and not bucket.recorded:
+                self._sent(bucket)
+        self._free(param, g)
 
     def reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
         """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
@@ -98,8 +104,8 @@ class GradIntake:
         if slot.offloaded and self.opt.lands_during_backward:
             self.ready(param, grad)
 
-    def _send(self, slot: ParamSlot, grad: Tensor | None = None) -> None:
-        g = slot.param.grad if grad is None else grad
+    def _send(self, slot: ParamSlot, g: Tensor | None) -> None:
+        """Copy the slot's part of its parameter's gradient ``g`` to the host (see :meth:`_free`)."""
         if g is None or (slot.grad_sent and self.mode == "keep"):
             return
         if not self.opt.copies.needed:  # handed over in host memory (host_shards): the step reads it there
@@ -109,14 +115,19 @@ class GradIntake:
             raise ValueError(f"OffloadOptimizer does not support sparse gradients ({slot.name})")
         copies = self.opt.copies
         if slot.grad_sent:  # another backward before the step: torch would add to p.grad
-            copies.add_grad_to_host(g, slot.host_grad)
-            self.norms.added_on_host(slot)
+            copies.add_grad_to_host(slot.of(g), slot.host_grad)
+            if slot.leads:
+                self.norms.added_on_host(slot)
         else:
-            self.norms.leaving(slot, g)
-            copies.grad_to_host(g, slot.host_grad)
+            if slot.leads:
+                self.norms.leaving(slot, g)  # the whole gradient's norm
+            copies.grad_to_host(slot.of(g), slot.host_grad)
             slot.grad_sent = True
-        if self.mode != "keep":
-            slot.param.grad = None  # the device no longer needs it
+
+    def _free(self, param: Tensor, g: Tensor | None) -> None:
+        """Once every slot of ``param`` has sent its part of ``g``: the device no longer needs it."""
+        if g is not None and self.opt.copies.needed and self.mode != "keep":
+            param.grad = None
 
     def _sent(self, bucket: HostBucket) -> None:
         """All of the bucket's gradients are on their way to the host.  Its parameters are
@@ -127,7 +138,7 @@ class GradIntake:
         copies = self.opt.copies
         self.norms.bucket_sent(bucket)
         if bucket.written_flags is not None:  # (masters apart from the weights only)
-            params, prints = [s.param for s in bucket.slots], [s.fingerprint for s in bucket.slots]
+            params, prints = [s.weight() for s in bucket.slots], [s.fingerprint for s in bucket.slots]
             copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
         copies.mark_grads_sent(bucket.grads_ready)
         bucket.recorded = True
@@ -138,14 +149,18 @@ class GradIntake:
         """At the step: the gradients no hook or reducer sent during backward."""
         if not self.opt.copies.needed:
             return
+        sent: dict[Tensor, Tensor | None] = {}  # the parameters whose gradients go now (freed after every piece)
         for b in self.opt._buckets:
             for s in b.slots:
                 if not s.grad_sent:
-                    self._send(s)
+                    g = sent.setdefault(s.param, s.param.grad)
+                    self._send(s, g)
                 elif self.mode == "copy_at_step":
                     s.param.grad = None  # handed over by the reducer; DDP wrote the same values there since
             if not b.recorded:
                 self._sent(b)
+        for param, g in sent.items():
+            self._free(param, g)
 
     @staticmethod
     def grad_of(slot: ParamSlot) -> Tensor | None:
@@ -154,6 +169,17 @@ class GradIntake:
             return slot.host_grad if slot.grad_sent else None
         return slot.param.grad
 
+    def _whole(self, grads: dict[Tensor, Tensor]):
+        """Where each parameter's whole gradient is, given :meth:`read`'s (``grads``, by
+        parameter): there, or for a parameter split into pieces whose gradients are on the
+        host, theirs put together (a copy, made when asked: for a norm taken on the host)."""
+        def whole(slot: ParamSlot) -> Tensor:
+            if slot.part is None or self.mode == "keep":  # (kept: p.grad, whole)
+                return grads[slot.param]
+            pieces = [self.grad_of(s) for s in self.opt.layout.pieces_of[slot.param]]
+            return torch.cat([g.reshape(-1) for g in pieces]).view(slot.param.shape)
+        return whole
+
     def read(self) -> list[tuple[Tensor, Tensor]]:
         """Every gradient the next step will use, under its parameter, where the step will
         read it (offloaded ones in host memory, once landed; with ``"keep"`` every one in
@@ -161,7 +187,7 @@ class GradIntake:
         opt = self.opt
         opt._in_flight.wait_all()
         if self.mode == "keep":
-            return [(s.param, s.param.grad) for s in opt._slots if s.param.grad is not None]
+            return [(s.param, s.param.grad) for s in opt._slots if s.leads and s.param.grad is not None]
         opt.schedule.before_gradients_read()
         self.send_pending()
         for b in opt._buckets:
@@ -171,17 +197,25 @@ class GradIntake:
     def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
         """The clipping norm of the gradients the next step reads (:meth:`read`), unscaled
         by ``grad_scale``, as torch computes it (:mod:`~lightning_fastopt.offload.grad_norms`)."""
-        grads = dict(self.read())
+        grads = dict(self.read())  # (a split parameter's: one of its pieces')
         opt = self.opt
-        return self.norms.total(opt.param_groups, opt._slot_of, lambda s: grads.get(s.param), grad_scale)
+        return self.norms.total(opt.param_groups, opt._slot_of, lambda s: s.param in grads, self._whole(grads),
+                                grad_scale)
 
     def gradient_norms_by_param(self, grad_scale: float = 1.0) -> dict[Tensor, Tensor]:
         """The norm of each gradient the next step reads, taken as :meth:`gradient_norm`
         takes it (for optimizers that combine the norms over ranks)."""
         grads = dict(self.read())
         slots = [self.opt._slot_of[p] for p in grads]
-        norms = self.norms.of(slots, lambda s: grads[s.param], grad_scale)
+        norms = self.norms.of(slots, self._whole(grads), grad_scale)
         return {s.param: norms[s] for s in slots}
+
+    def by_param(self) -> dict[Tensor, Tensor]:
+        """:meth:`read`'s gradients, each under its parameter, whole (a split parameter's put
+        together: a copy)."""
+        grads = dict(self.read())
+        whole = self._whole(grads)
+        return {p: whole(self.opt._slot_of[p]) for p in grads}
 
     # ------------------------------------------------------------------ between steps
     def renew(self) -> None:

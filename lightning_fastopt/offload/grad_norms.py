@@ -66,9 +66,9 @@ class DeviceGradNorms:
 
     def of(self, slots: list[ParamSlot], grad_of, grad_scale: float = 1.0) -> dict[ParamSlot, Tensor]:
         """Each slot's gradient norm, unscaled by ``grad_scale``, in the gradient's dtype
-        (``grad_of``: where its gradient is now): the one taken on the device where there is
-        one, else ``_foreach_norm`` where the gradient is (the device share's gradients,
-        host-only sums)."""
+        (``grad_of``: where its whole gradient is now, read only where no norm was taken):
+        the one taken on the device where there is one, else ``_foreach_norm`` where the
+        gradient is (the device share's gradients, host-only sums)."""
         self._take({s: grad_of(s) for s in slots if s not in self._norms})
         return {s: unscaled_norm(self._norms[s], s.param.dtype, grad_scale) for s in slots}
 
@@ -78,12 +78,13 @@ class DeviceGradNorms:
         for slots in by_device_and_dtype(grads).values():
             self._norms.update(zip(slots, norms_of([grads[s] for s in slots])))
 
-    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], grad_of, grad_scale: float = 1.0) -> Tensor:
+    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], has_grad, grad_of,
+              grad_scale: float = 1.0) -> Tensor:
         """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
-        (every listing of a parameter, in the groups' order; :meth:`of` for each), grouped
-        by dtype as torch groups them, the norm of the norms on the first one's device."""
+        (every listing of a parameter that ``has_grad``, in the groups' order; :meth:`of` for
+        each), grouped by dtype as torch groups them, the norm of the norms on the first one's device."""
         listed = [slot_of[p] for g in param_groups for p in g["params"]]
-        listed = [s for s in listed if grad_of(s) is not None]
+        listed = [s for s in listed if has_grad(s)]
         if not listed:
             return torch.tensor(0.0)
         norms = self.of(listed, grad_of, grad_scale)

@@ -75,6 +75,7 @@ from lightning_fastopt.offload.share_layout import ShareLayout
 from lightning_fastopt.offload.share_updates import ShareUpdates
 from lightning_fastopt.offload.forward_waits import WeightsInFlight, check_forward_waits
 from lightning_fastopt.offload.schedule import CpuStepSchedule
+from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_by_others,
                                              written_in_bucket)
 from lightning_fastopt.offload.speculative import SpeculativeStep
@@ -269,7 +270,7 @@ class OffloadOptimizer(OptimizerWrapper):
     # ------------------------------------------------------------------ what users read
     @property
     def offloaded_numel(self) -> int:
-        return sum(s.param.numel() for s in self._slots if s.offloaded)
+        return sum(s.numel for s in self._slots if s.offloaded)
 
     @property
     def last_step_times(self) -> dict[str, float]:
@@ -321,7 +322,8 @@ class OffloadOptimizer(OptimizerWrapper):
         if params is None:
             self._in_flight.wait_all()
         else:
-            self._in_flight.wait_for({self._slot_of[p].bucket for p in params if p in self._slot_of})
+            pieces = self.layout.pieces_of
+            self._in_flight.wait_for({s.bucket for p in params if p in pieces for s in pieces[p]})
 
     def state_of(self, param: Tensor) -> dict[str, Any]:
         """The optimizer state of a model parameter (empty before its first step).  The
@@ -334,9 +336,12 @@ class OffloadOptimizer(OptimizerWrapper):
         tier = self.layout.tier
         if slot.bucket is None or not tier.on_disk:
             return self._inner_of(slot).state.get(slot.master, {})
-        with tier.resident(slot.bucket, writes=False):  # (the tensors point at nothing after)
-            state = self._inner_of(slot).state.get(slot.master, {})
-            return {k: tier.hand_out(v, saved_dtype(v)) for k, v in state.items()}
+        whole = WholeValues(tier.hand_out, tier.blank, saved_dtype)  # (a split parameter's pieces put together)
+        for members in self.layout.in_residence(self.layout.pieces_of[param], writes=False):
+            for s in members:  # (the tensors point at nothing after)
+                for k, v in self._inner_of(s).state.get(s.master, {}).items():
+                    whole.add(s, k, v)
+        return whole.by_name.get(slot.name, {})
 
     # ------------------------------------------------------------------ gradients
     def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
@@ -362,8 +367,9 @@ class OffloadOptimizer(OptimizerWrapper):
         return self._intake.gradient_norms_by_param(grad_scale)
 
     def gradients_by_param(self) -> dict[Tensor, Tensor]:
-        """:meth:`gradients`, each under its parameter."""
-        return dict(self._intake.read())
+        """:meth:`gradients`, each under its parameter (a parameter split into pieces with the
+        state on disk: its pieces' put together, a copy)."""
+        return self._intake.by_param()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -406,7 +412,7 @@ class OffloadOptimizer(OptimizerWrapper):
     def _refresh(self, slots: list[ParamSlot]) -> int:
         for members in self.layout.in_residence(slots):
             for s in members:
-                s.master.copy_(s.param.detach())
+                s.master.copy_(s.weight())
         remember_weights(slots)
         return len(slots)
 
@@ -530,7 +536,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self.layout.tier.close()
 
     def _describe(self) -> str:
-        total = sum(s.param.numel() for s in self._slots)
+        total = sum(s.numel for s in self._slots)
         share = self.offloaded_numel / total if total else 0.0
         # whole tensors from the end: a large last tensor can take far more than was asked
         why = ", whole tensors from the end" if share > self.offload_fraction + 0.05 else ""

@@ -5,7 +5,10 @@ when the optimizer is, and for each group added later.  Also where a parameter's
 optimizer state goes: to the inner optimizer that owns the parameter, beside its master.
 
 Which parameters are offloaded is :func:`~lightning_fastopt.offload.partition.choose_offloaded`'s
-choice; the slots and buckets themselves are :mod:`~lightning_fastopt.offload.slots`.
+choice; the slots and buckets themselves are :mod:`~lightning_fastopt.offload.slots`.  With
+the state on disk a parameter larger than a bucket is split into pieces, a slot each
+(:mod:`~lightning_fastopt.offload.pieces`): ``pieces_of`` lists a parameter's slots,
+``slot_of`` gives the first (the one that speaks for the parameter).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
+from lightning_fastopt.offload.pieces import piece_elements, piece_of_state, piece_ranges, splits
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, master_dtype, remember_weights
 from lightning_fastopt.offload.state_tiers import DiskTier, HostMemoryTier
 from lightning_fastopt.optim.base import FusedOptimizer, hyperparameters
@@ -50,7 +54,9 @@ class ShareLayout:
         self.pin = pin
         self.host_state_dtype = host_state_dtype
         self.slots: list[ParamSlot] = []
-        self.slot_of: dict[Tensor, ParamSlot] = {}
+        self.slot_of: dict[Tensor, ParamSlot] = {}  # a parameter's slot (its first piece's)
+        self.pieces_of: dict[Tensor, list[ParamSlot]] = {}  # a parameter's slots (one unless split)
+        self._params = 0  # parameters taken over so far
         self.buckets: list[HostBucket] = []
         self.device_slots: list[ParamSlot] = []
         self.device_inner = optimizer.sibling([[] for _ in optimizer.param_groups])
@@ -85,14 +91,18 @@ class ShareLayout:
             for s in new:
                 s.listed = listed[s.param]
         self.slots += new
-        self.slot_of.update((s.param, s) for s in new)
+        for s in new:
+            self.pieces_of.setdefault(s.param, []).append(s)
+            if s.leads:
+                self.slot_of[s.param] = s
         for s in new:
             if not s.offloaded:
                 self.device_slots.append(s)
                 self.device_inner.param_groups[s.group]["params"] += [s.master] * s.listed
-        offloaded = [s for s in reversed(new) if s.offloaded]  # the order backward produces them
+        # the order backward produces them (a split parameter's pieces in their own order)
+        offloaded = [s for p in reversed(unique) for s in self.pieces_of[p] if s.offloaded]
         buckets = [self._make_bucket(chunk) for chunk in
-                   split_into_buckets(offloaded, [4 * s.param.numel() for s in offloaded], self.bucket_bytes)]
+                   split_into_buckets(offloaded, [4 * s.numel for s in offloaded], self.bucket_bytes)]
         self.opt._intake.add(offloaded, buckets)
         self.tier.add(buckets)
         self.buckets += buckets
@@ -106,23 +116,37 @@ class ShareLayout:
 
     def _make_slots(self, params: list[Tensor], chosen: list[bool]) -> list[ParamSlot]:
         group_of = {p: gi for gi, g in enumerate(self.opt.param_groups) for p in g["params"]}
-        slots = []
-        for i, (p, off) in enumerate(zip(params, chosen), start=len(self.slots)):
+        limit = self.piece_limit()
+        slots: list[ParamSlot] = []
+        for i, (p, off) in enumerate(zip(params, chosen), start=self._params):
             name = self.param_names.get(p, f"param{i}")
-            if off and self.opt.copies.needed:
-                master = torch.empty(0)  # a pinned view, carved per bucket
-            elif p.dtype == master_dtype(p):
-                master = p
-            else:
-                master = p.detach().float()
-            slots.append(ParamSlot(name, p, i, group_of[p], off, master))
+            pinned = off and self.opt.copies.needed
+            apart = pinned or p.dtype != master_dtype(p)
+            parts = piece_ranges(p.numel(), limit) if off and splits(p, apart, limit) else [None]
+            for part in parts:
+                slot = ParamSlot(name, p, len(self.slots) + len(slots), group_of[p], off, p, part=part)
+                if pinned:
+                    slot.master = torch.empty(0)  # a pinned view, carved per bucket
+                elif apart:
+                    slot.master = slot.of(p.detach()).to(master_dtype(p), copy=True)
+                slots.append(slot)
+        self._params += len(params)
         seen = {s.name for s in self.slots}
         for s in slots:
-            if s.name in seen:
+            if s.leads and s.name in seen:
                 raise ValueError(f"two parameters are both named {s.name!r}")
             seen.add(s.name)
         remember_weights(slots)
         return slots
+
+    def piece_limit(self) -> int | None:
+        """The most elements a host bucket holds of one parameter: a bucket's worth where the
+        state is on disk and the optimizer steps pieces alike (:mod:`~lightning_fastopt.offload.pieces`);
+        None (whole tensors) elsewhere, and with bfloat16 moments (their stochastic rounding
+        draws its noise from each element's place in its tensor)."""
+        if self.tier.on_disk and self.optimizer.steps_pieces and self.host_state_dtype is None:
+            return piece_elements(self.bucket_bytes)
+        return None
 
     def _make_bucket(self, slots: list[ParamSlot]) -> HostBucket:
         copies = self.opt.copies
@@ -144,9 +168,9 @@ class ShareLayout:
     def _carve_host_buffers(self, slots: list[ParamSlot]) -> list[Tensor]:
         """The bucket's host buffers, each slot's views into them: masters (copied from the
         weights), gradients (and spare ones where the schedule needs them), half copies."""
-        shapes = [s.param.shape for s in slots]
+        shapes = [s.shape for s in slots]
         if self.tier.on_disk:  # host memory for the masters only until the tier has them (ShareLayout.add)
-            masters, bufs = [torch.empty(s.param.shape, dtype=master_dtype(s.param)) for s in slots], []
+            masters, bufs = [torch.empty(s.shape, dtype=master_dtype(s.param)) for s in slots], []
         else:
             masters, bufs = carve(shapes, [master_dtype(s.param) for s in slots], self.pin)
         grads, gbufs = carve(shapes, [s.param.dtype for s in slots], self.pin)
@@ -156,9 +180,9 @@ class ShareLayout:
             for s, spare in zip(slots, spares):
                 s.spare_grad = spare
         half = [s for s in slots if s.param.dtype != master_dtype(s.param)]
-        copies, cbufs = carve([s.param.shape for s in half], [s.param.dtype for s in half], self.pin)
+        copies, cbufs = carve([s.shape for s in half], [s.param.dtype for s in half], self.pin)
         for s, m, g in zip(slots, masters, grads):
-            m.copy_(s.param.detach())
+            m.copy_(s.weight())
             s.master, s.host_grad = m, g
         for s, c in zip(half, copies):
             s.host_copy = c
@@ -173,7 +197,9 @@ class ShareLayout:
     # ------------------------------------------------------------------ optimizer state
     def set_state(self, slot: ParamSlot, state: dict[str, Any]) -> None:
         """Give a parameter's state (taken over or loaded) to the inner optimizer that owns it,
-        as float32 tensors beside its master (the moments in the inner optimizer's ``state_dtype``)."""
+        as float32 tensors beside its master (the moments in the inner optimizer's ``state_dtype``;
+        a piece: its range of them)."""
+        state = piece_of_state(slot, state)
         inner = self.inner_of(slot)
         moments, dtype = getattr(inner, "state_keys", ()), getattr(inner, "state_dtype", torch.float32)
         inner.state[slot.master] = {k: _to_like(v, slot.master).to(dtype) if k in moments else _to_like(v, slot.master)
@@ -181,9 +207,10 @@ class ShareLayout:
 
     def take_state(self, optimizer: FusedOptimizer) -> None:
         """Move state the wrapped optimizer already had (a resumed torch optimizer)."""
-        for members in self.in_residence([s for s in self.slots if optimizer.state.get(s.param)]):
+        held = {p: optimizer.state[p] for p in self.pieces_of if optimizer.state.get(p)}
+        for members in self.in_residence([s for s in self.slots if s.param in held]):
             for s in members:
-                self.set_state(s, optimizer.state.pop(s.param))
+                self.set_state(s, held[s.param])
         optimizer.state.clear()
 
 

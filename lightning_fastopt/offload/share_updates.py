@@ -54,7 +54,7 @@ class ShareUpdates:
             sources[s.master] = g
             updated.append(s)
             if s.param.dtype != s.master.dtype:
-                targets[s.master] = s.param.data if written_in_place(s) else s.host_copy
+                targets[s.master] = s.weight() if written_in_place(s) else s.host_copy
         step_kwargs = dict(opt.step_kwargs if step_kwargs is None else step_kwargs)
         return (updated, sources, targets or None, step_kwargs, opt.step_closure) if updated else None
 
@@ -116,7 +116,7 @@ class ShareUpdates:
         if not self.opt.copies.needed:
             return
         self.opt.copies.params_to_device(
-            [(s.param.data, s.host_copy if s.host_copy is not None else s.master) for s in slots],
+            [(s.weight(), s.host_copy if s.host_copy is not None else s.master) for s in slots],
             after, bucket.params_sent)
 
     # ------------------------------------------------------------------ the worker thread

@@ -23,13 +23,19 @@ def master_dtype(param: Tensor) -> torch.dtype:
 
 @dataclass(eq=False)
 class ParamSlot:
-    """One model parameter.
+    """One model parameter, or one piece of it (``part``).
 
     ``master`` is the tensor the optimizer updates, of :func:`master_dtype`: the parameter
     itself when it has that dtype and stays where it is (the device share, or any share
     on a CPU run), otherwise a copy (in pinned host memory for the offloaded share of an
     accelerator run).  ``host_grad`` receives the gradient from the device, ``host_copy``
     the model-dtype result of a half-precision parameter before it goes back.
+
+    A piece (``part``: a range of the flattened parameter's elements; see
+    :mod:`~lightning_fastopt.offload.pieces`) holds that range only: its master, state,
+    gradient and half copy are flat, in a host bucket of their own; what concerns the
+    parameter as a whole (its gradient's arrival, norm, name in a checkpoint) goes
+    through the first piece (:attr:`leads`).
     """
 
     name: str
@@ -46,10 +52,38 @@ class ParamSlot:
     seen: tuple[int, int] = (0, 0)  # the parameter's (data_ptr, version) after our last write
     fingerprint: Tensor | None = None  # of the parameter after our last write (separate masters only)
     listed: int = 1  # times the group lists it (torch updates a duplicate once per listing)
+    part: tuple[int, int] | None = None  # a piece: [start, stop) of the flattened parameter's elements
 
     @property
     def separate_master(self) -> bool:
         return self.master is not self.param
+
+    @property
+    def leads(self) -> bool:
+        """Whether this slot speaks for its parameter (the whole one, or its first piece)."""
+        return self.part is None or self.part[0] == 0
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of this slot's master, gradient and half copy (a piece's: flat)."""
+        return self.param.shape if self.part is None else torch.Size([self.part[1] - self.part[0]])
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel() if self.part is None else self.part[1] - self.part[0]
+
+    def of(self, tensor: Tensor) -> Tensor:
+        """This slot's part of a tensor shaped like its parameter (its weight, its gradient, a
+        state tensor): the tensor itself for a whole parameter, else a flat view of the range
+        (a copy where ``tensor`` is not contiguous: read it only)."""
+        if self.part is None:
+            return tensor
+        return tensor.reshape(-1)[self.part[0]:self.part[1]]
+
+    def weight(self) -> Tensor:
+        """The model weight this slot's master updates (``param.data``, or the piece of it):
+        written through ``.data``, as a step writes, without moving the parameter's version."""
+        return self.of(self.param.data)
 
     def swap_grad_buffers(self) -> None:
         """The next gradients go to the spare buffer (an update in flight reads this one)."""
@@ -73,7 +107,7 @@ def remember_weights(slots: Sequence[ParamSlot]) -> None:
     """Note each parameter as we left it: its storage, version and (for a separate
     master) fingerprint, all fingerprints in one pass per device."""
     watched = [s for s in slots if s.separate_master]
-    for s, f in zip(watched, fingerprints([s.param for s in watched])):
+    for s, f in zip(watched, fingerprints([s.weight() for s in watched])):
         s.fingerprint = f
     for s in slots:
         s.seen = (s.param.data_ptr(), s.param._version)
@@ -99,7 +133,7 @@ def written_by_others(slots: Sequence[ParamSlot]) -> list[ParamSlot]:
     for s in slots:
         if s.separate_master:
             (moved if s.rebound_or_bumped() else quiet).append(s)
-    flags = changed_since([s.param for s in quiet], [s.fingerprint for s in quiet])
+    flags = changed_since([s.weight() for s in quiet], [s.fingerprint for s in quiet])
     return moved + [s for s, changed in zip(quiet, flags) if changed]
 
 

@@ -37,7 +37,7 @@ class BucketSnapshot:
         for s in slots:
             self._copy(s.index, "", s.master)
             if written_in_place(s):
-                self._copy(s.index, WEIGHT, s.param.data)
+                self._copy(s.index, WEIGHT, s.weight())
             state = inner.state.get(s.master)
             kept = None if state is None else {k: self._copy(s.index, k, v) if isinstance(v, Tensor) else v
                                                for k, v in state.items()}
@@ -51,7 +51,7 @@ class BucketSnapshot:
             for s, kept in self._saved:
                 s.master.copy_(self._buffers[(s.index, "")])
                 if written_in_place(s):
-                    s.param.data.copy_(self._buffers[(s.index, WEIGHT)])
+                    s.weight().copy_(self._buffers[(s.index, WEIGHT)])
                 put_state_back(inner, s.master, kept, None if kept is None else set(kept))
         self._saved = []
 

@@ -282,7 +282,7 @@ def snapshot_bytes(buckets: list[HostBucket]) -> int:
         for s in b.slots:
             keys = b.inner._bucket_state_keys(b.inner.param_groups[s.group])
             weight = s.param.element_size() if written_in_place(s) else 0
-            total += s.param.numel() * (s.master.element_size() + state_size * len(keys) + weight)
+            total += s.numel * (s.master.element_size() + state_size * len(keys) + weight)
     return total
 
 

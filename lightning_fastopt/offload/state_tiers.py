@@ -85,6 +85,10 @@ class HostMemoryTier:
             return value.to(dtype)
         return value.clone() if copy else value
 
+    def blank(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A new tensor that leaves the tier (a parameter's state put together from its pieces)."""
+        return torch.empty(shape, dtype=dtype)
+
     def snapshot(self, bucket: HostBucket) -> BucketSnapshot:
         """What keeps a bucket's masters and state as they were before a speculative update
         (``take``, then ``commit`` or ``restore``): here copies of them in host memory."""
@@ -198,7 +202,7 @@ class DiskTier:
         for slot, key, dtype in entries:
             size = round_up(size, _LINE)
             planned.append(_Entry(slot, key, dtype, size))
-            size += slot.param.numel() * torch.empty((), dtype=dtype).element_size()
+            size += slot.numel * torch.empty((), dtype=dtype).element_size()
         region = _Region(self._end, round_up(max(size, 1)), planned)
         self._end += region.size
         return region
@@ -216,8 +220,8 @@ class DiskTier:
             slots = {id(e.slot): e.slot for e in largest.entries}
             if len(slots) == 1:  # a bucket holds whole tensors: a smaller bucket_size_mb cannot help
                 slot = next(iter(slots.values()))
-                advice = (f"the largest is one tensor, {slot.name} ({slot.param.numel():,} elements), whose masters "
-                          f"and state a bucket holds whole: give {need}")
+                advice = (f"the largest is one tensor, {slot.name} ({slot.numel:,} elements), whose masters and state "
+                          f"a bucket holds whole ({_whole_why(slot)}): give {need}")
             else:
                 advice = f"give {need}, or a smaller bucket_size_mb"
             raise ValueError(f"nvme_window_mb={self.window_mb!r} holds {count} of the host buckets' "
@@ -332,9 +336,17 @@ class DiskTier:
             in_file = self._in_file(value)
             if in_file is not None:
                 return in_file
+        return self._mapped().copy(value, dtype)
+
+    def blank(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """A new tensor that leaves the tier (a parameter's state put together from its pieces),
+        never in host memory: in a file of its own in ``directory``, as :meth:`hand_out`'s copies."""
+        return self._mapped().empty(shape, dtype)
+
+    def _mapped(self) -> MappedCopies:
         if self._copies is None:
             self._copies = MappedCopies(self.directory)
-        return self._copies.copy(value, dtype)
+        return self._copies
 
     def _in_file(self, value: Tensor) -> Tensor | None:
         """``value`` (a tensor of a resident bucket, in its window slot) mapped from the same
@@ -535,7 +547,7 @@ class DiskSnapshot:
             kept = None if state is None else {
                 k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()
                 if not _in_region(v, s)}
-            own = s.param.detach().clone() if not s.separate_master or written_in_place(s) else None
+            own = s.weight().clone() if not s.separate_master or written_in_place(s) else None
             self._saved.append((s, own, kept, None if state is None else set(state)))
 
     def commit(self) -> None:
@@ -549,7 +561,7 @@ class DiskSnapshot:
         with torch.no_grad():
             for s, own, kept, keys in self._saved:
                 if own is not None:
-                    s.param.data.copy_(own)  # (the master itself, or a half weight beside a master in the file)
+                    s.weight().copy_(own)  # (the master itself, or a half weight beside a master in the file)
                 put_state_back(inner, s.master, kept, keys)
         self._saved = []
 
@@ -598,11 +610,20 @@ def _tensor_of(bucket: HostBucket, slot: ParamSlot, key: str) -> Tensor | None:
 def _in_region(value: Any, slot: ParamSlot) -> bool:
     """Whether a state value of ``slot`` is one a region holds: a tensor of the master's size
     (a scalar, such as the step count, stays in host memory)."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.param.numel()
+    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.numel
 
 
 def _shape(e: _Entry) -> torch.Size:
-    return e.slot.param.shape
+    return e.slot.shape
+
+
+def _whole_why(slot: ParamSlot) -> str:
+    """Why a bucket holds ``slot``'s tensor whole (see :mod:`~lightning_fastopt.offload.pieces`)."""
+    if slot.part is not None:
+        return "one piece of its parameter"
+    if not slot.separate_master:
+        return "the parameter is its own master"
+    return "its optimizer steps whole tensors, or keeps bfloat16 moments"
 
 
 def _point_into(tensor: Tensor, buffer: Tensor, e: _Entry, shape: torch.Size, copy: bool = False) -> None:

@@ -8,8 +8,9 @@ place, nothing sent: compute reads only the copies FSDP gathers from them, and t
 gather is the next forward's.  ``step()`` only waits for what is left.  The result
 is the synchronous step's, bit for bit, provided nothing needs every gradient before the
 step starts: no overflow check, no clipping, no loss scale or step context, no keyword
-arguments for the user's own step, nobody reading ``gradients()``; those steps are
-refused here (the speculative schedule takes them).
+arguments for the user's own step, nobody reading ``gradients()``, one backward per
+step (or the optimizer told that the others accumulate: ``accumulating``); those steps
+are refused here (the speculative schedule takes them).
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ class StreamedStep(CpuStepSchedule):
         i = opt._buckets.index(bucket)
         opt.layout.tier.prefetch(opt._buckets[i:])
         return opt.updates.bucket_step(bucket, None, None, bucket.backward_done)
+
+    def grads_changed(self, bucket: HostBucket) -> None:
+        """A second backward before the step: refused.  The bucket's update started on the
+        first backward's gradients (and its weights may have reached the forward before
+        this backward), so the sum can no longer be what it steps; without this the result
+        depended on how far the worker had got."""
+        self.join()
+        raise RuntimeError("stream_cpu_step=True updates each host bucket as soon as its gradients land, but a "
+                           "second backward before step() added to gradients an update had already used (and the "
+                           "forward before it may have read weights already updated): accumulate with the "
+                           "optimizer told (Lightning's accumulate_grad_batches and Fabric's no_backward_sync do; "
+                           "by hand, set optimizer.accumulating = True for every backward but the last), or keep "
+                           "each update apart until the step with speculate=True")
 
     def check_step(self, needs_gradients: bool, grad_scale, step_context) -> None:
         if needs_gradients or grad_scale is not None or step_context not in (COMPUTE, None) or self.opt.step_kwargs:

@@ -27,6 +27,7 @@ class FusedAdagrad(FusedOptimizer):
     """
 
     kernel_piece = "adagrad"
+    steps_pieces = True
 
     state_keys = ("sum",)
 

@@ -57,6 +57,7 @@ class FusedAdam(FusedOptimizer):
     """
 
     kernel_piece = "adam"
+    steps_pieces = True
 
     def kernel_pieces(self) -> frozenset[str]:
         return frozenset().union(*(adam_pieces(self._with_own_keys(g).get("rounding", "torch_cpu"))

@@ -90,6 +90,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     # it cannot step a piece of one (FSDP2's local rows) on its own, unless a wrapper sums
     # each piece's norm_sums() over the pieces and hands the totals to given_norms first
     whole_tensor_norms = False
+    # the update of an element reads that element's gradient and state and the step's scalars
+    # alone, so a tensor may be stepped in pieces, each with its own state, in the same bits
+    # (lightning_fastopt.offload.pieces): set by the elementwise kernels' classes
+    steps_pieces = False
     given_norms: dict[Tensor, Tensor] | None = None
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None

@@ -14,6 +14,7 @@ class FusedLion(FusedOptimizer):
     """
 
     kernel_piece = "lion"
+    steps_pieces = True
 
     state_keys = ("exp_avg",)
     counts_steps = False

@@ -26,6 +26,7 @@ class FusedSGD(FusedOptimizer):
     """
 
     kernel_piece = "sgd"
+    steps_pieces = True
 
     counts_steps = False
 
