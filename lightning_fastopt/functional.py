@@ -269,15 +269,17 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
 def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
                 grad_scale=None, check_finite=False, found_inf=None, param_copies=None, torch_sqrt=False,
-                rounding="torch_cpu") -> bool:
+                rounding="torch_cpu", index_bases=None) -> bool:
     """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula,
     each operation rounded as the torch implementation ``rounding`` names rounds it
     (:mod:`lightning_fastopt.ops.rounding`; by default torch's CPU step), with the IEEE square
     root (``torch_sqrt``: torch's CPU square root, see :class:`~lightning_fastopt.optim.adam.FusedAdam`).
 
     ``exp_avgs`` and ``exp_avg_sqs`` are float32, or (CPU, float32 params, no amsgrad)
-    bfloat16, stored with stochastic rounding seeded by the step count
-    (:func:`lightning_fastopt.ops.torch_backend.round_bf16_stochastic`)."""
+    bfloat16, stored with stochastic rounding seeded by the step count and each element's
+    index in its tensor (:func:`lightning_fastopt.ops.torch_backend.round_bf16_stochastic`);
+    ``index_bases``, where given, the index of each tensor's first element in a whole tensor
+    it is a piece of, so that a tensor stepped in pieces rounds as the whole one does."""
     check_rounding(rounding)
     check_rounding_device(rounding, params)
     check_torch_sqrt(torch_sqrt, rounding)
@@ -311,7 +313,7 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
                 eps=eps, weight_decay=weight_decay, step_size=step_size, bias_correction2_sqrt=bc2_sqrt,
                 inv_grad_scale=sc.inv_scale, amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
                 check_finite=check_finite, state_seed=sc.step & 0xFFFFFFFF, decay=1 - sc.lr * weight_decay,
-                torch_sqrt=torch_sqrt, rounding=kernel_code(rounding))
+                torch_sqrt=torch_sqrt, rounding=kernel_code(rounding), index_bases=list(index_bases or []))
 
 
 @_routed

@@ -47,6 +47,26 @@ def test_stored_moments_are_the_stochastic_rounding_of_the_definition(backend, s
         assert torch.equal(v, torch_backend.round_bf16_stochastic(g * g, seed, 1)), n
 
 
+@pytest.mark.parametrize("cut", [1024, 4096, 37])
+def test_a_tensor_stepped_in_pieces_told_where_they_start_rounds_as_the_whole(backend, cut):
+    """``index_bases``: each piece's moments draw the noise of their elements' places in
+    the whole tensor (the disk tier's pieces, lightning_fastopt/offload/pieces.py), so the
+    pieces' stored moments are the whole tensor's, bit for bit; untold, they differ."""
+    torch.manual_seed(cut)
+    n = 100_003
+    g = torch.randn(n) * 3
+    whole = _adam_betas_zero(g, 7)
+    starts = list(range(0, n, cut))
+    pieces = [g[a:a + cut] for a in starts]
+    ps = [torch.zeros_like(x) for x in pieces]
+    ms, vs = [torch.zeros_like(x, dtype=BF16) for x in pieces], [torch.zeros_like(x, dtype=BF16) for x in pieces]
+    F.fused_adam_(ps, pieces, ms, vs, step=7, lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0,
+                  index_bases=starts)
+    assert torch.equal(torch.cat(ms), whole[0]) and torch.equal(torch.cat(vs), whole[1])
+    untold = _adam_betas_zero(pieces[1], 7)[0]
+    assert not torch.equal(untold, whole[0][starts[1]:starts[1] + cut])
+
+
 def test_specials_round_as_they_should(backend):
     """The definition keeps zeros, infinities, NaN and bfloat16 values as they are, and
     rounds the largest floats and subnormals to a neighbour (or past the largest, to

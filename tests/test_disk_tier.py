@@ -205,8 +205,8 @@ def test_bad_directories_windows_and_schedules_are_refused_by_name(tmp_path):
                          nvme_window_mb=0.001, bucket_size_mb=0.01, copy_on_cpu=True)
     big = [torch.zeros(40_000, requires_grad=True), torch.zeros(10, requires_grad=True)]  # one tensor, one bucket
     with pytest.raises(ValueError, match=r"the largest is one tensor, w0 \(40,000 elements\), whose masters and "
-                                         r"state a bucket holds whole \(its optimizer steps whole tensors, or keeps "
-                                         r"bfloat16 moments\): give nvme_window_mb=0\.9\d* at least"):
+                                         r"state a bucket holds whole \(its optimizer steps whole tensors\): give "
+                                         r"nvme_window_mb=0\.9\d* at least"):
         OffloadOptimizer(ALGORITHMS["lamb"](big), {big[0]: "w0", big[1]: "w1"}, offload_optimizer_device="nvme",
                          nvme_path=str(tmp_path), nvme_window_mb=0.5, bucket_size_mb=0.01, copy_on_cpu=True)
     from lightning_fastopt import FastOptStrategy

@@ -24,7 +24,8 @@ enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kNone = 3
 // when that state is not used by the call (e.g. no amsgrad maximum).  The CPU's Adam
 // also keeps it in bfloat16 (`state_dtype`; `state[k]` then points at bfloat16 elements),
 // stored with stochastic rounding whose noise derives from `state_seed` (this step's),
-// the state's index and the element's index (stochastic_round.h).
+// the state's index and the element's index in its whole tensor (stochastic_round.h):
+// `index_base` plus its index here, where the slot is a piece of a larger tensor.
 struct TensorSlot {
   void* param = nullptr;
   const void* grad = nullptr;
@@ -36,6 +37,7 @@ struct TensorSlot {
   DType copy_dtype = DType::kNone;
   DType state_dtype = DType::kFloat32;
   uint32_t state_seed = 0;
+  uint32_t index_base = 0;  // the whole tensor's index of element 0 (modulo 2**32, as the noise takes it)
 };
 using Slots = std::vector<TensorSlot>;
 

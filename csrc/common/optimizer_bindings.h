@@ -108,12 +108,18 @@ void def_optimizer_functions(pybind11::module_& m) {
                     bool amsgrad, bool adamw, bool maximize, bool check_finite, uint32_t state_seed,
                     std::optional<double> decay, bool torch_sqrt, int rounding, bool bias_correction,
                     const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
-                    const OptTensor& step_tensor) {
+                    const OptTensor& step_tensor, const std::vector<int64_t>& index_bases) {
     if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
     check_rounding<Device>(rounding, {0, 1, 2, 3, 4});
+    if (!index_bases.empty() && index_bases.size() != params.size()) {
+      throw py::value_error("index_bases: one per parameter (or none)");
+    }
     Slots slots = Device::slots(
         params, &grads, {&exp_avgs, &exp_avg_sqs, amsgrad ? opt_list(max_exp_avg_sqs) : &kNoTensors}, copies);
-    for (TensorSlot& s : slots) s.state_seed = state_seed;  // the stochastic rounding of bfloat16 state
+    for (size_t i = 0; i < slots.size(); ++i) {  // the stochastic rounding of bfloat16 state
+      slots[i].state_seed = state_seed;
+      if (!index_bases.empty()) slots[i].index_base = static_cast<uint32_t>(index_bases[i] & 0xFFFFFFFF);
+    }
     const AdamArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), eps, weight_decay, step_size,
                      static_cast<float>(bias_correction2_sqrt), static_cast<float>(1.0 / bias_correction2_sqrt),
                      inv_grad_scale, amsgrad, adamw, maximize, beta1, beta2,
@@ -128,7 +134,8 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("adamw"), py::arg("maximize"), py::arg("check_finite"), py::arg("state_seed") = 0u,
      py::arg("decay") = py::none(), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
      py::arg("bias_correction") = true, py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
-     py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
+     py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none(),
+     py::arg("index_bases") = std::vector<int64_t>{});
 #endif
 
 #if FASTOPT_WITH_SGD

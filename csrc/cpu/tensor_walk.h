@@ -125,7 +125,9 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
     for (int k = 0; k < NS; ++k) sv[k] = VecF::load(sp[k] + off);
     body(pv, gv, sv);
     for (int k = 0; k < NS; ++k) {
-      if constexpr (kRoundState) sv[k].store_stochastic(sp[k] + off, seed[k], static_cast<uint32_t>(index));
+      if constexpr (kRoundState) {
+        sv[k].store_stochastic(sp[k] + off, seed[k], s.index_base + static_cast<uint32_t>(index));
+      }
       else sv[k].store(sp[k] + off);
     }
     if constexpr (kStoreParam) pv.store(pp + off);

@@ -13,8 +13,9 @@ bits as the whole tensor's update (:func:`splits`):
 - the inner optimizer updates each element from that element's gradient and state and
   the step's scalars alone (:attr:`~lightning_fastopt.optim.base.FusedOptimizer.steps_pieces`:
   Adam/AdamW, SGD, Lion, Adagrad; not LAMB or LARS, whose trust ratios read norms over the
-  whole tensor, nor a user's own ``step``), with float32 moments (bfloat16 ones are stored
-  with a stochastic rounding whose noise depends on each element's place in its tensor);
+  whole tensor, nor a user's own ``step``); bfloat16 moments' stochastic rounding draws its
+  noise from each element's place in the whole tensor (the update is told where each
+  piece starts: ``element_offsets``);
 - the master is apart from the weight (a flat copy of the range); a parameter that is its
   own master (a CPU run's float32 weights, FSDP's float32 host shards) is stepped whole;
 - the parameter is contiguous (its pieces are views of it).

@@ -142,9 +142,8 @@ class ShareLayout:
     def piece_limit(self) -> int | None:
         """The most elements a host bucket holds of one parameter: a bucket's worth where the
         state is on disk and the optimizer steps pieces alike (:mod:`~lightning_fastopt.offload.pieces`);
-        None (whole tensors) elsewhere, and with bfloat16 moments (their stochastic rounding
-        draws its noise from each element's place in its tensor)."""
-        if self.tier.on_disk and self.optimizer.steps_pieces and self.host_state_dtype is None:
+        None (whole tensors) elsewhere."""
+        if self.tier.on_disk and self.optimizer.steps_pieces:
             return piece_elements(self.bucket_bytes)
         return None
 

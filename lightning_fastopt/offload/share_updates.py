@@ -64,6 +64,7 @@ class ShareUpdates:
         updated, sources, targets, step_kwargs, closure = plan
         inner.grad_source = sources
         inner.copies_to = targets
+        inner.element_offsets = {s.master: s.part[0] for s in updated if s.part is not None} or None
         if step_kwargs:
             inner.step_kwargs = step_kwargs
         if closure is not None:
@@ -75,6 +76,7 @@ class ShareUpdates:
         finally:
             inner.grad_source = None
             inner.copies_to = None
+            inner.element_offsets = None
             inner.__dict__.pop("step_kwargs", None)
             inner.__dict__.pop("step_closure", None)
         return updated

@@ -623,7 +623,7 @@ def _whole_why(slot: ParamSlot) -> str:
         return "one piece of its parameter"
     if not slot.separate_master:
         return "the parameter is its own master"
-    return "its optimizer steps whole tensors, or keeps bfloat16 moments"
+    return "its optimizer steps whole tensors"
 
 
 def _point_into(tensor: Tensor, buffer: Tensor, e: _Entry, shape: torch.Size, copy: bool = False) -> None:

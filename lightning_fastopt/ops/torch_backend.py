@@ -93,22 +93,24 @@ def _lowbias32(x):
     return x ^ (x >> 16)
 
 
-def stochastic_noise(numel: int, step_seed: int, k: int, device=None) -> torch.Tensor:
+def stochastic_noise(numel: int, step_seed: int, k: int, device=None, first: int = 0) -> torch.Tensor:
     """The 16 bits of noise (int64) added below the bfloat16 mantissa of each element of
     state ``k`` before truncation, as csrc/cpu/vec.h computes them: element i's is the top
     half of ``i * 0x9E3779B1 + seed_k`` with ``seed_k = lowbias32(step_seed + 0x632BE5AB
-    * (k + 1))`` (all modulo 2**32): a Weyl sequence over the elements, offset per step."""
+    * (k + 1))`` (all modulo 2**32): a Weyl sequence over the elements, offset per step.
+    ``first``: the index of the first element in its whole tensor (a piece of one)."""
     seed_k = _lowbias32((step_seed + 0x632BE5AB * (k + 1)) & _M32)
-    i = torch.arange(numel, dtype=torch.int64, device=device)
+    i = (torch.arange(numel, dtype=torch.int64, device=device) + first) & _M32
     return (((i * 0x9E3779B1) + seed_k) & _M32) >> 16
 
 
-def round_bf16_stochastic(x: torch.Tensor, step_seed: int, k: int) -> torch.Tensor:
+def round_bf16_stochastic(x: torch.Tensor, step_seed: int, k: int, first: int = 0) -> torch.Tensor:
     """float32 ``x`` to bfloat16 with stochastic rounding (unbiased: up with probability
-    the fraction of the bfloat16 step above the value below); NaN stays NaN."""
+    the fraction of the bfloat16 step above the value below); NaN stays NaN.  ``first``:
+    the index of ``x``'s first element in its whole tensor (a piece of one)."""
     flat = x.detach().reshape(-1).float()
     bits = flat.view(torch.int32).to(torch.int64) & _M32
-    r = (((bits + stochastic_noise(flat.numel(), step_seed, k, flat.device)) & _M32) >> 16)
+    r = (((bits + stochastic_noise(flat.numel(), step_seed, k, flat.device, first)) & _M32) >> 16)
     r = torch.where(torch.isnan(flat), torch.full_like(r, 0x7FC0), r)
     r = torch.where(r >= 0x8000, r - 0x10000, r)  # as a signed 16-bit pattern
     return r.to(torch.int16).view(torch.bfloat16).reshape(x.shape)
@@ -121,14 +123,16 @@ def _lerp_(dst, src, weight: float) -> None:
 def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
           weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
           check_finite, state_seed: int = 0, decay: float | None = None, torch_sqrt: bool = False,
-          rounding: int = 0) -> bool:
+          rounding: int = 0, index_bases: list[int] | None = None) -> bool:
     """torch.optim.Adam/AdamW's foreach step, op for op, on the tensors' device (``decay``:
     AdamW's factor ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by
     default from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's: the bits of
     ``rounding`` 0 (torch's CPU step) on the CPU and of 1 (CUDA foreach) and 4 (CUDA for-loop,
     its bias correction through its reciprocal) on CUDA; the other pairs (a fallback:
     the compiled kernels follow every rounding everywhere; 3, torch's CPU fused kernel,
-    differs from 0 in each tensor's last numel % 8 elements) come within an ulp per step."""
+    differs from 0 in each tensor's last numel % 8 elements) come within an ulp per step.
+    ``index_bases``: each tensor's first element's index in its whole tensor (pieces of one),
+    for the bfloat16 state's stochastic rounding."""
     if decay is None:
         decay = 1 - lr * weight_decay
     if check_finite and not all_finite(grads):
@@ -143,10 +147,11 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
         _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
                   weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, False,
                   rounding)
+        bases = index_bases or [0] * len(params)
         for k, (kept, work) in enumerate(zip(stored, (exp_avgs, exp_avg_sqs))):
-            for t, w in zip(kept, work):
+            for t, w, base in zip(kept, work, bases):
                 if t is not w:
-                    t.copy_(round_bf16_stochastic(w, state_seed, k))
+                    t.copy_(round_bf16_stochastic(w, state_seed, k, base))
         return False
     _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, decay, beta1, beta2, eps,
               weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize, torch_sqrt,

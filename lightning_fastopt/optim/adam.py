@@ -150,7 +150,7 @@ class FusedAdam(FusedOptimizer):
                     adamw_mode=group["decoupled_weight_decay"], maximize=group["maximize"],
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
                     param_copies=b.copies, found_inf=b.found_inf, torch_sqrt=group.get("torch_sqrt", False),
-                    rounding=group.get("rounding", "torch_cpu"))
+                    rounding=group.get("rounding", "torch_cpu"), index_bases=self._index_bases(b.params))
 
 
 def check_state_dtype(state_dtype: Any, amsgrad: bool = False) -> torch.dtype:

@@ -95,6 +95,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     # (lightning_fastopt.offload.pieces): set by the elementwise kernels' classes
     steps_pieces = False
     given_norms: dict[Tensor, Tensor] | None = None
+    # where a tensor it steps starts in a whole tensor it is a piece of (elements; a wrapper's,
+    # lightning_fastopt.offload.pieces): bfloat16 state's stochastic rounding reads the index
+    element_offsets: dict[Tensor, int] | None = None
     grad_source: dict[Tensor, Tensor] | None = None
     copies_to: dict[Tensor, Tensor] | None = None
     step_kwargs: dict[str, Any] = {}
@@ -230,6 +233,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The parameters of a group that have gradients, in kernel calls
         (:func:`~lightning_fastopt.optim.bucketing.kernel_buckets`)."""
         return kernel_buckets(self, group)
+
+    def _index_bases(self, params: list[Tensor]) -> list[int] | None:
+        """Where each of ``params`` starts in a whole tensor it is a piece of
+        (:attr:`element_offsets`; None where no wrapper said)."""
+        offsets = self.element_offsets
+        return None if not offsets else [offsets.get(p, 0) for p in params]
 
     def _bucket_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The state tensors a bucket passes to the kernel (override when options add some)."""
