@@ -45,6 +45,7 @@ def run(tmp_path_factory):
                 ranks = (0, 1) if "devices=1" not in extra else (0,)  # a run on one process: rank 0's
                 runs[key] = Ranks(torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks)
                 runs[key].early = run_counts(out, "early_updates", ranks)
+                runs[key].pieces = run_counts(out, "pieces", ranks)
         return runs[key]
     return fit
 
@@ -54,6 +55,7 @@ class Ranks(list):
     started during backward, of them kept by the steps), None where nothing is offloaded."""
 
     early: list
+    pieces: list  # each rank's (slots, parameters) of its local optimizer
 
 
 FRONT_ENDS = {"lightning.pytorch": "lightning_fastopt.trainer.lightning_pytorch",
@@ -107,6 +109,25 @@ def test_the_rows_masters_and_state_on_disk_end_there_too(run, extra):
     as it is saved), end where ``ModelParallelStrategy`` ends; delayed (after 2 steps), where
     torch's update delayed the same way ends."""
     _assert_same(run("fastopt-1", "adamw", *extra), run("reference", "adamw", *extra[1:]))
+
+
+@slow
+@pytest.mark.parametrize("extra", [("nvme", "model=wide"), ("nvme", "model=wide", "stream_cpu_step"),
+                                   ("nvme", "model=wide", "host_state_dtype=bfloat16", "resume")],
+                         ids=["synchronous", "speculated", "bfloat16-moments-resumed"])
+def test_rows_larger_than_a_bucket_split_into_pieces_on_disk_end_there_too(run, extra):
+    """Each rank's rows of the wide weights (1200 and 2400 elements) are larger than a
+    bucket (``bucket_size_mb=0.0005``): on disk they are split into pieces
+    (``lightning_fastopt/offload/pieces.py``); the run ends where ``ModelParallelStrategy``
+    ends, speculated with clipping too, and one with bfloat16 moments resumed from a
+    distributed checkpoint ends where the same with them in host memory ends (no torch
+    reference keeps bfloat16 moments)."""
+    ours = run("fastopt-1", "adamw", *extra)
+    assert all(slots > params for slots, params in ours.pieces), ours.pieces
+    if "host_state_dtype=bfloat16" in extra:
+        _assert_same(ours, run("fastopt-1", "adamw", *[e for e in extra if e != "nvme"]))
+    else:
+        _assert_same(ours, run("reference", "adamw", *[e for e in extra if e not in ("nvme", "stream_cpu_step")]))
 
 
 @slow

@@ -24,7 +24,9 @@ one full file (``save_distributed_checkpoint=False``), not a directory of shards
 (default 2: resuming at another world size).  ``stream_cpu_step``, ``keep_gradients``: those
 options of ours, True (by default the offloaded gradients leave for the host as they are
 reduce-scattered, nothing in the model reading them).  ``accelerator=cuda``: on GPUs (the
-prepared GPU command runs it on one).  ``model=tied``: a model with tied input and output
+prepared GPU command runs it on one).  ``model=wide``: :class:`Net` 300 wide (each rank's rows of
+its weights larger than the smallest piece a large tensor is split into on the disk tier,
+``lightning_fastopt/offload/pieces.py``).  ``model=tied``: a model with tied input and output
 embeddings (:class:`TiedNet`).  ``nodes=N``: the Trainer's ``num_nodes`` (launched by torchrun,
 one process per node with ``devices=1``).  ``delayed``: ``delayed_update=True`` after 2
 synchronous steps (the reference: torch's update delayed the same way,
@@ -42,7 +44,8 @@ sizes (its default: every process data-parallel).  ``in_place``: ``copy_on_cpu=F
 shards in host memory (the reference's ``configure_model`` passes ``CPUOffloadPolicy`` to
 ``fully_shard``; ours ``offload_parameters=True``, which the one-line form applies itself);
 OUT.masters_apart.rank<r> says how many of the local optimizer's parameters have float32
-masters apart from the weights, of how many; OUT.early_updates.rank<r> how many host buckets'
+masters apart from the weights, of how many; OUT.pieces.rank<r> how many slots it has, of
+how many parameters (more where large ones are split: the state on disk); OUT.early_updates.rank<r> how many host buckets'
 CPU updates started during backward over the run (``stream_cpu_step``: streamed or
 speculated), and how many of them the steps kept (streamed, or speculated and committed).
 ``clip=none`` or ``clip=VALUE``: no clipping, or ``gradient_clip_val=VALUE`` (0.5 by default).
@@ -91,7 +94,7 @@ class Net(L.LightningModule):
     def __init__(self, optimizer: str):
         super().__init__()
         self.optimizer = optimizer
-        self.net = nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = nn.Sequential(nn.Linear(8, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -294,6 +297,9 @@ def _model(name, optimizer, tied=False, sequence_parallel=False):
 ACCELERATOR = "cpu"  # "cuda" with accelerator=cuda: one GPU per process
 
 
+WIDTH = 33  # Net's hidden width; with model=wide: 300 (each rank's rows of a weight hold over 1024 elements)
+
+
 NODES = 1  # with nodes=N: N nodes (torchrun --nnodes N), each running `devices` processes
 
 
@@ -333,7 +339,7 @@ def main():
     extra = dict(a.partition("=")[::2] if "=" in a else (a, a) for a in sys.argv[4:])
     resume = next((a for a in sys.argv[4:] if a.startswith("resume")), None)
     precision = extra.get("precision", "32-true")
-    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO, HOST_PARAMS, CLIP, ACTIVATION_CHECKPOINTING
+    global ACCELERATOR, NODES, TENSOR_PARALLEL, MESH_AUTO, HOST_PARAMS, CLIP, ACTIVATION_CHECKPOINTING, WIDTH
     MESH_AUTO = extra.get("mesh") == "auto"
     HOST_PARAMS = "host_params" in extra
     ACTIVATION_CHECKPOINTING = "activation_checkpointing" in extra
@@ -342,6 +348,7 @@ def main():
     NODES = int(extra.get("nodes", NODES))
     TENSOR_PARALLEL = int(extra.get("tp", TENSOR_PARALLEL))
     tied, sequence_parallel = extra.get("model") == "tied", extra.get("model") == "sequence_parallel"
+    WIDTH = 300 if extra.get("model") == "wide" else WIDTH
     torch.manual_seed(0)
     model = _model(name, optimizer, tied, sequence_parallel)
     root = Path(out).parent / f"{Path(out).name}.root"
@@ -354,7 +361,7 @@ def main():
         options["host_state_dtype"] = extra["host_state_dtype"]
     if "nvme" in extra:  # the offloaded masters and state in a file of a directory of this process's
         options.update(offload_optimizer_device="nvme", nvme_path=tempfile.mkdtemp(prefix="nvme-", dir=Path(out).parent),
-                       nvme_window_mb=0.02)
+                       nvme_window_mb=0.05 if WIDTH > 33 else 0.02)  # (wide: two pieces of 1024 elements' regions)
     if "elementwise" in extra:
         options["elementwise_optimizers"] = [extra["elementwise"]]
     if HOST_PARAMS:
@@ -390,8 +397,11 @@ def main():
         local = getattr(engine, "local", engine)  # FastOptStrategy's engine is the offload optimizer itself
         Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(local.offload_fraction))
         # the float32 masters kept apart from the model's weights (none where the host shards are the masters)
-        apart = sum(s.separate_master for s in local._slots)
-        Path(f"{out}.masters_apart.rank{trainer.global_rank}").write_text(f"{apart} {len(local._slots)}")
+        apart = sum(s.separate_master for s in local._slots if s.leads)
+        params = len(local.layout.pieces_of)
+        Path(f"{out}.masters_apart.rank{trainer.global_rank}").write_text(f"{apart} {params}")
+        # slots, of parameters: more where a parameter is split into pieces (the state on disk)
+        Path(f"{out}.pieces.rank{trainer.global_rank}").write_text(f"{len(local._slots)} {params}")
         # host buckets whose CPU update started during backward (streamed, or speculated), over the run
         schedule = local.schedule
         totals = getattr(schedule, "totals", {})  # the speculative schedule's
