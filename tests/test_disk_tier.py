@@ -439,12 +439,15 @@ def test_in_a_fabric_loop_with_fp16_scaling_an_overflow_and_a_save_in_the_middle
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), in_memory))
 
 
-def test_the_benchmark_measures_the_disk_and_the_step_on_it(tmp_path):
+@pytest.mark.parametrize("tensors", ["8", "1"])
+def test_the_benchmark_measures_the_disk_and_the_step_on_it(tmp_path, tensors):
     """``benchmarks/disk_tier.py --quick`` runs: the disk's rates, both steps and the share
-    of the disk's rate the step reached, printed."""
+    of the disk's rate the step reached, printed; with one tensor too, whose masters and
+    moments (4.8 MB) two of which the 8 MiB window could not hold whole: in pieces."""
     from tests.helpers import run_script
 
-    proc = run_script("benchmarks/disk_tier.py", "--quick", "--params", "4e5", "--dir", tmp_path)
+    proc = run_script("benchmarks/disk_tier.py", "--quick", "--params", "4e5", "--dir", tmp_path,
+                      "--tensors", tensors)
     out = proc.stdout
     assert "disk, direct I/O, 8 MiB transfers, 4 in flight: write" in out and "read+write" in out
     assert "step in host memory:" in out and "of the disk's rate reading and writing at once (target >= 80%)" in out

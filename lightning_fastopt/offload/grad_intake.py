@@ -183,7 +183,8 @@ class GradIntake:
     def read(self) -> list[tuple[Tensor, Tensor]]:
         """Every gradient the next step will use, under its parameter, where the step will
         read it (offloaded ones in host memory, once landed; with ``"keep"`` every one in
-        ``p.grad``, copied when the step starts)."""
+        ``p.grad``, copied when the step starts).  A parameter split into pieces: each
+        piece's host gradient, under the parameter (scaling them in place scales it)."""
         opt = self.opt
         opt._in_flight.wait_all()
         if self.mode == "keep":
