@@ -102,6 +102,15 @@ def test_what_pieces_would_change_stays_whole(tmp_path, what):
     opt.close()
 
 
+def test_a_window_too_small_for_two_pieces_says_a_smaller_bucket_helps(tmp_path):
+    """A split tensor's piece is a bucket's size: a smaller ``bucket_size_mb`` makes smaller
+    pieces, and the error says so (a whole tensor's says it cannot help)."""
+    params = _params()
+    with pytest.raises(ValueError, match=r"nvme_window_mb=0\.05 holds 0 of the host buckets' regions .* give "
+                                         r"nvme_window_mb=[\d.]+ at least, or a smaller bucket_size_mb"):
+        _optimizer(params, ALGORITHMS["adamw"], tmp_path, window_mb=0.05)
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 1))

@@ -218,8 +218,8 @@ class DiskTier:
         if count < min(2, len(self.regions)):
             need = f"nvme_window_mb={2 * region_bytes / 2**20:.4g} at least"
             slots = {id(e.slot): e.slot for e in largest.entries}
-            if len(slots) == 1:  # a bucket holds whole tensors: a smaller bucket_size_mb cannot help
-                slot = next(iter(slots.values()))
+            slot = next(iter(slots.values()), None)
+            if len(slots) == 1 and slot.part is None:  # a tensor a bucket holds whole: a smaller bucket cannot help
                 advice = (f"the largest is one tensor, {slot.name} ({slot.numel:,} elements), whose masters and state "
                           f"a bucket holds whole ({_whole_why(slot)}): give {need}")
             else:
@@ -619,8 +619,6 @@ def _shape(e: _Entry) -> torch.Size:
 
 def _whole_why(slot: ParamSlot) -> str:
     """Why a bucket holds ``slot``'s tensor whole (see :mod:`~lightning_fastopt.offload.pieces`)."""
-    if slot.part is not None:
-        return "one piece of its parameter"
     if not slot.separate_master:
         return "the parameter is its own master"
     return "its optimizer steps whole tensors"
