@@ -214,3 +214,45 @@ def test_under_the_trainer_a_split_weight_ends_where_plain_lightning_ends_and_re
     resumed = Wide()
     fit(ours(), resumed, ckpt_path=path)
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), ref.parameters()))
+
+
+def test_a_delayed_updates_pending_masters_are_saved_whole_and_resumed(tmp_path):
+    """``delayed_update=True``: a state dict taken while an update is pending holds the
+    pending masters of a split weight whole, as host memory's does; a model and optimizer
+    loaded from it (the model first, as Lightning loads) end where the uninterrupted run ends."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)) for _ in range(8)]
+
+    def build(disk=None):
+        model = _model()
+        where = dict(offload_optimizer_device="nvme", nvme_path=str(disk), nvme_window_mb=0.1) if disk else {}
+        return model, OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                                       {p: n for n, p in model.named_parameters()}, bucket_size_mb=0.008,
+                                       copy_on_cpu=True, delayed_update=True, delayed_update_warmup=2, **where)
+
+    def train(model, opt, part):
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    ref, ref_opt = build()
+    ours, opt = build(tmp_path)
+    train(ref, ref_opt, batches[:5])
+    train(ours, opt, batches[:5])
+    ref_saved, saved = ref_opt.state_dict(), opt.state_dict()
+    pending, ref_pending = saved["delayed_update"]["weights"], ref_saved["delayed_update"]["weights"]
+    assert "2.weight" in pending and len(opt.layout.pieces_of[ours[2].weight]) > 1
+    assert pending.keys() == ref_pending.keys() and all(torch.equal(pending[k], v) for k, v in ref_pending.items())
+    _assert_same_state(saved, ref_saved)
+    resumed, resumed_opt = build(tmp_path)
+    resumed.load_state_dict(ours.state_dict())
+    resumed_opt.load_state_dict(saved)
+    opt.close()
+    train(resumed, resumed_opt, batches[5:])
+    train(ref, ref_opt, batches[5:])
+    resumed_opt.apply_pending_update()
+    ref_opt.apply_pending_update()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), ref.parameters()))
+    resumed_opt.close()
+    ref_opt.close()
