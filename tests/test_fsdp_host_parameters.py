@@ -27,6 +27,7 @@ class Run(NamedTuple):
     results: list[dict]  # each rank's weights and optimizer state
     apart: list  # each rank's (masters kept apart from the weights, parameters)
     early: list  # each rank's (host bucket updates started during backward, of them kept by the steps)
+    pieces: list  # each rank's (slots, parameters) of its local optimizer (more slots: split on disk)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def run(tmp_path_factory):
             ranks = range(1 if "devices=1" in extra else 2)
             run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=len(ranks))
             runs[key] = Run([torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks],
-                            run_counts(out, "masters_apart", ranks), run_counts(out, "early_updates", ranks))
+                            run_counts(out, "masters_apart", ranks), run_counts(out, "early_updates", ranks),
+                            run_counts(out, "pieces", ranks))
         return runs[key]
     return fit
 
@@ -91,22 +93,28 @@ def test_our_checkpoint_under_the_policy_resumes_under_model_parallel_strategy(r
 
 @slow
 @pytest.mark.parametrize("extra", [("precision=bf16-mixed",), ("resume:reference", "checkpoint=full"),
-                                   ("resume:reference", "checkpoint=full", "empty_init"), ("nvme",)],
+                                   ("resume:reference", "checkpoint=full", "empty_init"), ("nvme",),
+                                   ("nvme", "model=wide")],
                          ids=["bf16-mixed", "full-checkpoint-resumed", "meta-model-read-from-a-full-checkpoint",
-                              "state-on-disk"])
+                              "state-on-disk", "state-on-disk-in-pieces"])
 def test_what_users_combine_with_it(run, extra):
     """bf16-mixed (autocast over the float32 host shards), a full checkpoint (one file)
     written under ``ModelParallelStrategy`` with the policy, resumed under ours (into a model
     built on the meta device too: made in host memory, then each parameter read from the
     file into its host shards), and AdamW's state on disk (``offload_optimizer_device="nvme"``:
-    the shards stay the masters, in host memory): where the reference doing the same ends."""
+    the shards stay the masters, in host memory; with rows larger than a bucket, each piece's
+    master its range of the shard): where the reference doing the same ends."""
     reference = [e for e in extra if e not in ("nvme", "empty_init")]
-    _assert_same(run("fastopt-1", "host_params", *extra).results, run("reference", "host_params", *reference).results)
+    ours = run("fastopt-1", "host_params", *extra)
+    _assert_same(ours.results, run("reference", "host_params", *reference).results)
+    if "model=wide" in extra:
+        assert all(slots > params for slots, params in ours.pieces) and all(a[0] == 0 for a in ours.apart)
 
 
 STREAMED = {"streamed": ("clip=none",), "speculated-and-kept": ("clip=50",),
             "speculated-and-redone": (), "activation-checkpointing": ("clip=50", "activation_checkpointing"),
-            "state-on-disk-kept": ("clip=50", "nvme"), "state-on-disk-redone": ("nvme",)}
+            "state-on-disk-kept": ("clip=50", "nvme"), "state-on-disk-redone": ("nvme",),
+            "state-on-disk-in-pieces-redone": ("nvme", "model=wide")}
 
 
 @slow
@@ -126,6 +134,7 @@ def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run,
     ours = run("fastopt-1", "host_params", "stream_cpu_step", *extra)
     _assert_same(ours.results, run("reference", "host_params", *[e for e in extra if e != "nvme"]).results)
     assert all(a == (0, 6) for a in ours.apart), ours.apart  # the shards are still the masters
+    assert all((slots > params) == ("model=wide" in extra) for slots, params in ours.pieces), ours.pieces
     started = [early for early, _ in ours.early]
     assert all(n >= 6 for n in started), ours.early  # (at least a bucket each step, on each rank)
     kept = [kept for _, kept in ours.early]

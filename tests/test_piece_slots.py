@@ -6,9 +6,10 @@ accelerator's path (``copy_on_cpu=True``), with half weights, clipping, loss sca
 an overflow and accumulation, streamed, speculated and delayed; checkpoints hold each
 parameter's state whole and load both ways; under the Trainer as plain Lightning ends,
 resumed from a checkpoint; bfloat16 moments too (each piece told where it starts, for
-their stochastic rounding).  Where pieces would change the bits (LAMB's and LARS's norms
-over the whole tensor) or have no master to hold (a parameter that is its own master),
-the tensor stays whole."""
+their stochastic rounding); on a CPU run, where a float32 weight is its own master, each
+piece's master is its range of the weight.  Where pieces would change the bits (LAMB's and
+LARS's norms over the whole tensor) or cannot be views (a parameter that is not
+contiguous), the tensor stays whole."""
 
 import math
 
@@ -42,14 +43,20 @@ def _optimizer(params, make, disk=None, window_mb=0.25, **kw):
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}]
     where = dict(offload_optimizer_device="nvme", nvme_path=str(disk), nvme_window_mb=window_mb) if disk else {}
     return OffloadOptimizer(make(groups), {p: f"p{i}" for i, p in enumerate(params)}, bucket_size_mb=BUCKET_MB,
-                            copy_on_cpu=True, **where, **kw)
+                            **{"copy_on_cpu": True, **kw}, **where)
 
 
+@pytest.mark.parametrize("copy_on_cpu", [True, False], ids=["accelerator-path", "cpu-run"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
-def test_a_tensor_larger_than_a_bucket_is_split_and_ends_where_host_memory_ends(tmp_path, algorithm, dtype):
+def test_a_tensor_larger_than_a_bucket_is_split_and_ends_where_host_memory_ends(tmp_path, algorithm, dtype,
+                                                                                copy_on_cpu):
+    """On the accelerator's path each piece's master is a copy of its range; on a CPU run a
+    float32 weight is its own master, and each piece's master is its range of the weight
+    (a bfloat16 one's a float32 copy)."""
     make = ALGORITHMS[algorithm]
     kw = dict(host_state_dtype="bfloat16") if algorithm.endswith("bf16-moments") else {}
+    kw["copy_on_cpu"] = copy_on_cpu
     ref_params, params = _params(dtype), _params(dtype)
     ref = _optimizer(ref_params, make, **kw)
     opt = _optimizer(params, make, tmp_path, **kw)
@@ -58,6 +65,8 @@ def test_a_tensor_larger_than_a_bucket_is_split_and_ends_where_host_memory_ends(
     assert len(pieces) == math.ceil(BIG / size) and len({s.bucket for s in pieces}) == len(pieces)
     assert [s.part for s in pieces][:2] == [(0, size), (size, 2 * size)] and size % ALIGN == 0
     assert len(ref.layout.pieces_of[ref_params[0]]) == 1  # in host memory: whole
+    own = not copy_on_cpu and dtype == torch.float32
+    assert all(s.master_is_weight == own and s.separate_master != own for s in pieces)
     window = sum(slot.buffer.numel() for slot in opt.layout.tier.window)
     assert window < 12 * BIG  # less than the big tensor's master and moments alone
     _train(ref, ref_params, 10)
@@ -86,18 +95,19 @@ def test_a_tensor_larger_than_a_bucket_is_split_and_ends_where_host_memory_ends(
         o.close()
 
 
-@pytest.mark.parametrize("what", ["lamb", "lars", "own-master"])
+@pytest.mark.parametrize("what", ["lamb", "lars", "not-contiguous"])
 def test_what_pieces_would_change_stays_whole(tmp_path, what):
-    """LAMB's and LARS's trust ratios read norms over the whole tensor; a float32 parameter
-    on a CPU run is its own master (nothing apart to cut).  Each stays one slot, its bucket
-    holding it whole (a window of two such buckets)."""
+    """LAMB's and LARS's trust ratios read norms over the whole tensor; a parameter that is
+    not contiguous has no flat ranges to view.  Each stays one slot, its bucket holding it
+    whole (a window of two such buckets)."""
     make = {"lamb": lambda g: FusedLAMB(g, lr=1e-2), "lars": lambda g: FusedLars(g, lr=1e-2, momentum=0.9),
-            "own-master": lambda g: FusedAdam(g, lr=1e-2)}[what]
+            "not-contiguous": lambda g: FusedAdam(g, lr=1e-2)}[what]
     params = _params()
-    kw = {"copy_on_cpu": False} if what == "own-master" else {}
+    if what == "not-contiguous":
+        params[0] = torch.randn(500, 100).t().requires_grad_()  # 50,000 elements, transposed
     groups = [{"params": params}]
     opt = OffloadOptimizer(make(groups), bucket_size_mb=BUCKET_MB, offload_optimizer_device="nvme",
-                           nvme_path=str(tmp_path), nvme_window_mb=2.0, **{"copy_on_cpu": True, **kw})
+                           nvme_path=str(tmp_path), nvme_window_mb=2.0, copy_on_cpu=True)
     assert len(opt.layout.pieces_of[params[0]]) == 1 and opt.layout.slot_of[params[0]].part is None
     opt.close()
 

@@ -164,10 +164,12 @@ class GradIntake:
 
     @staticmethod
     def grad_of(slot: ParamSlot) -> Tensor | None:
-        """The gradient the step reads for ``slot`` (None: it has none this step)."""
+        """The gradient the step reads for ``slot`` (None: it has none this step; a piece
+        without a host buffer: its range of ``p.grad``)."""
         if slot.host_grad is not None:
             return slot.host_grad if slot.grad_sent else None
-        return slot.param.grad
+        g = slot.param.grad
+        return None if g is None else slot.of(g)
 
     def _whole(self, grads: dict[Tensor, Tensor]):
         """Where each parameter's whole gradient is, given :meth:`read`'s (``grads``, by
@@ -176,6 +178,8 @@ class GradIntake:
         def whole(slot: ParamSlot) -> Tensor:
             if slot.part is None or self.mode == "keep":  # (kept: p.grad, whole)
                 return grads[slot.param]
+            if slot.host_grad is None:  # (in p.grad, whole: a CPU run's, FSDP's host shards')
+                return slot.param.grad
             pieces = [self.grad_of(s) for s in self.opt.layout.pieces_of[slot.param]]
             return torch.cat([g.reshape(-1) for g in pieces]).view(slot.param.shape)
         return whole

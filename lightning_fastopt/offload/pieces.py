@@ -16,9 +16,10 @@ bits as the whole tensor's update (:func:`splits`):
   whole tensor, nor a user's own ``step``); bfloat16 moments' stochastic rounding draws its
   noise from each element's place in the whole tensor (the update is told where each
   piece starts: ``element_offsets``);
-- the master is apart from the weight (a flat copy of the range); a parameter that is its
-  own master (a CPU run's float32 weights, FSDP's float32 host shards) is stepped whole;
-- the parameter is contiguous (its pieces are views of it).
+- the parameter is contiguous (its pieces are views of it): a piece's master is a flat copy
+  of its range where the master is apart from the weight, and the range of the weight
+  itself (a view, updated in place) where the parameter is its own master (a CPU run's
+  float32 weights, FSDP's float32 host shards).
 
 Piece boundaries are multiples of :data:`ALIGN` elements, so each element keeps its place
 in the kernels' vectors.  What concerns the parameter as a whole goes through its first
@@ -47,9 +48,9 @@ def piece_elements(bucket_bytes: int) -> int:
     return max(ALIGN, bucket_bytes // 4 // ALIGN * ALIGN)
 
 
-def splits(param: Tensor, separate_master: bool, limit: int | None) -> bool:
+def splits(param: Tensor, limit: int | None) -> bool:
     """Whether a parameter is split into pieces of ``limit`` elements (None: nothing is)."""
-    return limit is not None and separate_master and param.numel() > limit and param.is_contiguous()
+    return limit is not None and param.numel() > limit and param.is_contiguous()
 
 
 def piece_ranges(numel: int, size: int) -> list[tuple[int, int]]:

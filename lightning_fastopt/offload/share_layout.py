@@ -122,13 +122,15 @@ class ShareLayout:
             name = self.param_names.get(p, f"param{i}")
             pinned = off and self.opt.copies.needed
             apart = pinned or p.dtype != master_dtype(p)
-            parts = piece_ranges(p.numel(), limit) if off and splits(p, apart, limit) else [None]
+            parts = piece_ranges(p.numel(), limit) if off and splits(p, limit) else [None]
             for part in parts:
                 slot = ParamSlot(name, p, len(self.slots) + len(slots), group_of[p], off, p, part=part)
                 if pinned:
                     slot.master = torch.empty(0)  # a pinned view, carved per bucket
                 elif apart:
                     slot.master = slot.of(p.detach()).to(master_dtype(p), copy=True)
+                elif part is not None:  # its own master: the piece's master is its range of the weight
+                    slot.master, slot.master_is_weight = slot.weight(), True
                 slots.append(slot)
         self._params += len(params)
         seen = {s.name for s in self.slots}

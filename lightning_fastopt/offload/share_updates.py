@@ -51,6 +51,7 @@ class ShareUpdates:
             g = opt._intake.grad_of(s)
             if g is None:
                 continue
+            s.follow_weight()
             sources[s.master] = g
             updated.append(s)
             if s.param.dtype != s.master.dtype:

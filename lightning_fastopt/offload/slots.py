@@ -53,10 +53,17 @@ class ParamSlot:
     fingerprint: Tensor | None = None  # of the parameter after our last write (separate masters only)
     listed: int = 1  # times the group lists it (torch updates a duplicate once per listing)
     part: tuple[int, int] | None = None  # a piece: [start, stop) of the flattened parameter's elements
+    master_is_weight: bool = False  # a piece whose master is its range of the weight itself (a view)
 
     @property
     def separate_master(self) -> bool:
-        return self.master is not self.param
+        return self.master is not self.param and not self.master_is_weight
+
+    def follow_weight(self) -> None:
+        """A piece whose master is a view of its weight: pointed at the weight's storage as it
+        is now (were the parameter given new storage, the view would update the old one)."""
+        if self.master_is_weight and self.master.data_ptr() != self.weight().data_ptr():
+            self.master.set_(self.weight())
 
     @property
     def leads(self) -> bool:

@@ -619,8 +619,8 @@ def _shape(e: _Entry) -> torch.Size:
 
 def _whole_why(slot: ParamSlot) -> str:
     """Why a bucket holds ``slot``'s tensor whole (see :mod:`~lightning_fastopt.offload.pieces`)."""
-    if not slot.separate_master:
-        return "the parameter is its own master"
+    if not slot.param.is_contiguous():
+        return "the parameter is not contiguous"
     return "its optimizer steps whole tensors"
 
 
