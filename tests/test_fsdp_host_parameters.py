@@ -63,9 +63,9 @@ def test_host_shards_are_the_masters_and_end_where_model_parallel_strategy_ends(
     weights and AdamW state bit for bit ``ModelParallelStrategy``'s under the policy, and no
     float32 master kept apart from the weights (through ``copy_on_cpu=True`` too: the host
     shards are the masters on every machine)."""
-    ours, apart, _ = run(form, "host_params")
-    ref = run("reference", "host_params").results
-    _assert_same(ours, ref)
+    ours = run(form, "host_params")
+    apart = ours.apart
+    _assert_same(ours.results, run("reference", "host_params").results)
     assert all(a is not None and a[0] == 0 and a[1] > 0 for a in apart), apart
     kept_apart = run("fastopt-1").apart  # without the policy, the accelerator's path keeps masters apart
     assert all(a[0] == a[1] > 0 for a in kept_apart), kept_apart
@@ -210,9 +210,9 @@ def test_on_one_gpu_the_host_shards_end_where_model_parallel_strategy_ends(run, 
     stepping the same host DTensors under ``ModelParallelStrategy`` (benchmarks/gpu_session.sh
     rest).  The one-line form pins the host shards; the reference's policy does not."""
     gpu = ("accelerator=cuda", "devices=1")
-    ours, apart, _ = run(form, "host_params", *gpu)
-    _assert_same(ours, run("reference", "host_params", *gpu).results)
-    assert apart[0] is not None and apart[0][0] == 0
+    ours = run(form, "host_params", *gpu)
+    _assert_same(ours.results, run("reference", "host_params", *gpu).results)
+    assert ours.apart[0] is not None and ours.apart[0][0] == 0
 
 
 FABRIC_SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_fabric_run.py"

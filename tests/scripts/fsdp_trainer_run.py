@@ -375,7 +375,7 @@ def main():
         path = first.checkpoint_callback.best_model_path
         if "first-only" in extra:
             Path(f"{out}.checkpoint").write_text(path)
-            return
+            finish_process()  # (as below: a return into the interpreter's finalization aborted now and then)
     trainer = _trainer(name, root, precision, devices=devices, options=_delayed(name, extra, options),
                        max_steps=STEPS, enable_checkpointing="checkpointing" in extra,
                        callbacks=_callbacks(name, extra, saves="checkpointing" in extra),
