@@ -123,7 +123,7 @@ def _lerp_(dst, src, weight: float) -> None:
 def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
           weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
           check_finite, state_seed: int = 0, decay: float | None = None, torch_sqrt: bool = False,
-          rounding: int = 0, index_bases: list[int] | None = None) -> bool:
+          rounding: int = 0, *, index_bases: list[int] | None = None) -> bool:
     """torch.optim.Adam/AdamW's foreach step, op for op, on the tensors' device (``decay``:
     AdamW's factor ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by
     default from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's: the bits of
