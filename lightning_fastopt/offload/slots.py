@@ -33,9 +33,10 @@ class ParamSlot:
 
     A piece (``part``: a range of the flattened parameter's elements; see
     :mod:`~lightning_fastopt.offload.pieces`) holds that range only: its master, state,
-    gradient and half copy are flat, in a host bucket of their own; what concerns the
-    parameter as a whole (its gradient's arrival, norm, name in a checkpoint) goes
-    through the first piece (:attr:`leads`).
+    gradient and half copy are flat, in a host bucket of their own (where the parameter is
+    its own master, the piece's master is its range of the weight, a view:
+    ``master_is_weight``); what concerns the parameter as a whole (its gradient's arrival,
+    norm, name in a checkpoint) goes through the first piece (:attr:`leads`).
     """
 
     name: str
