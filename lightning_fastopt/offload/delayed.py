@@ -81,7 +81,7 @@ class DelayedUpdates:
         for members in layout.in_residence([s for f in self.pending.values() for s in f.result()], writes=False):
             for s in members:
                 weights.add(s, "", s.master.detach())
-        return {"steps": self.steps, "weights": {name: values[""] for name, values in weights.by_name.items()}}
+        return {"steps": self.steps, "weights": weights.under("")}
 
     def restore(self, weights: Mapping[ParamSlot, Tensor], layout) -> None:
         """Take a checkpoint's pending masters of offloaded slots back as pending updates

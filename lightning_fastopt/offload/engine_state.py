@@ -54,7 +54,7 @@ class EngineState:
         for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master], writes=False):
             for s in members:
                 whole.add(s, "", s.master)
-        masters = {name: values[""] for name, values in whole.by_name.items()}
+        masters = whole.under("")
         opt.close(apply_pending=False)
         new.load_state_dict(saved)
         pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.offload.slots import ParamSlot
+from lightning_fastopt.offload.slots import ParamSlot, one_per_element
 
 __all__ = ["ALIGN", "WholeValues", "piece_elements", "piece_of_state", "piece_ranges", "splits"]
 
@@ -58,18 +58,12 @@ def piece_ranges(numel: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
-def whole_sized(value: Any, param: Tensor) -> bool:
-    """Whether a state value holds one element per element of ``param`` (a moment), not a
-    scalar (a step count)."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == param.numel()
-
-
 def piece_of_state(slot: ParamSlot, state: dict[str, Any]) -> dict[str, Any]:
     """A parameter's state (taken over or loaded) as ``slot`` keeps it: each tensor of the
     parameter's size cut to the slot's range, the rest as it is."""
     if slot.part is None:
         return state
-    return {k: slot.of(v) if whole_sized(v, slot.param) else v for k, v in state.items()}
+    return {k: slot.of(v) if one_per_element(v, slot.param.numel()) else v for k, v in state.items()}
 
 
 class WholeValues:
@@ -91,10 +85,14 @@ class WholeValues:
         whole = self.by_name.setdefault(slot.name, {})
         if slot.part is None:
             whole[key] = self.hand_out(value, self.dtype_of(value))
-        elif isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.numel:
+        elif one_per_element(value, slot.numel):
             if key not in whole:
                 whole[key] = self.blank(slot.param.shape, self.dtype_of(value) or value.dtype)
             with torch.no_grad():
                 slot.of(whole[key]).copy_(value)
         elif slot.leads:  # a scalar every piece keeps alike (a step count): the first piece's
             whole[key] = self.hand_out(value, self.dtype_of(value))
+
+    def under(self, key: str) -> dict[str, Any]:
+        """Each parameter's value under ``key``, by name (its master: ``""``)."""
+        return {name: values[key] for name, values in self.by_name.items() if key in values}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -102,6 +103,12 @@ class ParamSlot:
         since we last wrote it (a write through ``.data`` does neither: see
         :mod:`~lightning_fastopt.offload.weight_watch`)."""
         return self.seen != (self.param.data_ptr(), self.param._version)
+
+
+def one_per_element(value: Any, numel: int) -> bool:
+    """Whether an optimizer state value holds one element per element of a tensor of
+    ``numel`` (a moment), not a scalar (a step count)."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == numel
 
 
 def written_in_place(slot: ParamSlot) -> bool:

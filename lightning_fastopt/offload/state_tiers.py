@@ -46,7 +46,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_place
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, one_per_element, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot, put_state_back
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
@@ -610,7 +610,7 @@ def _tensor_of(bucket: HostBucket, slot: ParamSlot, key: str) -> Tensor | None:
 def _in_region(value: Any, slot: ParamSlot) -> bool:
     """Whether a state value of ``slot`` is one a region holds: a tensor of the master's size
     (a scalar, such as the step count, stays in host memory)."""
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == slot.numel
+    return one_per_element(value, slot.numel)
 
 
 def _shape(e: _Entry) -> torch.Size:
