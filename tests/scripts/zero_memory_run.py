@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_fastopt import FusedAdam  # noqa: E402
 from lightning_fastopt.fsdp import LocalShardOptimizer  # noqa: E402
 from lightning_fastopt.zero import ZeroOptimizer  # noqa: E402
-from tests.helpers import allocated_bytes, end_process_group, memory_model  # noqa: E402
+from tests.helpers import allocated_bytes, finish_process, memory_model  # noqa: E402
 
 
 def tp_model() -> torch.nn.Sequential:
@@ -76,7 +76,7 @@ def run(rank: int, out: str, stage, fraction: float) -> None:
                      grad_rows=sum(_local(p.grad).numel() for p in model.parameters() if p.grad is not None))
     Path(out, f"rank{rank}.json").write_text(json.dumps(facts))
     opt.close()
-    end_process_group()
+    finish_process()  # results written: leave without the interpreter's finalization (tests.helpers)
 
 
 def _sharded(model, host=False):
