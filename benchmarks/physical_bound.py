@@ -12,6 +12,12 @@ An offload step cannot be shorter than the longest of three terms:
   measured with one large pinned buffer (the two directions have copy engines of their own,
   so each is a term).
 
+Beside the terms, not one of them: the CPU update's rate again while one busy process
+shares the cores (``cpu_params_per_s_beside_busy``), as the training's own threads share
+them with an update that runs beside forward and backward.  Near the idle rate, the
+update's threads share their work well (csrc/cpu/chunk_schedule.h); far below it, a streamed
+or delayed row's longer CPU lane comes from there.
+
     python benchmarks/physical_bound.py           # the terms of this machine, as JSON
 
 ``benchmarks/gpt_offload.py`` runs this in a process of its own before its rows and prints
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,20 +42,25 @@ ADAM_BYTES_PER_PARAM = 28
 @dataclass(frozen=True)
 class Terms:
     """What this machine does per second: parameters the CPU step updates (exact AdamW, our
-    kernels, ``threads`` threads), bytes a pinned copy moves each way (None without a GPU)."""
+    kernels, ``threads`` threads; and with one busy process beside it, where measured),
+    bytes a pinned copy moves each way (None without a GPU)."""
     cpu_params_per_s: float
     threads: int
     d2h_bytes_per_s: float | None
     h2d_bytes_per_s: float | None
+    cpu_params_per_s_beside_busy: float | None = None
 
     def describe(self) -> str:
         copies = ("pinned copies: D2H {:.1f} GB/s, H2D {:.1f} GB/s".format(self.d2h_bytes_per_s / 1e9,
                                                                         self.h2d_bytes_per_s / 1e9)
                   if self.d2h_bytes_per_s else "pinned copies: n/a (no GPU)")
+        beside = (f" ({self.cpu_params_per_s_beside_busy / 1e9:.2f} Gparam/s beside one busy process, "
+                  f"{self.cpu_params_per_s_beside_busy / self.cpu_params_per_s:.0%})"
+                  if self.cpu_params_per_s_beside_busy else "")
         return (f"CPU update (exact AdamW, our kernels, {self.threads} threads): "
                 f"{self.cpu_params_per_s / 1e9:.2f} Gparam/s = "
-                f"{self.cpu_params_per_s * ADAM_BYTES_PER_PARAM / 1e9:.0f} GB/s at {ADAM_BYTES_PER_PARAM} B a parameter; "
-                f"{copies}")
+                f"{self.cpu_params_per_s * ADAM_BYTES_PER_PARAM / 1e9:.0f} GB/s at {ADAM_BYTES_PER_PARAM} B a parameter"
+                f"{beside}; {copies}")
 
 
 def bound_ms(terms: Terms, gpu_step_ms: float | None, offloaded_params: float,
@@ -101,6 +113,19 @@ def cpu_update_rate(n: int, repeat: int = 5) -> float:
     return n / _median_s(one, repeat)
 
 
+def beside_busy_process(measure_rate):
+    """``measure_rate()`` while another process keeps one core busy (started, and seen
+    running, before; stopped after)."""
+    busy = subprocess.Popen([sys.executable, "-c", "import sys; print(flush=True)\nwhile True: pass"],
+                            stdout=subprocess.PIPE)
+    try:
+        busy.stdout.readline()  # it runs
+        return measure_rate()
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def pinned_copy_rates(nbytes: int, repeat: int = 5) -> tuple[float, float]:
     """Bytes a second of one pinned host buffer copied to the GPU and back (each direction alone)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -119,8 +144,10 @@ def measure(cpu_params: int, copy_bytes: int) -> Terms:
     threads = default_cpu_threads(1)
     torch.set_num_threads(threads)
     rate = cpu_update_rate(cpu_params)
+    beside = beside_busy_process(lambda: cpu_update_rate(cpu_params))
     d2h, h2d = pinned_copy_rates(copy_bytes) if torch.cuda.is_available() else (None, None)
-    return Terms(cpu_params_per_s=rate, threads=threads, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d)
+    return Terms(cpu_params_per_s=rate, threads=threads, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
+                 cpu_params_per_s_beside_busy=beside)
 
 
 def main(argv=None) -> None:

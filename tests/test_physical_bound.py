@@ -1,6 +1,7 @@
 """benchmarks/physical_bound.py: an offload step's bound is the longest of the GPU's own
 step, the CPU update of the offloaded share and each direction's copies (issue 50)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 try:
-    from physical_bound import Terms, bound_ms, cpu_update_rate
+    from physical_bound import Terms, beside_busy_process, bound_ms, cpu_update_rate
 finally:
     sys.path.pop(0)
 
@@ -42,6 +43,35 @@ def test_the_terms_say_what_they_measured():
     assert "1.00 Gparam/s = 28 GB/s at 28 B a parameter" in said and "16 threads" in said
     assert "D2H 50.0 GB/s, H2D 25.0 GB/s" in said
     assert "n/a (no GPU)" in Terms(1e9, 2, None, None).describe()
+    beside = Terms(2e9, 16, None, None, cpu_params_per_s_beside_busy=1.5e9).describe()
+    assert "2.00 Gparam/s" in beside and "(1.50 Gparam/s beside one busy process, 75%)" in beside
+
+
+def _running_children() -> list[int]:
+    """This process's children that are running or runnable (Linux's /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name: state, ppid, ...
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] == "R":
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads Linux's /proc")
+def test_the_rate_beside_a_busy_process_is_measured_while_one_runs():
+    seen = []
+
+    def rate():
+        seen.append(_running_children())
+        return 1.0
+
+    assert beside_busy_process(rate) == 1.0
+    assert len(seen[0]) == 1
+    assert seen[0][0] not in _running_children()  # stopped after
 
 
 def test_the_cpu_rate_is_of_our_adamw_step(monkeypatch):

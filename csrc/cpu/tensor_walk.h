@@ -2,9 +2,11 @@
 //
 // `parallel_over` splits the concatenation of all slots into units of kUnit elements
 // (a tensor's start is padded to a unit boundary, so a unit never spans two tensors and
-// threads never share a cache line) and hands each thread an equal share of units
-// through ATen's parallel_for, which honours torch.set_num_threads().  Balance is by
-// element count, so one huge tensor and thousands of small ones are treated alike.
+// threads never share a cache line), and those into chunks of kChunkUnits units, which
+// torch's threads (torch.set_num_threads()) share out as chunk_schedule.h says.  Balance
+// is by element count, so one huge tensor and thousands of small ones are treated alike.
+// The chunks do not depend on the thread count, so neither do the sums of
+// `parallel_sums_per_slot`.
 //
 // `for_each_vec` runs an algorithm body over one piece of one tensor, vector by vector,
 // loading the parameter and gradient in their storage types, the float32 states, and
@@ -22,48 +24,88 @@
 #include <ATen/Parallel.h>
 
 #include "../common/dtype_combinations.h"
+#include "chunk_schedule.h"
 #include "kernel_api.h"
 #include "vec.h"
 
 namespace fastopt {
 
 constexpr int64_t kUnit = 64;            // elements per unit (256 bytes of float32)
-constexpr int64_t kGrainUnits = 512;     // below ~32K elements, stay on one thread
+constexpr int64_t kChunkUnits = 512;     // units per chunk: 32K elements, a thread's turn
 
-template <typename Fn>  // fn(slot_index, begin, end)
-void parallel_over(const Slots& slots, const Fn& fn) {
-  const int64_t n = static_cast<int64_t>(slots.size());
-  std::vector<int64_t> start(n + 1, 0);  // first unit of each slot
-  for (int64_t t = 0; t < n; ++t) start[t + 1] = start[t] + (slots[t].numel + kUnit - 1) / kUnit;
-  if (start[n] == 0) return;
-  at::parallel_for(0, start[n], kGrainUnits, [&](int64_t ub, int64_t ue) {
-    int64_t t = std::upper_bound(start.begin(), start.end(), ub) - start.begin() - 1;
-    for (; t < n && start[t] < ue; ++t) {
+// The units of the slots laid end to end: start[t] is the first unit of slot t, start[n]
+// the total; chunk c covers units [c * kChunkUnits, (c + 1) * kChunkUnits).
+struct UnitLayout {
+  std::vector<int64_t> start;
+  explicit UnitLayout(const Slots& slots) : start(slots.size() + 1, 0) {
+    for (size_t t = 0; t < slots.size(); ++t) start[t + 1] = start[t] + (slots[t].numel + kUnit - 1) / kUnit;
+  }
+  int64_t chunks() const { return (start.back() + kChunkUnits - 1) / kChunkUnits; }
+  // The first slot chunk c reaches.
+  int64_t first_slot(int64_t c) const {
+    return std::upper_bound(start.begin(), start.end(), c * kChunkUnits) - start.begin() - 1;
+  }
+  // fn(slot_index, begin, end) for each slot's piece in chunk c, in slot order.
+  template <typename Fn>
+  void walk_chunk(const Slots& slots, int64_t c, const Fn& fn) const {
+    const int64_t n = static_cast<int64_t>(slots.size());
+    const int64_t ub = c * kChunkUnits, ue = std::min(start[n], ub + kChunkUnits);
+    for (int64_t t = first_slot(c); t < n && start[t] < ue; ++t) {
       const int64_t b = (std::max(ub, start[t]) - start[t]) * kUnit;
       const int64_t e = std::min((std::min(ue, start[t + 1]) - start[t]) * kUnit, slots[t].numel);
       if (b < e) fn(t, b, e);
     }
-  });
+  }
+};
+
+// chunk(c) for every c in [0, chunks), each once, on torch's threads (chunk_schedule.h).
+template <typename Fn>
+void each_chunk(int64_t chunks, const Fn& chunk) {
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), chunks));
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < chunks; ++c) chunk(c);
+    return;
+  }
+  auto on_torch_threads = [](int team, const auto& worker) {
+    at::parallel_for(0, team, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) worker(static_cast<int>(i));
+    });
+  };
+  steal_chunks(chunks, threads, on_torch_threads, chunk);
 }
 
-// Per-slot sums of K quantities, reduced over threads in a fixed order (deterministic for
-// a given thread count).  fn(slot_index, begin, end) returns this piece's K contributions;
-// the totals land in out[K * slot_index + k].
+template <typename Fn>  // fn(slot_index, begin, end)
+void parallel_over(const Slots& slots, const Fn& fn) {
+  const UnitLayout units(slots);
+  each_chunk(units.chunks(), [&](int64_t c) { units.walk_chunk(slots, c, fn); });
+}
+
+// Per-slot sums of K quantities: each chunk's pieces summed apart, then the chunks' in
+// chunk order, so the totals do not depend on which thread took what, nor on how many
+// there were.  fn(slot_index, begin, end) returns this piece's K contributions; the
+// totals land in out[K * slot_index + k].
 template <int K, typename Fn>
 void parallel_sums_per_slot(const Slots& slots, double* out, const Fn& fn) {
   const int64_t n = static_cast<int64_t>(slots.size());
-  const int threads = std::max(1, at::get_num_threads());
-  std::vector<double> partial(static_cast<size_t>(threads) * K * n, 0.0);
-  parallel_over(slots, [&](int64_t t, int64_t b, int64_t e) {
-    const std::array<double, K> piece = fn(t, b, e);
-    double* row = partial.data() + static_cast<size_t>(at::get_thread_num()) * K * n + K * t;
-    for (int k = 0; k < K; ++k) row[k] += piece[k];
+  const UnitLayout units(slots);
+  const int64_t chunks = units.chunks();
+  // chunk c's pieces are slots first_slot(c) .. first_slot(c + 1) (inclusive: a slot may
+  // go on into the next chunk); each piece gets K doubles from row[c] on.
+  std::vector<int64_t> first(chunks + 1), row(chunks + 1, 0);
+  for (int64_t c = 0; c <= chunks; ++c) first[c] = c < chunks ? units.first_slot(c) : n;
+  for (int64_t c = 0; c < chunks; ++c) row[c + 1] = row[c] + (std::min(first[c + 1], n - 1) - first[c] + 1);
+  std::vector<double> partial(static_cast<size_t>(row[chunks]) * K, 0.0);
+  each_chunk(chunks, [&](int64_t c) {
+    units.walk_chunk(slots, c, [&](int64_t t, int64_t b, int64_t e) {
+      const std::array<double, K> piece = fn(t, b, e);
+      double* at = partial.data() + static_cast<size_t>(row[c] + t - first[c]) * K;
+      for (int k = 0; k < K; ++k) at[k] += piece[k];
+    });
   });
-  for (int64_t i = 0; i < K * n; ++i) {
-    double s = 0.0;
-    for (int r = 0; r < threads; ++r) s += partial[static_cast<size_t>(r) * K * n + i];
-    out[i] = s;
-  }
+  std::fill(out, out + K * n, 0.0);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t t = first[c]; t <= std::min(first[c + 1], n - 1); ++t)
+      for (int k = 0; k < K; ++k) out[K * t + k] += partial[static_cast<size_t>(row[c] + t - first[c]) * K + k];
 }
 
 // Sums are accumulated in float vectors over blocks of this many elements, then in double.

@@ -44,7 +44,7 @@ _NEEDS = {"adam_cuda_roundings": ("adam",), "adam_cpu_fused": ("adam",)}
 # every source, the longest to compile first (ninja starts them in this order)
 CPU_SOURCES = ("adam.cpp", "adam_cuda_roundings.cpp", "bindings.cpp", "adam_cpu_fused.cpp", "sgd.cpp",
                "adagrad.cpp", "lamb.cpp", "reduce.cpp", "lion.cpp", "lars.cpp")
-CPU_HEADERS = ("adam_math.h", "kernel_api.h", "tensor_walk.h", "torch_sqrt.h", "vec.h")
+CPU_HEADERS = ("adam_math.h", "chunk_schedule.h", "kernel_api.h", "tensor_walk.h", "torch_sqrt.h", "vec.h")
 # csrc/common: the vocabulary the CPU and CUDA kernels and bindings share
 COMMON_HEADERS = ("dtype_combinations.h", "fused_cuda_adagrad.h", "kernel_args.h", "kernel_types.h",
                   "optimizer_bindings.h", "sgd_rounding.h", "tensor_slots.h")
