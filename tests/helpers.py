@@ -1,7 +1,13 @@
 import os
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
+import pytest
 import torch
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The Trainer-level comparisons run on the CPU (CI, through the accelerator code path where a
 # test asks for copy_on_cpu=True); FASTOPT_TEST_ACCELERATOR=gpu runs the same comparisons on a
@@ -291,3 +297,14 @@ def mapped_file_of(tensor) -> str | None:
     """The file whose mapping holds ``tensor``'s memory, or None where it is the process's own."""
     address = tensor.data_ptr()
     return next((name for start, end, name in mapped_files() if start <= address < end), None)
+
+
+def compiled_check(tmp_path_factory, source: str, *flags: str) -> Path:
+    """tests/cpp/``source`` compiled on the host by the C++ compiler (with ``csrc`` on the
+    include path and ``flags``), the executable's path; the test skips without a compiler."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp(Path(source).stem) / Path(source).stem
+    subprocess.run([cxx, *flags, f"-I{REPO / 'csrc'}", str(REPO / "tests/cpp" / source), "-o", str(exe)], check=True)
+    return exe

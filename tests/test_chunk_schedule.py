@@ -3,26 +3,18 @@ tensor_walk.h): chunks cut independently of the thread count, each thread on its
 share first, then taking from the others', so that a thread the system runs less does not
 hold up the update; and sums that do not depend on how many threads there were."""
 
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_fastopt import functional as F
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import compiled_check
 
 
 @pytest.fixture(scope="module")
 def schedule_check(tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("schedule") / "chunk_schedule_check"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", f"-I{REPO / 'csrc'}",
-                    str(REPO / "tests/cpp/chunk_schedule_check.cpp"), "-o", str(exe)], check=True)
+    exe = compiled_check(tmp_path_factory, "chunk_schedule_check.cpp", "-std=c++17", "-O1", "-pthread")
 
     def run(*args):
         return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)

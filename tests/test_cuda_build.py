@@ -7,7 +7,6 @@ functions take the documented arguments."""
 
 import math
 import re
-import shutil
 import subprocess
 import sys
 import warnings
@@ -22,6 +21,7 @@ from lightning_fastopt import FusedAdam, FusedLAMB, FusedLars, FusedSGD
 from lightning_fastopt.optim.base import FusedOptimizer
 from lightning_fastopt.ops import cuda as cuda_ops
 from lightning_fastopt.ops.builder import ExtensionBuildError, build_dir, build_key
+from tests.helpers import compiled_check
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_ONLY_TORCH = torch.version.cuda is None
@@ -30,12 +30,7 @@ CPU_ONLY_TORCH = torch.version.cuda is None
 # ---------------------------------------------------------------------------- launch packing
 @pytest.fixture(scope="module")
 def launch_plan(tmp_path_factory):
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    exe = tmp_path_factory.mktemp("plan") / "launch_plan_check"
-    subprocess.run([cxx, "-std=c++17", "-O1", f"-I{REPO / 'csrc'}", str(REPO / "tests/cpp/launch_plan_check.cpp"),
-                    "-o", str(exe)], check=True)
+    exe = compiled_check(tmp_path_factory, "launch_plan_check.cpp", "-std=c++17", "-O1")
 
     def plan(depth, size_class, sizes):
         out = subprocess.run([str(exe), str(depth), size_class, *map(str, sizes)], capture_output=True, text=True,

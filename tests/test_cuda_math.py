@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from lightning_fastopt.ops.rounding import fused_cuda_adagrad_clr
+from tests.helpers import compiled_check
 
 REPO = Path(__file__).resolve().parent.parent
 N = 10_007
@@ -254,12 +255,9 @@ LAYOUT = [(0, 0), (1, 0), (7, 1), (1023, 0), (4, 3), (65536 * 2 + 5, 2), (200_00
 @pytest.fixture(scope="module")
 def host_walk(tmp_path_factory):
     toolkit = _toolkit()
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if toolkit is None or cxx is None:
-        pytest.skip("no CUDA headers or no C++ compiler here")
-    exe = tmp_path_factory.mktemp("cuda_walk") / "cuda_walk_check"
-    subprocess.run([cxx, "-std=c++20", "-O2", "-w", f"-I{REPO / 'csrc'}", f"-I{toolkit / 'include'}",
-                    str(REPO / "tests/cpp/cuda_walk_check.cpp"), "-o", str(exe)], check=True)
+    if toolkit is None:
+        pytest.skip("no CUDA headers here")
+    exe = compiled_check(tmp_path_factory, "cuda_walk_check.cpp", "-std=c++20", "-O2", "-w", f"-I{toolkit / 'include'}")
 
     def run(tmp, layout, buffers, codes, size, **scalars):
         (tmp / "layout.txt").write_text("".join(f"{n} {off}\n" for n, off in layout))
