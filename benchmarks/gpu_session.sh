@@ -69,7 +69,7 @@ REST_TESTS=(
     "tests/test_rounding.py -m cuda -k offload0.5-"
     "tests/test_rounding.py -m cuda -k pytorch_fallback"
     "tests/test_offload_cuda.py -m cuda -k 'not (test_trainer_on_gpu_matches_plain_lightning or test_offloaded_training_matches_the_reference)'"
-    "tests/test_torch_fused.py tests/test_bf16_state.py tests/test_half_weights.py tests/test_weight_watch.py -m cuda"
+    "tests/test_torch_fused.py tests/test_bf16_state.py tests/test_half_weights.py tests/test_weight_watch.py tests/test_forward_waits.py -m cuda"
     "tests/test_cuda_kernels.py tests/test_cuda_math.py tests/test_cuda_build.py"
     "tests/test_fsdp_strategy.py tests/test_fsdp_host_parameters.py -m cuda"
     "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact tests/test_fabric.py::test_on_gpu_equals_fabric_with_torch_adamw tests/test_fabric.py::test_bf16_mixed_equals_fabrics_own tests/test_fabric.py::test_on_gpu_fp16_overflow_skips_the_step_and_save_load_continues_exactly"

@@ -17,10 +17,14 @@ by fake events and a fake compute stream), against where each module's forward s
   can read weights between steps (Lightning's quiet callbacks do not count), or for a
   compiled model; checkpoints and validation wait for every weight; bad arguments are
   refused by name;
+- each weight the optimizer wrote is fingerprinted behind its copy (a fake copy stream
+  logs where), never while on its way (exact, streamed and delayed steps);
 - on a GPU (marked ``cuda``): with layers wide enough for an unwaited forward to overtake
-  the copies, the results are still those of ``"step"``, bit for bit.
+  the copies, the results are still those of ``"step"``, bit for bit, float32 and
+  bfloat16 weights, and no weight of ours is taken for another's write.
 """
 
+import contextlib
 import logging
 
 import lightning as L
@@ -31,6 +35,8 @@ from torch import nn
 
 from lightning_fastopt import FastOptFabricStrategy, FastOptStrategy, FusedAdam, FusedSGD
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload import slots as slots_module
+from lightning_fastopt.offload import weight_watch
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from tests.helpers import ACCELERATOR
@@ -188,6 +194,87 @@ def test_what_reads_weights_outside_a_forward_waits_for_every_copy(monkeypatch):
         assert opt._in_flight
         reader()
         assert not opt._in_flight
+    opt.close()
+
+
+class _CopyStreamLog(_Log):
+    """As :class:`_Log`, and a fake copy stream: the weights go through ``params_to_device``'s
+    stream branch, which logs where its copies are issued and its event recorded; and every
+    fingerprint taken of a weight is logged.  On a GPU a weight whose copy was recorded but
+    not yet waited for by the compute stream is still on its way."""
+
+    def __init__(self, monkeypatch):
+        super().__init__(monkeypatch)
+        log = self
+
+        class Event(_Event):
+            def record(self, stream=None):
+                log.entries.append(("record", self))
+
+        class CopyStream:
+            def wait_event(self, event):
+                pass
+
+        @contextlib.contextmanager
+        def on_stream(stream):
+            log.entries.append(("on copy stream", stream))
+            yield
+            log.entries.append(("off copy stream", stream))
+
+        def logged(real):
+            def fingerprints(tensors):
+                log.entries.append(("fingerprint", [t.data_ptr() for t in tensors]))
+                return real(tensors)
+            return fingerprints
+
+        monkeypatch.setattr(CopyStreams, "new_event", lambda self: Event())
+        monkeypatch.setattr(torch.cuda, "stream", on_stream)
+        monkeypatch.setattr(weight_watch, "fingerprints", logged(weight_watch.fingerprints))
+        monkeypatch.setattr(slots_module, "fingerprints", logged(slots_module.fingerprints))
+        self.copy_stream = CopyStream()
+
+    def streams_for(self, opt):
+        opt.copies.h2d = self.copy_stream
+
+    def fingerprints_of_weights_on_their_way(self, opt):
+        """Each fingerprint that read a weight whose copy was recorded and not yet waited
+        for (waiting for a copy waits for those recorded before it: one copy stream): (the
+        entry's index, the bucket's index)."""
+        bucket_of_event = {b.params_sent: i for i, b in enumerate(opt._buckets)}
+        weights = {i: {s.weight().data_ptr() for s in b.slots} for i, b in enumerate(opt._buckets)}
+        on_way, found = [], []  # buckets in the order their copies were recorded
+        for at, (kind, what) in enumerate(self.entries):
+            if kind == "record" and what in bucket_of_event:
+                on_way = [b for b in on_way if b != bucket_of_event[what]] + [bucket_of_event[what]]
+            elif kind == "wait" and what in bucket_of_event and bucket_of_event[what] in on_way:
+                del on_way[:on_way.index(bucket_of_event[what]) + 1]
+            elif kind == "fingerprint":
+                found += [(at, b) for b in sorted(on_way) if weights[b] & set(what)]
+        return found
+
+
+@pytest.mark.parametrize("kw", [{}, {"stream_cpu_step": True}, {"delayed_update": True, "delayed_update_warmup": 1}],
+                         ids=["exact", "streamed", "delayed"])
+@pytest.mark.parametrize("mode", ["module", "step"])
+def test_a_weight_is_fingerprinted_behind_its_copy_never_while_on_its_way(monkeypatch, mode, kw):
+    """The optimizer notes each weight it wrote (a fingerprint, to find writes by others
+    before the next step) behind that weight's copy on the copy stream, before the event
+    the forward waits for.  Until 2026-11-28 it took them when the step ended, on the
+    compute stream, which with ``"module"`` had not waited for the copies: on a GPU the
+    fingerprint could read a weight still on its way, and the next step took the weight
+    for one written by others and refreshed its master from it (a half weight's master
+    lost the bits the weight lacks)."""
+    log = _CopyStreamLog(monkeypatch)
+    model = _net()
+    opt, _ = _optimizer(model, mode, 1.0, **kw)
+    log.streams_for(opt)
+    x = torch.randn(8, 16)
+    for _ in range(4):
+        _step(model, opt, x)
+    model(x)
+    assert sum(kind == "record" for kind, _ in log.entries) >= 8  # the stream branch ran: weights went out
+    assert log.fingerprints_of_weights_on_their_way(opt) == []
+    assert not opt._said_refreshed  # no weight of ours taken for another's write
     opt.close()
 
 
@@ -356,22 +443,26 @@ def test_bad_arguments_are_refused_by_name(make, match):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw", [{"offload_fraction": 0.5}, {"offload_fraction": 1.0, "delayed_update": True,
                                                             "delayed_update_warmup": 1}], ids=["half", "delayed"])
-def test_on_gpu_the_forward_reads_only_weights_that_have_arrived(kw):
+def test_on_gpu_the_forward_reads_only_weights_that_have_arrived(kw, dtype):
     """Wide layers (32 MiB of weights each) make every bucket's copy slow enough for a
     forward that did not wait to overtake it: the run must still equal the one that waits
-    for every copy at the step, bit for bit."""
+    for every copy at the step, bit for bit, and never take a weight of its own for one
+    written by others (a fingerprint taken before the copy landed did: a bfloat16 weight's
+    master then lost its bits)."""
     def run(mode):
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).cuda().to(dtype)
         opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
                                bucket_size_mb=16.5, forward_waits=mode, **kw)
         waits = ForwardWaits(model, lambda: [opt])
         opt.modules_wait_for(waits.covered)
         g = torch.Generator(device="cuda").manual_seed(1)
         for _ in range(6):
-            _step(model, opt, torch.randn(64, 2048, device="cuda", generator=g))
+            _step(model, opt, torch.randn(64, 2048, device="cuda", generator=g, dtype=dtype))
+        assert not opt._said_refreshed
         opt.close()
         return [p.detach().clone() for p in model.parameters()]
 

@@ -81,17 +81,24 @@ class CopyStreams:
         if event is not None:
             event.record(self._current())
 
-    def params_to_device(self, pairs: Iterable[tuple[Tensor, Tensor]], after, event) -> None:
+    def params_to_device(self, pairs: Iterable[tuple[Tensor, Tensor]], after, event,
+                         then: Callable[[], None] | None = None) -> None:
         """Copy each host tensor into its device tensor (``(device, host)`` pairs) once
-        ``after`` has passed, and record ``event`` when they are issued."""
+        ``after`` has passed, then run ``then`` (device work that must see the copied
+        weights: it is queued behind the copies), and record ``event`` after both: what
+        waits for ``event`` waits for the copies and for ``then``'s work."""
         if self.h2d is None:
             for dst, src in pairs:
                 dst.copy_(src)
+            if then is not None:
+                then()
             return
         self.h2d.wait_event(after)
         with torch.cuda.stream(self.h2d):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+            if then is not None:
+                then()
         event.record(self.h2d)
 
     def compute_waits_for(self, event) -> None:

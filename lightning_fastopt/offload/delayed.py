@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
-from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others, written_in_bucket
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_by_others, written_in_bucket
 
 SAVED_KEY = "delayed_update"  # in the optimizer's state dict: {"steps": int, "weights": {name: float32 tensor}}
 
@@ -191,8 +191,7 @@ class DelayedStep(CpuStepSchedule):
                 with opt.layout.tier.resident(b, sent=b.params_sent, writes=False):
                     opt.updates.send_weights(b, mine, opt._compute_done)
                 last = b.params_sent
-        opt.copies.compute_waits_for(last)
-        remember_weights(keep)
+        opt.copies.compute_waits_for(last)  # (each weight noted behind its copy: send_weights)
         return len(keep)
 
 
