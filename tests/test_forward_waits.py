@@ -26,6 +26,7 @@ by fake events and a fake compute stream), against where each module's forward s
 
 import contextlib
 import logging
+import threading
 
 import lightning as L
 import pytest
@@ -304,6 +305,114 @@ def test_the_same_results_as_waiting_at_the_step_bit_for_bit(compiled, fraction,
         assert torch.equal(a, b)
 
 
+TIMEOUT = 300  # seconds a test waits for an event it expects before failing (never a time it relies on)
+
+
+class _HeldWorker:
+    """Holds the optimizer's worker thread (a task of its own, ahead of any update) until
+    :meth:`release`; :attr:`order` lists the updates it ran, by layer."""
+
+    def __init__(self, opt, model):
+        self.order = []
+        self._release = threading.Event()
+        run = opt.updates.run
+        layer = {p: i for i, m in enumerate(model) for p in m.parameters()}
+
+        def recorded(inner, plan, *args):
+            if inner is not opt._device_inner:
+                self.order.append(layer[plan[0][0].param])
+            return run(inner, plan, *args)
+
+        opt.updates.run = recorded
+        opt.updates.pool().submit(self._release.wait, TIMEOUT)
+
+    def release(self):
+        self._release.set()
+
+
+def _streamed(model, mode="module", lr=1e-2):
+    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=lr), {p: n for n, p in model.named_parameters()},
+                           bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, stream_cpu_step=True)
+    waits = ForwardWaits(model, lambda: [opt])
+    opt.modules_wait_for(waits.covered)
+    return opt
+
+
+def test_a_streamed_step_ends_before_its_updates_and_each_forward_waits_for_its_own():
+    """The worker held, every bucket's update is still queued when ``step()`` returns; the
+    next forward's first module waits for its bucket's update (on the host), then for its
+    copy; the run ends where waiting at the step ends."""
+    model = _net()
+    opt = _streamed(model)
+    assert opt.schedule.ends_early
+    x = torch.randn(8, 16)
+    _step(model, opt, x)
+    opt.wait_for_weights()  # (the first step's updates, left running, have ended)
+    held = _HeldWorker(opt, model)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()  # returns, nothing updated yet
+    assert held.order == [] and opt._in_flight
+    waiting, forward = threading.Event(), []
+    wait_for = opt.wait_for_weights
+
+    def noted(params=None):
+        waiting.set()
+        wait_for(params)
+
+    opt.wait_for_weights = noted
+    runner = threading.Thread(target=lambda: forward.append(model(x)))
+    runner.start()
+    assert waiting.wait(timeout=TIMEOUT)  # the forward waits for layer 0's weights...
+    assert not forward and held.order == []
+    held.release()  # ...until its update has ended
+    runner.join(timeout=TIMEOUT)
+    assert forward and not opt._in_flight
+    assert held.order == [0, 1, 2, 3]  # the next forward's first layer first
+    for _ in range(2):
+        _step(model, opt, x)
+    opt.close()
+    ref = _net()
+    ref_opt = _streamed(ref, mode="step")
+    for _ in range(4):
+        _step(ref, ref_opt, x)
+    ref_opt.close()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_updates_left_at_the_step_keep_the_steps_hyperparameters():
+    """The worker held until the step has returned and an LR scheduler has moved the
+    learning rate: each update still takes the rate of the step that left it, as waiting
+    at the step does."""
+    x = torch.randn(8, 16)
+
+    def run(mode):
+        model = _net(depth=5)
+        opt = _streamed(model, mode)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        _step(model, opt, x)
+        scheduler.step()
+        opt.wait_for_weights()  # (the first step's updates, left running, have ended)
+        held = _HeldWorker(opt, model) if mode == "module" else None  # (a step that waits would wait for it)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        left = None if held is None else list(held.order)
+        scheduler.step()  # (module: before any of this step's updates ran)
+        if held is not None:
+            held.release()
+        opt.wait_for_weights()
+        _step(model, opt, x)
+        opt.close()
+        return left, [p.detach().clone() for p in model.parameters()]
+
+    left, ours = run("module")
+    assert left == []  # none had run when the scheduler moved the rate
+    for a, b in zip(ours, run("step")[1]):
+        assert torch.equal(a, b)
+
+
 def test_on_the_plain_cpu_path_there_is_nothing_to_wait_for(compiled, monkeypatch):
     """A CPU run without copies updates the weights in place: nothing is ever in flight,
     and the results are those of "step"."""
@@ -354,7 +463,8 @@ def info(caplog, monkeypatch):
     return caplog
 
 
-@pytest.mark.parametrize("kw", [{}, {"delayed_update": True, "delayed_update_warmup": 2}], ids=["exact", "delayed"])
+@pytest.mark.parametrize("kw", [{}, {"stream_cpu_step": True}, {"delayed_update": True, "delayed_update_warmup": 2}],
+                         ids=["exact", "streamed", "delayed"])
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_under_the_trainer_it_ends_where_the_step_waiting_run_ends(info, tmp_path, fraction, kw):
     """With checkpoints every 3 steps and validation every epoch (which wait for every

@@ -53,6 +53,8 @@ CONFIGS = {
     "zero2-offload-speculated": ("ddp_run.py", ["zero2_speculate", "{out}"], None),
     "offload-ddp-speculated": ("ddp_run.py", ["ddp_speculate", "{out}"], None),
     "offload-delayed": ("ddp_run.py", ["delayed_offload", "{out}"], None),
+    # streamed into backward, each step ending before its CPU updates (the worker takes the next forward's first)
+    "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"], None),
 }
 TIMING_COUNTERS = ("buckets_", "handed_over_in_backward")
 

@@ -88,6 +88,18 @@ def test_two_process_forward_waits_by_module_match_plain_ddp(tmp_path, reference
         assert torch.equal(ours[k], ref[k]), k
 
 
+def test_two_process_streamed_steps_that_end_before_their_updates_match_plain_ddp(tmp_path):
+    """Streamed into backward as DDP hands each bucket over, every step ending before its
+    CPU updates (forward_waits="module"): the weights are DDP's."""
+    ours, ours_rank1 = _run("module_streamed", tmp_path / "streamed.pt", "--no-clip")
+    assert ours.pop("waits_by_module", False) and ours_rank1.pop("waits_by_module", False)
+    assert ours.pop("steps_ended_early") and ours_rank1.pop("steps_ended_early")
+    ref, _ = _run("ddp", tmp_path / "ddp.pt", "--no-clip")
+    for k in ref:
+        assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
+        assert torch.equal(ours[k], ref[k]), k
+
+
 def test_two_process_delayed_update_matches_ddp_with_torchs_update_delayed(tmp_path):
     ours, ours_rank1 = _run("delayed_offload", tmp_path / "delayed.pt")
     ref, _ = _run("ddp", tmp_path / "ddp.pt", "--delayed-reference")

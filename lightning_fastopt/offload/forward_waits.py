@@ -8,7 +8,9 @@ copy only just before the forward of a module that owns one of the bucket's para
 forward pre-hook, :class:`ForwardWaits`): the first layers compute while later layers'
 weights are still crossing, which hides the copies of the offloaded share behind the
 device share's forward (fraction below 1), or behind the forward itself (the delayed
-update, whose buckets are sent in forward order).
+update, whose buckets are sent in forward order).  A streamed step (``stream_cpu_step``)
+goes further: it ends before its CPU updates do, and a module's forward waits first for
+its bucket's update (:mod:`~lightning_fastopt.offload.streamed`).
 
 The contract that makes this safe: between a step and the next backward, an offloaded
 weight is read only by the forward of a module that owns it (or after that forward ran).
@@ -30,6 +32,7 @@ overridden (:func:`~lightning_fastopt.trainer.grad_readers.weight_readers`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -50,16 +53,24 @@ def check_forward_waits(forward_waits: Any) -> None:
 class WeightsInFlight:
     """The buckets whose weight copies the compute stream has not waited for yet, in the
     order they were sent (copies run in that order: waiting for one waits for every
-    earlier one)."""
+    earlier one); and those whose CPU update was still running when the step ended (a
+    streamed step with ``"module"``, :meth:`updating`): each is waited for on the host,
+    then for its own copy, which the worker issues when the update ends, in its order."""
 
     def __init__(self, copies: CopyStreams, by_module: bool) -> None:
         self.copies = copies
         self.by_module = by_module
         self.covered: set[Tensor] = set()  # parameters whose module waits before its forward
         self._sent: list[HostBucket] = []
+        self._updating: dict[HostBucket, Future] = {}  # sent once its update (on the worker) ends
 
     def __bool__(self) -> bool:
         return bool(self._sent)
+
+    def updating(self, futures: dict[HostBucket, Future]) -> None:
+        """These buckets, about to be given to :meth:`arrive_later`, are still updating on
+        the worker; each future ends once the bucket's weights are on their way."""
+        self._updating.update(futures)
 
     def arrive_later(self, sent: list[HostBucket]) -> None:
         """A step sent these buckets' weights (in order).  With ``"step"`` the compute
@@ -69,23 +80,37 @@ class WeightsInFlight:
         if not self.by_module:
             self.wait_all()
             return
-        uncovered = [i for i, b in enumerate(self._sent) if any(s.param not in self.covered for s in b.slots)]
+        uncovered = [b for b in self._sent if any(s.param not in self.covered for s in b.slots)]
         if uncovered:
-            self._wait_through(uncovered[-1])
+            self._wait_for(uncovered)
 
     def wait_for(self, buckets: set[HostBucket]) -> None:
         """Make the compute stream wait for these buckets' copies (a module is about to run)."""
-        last = max((i for i, b in enumerate(self._sent) if b in buckets), default=None)
-        if last is not None:
-            self._wait_through(last)
+        asked = [b for b in self._sent if b in buckets]
+        if asked:
+            self._wait_for(asked)
 
     def wait_all(self) -> None:
         if self._sent:
-            self._wait_through(len(self._sent) - 1)
+            self._wait_for(list(self._sent))
 
-    def _wait_through(self, i: int) -> None:
-        self.copies.compute_waits_for(self._sent[i].params_sent)
-        del self._sent[:i + 1]
+    def _wait_for(self, asked: list[HostBucket]) -> None:
+        """Wait for ``asked`` (in :attr:`_sent`'s order): a bucket sent at the step with
+        every one sent before it (one stream, in order); one still updating for its
+        update, then for its own copy."""
+        plain = [b for b in asked if b not in self._updating]
+        through = self._sent.index(plain[-1]) if plain else -1
+        done = [b for b in self._sent[:through + 1] if b not in self._updating] + \
+            [b for b in asked if b in self._updating]
+        for b in done:
+            future = self._updating.pop(b, None)
+            if future is not None:
+                future.result()  # the worker issued its copy
+                self.copies.compute_waits_for(b.params_sent)
+        if plain:
+            self.copies.compute_waits_for(plain[-1].params_sent)
+        gone = set(done)
+        self._sent = [b for b in self._sent if b not in gone]
 
 
 class ForwardWaits:

@@ -22,6 +22,9 @@ from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_wei
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
 
 
+UNPLANNED = object()  # bucket_step's plan when none was fixed before
+
+
 class ShareUpdates:
     """The updates of one offload optimizer's shares (``opt``: its groups, slots, gradient
     intake, copy streams and step timer)."""
@@ -97,10 +100,12 @@ class ShareUpdates:
             inner.grad_source = None
         return {s.param: sums[s.master] for s in updated}
 
-    def bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False) -> list[ParamSlot]:
+    def bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False,
+                    plan: Any = UNPLANNED) -> list[ParamSlot]:
         """One bucket's share of a step, once its gradients have landed: refresh masters
         written by others, update on the CPU, send the new weights back (after ``after``).
-        ``timed``: into the step's phases (the main thread's steps only)."""
+        ``timed``: into the step's phases (the main thread's steps only); ``plan``: the
+        update as :meth:`plan` fixed it earlier (else fixed now)."""
         opt = self.opt
         phase = opt._timer.phase if timed else (lambda name: contextlib.nullcontext())
         with phase("grad_d2h"):
@@ -108,7 +113,9 @@ class ShareUpdates:
         with opt.layout.tier.resident(bucket, sent=bucket.params_sent):
             opt._refresh_written(written_in_bucket(bucket))
             with phase("cpu_step"), (contextlib.nullcontext() if timed else self.on_worker()):
-                updated = self.step_inner(bucket.inner, bucket.slots, grad_scale, context)
+                if plan is UNPLANNED:
+                    plan = self.plan(bucket.inner, bucket.slots)
+                updated = self.run(bucket.inner, plan, grad_scale, context) if plan is not None else []
             if updated:
                 with phase("param_h2d"):
                     self.send_weights(bucket, updated, after)

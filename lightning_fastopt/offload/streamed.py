@@ -5,8 +5,20 @@ land, updates the bucket on the CPU and sends its new weights back (after the co
 stream's work as it was then: backward no longer reads them), while backward computes
 the gradients of the earlier layers.  FSDP's host shards (``host_shards``) are updated in
 place, nothing sent: compute reads only the copies FSDP gathers from them, and the next
-gather is the next forward's.  ``step()`` only waits for what is left.  The result
-is the synchronous step's, bit for bit, provided nothing needs every gradient before the
+gather is the next forward's.  ``step()`` only waits for what is left.
+
+Where each module's forward waits only for its own weights (``forward_waits="module"``,
+state in host memory: :attr:`StreamedStep.ends_early`) the step does not wait for what is
+left either: it fixes each queued update's plan (this step's hyperparameters: an LR
+scheduler may move them as soon as it returns) and hands the updates to the weights in
+flight, and the next forward's pre-hook on a module waits on the host for its bucket's
+update, then on the device for its copy.  The worker then takes the queued bucket the
+next forward needs first (the last landed: backward produces the first layers' gradients
+last), so that forward runs beside the updates of the layers it reaches later, where
+waiting at the step ran it only after all of them.  Whatever reads the state or the
+weights otherwise waits for every update (:meth:`StreamedStep.wait`, the weights in flight).
+
+The result is the synchronous step's, bit for bit, provided nothing needs every gradient before the
 step starts: no overflow check, no clipping, no loss scale or step context, no keyword
 arguments for the user's own step, nobody reading ``gradients()``, one backward per
 step (or the optimizer told that the others accumulate: ``accumulating``); those steps
@@ -15,7 +27,9 @@ are refused here (the speculative schedule takes them).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
+from typing import Any
 
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
@@ -30,25 +44,66 @@ class StreamedStep(CpuStepSchedule):
         super().__init__(optimizer)
         self.running: dict[HostBucket, Future] = {}  # a bucket's update, started during backward
         self.started = 0  # buckets whose update started during backward, over the whole run (tests, benchmarks)
+        self._lock = threading.Lock()  # the queue, the plans and the finished list, between the worker and the step
+        self._queued: list[HostBucket] = []  # landed, not taken by the worker yet
+        self._plans: dict[HostBucket, Any] = {}  # a queued bucket's update as the step fixed it
+        self._finished: list[HostBucket] = []  # this step's, in the order the worker ended them
+        self._future_of: dict[HostBucket, Future] = {}  # a queued bucket's, until the worker takes it
+        self._after_step: list[Future] = []  # updates the last step left running (ends_early)
+
+    @property
+    def ends_early(self) -> bool:
+        """Whether ``step()`` returns before the updates it finds queued or running have
+        ended: where each module's forward waits for its own weights (``"module"``), which
+        then waits for its bucket's update first, and the buckets' state is in host memory
+        (a disk tier's window is read ahead in landing order, and it ends each step)."""
+        opt = self.opt
+        return opt.forward_waits == "module" and opt.copies.needed and not opt.layout.tier.on_disk
 
     def grads_landed(self, bucket: HostBucket) -> None:
-        """Start the bucket's update and copy back on the worker.  The copy back waits (on
+        """Queue the bucket's update and copy back for the worker.  The copy back waits (on
         the device) for the compute stream as it is now: every use of those weights by
         backward precedes the hook that sent their last gradient."""
         opt = self.opt
         if not opt.lands_during_backward:
             return
         opt.copies.mark_compute_done(bucket.backward_done)
-        self.running[bucket] = opt.updates.pool().submit(self._update, bucket)
+        future: Future = Future()
+        with self._lock:
+            self.running[bucket] = self._future_of[bucket] = future
+            self._queued.append(bucket)
+        opt.updates.pool().submit(self._update_next)
         self.started += 1
 
-    def _update(self, bucket: HostBucket) -> list[ParamSlot]:
-        """On the worker: the bucket's update, the next bucket's masters and state read
-        meanwhile where they are on disk (buckets land in their order)."""
+    def _next(self) -> HostBucket:
+        """The queued bucket the worker takes now: the one the next forward needs first
+        where the step ends early (the last landed: backward produces the first layers'
+        gradients last), else the first landed."""
+        if not self.ends_early:
+            return self._queued[0]
+        order = {b: i for i, b in enumerate(self.opt._buckets)}
+        return max(self._queued, key=order.__getitem__)
+
+    def _update_next(self) -> None:
+        """On the worker: a queued bucket's update (its plan fixed now, unless the step fixed
+        it), the next buckets' masters and state read meanwhile where they are on disk."""
         opt = self.opt
-        i = opt._buckets.index(bucket)
-        opt.layout.tier.prefetch(opt._buckets[i:])
-        return opt.updates.bucket_step(bucket, None, None, bucket.backward_done)
+        with self._lock:
+            bucket = self._next()
+            self._queued.remove(bucket)
+            plan = self._plans.pop(bucket) if bucket in self._plans else opt.updates.plan(bucket.inner, bucket.slots)
+            future = self._future_of.pop(bucket)
+        try:
+            i = opt._buckets.index(bucket)
+            opt.layout.tier.prefetch(opt._buckets[i:])
+            updated = opt.updates.bucket_step(bucket, None, None, bucket.backward_done, plan=plan)
+        except BaseException as error:
+            future.set_exception(error)
+            return
+        with self._lock:
+            if self.running.get(bucket) is future:  # (not one a step left running: that step has ended)
+                self._finished.append(bucket)
+        future.set_result(updated)
 
     def grads_changed(self, bucket: HostBucket) -> None:
         """A second backward before the step: refused.  The bucket's update started on the
@@ -78,23 +133,49 @@ class StreamedStep(CpuStepSchedule):
                                "need no gradient before they start)")
 
     def host_step(self, grad_scale, context) -> Sent:
-        """What is left of the updates started during backward; the buckets none was started
-        for (a parameter without a backward hook) in line."""
-        with self.opt._timer.phase("cpu_step"):
-            done = self.join()
+        """What is left of the updates started during backward (where the step ends early,
+        left running: each queued one's plan fixed now, with this step's hyperparameters,
+        and each handed to the weights in flight); the buckets none was started for (a
+        parameter without a backward hook) in line.  The weights sent are listed in the
+        order their copies were issued (the worker's), those left running last."""
+        opt = self.opt
+        futures = dict(self.running)
+        if self.ends_early:
+            with self._lock:
+                for b in self._queued:
+                    self._plans[b] = opt.updates.plan(b.inner, b.slots)
+                finished, self._finished = self._finished, []
+                self.running = {}
+        else:
+            with opt._timer.phase("cpu_step"):
+                self.join()
+            with self._lock:
+                finished, self._finished = self._finished, []
+        left = {b: f for b, f in futures.items() if b not in set(finished)}
         written: list[ParamSlot] = []
         sent: list[HostBucket] = []
-        for b in self.opt._buckets:
-            if b in done:
-                written += done[b]
-                sent += [b] if done[b] else []
-            else:
+        for b in finished:
+            updated = futures[b].result()
+            written += updated
+            sent += [b] if updated else []
+        for b in opt._buckets:
+            if b not in futures:
                 w, s = self.in_line([b], grad_scale, context)
                 written, sent = written + w, sent + s
-        return written, sent
+        self._after_step = list(left.values())
+        opt._in_flight.updating(left)
+        return written, sent + [b for b in opt._buckets if b in left]
+
+    def wait(self) -> None:
+        """The updates the last step left running (ends_early) have ended."""
+        futures, self._after_step = self._after_step, []
+        for f in futures:
+            f.result()
 
     def end(self) -> None:
         self.join()  # a backward that was not followed by a step (an error): let it finish
+        with self._lock:
+            self._finished = []
 
     def join(self) -> dict[HostBucket, list[ParamSlot]]:
         """Wait for the updates started during backward; the slots each one updated."""

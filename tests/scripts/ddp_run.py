@@ -1,14 +1,17 @@
 """Train a small model with 2 CPU processes (gloo) and save rank 0's final weights.
 
     python tests/scripts/ddp_run.py STRATEGY OUT.pt [--inject-inf] [--fp16] [--lamb] [--global-norm] [--gpu]
-                                    [--delayed-reference]
+                                    [--delayed-reference] [--no-clip]
 
 STRATEGY: a registered name, ``zero1``/``zero2`` (``_offload``), ``zero2_speculate`` (all offloaded through
 the accelerator code path, ``stream_cpu_step=True``: speculated, as clipping is on), ``ddp_speculate`` (the
 same without ZeRO, half offloaded: DDP's buckets handed over as reduced) and ``zero1_speculate`` (ZeRO stage 1,
 all offloaded, the same), ``delayed_offload``
 (``fastopt_offload`` with ``delayed_update=True`` after 2 steps), or ``module_waits`` (half
-offloaded through the accelerator code path, ``forward_waits="module"``); ``--delayed-reference``
+offloaded through the accelerator code path, ``forward_waits="module"``), or ``module_streamed`` (all
+offloaded through it, ``forward_waits="module"`` and ``stream_cpu_step=True``, DDP's buckets handed over as
+reduced: each step ends before its CPU updates do); ``--no-clip``: no gradient clipping (the streamed step
+then runs unspeculated); ``--delayed-reference``
 delays torch's update the same way (``tests.references.DelayedTorchUpdate``).  ``--lamb``: FusedLAMB
 instead of AdamW; ``--global-norm``: a user's optimizer whose step scales every update by the norm of all
 gradients (``tests.references.GlobalNorm``), which runs as torch runs it.
@@ -108,6 +111,10 @@ def main():
     elif strategy == "module_waits":
         strategy = lightning_fastopt.FastOptStrategy(offload_fraction=0.5, copy_on_cpu=True, forward_waits="module",
                                                      bucket_size_mb=0.0002)
+    elif strategy == "module_streamed":
+        strategy = lightning_fastopt.FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True, forward_waits="module",
+                                                     stream_cpu_step=True, bucket_size_mb=0.00001,
+                                                     bucket_cap_mb=0.00001)
     elif strategy == "delayed_offload":
         strategy = lightning_fastopt.FastOptStrategy(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP,
                                                      bucket_size_mb=0.0002)
@@ -120,7 +127,8 @@ def main():
     accelerator = "gpu" if "--gpu" in sys.argv else "cpu"
     trainer = L.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        gradient_clip_val=0.5, accumulate_grad_batches=2, plugins=plugins,
+                        gradient_clip_val=None if "--no-clip" in sys.argv else 0.5, accumulate_grad_batches=2,
+                        plugins=plugins,
                         callbacks=[DelayedTorchUpdate(DELAYED_WARMUP)] if "--delayed-reference" in sys.argv else None)
     model = (InjectingModel if inject else Model)(inject, lamb="--lamb" in sys.argv,
                                                   global_norm="--global-norm" in sys.argv)
@@ -139,6 +147,8 @@ def main():
     opt = (getattr(trainer.strategy, "engines", None) or trainer.optimizers)[0]
     if getattr(opt, "forward_waits", None) == "module":  # the strategy did not fall back to waiting at the step
         state["waits_by_module"] = torch.tensor(True)
+        if hasattr(getattr(opt, "schedule", None), "ends_early"):  # the streamed step's
+            state["steps_ended_early"] = torch.tensor(opt.schedule.ends_early)
     if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state
         state["owned_numel"] = torch.tensor(opt.owned_numel)
         state["grad_numel"] = torch.tensor(seen["grad_numel"])

@@ -94,14 +94,14 @@ def _timing():
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), _Slow())])
     opt = _zero(model, ADAMW, 1.0, True)
     driver = Driver("32-true")
-    started, inner_step = [], opt.local.updates.step_inner
+    started, run = [], opt.local.updates.run  # (every update goes through it)
 
-    def timed(inner, slots, *args):
+    def timed(inner, plan, *args):
         if inner is not opt.local._device_inner:
             started.append(time.perf_counter())
-        return inner_step(inner, slots, *args)
+        return run(inner, plan, *args)
 
-    opt.local.updates.step_inner = timed
+    opt.local.updates.run = timed
     for _ in range(3):
         started.clear()
         driver.announce_grad_scale(opt)
