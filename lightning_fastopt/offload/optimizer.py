@@ -485,8 +485,8 @@ class OffloadOptimizer(OptimizerWrapper):
         buckets, in the order sent; on the device, not the host: when the step ends, or
         in forward with ``forward_waits="module"``); ``written``: the parameters this step wrote."""
         self._in_flight.arrive_later(sent)
-        # those sent to the device were noted behind their copies (ShareUpdates.send_weights); the
-        # others' fingerprints still hold: nothing wrote them since the check
+        # a sent bucket's were noted as its update left them (behind their copies: ShareUpdates.send_weights);
+        # the others' fingerprints still hold: nothing wrote them since the check
         sent_buckets = set(sent)
         remember_weights([s for s in written if s.separate_master and s.bucket not in sent_buckets])
         self._intake.renew()

@@ -123,12 +123,13 @@ class ShareUpdates:
 
     def send_weights(self, bucket: HostBucket, slots: list[ParamSlot], after) -> None:
         """Copy the new weights of some of the bucket's slots to the device once ``after`` has
-        passed (nothing where each parameter is its own master, in host memory: ``host_shards``),
-        and note each weight as we left it (:func:`~lightning_fastopt.offload.slots.remember_weights`)
+        passed (nothing where the parameters are in host memory: ``host_shards``), and note
+        each weight as we left it (:func:`~lightning_fastopt.offload.slots.remember_weights`)
         behind its copy: the compute stream may not have waited for the copies when the step
         ends (``forward_waits="module"``), and a fingerprint taken there could read a weight
         still on its way, then find it "written by others" at the next step."""
-        if not self.opt.copies.needed:
+        if not self.opt.copies.needed:  # (FSDP's half host shards, written in place by the update)
+            remember_weights(slots)
             return
         self.opt.copies.params_to_device(
             [(s.weight(), s.host_copy if s.host_copy is not None else s.master) for s in slots],
