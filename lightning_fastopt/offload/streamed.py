@@ -151,7 +151,8 @@ class StreamedStep(CpuStepSchedule):
                 self.join()
             with self._lock:
                 finished, self._finished = self._finished, []
-        left = {b: f for b, f in futures.items() if b not in set(finished)}
+        ended = set(finished)
+        left = {b: f for b, f in futures.items() if b not in ended}
         written: list[ParamSlot] = []
         sent: list[HostBucket] = []
         for b in finished:
