@@ -45,10 +45,9 @@ class StreamedStep(CpuStepSchedule):
         self.running: dict[HostBucket, Future] = {}  # a bucket's update, started during backward
         self.started = 0  # buckets whose update started during backward, over the whole run (tests, benchmarks)
         self._lock = threading.Lock()  # the queue, the plans and the finished list, between the worker and the step
-        self._queued: list[HostBucket] = []  # landed, not taken by the worker yet
+        self._queued: dict[HostBucket, Future] = {}  # landed, not taken by the worker yet (in landing order)
         self._plans: dict[HostBucket, Any] = {}  # a queued bucket's update as the step fixed it
         self._finished: list[HostBucket] = []  # this step's, in the order the worker ended them
-        self._future_of: dict[HostBucket, Future] = {}  # a queued bucket's, until the worker takes it
         self._after_step: list[Future] = []  # updates the last step left running (ends_early)
 
     @property
@@ -70,8 +69,7 @@ class StreamedStep(CpuStepSchedule):
         opt.copies.mark_compute_done(bucket.backward_done)
         future: Future = Future()
         with self._lock:
-            self.running[bucket] = self._future_of[bucket] = future
-            self._queued.append(bucket)
+            self.running[bucket] = self._queued[bucket] = future
         opt.updates.pool().submit(self._update_next)
         self.started += 1
 
@@ -80,9 +78,8 @@ class StreamedStep(CpuStepSchedule):
         where the step ends early (the last landed: backward produces the first layers'
         gradients last), else the first landed."""
         if not self.ends_early:
-            return self._queued[0]
-        order = {b: i for i, b in enumerate(self.opt._buckets)}
-        return max(self._queued, key=order.__getitem__)
+            return next(iter(self._queued))
+        return max(self._queued, key=self.opt._buckets.index)
 
     def _update_next(self) -> None:
         """On the worker: a queued bucket's update (its plan fixed now, unless the step fixed
@@ -90,9 +87,8 @@ class StreamedStep(CpuStepSchedule):
         opt = self.opt
         with self._lock:
             bucket = self._next()
-            self._queued.remove(bucket)
+            future = self._queued.pop(bucket)
             plan = self._plans.pop(bucket) if bucket in self._plans else opt.updates.plan(bucket.inner, bucket.slots)
-            future = self._future_of.pop(bucket)
         try:
             i = opt._buckets.index(bucket)
             opt.layout.tier.prefetch(opt._buckets[i:])
