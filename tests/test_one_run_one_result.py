@@ -55,6 +55,8 @@ CONFIGS = {
     "offload-delayed": ("ddp_run.py", ["delayed_offload", "{out}"], None),
     # streamed into backward, each step ending before its CPU updates (the worker takes the next forward's first)
     "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"], None),
+    # the same clipped (speculated): each step ends before the updates it redoes or held back
+    "offload-speculated-ending-early": ("ddp_run.py", ["module_streamed", "{out}"], None),
 }
 TIMING_COUNTERS = ("buckets_", "handed_over_in_backward")
 

@@ -12,6 +12,7 @@ against ``Trainer()``, and resuming from a checkpoint in the middle.
 """
 
 import math
+import threading
 from collections import Counter
 
 import lightning as L
@@ -22,9 +23,11 @@ from torch import nn
 from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedAdam, FusedLAMB, FusedSGD
 from lightning_fastopt.core.precision import PrecisionCore
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.optim.takeover import engine_of
 from tests.helpers import ACCELERATOR, assert_modules_equal
+from tests.test_forward_waits import TIMEOUT, _HeldWorker
 from tests.test_precision import _data
 from tests.test_streamed_step import _net, cpu_updates_and_backward_end
 from tests.test_strategy import Model
@@ -66,19 +69,22 @@ def _inputs(steps, overflow_at=(), seed=1):
 def _offload(model, make_opt, speculate, fraction=1.0, always=True, **kw):
     """The optimizer the comparisons run: several small buckets on the accelerator path,
     speculative or synchronous; speculating at every step where ``always`` (the mechanism's
-    tests: every path runs often), else as the schedule decides."""
+    tests: every path runs often), else as the schedule decides.  With
+    ``forward_waits="module"`` each module's forward waits for its own weights."""
     opt = OffloadOptimizer(make_opt(model.parameters()), {p: n for n, p in model.named_parameters()},
                            offload_fraction=fraction, bucket_size_mb=0.002, copy_on_cpu=True,
                            stream_cpu_step=speculate, speculate=speculate, **kw)
     if speculate and always:
         opt.schedule.misses_allowed = opt.schedule.history
+    if opt.forward_waits == "module":
+        opt.modules_wait_for(ForwardWaits(model, lambda: [opt]).covered)
     return opt
 
 
 def _train(speculate, make_opt, fraction, *, clip=0.0, precision="32-true", overflow_at=(), steps=14,
-           micro_batches=1, sched=False):
+           micro_batches=1, sched=False, always=True, **kw):
     model = _net()
-    opt = _offload(model, make_opt, speculate, fraction)
+    opt = _offload(model, make_opt, speculate, fraction, always, **kw)
     driver = Driver(precision, initial_scale_power=20, loss_scale_window=4, hysteresis=1)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.8) if sched else None
     for x in _inputs(steps, overflow_at):
@@ -282,8 +288,14 @@ class Clipped(Model):
         self.engine = engine_of(self.trainer.optimizers[0])
 
 
-def _fit(strategy, precision="32-true", make_opt=None, **kw):
-    model = Clipped(make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
+class _ClippedReadingNothing(Clipped):
+    """No hook between steps: each module's forward may wait for its own weights."""
+
+    on_train_epoch_end = L.LightningModule.on_train_epoch_end
+
+
+def _fit(strategy, precision="32-true", make_opt=None, model_class=Clipped, **kw):
+    model = model_class(make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-2)))
     trainer = L.Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         precision=precision, **kw)
@@ -296,18 +308,24 @@ def _ours(fraction=0.5, **kw):
                            **kw)
 
 
-@pytest.mark.parametrize("fraction,zero_stage", [(0.5, 0), (1.0, 0), (1.0, 2)])
-def test_under_the_trainer_clipping_speculates_and_ends_where_trainer_ends(caplog, monkeypatch, fraction, zero_stage):
-    """(ZeRO stage 2 with one process: its offload optimizer watches the gradients itself.)"""
+@pytest.mark.parametrize("fraction,zero_stage,waits", [(0.5, 0, "step"), (1.0, 0, "step"), (1.0, 2, "step"),
+                                                      (0.5, 0, "module"), (1.0, 0, "module")])
+def test_under_the_trainer_clipping_speculates_and_ends_where_trainer_ends(caplog, monkeypatch, fraction, zero_stage,
+                                                                          waits):
+    """(ZeRO stage 2 with one process: its offload optimizer watches the gradients itself.)
+    With ``forward_waits="module"`` the steps end before their redone updates."""
     import logging
 
     monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
     with caplog.at_level(logging.INFO):
-        ours, trainer = _fit(_ours(fraction, zero_stage=zero_stage), gradient_clip_val=5.0)
+        ours, trainer = _fit(_ours(fraction, zero_stage=zero_stage, forward_waits=waits), gradient_clip_val=5.0,
+                             model_class=Clipped if waits == "step" else _ClippedReadingNothing)
     assert "speculated during backward, once its gradients have landed, and checked at the step " \
            "(gradient clipping)" in caplog.text
-    totals = getattr(ours.engine, "local", ours.engine).schedule.totals
+    engine = trainer.strategy.engines[0]
+    totals = getattr(engine, "local", engine).schedule.totals
     assert totals["committed"] > 0 and totals["redone"] > 0  # the norm is over 5 on some steps only
+    assert (totals["left_running"] == totals["redone"] + totals["held_back"]) == (waits == "module")
     ref, _ = _fit("auto", gradient_clip_val=5.0)
     for a, b in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(a, b)
@@ -409,3 +427,110 @@ def test_clipping_by_value_redoes_only_the_buckets_it_changed(backend):
     (a, schedule), (b, _) = runs
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert schedule.totals["committed"] > 0 and schedule.totals["redone"] > 0
+
+
+# ---------------------------------------------------------------------- a step that ends before its updates
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("case", [
+    dict(clip=0.06), dict(clip=1e-4, always=False), dict(clip=0.06, precision="16-mixed", overflow_at=(0, 5)),
+    dict(clip=0.06, micro_batches=2, sched=True)], ids=["redone", "held-back", "fp16", "accumulation-scheduler"])
+def test_a_step_that_ends_before_its_redone_and_held_back_updates_ends_where_the_synchronous_step_ends(
+        backend, fraction, case):
+    """With ``forward_waits="module"`` the redone and held-back buckets' updates are left
+    running when the step returns (each forward waits for its own): bit for bit the
+    synchronous step, loss scale and skipped steps included."""
+    ended_early = _train(True, ADAMW, fraction, forward_waits="module", **case)
+    _assert_same(ended_early, _train(False, ADAMW, fraction, **case))
+    totals = ended_early[2]
+    assert totals["left_running"] > 0
+    assert totals["left_running"] == totals["redone"] + totals["held_back"]
+
+
+def _step_ending_early(model, opt, driver, x, clip, hold):
+    """One step the Driver's way, the worker held (``hold``: after clipping, so that the
+    speculations ran) while the step returns; the weights' forward, in a thread of its own,
+    is waiting for the first layer's update when the worker is released."""
+    driver.announce_grad_scale(opt)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    driver.clip_scaled_gradients(opt, clip)
+    held = hold()
+    driver._step(opt)  # returns with every update left
+    assert held.order == [] and opt._in_flight
+    waiting, forward = threading.Event(), []
+    wait_for = opt.wait_for_weights
+
+    def noted(params=None):
+        waiting.set()
+        wait_for(params)
+
+    opt.wait_for_weights = noted
+    runner = threading.Thread(target=lambda: forward.append(model(x)))
+    runner.start()
+    assert waiting.wait(timeout=TIMEOUT)  # the forward waits for the first layer's weights...
+    assert not forward and held.order == []
+    held.release()  # ...until its update has ended
+    runner.join(timeout=TIMEOUT)
+    assert forward and not opt._in_flight
+    del opt.wait_for_weights
+    return list(held.order)
+
+
+@pytest.mark.parametrize("speculating", [True, False], ids=["redone", "held-back"])
+def test_the_updates_a_step_leaves_run_the_next_forwards_first_layer_first(speculating):
+    """Clipping at every step: each speculation redone, or (speculation held back) each
+    bucket updated after the step.  ``step()`` returns with every update queued, the next
+    forward's first layer waits for its own, the worker takes the buckets in forward order,
+    and the run ends where the synchronous step ends."""
+    x = _inputs(1)[0]
+
+    def run(speculate, waits):
+        model = _net()
+        opt = _offload(model, ADAMW, speculate, forward_waits=waits)
+        if speculate and not speculating:
+            opt.schedule.misses_allowed = -1  # never speculate
+        driver = Driver("32-true")
+        driver.train_step(opt, model, x, 1e-4)
+        opt.wait_for_weights()  # (the first step's updates, left running, have ended)
+        order = None
+        if waits == "module":
+            order = _step_ending_early(model, opt, driver, x, 1e-4, lambda: _HeldWorker(opt, model))
+            assert opt.schedule.totals["left_running"] == 2 * len(opt._buckets)
+        else:
+            driver.train_step(opt, model, x, 1e-4)
+        driver.train_step(opt, model, x, 1e-4)
+        opt.close()
+        return order, model
+
+    order, model = run(True, "module")
+    opt = _offload(model, ADAMW, False)
+    layer = {p: i for i, m in enumerate(model) for p in m.parameters()}
+    landed = [layer[b.slots[0].param] for b in opt._buckets]  # (buckets in the order backward lands them)
+    opt.close()
+    assert landed[0] > landed[-1] and order == landed[::-1]  # forward order: the first layers first
+    assert_modules_equal(model, run(False, "step")[1])
+
+
+def test_an_update_left_running_keeps_the_steps_loss_scale_where_its_tensor_changes_after():
+    """A ``grad_scale`` tensor written in place once the step has returned (a scaler
+    updating its scale) does not reach the updates that step left."""
+    x = _inputs(1)[0]
+
+    def run(waits):
+        model = _net()
+        opt = _offload(model, ADAMW, True, forward_waits=waits)
+        opt.schedule.misses_allowed = -1  # held back: every bucket updated after the step
+        for _ in range(2):
+            held = _HeldWorker(opt, model) if waits == "module" else None
+            scale = torch.tensor(8.0)
+            opt.zero_grad()
+            (model(x).square().mean() * 8.0).backward()
+            opt.step(grad_scale=scale)
+            scale.mul_(4.0)
+            if held is not None:
+                held.release()
+            opt.wait_for_weights()
+        opt.close()
+        return model
+
+    assert_modules_equal(run("module"), run("step"))

@@ -26,6 +26,15 @@ norm), and still ends where the synchronous step ends, bit for bit.
    step skipped for an overflow (or gradients dropped without a step) restores every
    speculated bucket.
 
+Where each module's forward waits for its own weights (``forward_waits="module"``, the state
+in host memory: :func:`~lightning_fastopt.offload.left_running.ends_early`) the step does
+not wait for the updates it redoes or held back: it fixes each one's plan (this step's
+hyperparameters, loss scale and context) and leaves it to the worker, which puts a redone
+bucket's snapshot back first and takes the bucket the next forward needs first; that
+forward's pre-hook on a module waits for its bucket's update, then for its copy.  Clipping
+that fires at every step then runs the CPU update beside the next forward instead of
+before it.
+
 FSDP's host shards (``host_shards``) are their own masters: the speculative update writes
 them in place (compute reads only what FSDP gathers from them at the next forward, after
 the step), the snapshot keeps them, and a commit has nothing to send.  Where the masters
@@ -64,14 +73,16 @@ import torch
 from torch import Tensor
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_fastopt.offload.left_running import UpdateQueue, ends_early
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot
 from lightning_fastopt.optim.base import hyperparameters
 
 # buckets per step, in the breakdown as buckets_<count> (a step the precision plugin skipped
-# without calling the optimizer shows its dropped buckets in the next step's)
-COUNTS = ("speculated", "committed", "redone", "dropped", "held_back")
+# without calling the optimizer shows its dropped buckets in the next step's); left_running:
+# redone or held back by a step that ended before their updates (ends_early)
+COUNTS = ("speculated", "committed", "redone", "dropped", "held_back", "left_running")
 
 
 @dataclass(eq=False)
@@ -107,6 +118,14 @@ class SpeculativeStep(CpuStepSchedule):
         self._redo_ms = 0.0
         self._open = True  # speculation starts only during backward, not once the step has begun
         self._rebased = False  # the gradients' versions taken again once backward ended (this step)
+        self._queue = UpdateQueue(optimizer)  # updates left running by a step that ends early
+        self._after_step: list[Future] = []
+
+    @property
+    def ends_early(self) -> bool:
+        """Whether ``step()`` returns before the redone and held-back updates have ended
+        (:func:`~lightning_fastopt.offload.left_running.ends_early`)."""
+        return ends_early(self.opt)
 
     # ------------------------------------------------------------------ during backward
     def grads_landed(self, bucket: HostBucket) -> None:
@@ -164,6 +183,12 @@ class SpeculativeStep(CpuStepSchedule):
             spec.grad_versions = _grad_versions(self.opt, bucket)
 
     def host_step(self, grad_scale, context) -> Sent:
+        """Each bucket's speculation committed where it holds, else redone (its snapshot put
+        back first), a held-back one updated; where the step ends early
+        (:func:`~lightning_fastopt.offload.left_running.ends_early`) the redone and
+        held-back ones are left to the worker, each plan fixed now with this step's
+        hyperparameters, loss scale and context, and handed to the weights in flight (the
+        next forward's first layers first)."""
         opt = self.opt
         with opt._timer.phase("cpu_step"):
             done = self._join()
@@ -171,9 +196,15 @@ class SpeculativeStep(CpuStepSchedule):
         sent: list[HostBucket] = []
         held = [self._holds(b, spec, grad_scale, context) for b, spec in self.watched.items()]
         self._counts["held_back"] += len(self.watched)
-        self.watched = {}
+        watched, self.watched = self.watched, {}
+        later = self.ends_early
+        leaving: dict[HostBucket, tuple] = {}  # updates left to the worker: (update, plan)
         for b in opt._buckets:
             if b not in done:
+                if later and b in watched:
+                    leaving[b] = (self._after_step_update(grad_scale, context, restore=False),
+                                  opt.updates.plan(b.inner, b.slots))
+                    continue
                 w, s = self.in_line([b], grad_scale, context)
             else:
                 spec, updated = done[b]
@@ -186,6 +217,11 @@ class SpeculativeStep(CpuStepSchedule):
                                                                                      writes=False):
                             opt.updates.send_weights(b, updated, opt._compute_done)
                     w, s = updated, [b] if updated else []
+                elif later:
+                    self._counts["redone"] += 1
+                    leaving[b] = (self._after_step_update(grad_scale, context, restore=True),
+                                  opt.updates.plan(b.inner, b.slots))
+                    continue
                 else:
                     self._counts["redone"] += 1
                     started = opt._timer.now()
@@ -194,7 +230,23 @@ class SpeculativeStep(CpuStepSchedule):
                     self._redo_ms += (opt._timer.now() - started) * 1e3
             written, sent = written + w, sent + s
         self._predict(held)
-        return written, sent
+        self._counts["left_running"] += len(leaving)
+        left = self._queue.put_all(leaving)
+        self._after_step = list(left.values())
+        opt._in_flight.updating(left)
+        return written, sent + list(left)
+
+    def _after_step_update(self, grad_scale, context, restore: bool):
+        """A bucket's update left to the worker (:class:`~lightning_fastopt.offload.left_running.UpdateQueue`'s
+        ``Update``): its snapshot put back first where it redoes a speculation (timed into
+        ``cpu_step_background``, not ``redo``)."""
+        grad_scale, context = _frozen(grad_scale), _frozen(context)  # (a scaler updates its scale in place)
+
+        def update(bucket: HostBucket, plan) -> list[ParamSlot]:
+            if restore:
+                self.snapshots[bucket].restore(bucket.inner)
+            return self.opt.updates.bucket_step(bucket, grad_scale, context, self.opt._compute_done, plan=plan)
+        return update
 
     def _speculating(self) -> bool:
         return self._misses() <= self.misses_allowed
@@ -233,8 +285,12 @@ class SpeculativeStep(CpuStepSchedule):
         self._rebased = False
 
     def wait(self) -> None:
-        """The state is about to be read or replaced: updates no step has taken are undone
-        (a step redoes them), so nobody sees a speculated state."""
+        """The state is about to be read or replaced: the updates the last step left
+        running have ended, and updates no step has taken are undone (a step redoes them),
+        so nobody sees a speculated state."""
+        futures, self._after_step = self._after_step, []
+        for f in futures:
+            f.result()
         self._drop()
 
     def breakdown(self) -> dict[str, float]:

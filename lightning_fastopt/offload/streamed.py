@@ -27,10 +27,9 @@ are refused here (the speculative schedule takes them).
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
-from typing import Any
 
+from lightning_fastopt.offload.left_running import UpdateQueue, ends_early
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.optim.base import COMPUTE
@@ -44,20 +43,15 @@ class StreamedStep(CpuStepSchedule):
         super().__init__(optimizer)
         self.running: dict[HostBucket, Future] = {}  # a bucket's update, started during backward
         self.started = 0  # buckets whose update started during backward, over the whole run (tests, benchmarks)
-        self._lock = threading.Lock()  # the queue, the plans and the finished list, between the worker and the step
-        self._queued: dict[HostBucket, Future] = {}  # landed, not taken by the worker yet (in landing order)
-        self._plans: dict[HostBucket, Any] = {}  # a queued bucket's update as the step fixed it
+        self._queue = UpdateQueue(optimizer)  # its lock guards the finished list too
         self._finished: list[HostBucket] = []  # this step's, in the order the worker ended them
         self._after_step: list[Future] = []  # updates the last step left running (ends_early)
 
     @property
     def ends_early(self) -> bool:
         """Whether ``step()`` returns before the updates it finds queued or running have
-        ended: where each module's forward waits for its own weights (``"module"``), which
-        then waits for its bucket's update first, and the buckets' state is in host memory
-        (a disk tier's window is read ahead in landing order, and it ends each step)."""
-        opt = self.opt
-        return opt.forward_waits == "module" and opt.copies.needed and not opt.layout.tier.on_disk
+        ended (:func:`~lightning_fastopt.offload.left_running.ends_early`)."""
+        return ends_early(self.opt)
 
     def grads_landed(self, bucket: HostBucket) -> None:
         """Queue the bucket's update and copy back for the worker.  The copy back waits (on
@@ -67,39 +61,20 @@ class StreamedStep(CpuStepSchedule):
         if not opt.lands_during_backward:
             return
         opt.copies.mark_compute_done(bucket.backward_done)
-        future: Future = Future()
-        with self._lock:
-            self.running[bucket] = self._queued[bucket] = future
-        opt.updates.pool().submit(self._update_next)
+        self.running[bucket] = self._queue.put(bucket, self._update)
         self.started += 1
 
-    def _next(self) -> HostBucket:
-        """The queued bucket the worker takes now: the one the next forward needs first
-        where the step ends early (the last landed: backward produces the first layers'
-        gradients last), else the first landed."""
-        if not self.ends_early:
-            return next(iter(self._queued))
-        return max(self._queued, key=self.opt._buckets.index)
-
-    def _update_next(self) -> None:
-        """On the worker: a queued bucket's update (its plan fixed now, unless the step fixed
-        it), the next buckets' masters and state read meanwhile where they are on disk."""
+    def _update(self, bucket: HostBucket, plan) -> list[ParamSlot]:
+        """On the worker: the bucket's update as planned, the next buckets' masters and
+        state read meanwhile where they are on disk."""
         opt = self.opt
-        with self._lock:
-            bucket = self._next()
-            future = self._queued.pop(bucket)
-            plan = self._plans.pop(bucket) if bucket in self._plans else opt.updates.plan(bucket.inner, bucket.slots)
-        try:
-            i = opt._buckets.index(bucket)
-            opt.layout.tier.prefetch(opt._buckets[i:])
-            updated = opt.updates.bucket_step(bucket, None, None, bucket.backward_done, plan=plan)
-        except BaseException as error:
-            future.set_exception(error)
-            return
-        with self._lock:
-            if self.running.get(bucket) is future:  # (not one a step left running: that step has ended)
-                self._finished.append(bucket)
-        future.set_result(updated)
+        i = opt._buckets.index(bucket)
+        opt.layout.tier.prefetch(opt._buckets[i:])
+        updated = opt.updates.bucket_step(bucket, None, None, bucket.backward_done, plan=plan)
+        with self._queue.lock:
+            if bucket in self.running:  # (not one a step left running: that step has ended, and the next
+                self._finished.append(bucket)  # backward adds none before every update left has ended)
+        return updated
 
     def grads_changed(self, bucket: HostBucket) -> None:
         """A second backward before the step: refused.  The bucket's update started on the
@@ -137,15 +112,14 @@ class StreamedStep(CpuStepSchedule):
         opt = self.opt
         futures = dict(self.running)
         if self.ends_early:
-            with self._lock:
-                for b in self._queued:
-                    self._plans[b] = opt.updates.plan(b.inner, b.slots)
+            self._queue.fix_plans()
+            with self._queue.lock:
                 finished, self._finished = self._finished, []
                 self.running = {}
         else:
             with opt._timer.phase("cpu_step"):
                 self.join()
-            with self._lock:
+            with self._queue.lock:
                 finished, self._finished = self._finished, []
         ended = set(finished)
         left = {b: f for b, f in futures.items() if b not in ended}
@@ -171,7 +145,7 @@ class StreamedStep(CpuStepSchedule):
 
     def end(self) -> None:
         self.join()  # a backward that was not followed by a step (an error): let it finish
-        with self._lock:
+        with self._queue.lock:
             self._finished = []
 
     def join(self) -> dict[HostBucket, list[ParamSlot]]:

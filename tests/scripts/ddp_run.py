@@ -147,7 +147,7 @@ def main():
     opt = (getattr(trainer.strategy, "engines", None) or trainer.optimizers)[0]
     if getattr(opt, "forward_waits", None) == "module":  # the strategy did not fall back to waiting at the step
         state["waits_by_module"] = torch.tensor(True)
-        if hasattr(getattr(opt, "schedule", None), "ends_early"):  # the streamed step's
+        if hasattr(getattr(opt, "schedule", None), "ends_early"):  # the streamed and speculative steps'
             state["steps_ended_early"] = torch.tensor(opt.schedule.ends_early)
     if hasattr(opt, "owned_numel"):  # ZeRO: how much each rank owns, and the bytes of its state
         state["owned_numel"] = torch.tensor(opt.owned_numel)

@@ -1,0 +1,91 @@
+"""Host buckets' updates queued for the worker thread, and the steps that end before them.
+
+The streamed and speculative schedules hand host buckets' updates to the optimizer's one
+worker thread (:meth:`~lightning_fastopt.offload.share_updates.ShareUpdates.pool`) through
+an :class:`UpdateQueue`: each update's plan is fixed when the worker takes it, or earlier
+by the step (:meth:`UpdateQueue.fix_plans`, ``put(..., plan=)``): the step's
+hyperparameters, which an LR scheduler moves as soon as the step returns.
+
+Where a step may end before its updates (:func:`ends_early`: each module's forward waits
+for its own weights, ``forward_waits="module"``, and the state is in host memory), the
+worker takes the queued bucket the next forward needs first: the one latest in the
+buckets' order, which is the order backward produces the gradients in (the parameters'
+reversed: the first layers' land last).  Otherwise it takes them in the order queued.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from lightning_fastopt.offload.share_updates import UNPLANNED
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot
+
+Update = Callable[[HostBucket, Any], list[ParamSlot]]  # a bucket's update given its plan: the slots it updated
+
+
+def ends_early(opt) -> bool:
+    """Whether a step of ``opt`` may return before the host updates it leaves queued or
+    running have ended: where each module's forward waits for its own weights
+    (``"module"``), and so first for its bucket's update, the weights are copied back
+    (an accelerator's code path), the state is in host memory (a disk tier's window is
+    read ahead in landing order, and it ends each step) and no wrapper gives the updates
+    norms at the step (``before_updates``: LAMB's and LARS's whole-tensor norms on FSDP's rows)."""
+    return (opt.forward_waits == "module" and opt.copies.needed and not opt.layout.tier.on_disk
+            and opt.before_updates is None)
+
+
+class UpdateQueue:
+    """The updates waiting for the worker of one offload optimizer (``opt``)."""
+
+    def __init__(self, optimizer) -> None:
+        self.opt = optimizer
+        self.lock = threading.Lock()  # the queue and its plans; a schedule may guard its own records with it
+        self._queued: dict[HostBucket, tuple[Future, Update, Any]] = {}  # in the order queued
+
+    def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED) -> Future:
+        """Queue ``update(bucket, plan)`` for the worker; ``plan``: fixed already, else when
+        the worker takes it.  The future ends with the slots it updated."""
+        return self.put_all({bucket: (update, plan)})[bucket]
+
+    def put_all(self, updates: dict[HostBucket, tuple[Update, Any]]) -> dict[HostBucket, Future]:
+        """:meth:`put` each, all queued before the worker takes any (so that it takes
+        them in its own order from the first)."""
+        futures = {b: Future() for b in updates}
+        with self.lock:
+            for b, (update, plan) in updates.items():
+                self._queued[b] = (futures[b], update, plan)
+        for _ in updates:
+            self.opt.updates.pool().submit(self._run_next)
+        return futures
+
+    def fix_plans(self) -> None:
+        """The plans of the updates still queued fixed now (the step's hyperparameters)."""
+        updates = self.opt.updates
+        with self.lock:
+            for b, (future, update, plan) in list(self._queued.items()):
+                if plan is UNPLANNED:
+                    self._queued[b] = (future, update, updates.plan(b.inner, b.slots))
+
+    def _next(self) -> HostBucket:
+        """The queued bucket the worker takes now (see the module's documentation)."""
+        if not ends_early(self.opt):
+            return next(iter(self._queued))
+        return max(self._queued, key=self.opt._buckets.index)
+
+    def _run_next(self) -> None:
+        """On the worker: the update of the bucket :meth:`_next` names, its plan fixed now
+        unless it was."""
+        with self.lock:
+            bucket = self._next()
+            future, update, plan = self._queued.pop(bucket)
+            if plan is UNPLANNED:
+                plan = self.opt.updates.plan(bucket.inner, bucket.slots)
+        try:
+            updated = update(bucket, plan)
+        except BaseException as error:
+            future.set_exception(error)
+            return
+        future.set_result(updated)
