@@ -534,3 +534,69 @@ def test_an_update_left_running_keeps_the_steps_loss_scale_where_its_tensor_chan
         return model
 
     assert_modules_equal(run("module"), run("step"))
+
+
+# ---------------------------------------------------------------------- clipping applied in each bucket's update
+def test_what_reads_the_gradients_after_clipping_reads_them_clipped(backend):
+    """Clipping leaves a host bucket's multiplication to its update; a reader before it
+    (``gradients()``) gets them multiplied, each as ``torch._foreach_mul_`` multiplies it."""
+    model = _net()
+    opt = _offload(model, ADAMW, False, fraction=0.5)
+    model(_inputs(1)[0]).square().mean().backward()
+    before = [g.clone() for g in opt.gradients()]
+    coef = torch.tensor(0.37)
+    opt.scale_gradients(coef)
+    host = [s.host_grad for b in opt._buckets for s in b.slots]
+    assert host and all(b.scales for b in opt._buckets)  # the host buckets' multiplications left for later
+    assert all(torch.equal(g, b) for g, b in zip(opt.gradients(), torch._foreach_mul(before, coef)))
+    assert not any(b.scales for b in opt._buckets)
+    opt.close()
+
+
+def test_clipping_multiplies_a_host_buckets_gradients_in_its_update_on_the_thread_that_runs_it(monkeypatch):
+    """A step that ends before its updates: the host gradients are still unclipped when it
+    returns, the worker multiplies each bucket's before its update, and the run ends where
+    the synchronous step ends."""
+    from lightning_fastopt.offload import share_updates
+
+    threads = []
+    real = share_updates.multiply
+
+    def noted(grads, coef):
+        threads.append(threading.current_thread().name)
+        real(grads, coef)
+
+    monkeypatch.setattr(share_updates, "multiply", noted)
+    x = _inputs(1)[0]
+
+    def run(speculate, waits):
+        model = _net()
+        opt = _offload(model, ADAMW, speculate, forward_waits=waits)
+        driver = Driver("32-true")
+        if speculate:
+            opt.schedule.misses_allowed = -1  # held back: every bucket updated after the step
+        driver.train_step(opt, model, x, 1e-4)
+        opt.wait_for_weights()
+        held = _HeldWorker(opt, model) if speculate else None
+        threads.clear()
+        driver.announce_grad_scale(opt)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        landed = [s.host_grad.clone() for b in opt._buckets for s in b.slots]
+        driver.clip_scaled_gradients(opt, 1e-4)
+        driver._step(opt)
+        if held is not None:
+            now = [s.host_grad for b in opt._buckets for s in b.slots]
+            assert all(torch.equal(a, b) for a, b in zip(landed, now))  # none multiplied yet
+            held.release()
+            opt.wait_for_weights()
+        multiplied_on = list(threads)
+        driver.train_step(opt, model, x, 1e-4)
+        opt.close()
+        return model, multiplied_on, len(opt._buckets)
+
+    ours, multiplied_on, buckets = run(True, "module")
+    assert len(multiplied_on) == buckets and all(t.startswith("fastopt-cpu-step") for t in multiplied_on)
+    ref, on_main, _ = run(False, "step")
+    assert len(on_main) == buckets and all(t == threading.main_thread().name for t in on_main)
+    assert_modules_equal(ours, ref)

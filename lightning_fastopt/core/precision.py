@@ -211,7 +211,11 @@ class PrecisionCore:
             if scale != 1.0:
                 total = total / scale
         coef = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
-        if coef != 1.0:  # a multiplication by exactly 1 changes no bit: skipped (a NaN norm spreads, as in torch)
+        if coef == 1.0:  # a multiplication by exactly 1 changes no bit: skipped (a NaN norm spreads, as in torch)
+            return total
+        if isinstance(engine, OptimizerWrapper):  # (an offload optimizer multiplies host gradients in their update)
+            engine.scale_gradients(coef)
+        else:
             for same in by_device(grads):
                 torch._foreach_mul_(same, coef.to(same[0].device))
         return total

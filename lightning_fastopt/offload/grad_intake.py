@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_fastopt.functional import by_device
 from lightning_fastopt.offload.grad_norms import DeviceGradNorms
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.offload.weight_watch import changed_flags
@@ -197,7 +198,52 @@ class GradIntake:
         self.send_pending()
         for b in opt._buckets:
             opt.copies.wait_on_host(b.grads_ready)
+            self.apply_scales(b)
         return [(s.param, g) for s, g in ((s, self.grad_of(s)) for s in opt._slots) if g is not None]
+
+    def scale(self, coef: Tensor) -> None:
+        """Multiply every gradient :meth:`read` gives by ``coef`` (a float32 tensor: clipping
+        by norm), as ``torch._foreach_mul_`` multiplies them: those on the device now, a
+        host bucket's when something first reads them (:meth:`apply_scales`), which is in
+        the end the bucket's update itself, on the thread that runs it, reading them while
+        they are in cache (the worker's, where the step ends before it).  Each gradient is
+        multiplied alone, so where and when does not change a bit.  With ``"keep"`` every
+        one now (the step copies them from ``p.grad``)."""
+        grads = self.read()  # (every gradient landed; the factors left before applied)
+        if self.mode == "keep":
+            multiply([g for _, g in grads], coef)
+            return
+        now: list[Tensor] = []
+        later: dict[HostBucket, None] = {}
+        for s in self.opt._slots:
+            g = self.grad_of(s)
+            if g is not None:
+                if s.bucket is None:
+                    now.append(g)
+                else:
+                    later[s.bucket] = None
+        if later:
+            host = coef.detach().to("cpu", torch.float32, copy=True)
+            for b in later:
+                b.scales.append(host)
+        multiply(now, coef)
+
+    def apply_scales(self, bucket: HostBucket) -> None:
+        """The bucket's gradients multiplied by the factors :meth:`scale` left, now."""
+        scales, bucket.scales = bucket.scales, []
+        grads = [g for g in (self.grad_of(s) for s in bucket.slots) if g is not None]
+        for coef in scales:
+            multiply(grads, coef)
+
+    def take_scales(self, slots: list[ParamSlot]) -> list[Tensor]:
+        """The factors the host bucket of ``slots`` has still to multiply its gradients by,
+        handed to the update about to read them (a plan: :meth:`ShareUpdates.plan
+        <lightning_fastopt.offload.share_updates.ShareUpdates.plan>`), none left behind."""
+        bucket = slots[0].bucket if slots else None
+        if bucket is None:
+            return []
+        scales, bucket.scales = bucket.scales, []
+        return scales
 
     def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
         """The clipping norm of the gradients the next step reads (:meth:`read`), unscaled
@@ -238,3 +284,11 @@ class GradIntake:
 
     def remove(self) -> None:
         self.hooks.remove()
+
+
+def multiply(grads: list[Tensor], coef: Tensor) -> None:
+    """``torch._foreach_mul_`` of ``grads`` by ``coef`` (moved to each one's device), each
+    tensor once."""
+    unique = list({id(g): g for g in grads}.values())
+    for same in by_device(unique):
+        torch._foreach_mul_(same, coef.to(same[0].device))

@@ -6,6 +6,9 @@ driver sets and reads of the step itself goes straight to that one."""
 
 from __future__ import annotations
 
+import torch
+
+from lightning_fastopt.functional import by_device
 from lightning_fastopt.offload.optimizer import OffloadOptimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
@@ -36,6 +39,15 @@ class LocalOffloadWrapper(OptimizerWrapper):
     @property
     def last_step_times(self) -> dict[str, float]:
         return self.local.last_step_times
+
+    def scale_gradients(self, coef) -> None:
+        """The local optimizer's gradients multiplied its way (a host bucket's in its
+        update), any other this wrapper's step reads (FSDP's taken at the step) now."""
+        local = {id(g) for g in self.local.gradients()}
+        others = [g for g in self.gradients() if id(g) not in local]
+        self.local.scale_gradients(coef)
+        for same in by_device(others):
+            torch._foreach_mul_(same, coef.to(same[0].device))
 
     def leading_share(self):
         return self.local.leading_share()

@@ -366,6 +366,12 @@ class OffloadOptimizer(OptimizerWrapper):
         it left the device; :mod:`~lightning_fastopt.offload.grad_norms`)."""
         return self._intake.gradient_norms_by_param(grad_scale)
 
+    def scale_gradients(self, coef: Tensor) -> None:
+        """Multiply every gradient the next step reads by ``coef``: those on the device now,
+        a host bucket's in its update, on the thread that runs it (:meth:`GradIntake.scale
+        <lightning_fastopt.offload.grad_intake.GradIntake.scale>`), the same bits."""
+        self._intake.scale(coef)
+
     def gradients_by_param(self) -> dict[Tensor, Tensor]:
         """:meth:`gradients`, each under its parameter (a parameter split into pieces with the
         state on disk: its pieces' put together, a copy)."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fastopt.offload.grad_intake import multiply
 from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_in_bucket,
                                              written_in_place)
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
@@ -45,11 +46,14 @@ class ShareUpdates:
         """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
         current hyperparameters (where LR schedulers write) copied in, the slots that have
         a gradient, each one's gradient and half copy, the keyword arguments for the
-        user's own ``step`` (``step_kwargs``, by default the running step's) and the step's
-        evaluated closure for it (none for an update started during backward).  None when no
-        slot has a gradient."""
+        user's own ``step`` (``step_kwargs``, by default the running step's), the step's
+        evaluated closure for it (none for an update started during backward) and the
+        factors a host bucket's gradients are still to be multiplied by before it reads
+        them (clipping: :meth:`GradIntake.scale <lightning_fastopt.offload.grad_intake.GradIntake.scale>`,
+        taken from the bucket).  None when no slot has a gradient."""
         opt = self.opt
         copy_hyperparameters(inner, opt.param_groups)
+        scales = opt._intake.take_scales(slots)
         sources, targets, updated = {}, {}, []
         for s in slots:
             g = opt._intake.grad_of(s)
@@ -61,12 +65,13 @@ class ShareUpdates:
             if s.param.dtype != s.master.dtype:
                 targets[s.master] = s.weight() if written_in_place(s) else s.host_copy
         step_kwargs = dict(opt.step_kwargs if step_kwargs is None else step_kwargs)
-        return (updated, sources, targets or None, step_kwargs, opt.step_closure) if updated else None
+        return (updated, sources, targets or None, step_kwargs, opt.step_closure, scales) if updated else None
 
     def run(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
         """Step ``inner`` as :meth:`plan` fixed it; a host bucket's update is the profiler
         range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
-        updated, sources, targets, step_kwargs, closure = plan
+        updated, sources, targets, step_kwargs, closure, scales = plan
+        _apply(scales, sources)
         inner.grad_source = sources
         inner.copies_to = targets
         inner.element_offsets = {s.master: s.part[0] for s in updated if s.part is not None} or None
@@ -93,6 +98,7 @@ class ShareUpdates:
         if plan is None:
             return {}
         updated, sources = plan[0], plan[1]
+        _apply(plan[5], sources)  # (the update's plan, made later, finds them applied)
         inner.grad_source = sources
         try:
             sums = inner.norm_sums(grad_scale, context)
@@ -159,3 +165,9 @@ class ShareUpdates:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _apply(scales: list[Tensor], sources: dict[Tensor, Tensor]) -> None:
+    """Multiply the gradients a plan reads by the factors it took, in order."""
+    for coef in scales:
+        multiply(list(sources.values()), coef)

@@ -165,11 +165,15 @@ class HostBucket:
     backward_done = None  # event: backward no longer reads this bucket's weights (a streamed step)
     unsent: int = 0  # gradients the hooks have still to copy this step
     recorded: bool = False  # grads_ready recorded this step
+    # host float32 factors its gradients are still to be multiplied by, in order (clipping by norm:
+    # GradIntake.scale); applied by their first reader, the bucket's update in the end
+    scales: list[Tensor] = field(default_factory=list)
 
     def reset(self, expected: int) -> None:
         """A new step: ``expected`` gradients will arrive from backward hooks."""
         self.unsent = expected
         self.recorded = False
+        self.scales = []
         for slot in self.slots:
             slot.grad_sent = False
 

@@ -269,7 +269,7 @@ class SpeculativeStep(CpuStepSchedule):
 
     def _holds(self, bucket: HostBucket, spec: Speculation, grad_scale, context) -> bool:
         opt = self.opt
-        return (not spec.changed and _grad_versions(opt, bucket) == spec.grad_versions
+        return (not spec.changed and not bucket.scales and _grad_versions(opt, bucket) == spec.grad_versions
                 and _same(spec.grad_scale, grad_scale)
                 and opt.optimizer.same_update(spec.context, context)
                 and _same(spec.hyperparameters, _hyperparameters(opt.param_groups))
