@@ -449,10 +449,13 @@ def main() -> None:
               f"| {peak} | {saved} | {pct(r.get('d2h_hidden'))} | {pct(r.get('h2d_hidden'))} |")
     for r in rows:
         counts = r.get("speculated") or {}
-        if counts.get("speculated"):
-            print(f"\n{r['configuration']}: {counts['speculated']} bucket updates speculated (warm-up included), "
+        if counts.get("speculated") or counts.get("held_back"):
+            speculated = counts.get("speculated", 0)
+            print(f"\n{r['configuration']}: {speculated} bucket updates speculated (warm-up included), "
                   f"{counts.get('committed', 0)} committed, {counts.get('redone', 0)} redone "
-                  f"({counts.get('redone', 0) / counts['speculated']:.0%}), {counts.get('dropped', 0)} dropped")
+                  f"({counts.get('redone', 0) / max(speculated, 1):.0%}), {counts.get('dropped', 0)} dropped, "
+                  f"{counts.get('held_back', 0)} held back (updated at the step); "
+                  f"{counts.get('left_running', 0)} redone or held back left running by a step that ended early")
     if gpu and "fastopt:0" in by and "fastopt:1" in by:
         per_quarter = (by["fastopt:0"]["peak_gib"] - by["fastopt:1"]["peak_gib"]) / 4
         print(f"\nGPU memory saved per 25% of offload: {per_quarter:.2f} GiB")

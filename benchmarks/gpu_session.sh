@@ -42,9 +42,11 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # update ran on every core, so the CPU step's thread count comes first (":t14" leaves two of the
 # 16 cores to the thread that launches the GPU's work and to the copies), then the streamed step
 # that ends before its CPU updates (":module": the next forward runs beside them, first layer
-# first; since 2026-11-28, unmeasured), then the rows that check the rest. gpt_offload.py measures the bound's terms first (the CPU update's rate, the
+# first; since 2026-11-28, unmeasured) and the clipped step that ends before the updates it redoes or held
+# back (":module:clip", unmeasured; clipping multiplies each bucket's gradients in its update), then the
+# rows that check the rest. gpt_offload.py measures the bound's terms first (the CPU update's rate, the
 # pinned copies), about 10 s. A row takes 38-47 s (start and imports 17-23 s of it).
-HEADLINE="plain,fastopt:1:stream,fastopt:1:stream:t14,fastopt:1:stream:module,fastopt:1:delayed:t14,fastopt:1,fastopt:1:stream:clip,fastopt:0.5:stream,fastopt:auto:stream,fastopt:1:stream:bf16-true,fastopt:1:delayed"
+HEADLINE="plain,fastopt:1:stream,fastopt:1:stream:t14,fastopt:1:stream:module,fastopt:1:delayed:t14,fastopt:1,fastopt:1:stream:clip,fastopt:1:stream:module:clip,fastopt:0.5:stream,fastopt:auto:stream,fastopt:1:stream:bf16-true,fastopt:1:delayed"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, with FSDP's
 # CPUOffloadPolicy, the same with offload_parameters=True (our CPU kernels updating the host shards in

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,6 +24,17 @@ from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
 
 
 UNPLANNED = object()  # bucket_step's plan when none was fixed before
+
+
+class Plan(NamedTuple):
+    """One share's update as :meth:`ShareUpdates.plan` fixed it."""
+
+    updated: list[ParamSlot]  # the slots that have a gradient
+    sources: dict[Tensor, Tensor]  # each one's master -> the gradient it reads
+    targets: dict[Tensor, Tensor] | None  # master -> the half copy written in the same pass
+    step_kwargs: dict[str, Any]  # for the user's own step
+    closure: Any  # the step's evaluated closure for it (None during backward)
+    scales: list[Tensor]  # factors the gradients are still to be multiplied by, in order (clipping)
 
 
 class ShareUpdates:
@@ -42,7 +53,8 @@ class ShareUpdates:
         plan = self.plan(inner, slots, step_kwargs)
         return self.run(inner, plan, grad_scale, context) if plan is not None else []
 
-    def plan(self, inner: FusedOptimizer, slots: list[ParamSlot], step_kwargs: dict[str, Any] | None = None):
+    def plan(self, inner: FusedOptimizer, slots: list[ParamSlot],
+             step_kwargs: dict[str, Any] | None = None) -> Plan | None:
         """What a step of ``inner`` over ``slots`` will read and write, fixed now: the user's
         current hyperparameters (where LR schedulers write) copied in, the slots that have
         a gradient, each one's gradient and half copy, the keyword arguments for the
@@ -65,9 +77,9 @@ class ShareUpdates:
             if s.param.dtype != s.master.dtype:
                 targets[s.master] = s.weight() if written_in_place(s) else s.host_copy
         step_kwargs = dict(opt.step_kwargs if step_kwargs is None else step_kwargs)
-        return (updated, sources, targets or None, step_kwargs, opt.step_closure, scales) if updated else None
+        return Plan(updated, sources, targets or None, step_kwargs, opt.step_closure, scales) if updated else None
 
-    def run(self, inner: FusedOptimizer, plan, grad_scale, context) -> list[ParamSlot]:
+    def run(self, inner: FusedOptimizer, plan: Plan, grad_scale, context) -> list[ParamSlot]:
         """Step ``inner`` as :meth:`plan` fixed it; a host bucket's update is the profiler
         range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
         updated, sources, targets, step_kwargs, closure, scales = plan
@@ -97,8 +109,8 @@ class ShareUpdates:
         plan = self.plan(inner, slots)
         if plan is None:
             return {}
-        updated, sources = plan[0], plan[1]
-        _apply(plan[5], sources)  # (the update's plan, made later, finds them applied)
+        updated, sources = plan.updated, plan.sources
+        _apply(plan.scales, sources)  # (the update's plan, made later, finds them applied)
         inner.grad_source = sources
         try:
             sums = inner.norm_sums(grad_scale, context)
