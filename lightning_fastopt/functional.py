@@ -206,6 +206,15 @@ def by_device(tensors: TensorList) -> list[list[Tensor]]:
     return list(lists.values())
 
 
+def scale_grads_(grads: TensorList, factor: Tensor) -> None:
+    """Multiply each tensor in place by ``factor`` (a float32 tensor: clipping's coefficient),
+    as ``torch._foreach_mul_`` does, on each one's device (``factor`` moved there); a tensor
+    listed twice is multiplied once."""
+    unique = list({id(g): g for g in grads}.values())
+    for same in by_device(unique):
+        torch._foreach_mul_(same, factor.to(same[0].device))
+
+
 def grads_all_finite(grads: TensorList) -> bool:
     """True when no gradient holds inf or NaN (the tensors may be on several devices)."""
     return all(bool(_call(_route(same), "all_finite", tensors=list(same))) for same in by_device(grads))

@@ -560,13 +560,13 @@ def test_clipping_multiplies_a_host_buckets_gradients_in_its_update_on_the_threa
     from lightning_fastopt.offload import share_updates
 
     threads = []
-    real = share_updates.multiply
+    real = share_updates.scale_grads_
 
     def noted(grads, coef):
         threads.append(threading.current_thread().name)
         real(grads, coef)
 
-    monkeypatch.setattr(share_updates, "multiply", noted)
+    monkeypatch.setattr(share_updates, "scale_grads_", noted)
     x = _inputs(1)[0]
 
     def run(speculate, waits):

@@ -22,7 +22,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor
 
 from lightning_fastopt.runtime.distributed import all_reduce_scalar
-from lightning_fastopt.functional import by_device, grads_all_finite, unscale_grads_
+from lightning_fastopt.functional import grads_all_finite, scale_grads_, unscale_grads_
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.optim.closure import evaluates_closure_again
 from lightning_fastopt.optim.takeover import engine_of
@@ -216,8 +216,7 @@ class PrecisionCore:
         if isinstance(engine, OptimizerWrapper):  # (an offload optimizer multiplies host gradients in their update)
             engine.scale_gradients(coef)
         else:
-            for same in by_device(grads):
-                torch._foreach_mul_(same, coef.to(same[0].device))
+            scale_grads_(grads, coef)
         return total
 
     # ------------------------------------------------------------------ checkpoints

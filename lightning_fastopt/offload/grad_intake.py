@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_fastopt.functional import by_device
+from lightning_fastopt.functional import scale_grads_
 from lightning_fastopt.offload.grad_norms import DeviceGradNorms
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.offload.weight_watch import changed_flags
@@ -211,7 +211,7 @@ class GradIntake:
         one now (the step copies them from ``p.grad``)."""
         grads = self.read()  # (every gradient landed; the factors left before applied)
         if self.mode == "keep":
-            multiply([g for _, g in grads], coef)
+            scale_grads_([g for _, g in grads], coef)
             return
         now: list[Tensor] = []
         later: dict[HostBucket, None] = {}
@@ -226,14 +226,14 @@ class GradIntake:
             host = coef.detach().to("cpu", torch.float32, copy=True)
             for b in later:
                 b.scales.append(host)
-        multiply(now, coef)
+        scale_grads_(now, coef)
 
     def apply_scales(self, bucket: HostBucket) -> None:
         """The bucket's gradients multiplied by the factors :meth:`scale` left, now."""
         scales, bucket.scales = bucket.scales, []
         grads = [g for g in (self.grad_of(s) for s in bucket.slots) if g is not None]
         for coef in scales:
-            multiply(grads, coef)
+            scale_grads_(grads, coef)
 
     def take_scales(self, slots: list[ParamSlot]) -> list[Tensor]:
         """The factors the host bucket of ``slots`` has still to multiply its gradients by,
@@ -285,10 +285,3 @@ class GradIntake:
     def remove(self) -> None:
         self.hooks.remove()
 
-
-def multiply(grads: list[Tensor], coef: Tensor) -> None:
-    """``torch._foreach_mul_`` of ``grads`` by ``coef`` (moved to each one's device), each
-    tensor once."""
-    unique = list({id(g): g for g in grads}.values())
-    for same in by_device(unique):
-        torch._foreach_mul_(same, coef.to(same[0].device))

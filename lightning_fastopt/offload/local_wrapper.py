@@ -6,9 +6,7 @@ driver sets and reads of the step itself goes straight to that one."""
 
 from __future__ import annotations
 
-import torch
-
-from lightning_fastopt.functional import by_device
+from lightning_fastopt.functional import scale_grads_
 from lightning_fastopt.offload.optimizer import OffloadOptimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 
@@ -46,8 +44,7 @@ class LocalOffloadWrapper(OptimizerWrapper):
         local = {id(g) for g in self.local.gradients()}
         others = [g for g in self.gradients() if id(g) not in local]
         self.local.scale_gradients(coef)
-        for same in by_device(others):
-            torch._foreach_mul_(same, coef.to(same[0].device))
+        scale_grads_(others, coef)
 
     def leading_share(self):
         return self.local.leading_share()

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_fastopt.offload.grad_intake import multiply
+from lightning_fastopt.functional import scale_grads_
 from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_in_bucket,
                                              written_in_place)
 from lightning_fastopt.optim.base import FusedOptimizer, copy_hyperparameters
@@ -182,4 +182,4 @@ class ShareUpdates:
 def _apply(scales: list[Tensor], sources: dict[Tensor, Tensor]) -> None:
     """Multiply the gradients a plan reads by the factors it took, in order."""
     for coef in scales:
-        multiply(list(sources.values()), coef)
+        scale_grads_(list(sources.values()), coef)

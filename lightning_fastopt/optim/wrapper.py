@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.functional import by_device
+from lightning_fastopt.functional import scale_grads_
 from lightning_fastopt.optim.base import COMPUTE, FusedOptimizer, duplicates_warned_already, run_step
 from lightning_fastopt.optim.closure import LeadingStep, StepClosure
 
@@ -172,8 +172,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         clipping by norm), each as ``torch._foreach_mul_`` multiplies it on its device; an
         offload optimizer multiplies a host bucket's in its update, where they are read
         (:meth:`OffloadOptimizer.scale_gradients <lightning_fastopt.offload.OffloadOptimizer.scale_gradients>`)."""
-        for same in by_device(self.gradients()):
-            torch._foreach_mul_(same, coef.to(same[0].device))
+        scale_grads_(self.gradients(), coef)
 
     def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:
         """The L2 norm of every gradient the next step reads, unscaled by ``grad_scale``
