@@ -240,7 +240,11 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         clipping and unscaling multiply, as they multiply the DTensor's under torch).
         Overflow checks and norms over them span the ranks."""
         self._take_gradients()
-        return self.local.gradients() + [_local(p.grad) for p in self._at_step if p.grad is not None]
+        return self.local.gradients() + self._gradients_beside_local()
+
+    def _gradients_beside_local(self) -> list[Tensor]:
+        """This rank's part of each gradient taken at the step."""
+        return [_local(p.grad) for p in self._at_step if p.grad is not None]
 
     @override
     def gradient_norm(self, grad_scale: float = 1.0) -> Tensor:

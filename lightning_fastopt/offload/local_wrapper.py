@@ -40,11 +40,14 @@ class LocalOffloadWrapper(OptimizerWrapper):
 
     def scale_gradients(self, coef) -> None:
         """The local optimizer's gradients multiplied its way (a host bucket's in its
-        update), any other this wrapper's step reads (FSDP's taken at the step) now."""
-        local = {id(g) for g in self.local.gradients()}
-        others = [g for g in self.gradients() if id(g) not in local]
+        update), the others this wrapper's step reads (:meth:`_gradients_beside_local`) now."""
+        self.gradients()  # (final once read: ZeRO's reductions finished, FSDP's rows taken)
         self.local.scale_gradients(coef)
-        scale_grads_(others, coef)
+        scale_grads_(self._gradients_beside_local(), coef)
+
+    def _gradients_beside_local(self) -> list:
+        """The gradients the step reads besides the local optimizer's (FSDP's taken at the step)."""
+        return []
 
     def leading_share(self):
         return self.local.leading_share()
