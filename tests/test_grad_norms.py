@@ -8,13 +8,17 @@ the norms of the norms on the device.
 On the accelerator code path (``copy_on_cpu=True``) the "device" gradients are CPU tensors
 apart from their host copies: the tests check which tensors the norms were taken of."""
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
-from lightning_fastopt import FastOptPrecision, FusedSGD
+from lightning_fastopt import FastOptPrecision, FastOptStrategy, FusedSGD
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
+from tests.helpers import assert_modules_equal
+from tests.test_precision import _data
+from tests.test_strategy import Model
 
 
 def _model():
@@ -95,6 +99,57 @@ def test_loss_scaled_float16_gradients_are_normed_in_float32_and_unscaled():
     assert all(torch.isfinite(p.grad).all() for p in ours.parameters()) and torch.isfinite(expected)
     assert torch.equal(opt.gradient_norm(2.0 ** 10), expected)
     opt.close()
+
+
+@pytest.mark.parametrize("device_grads", ["copy_in_backward", "copy_at_step", "keep"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_norm_asked_for_after_the_gradients_were_written_is_of_the_gradients_as_written(fraction, device_grads):
+    """Clipped, then the norm asked for again (a second clipping in one step), or clamped
+    in place first: torch's norm of the gradients as they are then (before: the first
+    norm, taken on the device before the gradients were written, came back)."""
+    ours, ref = _model(), _model()
+    opt = OffloadOptimizer(FusedSGD(ours.parameters(), lr=0.1), {p: n for n, p in ours.named_parameters()},
+                           offload_fraction=fraction, bucket_size_mb=0.001, copy_on_cpu=True,
+                           device_grads=device_grads)
+    _backward(ours)
+    _backward(ref)
+    grads = [p.grad for p in ref.parameters()]
+    assert torch.equal(opt.gradient_norm(), torch.nn.utils.get_total_norm(grads))
+    coef = torch.tensor(0.25)
+    opt.scale_gradients(coef)
+    torch._foreach_mul_(grads, coef)
+    assert torch.equal(opt.gradient_norm(), torch.nn.utils.get_total_norm(grads))
+    for g in opt.gradients():
+        g.clamp_(-0.01, 0.01)
+    for g in grads:
+        g.clamp_(-0.01, 0.01)
+    assert torch.equal(opt.gradient_norm(), torch.nn.utils.get_total_norm(grads))
+    opt.close()
+
+
+class _ClipsTwice(Model):
+    """Its own clipping: by value, then by norm twice (each norm of the gradients as the
+    last clipping left them)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.2, gradient_clip_algorithm="value")
+        self.clip_gradients(optimizer, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+        self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("kw", [dict(offload_fraction=0.5), dict(offload_fraction=0.5, copy_on_cpu=True),
+                                dict(offload_fraction=1.0, copy_on_cpu=True, stream_cpu_step=True)],
+                         ids=["cpu", "accelerator-path", "accelerator-path-speculated"])
+def test_under_the_trainer_clipping_twice_in_a_step_ends_where_trainer_ends(kw):
+    def fit(strategy):
+        model = _ClipsTwice(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, _data())
+        return model
+
+    ours = fit(FastOptStrategy(bucket_size_mb=0.0002, **kw))
+    assert_modules_equal(ours, fit("auto"))
 
 
 @pytest.mark.cuda

@@ -125,6 +125,15 @@ class GradIntake:
             copies.grad_to_host(slot.of(g), slot.host_grad)
             slot.grad_sent = True
 
+    def key_of(self, slot: ParamSlot) -> tuple[int, ...]:
+        """The version counters of the tensors the step reads for ``slot``'s parameter (every
+        piece's; ``p.grad`` where it stays): a write to any of them moves one."""
+        if self.mode == "keep":
+            g = slot.param.grad
+            return () if g is None else (g._version,)
+        grads = (self.grad_of(s) for s in self.opt.layout.pieces_of[slot.param])
+        return tuple(-1 if g is None else g._version for g in grads)
+
     def _free(self, param: Tensor, g: Tensor | None) -> None:
         """Once every slot of ``param`` has sent its part of ``g``: the device no longer needs it."""
         if g is not None and self.opt.copies.needed and self.mode != "keep":
@@ -143,7 +152,18 @@ class GradIntake:
             copies.result_to_host(lambda: changed_flags(params, prints), bucket.written_flags)
         copies.mark_grads_sent(bucket.grads_ready)
         bucket.recorded = True
+        self._note_norms_of(bucket)
         self.opt.schedule.grads_landed(bucket)
+
+    def _note_norms_of(self, bucket: HostBucket) -> None:
+        """The bucket's copies are all issued: the norms taken on the device as they left are
+        of the host copies as they are now, for each parameter whose every piece's bucket
+        is (host buffers are views of one buffer per bucket, sharing a version counter)."""
+        pieces = self.opt.layout.pieces_of
+        for s in bucket.slots:
+            lead = pieces[s.param][0]
+            if all(p.bucket.recorded for p in pieces[s.param]):
+                self.norms.sent(lead, self.key_of(lead))
 
     # ------------------------------------------------------------------ at the step
     def send_pending(self) -> None:
@@ -251,14 +271,14 @@ class GradIntake:
         grads = dict(self.read())  # (a split parameter's: one of its pieces')
         opt = self.opt
         return self.norms.total(opt.param_groups, opt._slot_of, lambda s: s.param in grads, self._whole(grads),
-                                grad_scale)
+                                self.key_of, grad_scale)
 
     def gradient_norms_by_param(self, grad_scale: float = 1.0) -> dict[Tensor, Tensor]:
         """The norm of each gradient the next step reads, taken as :meth:`gradient_norm`
         takes it (for optimizers that combine the norms over ranks)."""
         grads = dict(self.read())
         slots = [self.opt._slot_of[p] for p in grads]
-        norms = self.norms.of(slots, self._whole(grads), grad_scale)
+        norms = self.norms.of(slots, self._whole(grads), self.key_of, grad_scale)
         return {s.param: norms[s] for s in slots}
 
     def by_param(self) -> dict[Tensor, Tensor]:

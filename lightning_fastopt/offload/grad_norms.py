@@ -13,7 +13,13 @@ leaves (one ``_foreach_norm`` per bucket and dtype: a tensor's norm does not dep
 the list it is in), and the total is computed as torch computes it, on the device.
 
 A gradient added to its host copy by a second backward before the step has no device
-norm (the sum exists on the host only): its norm is taken from the host copy there.
+norm (the sum exists on the host only): its norm is taken from the host copy there.  So
+has one written in place since its norm was taken (clipped twice in one step, clamped by
+value before the norm, or edited by user code where ``p.grad`` stays): each norm holds
+the version counters of the tensors it was taken for (``key_of``), and a norm asked for
+once they moved is taken again where the gradient is now (an offloaded one's from its
+host copy: on a GPU that rounding is the CPU's, not torch's CUDA reduction's, which only
+a norm taken before the gradient left could give).
 
 With fp16 loss scaling the norms are of the scaled gradients, and a float16 gradient's
 norm (``16-true``) overflows float16 once it passes 65504: a norm an fp16 run's clipping
@@ -43,11 +49,18 @@ class DeviceGradNorms:
     def __init__(self) -> None:
         self._leaving: dict[HostBucket, list[tuple[ParamSlot, Tensor]]] = defaultdict(list)
         self._norms: dict[ParamSlot, Tensor] = {}
+        self._keys: dict[ParamSlot, tuple[int, ...]] = {}  # the version counters each norm was taken at
 
     def leaving(self, slot: ParamSlot, grad: Tensor) -> None:
         """``grad``, the slot's gradient on the device, is about to be copied to the host
         (kept here until its bucket's norms are taken)."""
         self._leaving[slot.bucket].append((slot, grad))
+
+    def sent(self, slot: ParamSlot, key: tuple[int, ...]) -> None:
+        """Every copy of the slot's gradient (and of whatever shares the host copies'
+        version counters) is issued; ``key``: those counters now, which a norm taken on the
+        device as it left (:meth:`leaving`) is of."""
+        self._keys[slot] = key
 
     def added_on_host(self, slot: ParamSlot) -> None:
         """A second backward's gradient was added to the host copy: no device norm of the sum."""
@@ -63,13 +76,18 @@ class DeviceGradNorms:
     def clear(self) -> None:
         self._leaving.clear()
         self._norms.clear()
+        self._keys.clear()
 
-    def of(self, slots: list[ParamSlot], grad_of, grad_scale: float = 1.0) -> dict[ParamSlot, Tensor]:
+    def of(self, slots: list[ParamSlot], grad_of, key_of, grad_scale: float = 1.0) -> dict[ParamSlot, Tensor]:
         """Each slot's gradient norm, unscaled by ``grad_scale``, in the gradient's dtype
-        (``grad_of``: where its whole gradient is now, read only where no norm was taken):
-        the one taken on the device where there is one, else ``_foreach_norm`` where the
-        gradient is (the device share's gradients, host-only sums)."""
-        self._take({s: grad_of(s) for s in slots if s not in self._norms})
+        (``grad_of``: where its whole gradient is now, read only where no norm holds;
+        ``key_of``: the version counters of the tensors the step reads for it now): the
+        one taken on the device where it still holds (nothing wrote the gradient since),
+        else ``_foreach_norm`` where the gradient is (the device share's gradients,
+        host-only sums, gradients written since)."""
+        keys = {s: key_of(s) for s in slots}
+        self._take({s: grad_of(s) for s in slots if s not in self._norms or self._keys.get(s) != keys[s]})
+        self._keys.update(keys)
         return {s: unscaled_norm(self._norms[s], s.param.dtype, grad_scale) for s in slots}
 
     def _take(self, grads: dict[ParamSlot, Tensor]) -> None:
@@ -78,7 +96,7 @@ class DeviceGradNorms:
         for slots in by_device_and_dtype(grads).values():
             self._norms.update(zip(slots, norms_of([grads[s] for s in slots])))
 
-    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], has_grad, grad_of,
+    def total(self, param_groups, slot_of: dict[Tensor, ParamSlot], has_grad, grad_of, key_of,
               grad_scale: float = 1.0) -> Tensor:
         """The norm ``torch.nn.utils.get_total_norm`` takes of the parameters' gradients
         (every listing of a parameter that ``has_grad``, in the groups' order; :meth:`of` for
@@ -87,7 +105,7 @@ class DeviceGradNorms:
         listed = [s for s in listed if has_grad(s)]
         if not listed:
             return torch.tensor(0.0)
-        norms = self.of(listed, grad_of, grad_scale)
+        norms = self.of(listed, grad_of, key_of, grad_scale)
         groups: dict[torch.dtype, list[Tensor]] = defaultdict(list)
         for s in listed:  # get_total_norm's grouping: by the gradients' dtype (the parameters'), as they appear
             groups[s.param.dtype].append(norms[s])
