@@ -653,7 +653,11 @@ def _leading_steps_only(calls):
 
 ORDER_STRATEGIES = {**STRATEGIES,  # and through ZeroOptimizer, whose local offload optimizer's share leads
                     "zero2-one-process": lambda: FastOptStrategy(zero_stage=2, offload_fraction=0.5, copy_on_cpu=True,
-                                                                 per_parameter_optimizers=PER_PARAMETER)}
+                                                                 per_parameter_optimizers=PER_PARAMETER),
+                    # each module's forward waiting for its own weights: a step of its own is not left to the worker
+                    "offloaded-accelerator-path-module-waits": lambda: FastOptStrategy(
+                        offload_fraction=1.0, copy_on_cpu=True, forward_waits="module",
+                        per_parameter_optimizers=PER_PARAMETER)}
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])

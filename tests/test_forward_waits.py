@@ -114,10 +114,11 @@ def test_half_offloaded_the_device_share_runs_before_any_wait(monkeypatch):
     _step(model, opt, x)
     mark = len(log.entries)
     model(x)
-    # the copies run in the order sent (layer 3's bucket, then layer 2's): waiting for layer
-    # 2's waits for both, so layer 3 needs no wait of its own
+    # the step ended before its host updates (left to the worker, layer 2's first): each
+    # offloaded layer waits for its own update and copy just before it runs
+    assert opt.schedule.ends_early
     assert _named(log.since(mark), opt, model) == [("forward", "0"), ("forward", "1"), ("wait", "2"),
-                                                    ("forward", "2"), ("forward", "3")]
+                                                    ("forward", "2"), ("wait", "3"), ("forward", "3")]
     opt.close()
 
 
@@ -173,8 +174,8 @@ def test_a_bucket_with_a_parameter_no_module_waits_for_is_waited_for_at_the_step
     assert root_bucket is opt._buckets[-1]  # registered first: its gradient comes last
     x = torch.randn(8, 16)
     _step(model, opt, x)
-    assert ("wait", root_bucket.params_sent) in log.entries  # at the step's end: it was sent last
-    assert not opt._in_flight
+    assert ("wait", root_bucket.params_sent) in log.entries  # at the step's end (its update first)
+    assert root_bucket not in opt._in_flight._sent  # (the others' updates may still run: each module waits)
     opt.close()
 
 
@@ -330,20 +331,22 @@ class _HeldWorker:
         self._release.set()
 
 
-def _streamed(model, mode="module", lr=1e-2):
+def _streamed(model, mode="module", lr=1e-2, stream=True):
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=lr), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, stream_cpu_step=True)
+                           bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, stream_cpu_step=stream)
     waits = ForwardWaits(model, lambda: [opt])
     opt.modules_wait_for(waits.covered)
     return opt
 
 
-def test_a_streamed_step_ends_before_its_updates_and_each_forward_waits_for_its_own():
-    """The worker held, every bucket's update is still queued when ``step()`` returns; the
-    next forward's first module waits for its bucket's update (on the host), then for its
-    copy; the run ends where waiting at the step ends."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "at-the-step"])
+def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(stream):
+    """The worker held, every bucket's update is still queued when ``step()`` returns
+    (streamed: queued as its gradients landed; at the step: all left then); the next
+    forward's first module waits for its bucket's update (on the host), then for its copy;
+    the run ends where waiting at the step ends."""
     model = _net()
-    opt = _streamed(model)
+    opt = _streamed(model, stream=stream)
     assert opt.schedule.ends_early
     x = torch.randn(8, 16)
     _step(model, opt, x)
@@ -373,7 +376,7 @@ def test_a_streamed_step_ends_before_its_updates_and_each_forward_waits_for_its_
         _step(model, opt, x)
     opt.close()
     ref = _net()
-    ref_opt = _streamed(ref, mode="step")
+    ref_opt = _streamed(ref, mode="step", stream=stream)
     for _ in range(4):
         _step(ref, ref_opt, x)
     ref_opt.close()
@@ -381,7 +384,8 @@ def test_a_streamed_step_ends_before_its_updates_and_each_forward_waits_for_its_
         assert torch.equal(a, b)
 
 
-def test_the_updates_left_at_the_step_keep_the_steps_hyperparameters():
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "at-the-step"])
+def test_the_updates_left_at_the_step_keep_the_steps_hyperparameters(stream):
     """The worker held until the step has returned and an LR scheduler has moved the
     learning rate: each update still takes the rate of the step that left it, as waiting
     at the step does."""
@@ -389,7 +393,7 @@ def test_the_updates_left_at_the_step_keep_the_steps_hyperparameters():
 
     def run(mode):
         model = _net(depth=5)
-        opt = _streamed(model, mode)
+        opt = _streamed(model, mode, stream=stream)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         _step(model, opt, x)
         scheduler.step()

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from torch import Tensor
+
 from lightning_fastopt.offload.share_updates import UNPLANNED
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 
@@ -38,12 +40,44 @@ def ends_early(opt) -> bool:
 
 
 class UpdateQueue:
-    """The updates waiting for the worker of one offload optimizer (``opt``)."""
+    """The updates waiting for the worker of one offload optimizer (``opt``), and those the
+    last step left running (:meth:`leave`)."""
 
     def __init__(self, optimizer) -> None:
         self.opt = optimizer
         self.lock = threading.Lock()  # the queue and its plans; a schedule may guard its own records with it
         self._queued: dict[HostBucket, tuple[Future, Update, Any]] = {}  # in the order queued
+        self._left: list[Future] = []  # the updates the last step left running
+
+    def put_after_step(self, buckets: list[HostBucket], grad_scale, context,
+                       before: Callable[[HostBucket], None] | None = None) -> dict[HostBucket, Future]:
+        """Each bucket's update in the step now ending, left to the worker: its plan fixed
+        now (this step's hyperparameters; ``grad_scale`` and ``context`` copied, as a scaler
+        writes its scale in place), ``before(bucket)`` first where given, the new weights
+        sent behind the compute stream as the step found it.  A bucket without a gradient
+        has none."""
+        opt = self.opt
+        grad_scale, context = frozen(grad_scale), frozen(context)
+
+        def update(bucket: HostBucket, plan) -> list[ParamSlot]:
+            if before is not None:
+                before(bucket)
+            return opt.updates.bucket_step(bucket, grad_scale, context, opt._compute_done, plan=plan)
+
+        plans = {b: opt.updates.plan(b.inner, b.slots) for b in buckets}
+        return self.put_all({b: (update, plan) for b, plan in plans.items() if plan is not None})
+
+    def leave(self, left: dict[HostBucket, Future]) -> None:
+        """The step returns with these updates queued or running: a module's forward waits
+        for its bucket's (the weights in flight), :meth:`wait_left` for all."""
+        self._left = list(left.values())
+        self.opt._in_flight.updating(left)
+
+    def wait_left(self) -> None:
+        """The updates the last step left running have ended."""
+        futures, self._left = self._left, []
+        for f in futures:
+            f.result()
 
     def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED) -> Future:
         """Queue ``update(bucket, plan)`` for the worker; ``plan``: fixed already, else when
@@ -89,3 +123,8 @@ class UpdateQueue:
             future.set_exception(error)
             return
         future.set_result(updated)
+
+
+def frozen(value: Any) -> Any:
+    """A copy that later in-place writes do not change (a tensor learning rate, a tensor scale)."""
+    return value.detach().clone() if isinstance(value, Tensor) else value

@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_fastopt.offload.left_running import UpdateQueue, ends_early
+from lightning_fastopt.offload.left_running import UpdateQueue, ends_early, frozen
 from lightning_fastopt.offload.schedule import CpuStepSchedule, Sent
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, written_in_bucket, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot
@@ -119,7 +119,6 @@ class SpeculativeStep(CpuStepSchedule):
         self._open = True  # speculation starts only during backward, not once the step has begun
         self._rebased = False  # the gradients' versions taken again once backward ended (this step)
         self._queue = UpdateQueue(optimizer)  # updates left running by a step that ends early
-        self._after_step: list[Future] = []
 
     @property
     def ends_early(self) -> bool:
@@ -132,7 +131,7 @@ class SpeculativeStep(CpuStepSchedule):
         opt = self.opt
         if not (opt.lands_during_backward and self._open):
             return
-        spec = Speculation(_grad_versions(opt, bucket), _frozen(opt.expected_grad_scale),
+        spec = Speculation(_grad_versions(opt, bucket), frozen(opt.expected_grad_scale),
                            opt.optimizer.unclipped_context(), _hyperparameters(opt.param_groups),
                            dict(opt.step_kwargs))
         if not self._speculating():
@@ -198,12 +197,12 @@ class SpeculativeStep(CpuStepSchedule):
         self._counts["held_back"] += len(self.watched)
         watched, self.watched = self.watched, {}
         later = self.ends_early
-        leaving: dict[HostBucket, tuple] = {}  # updates left to the worker: (update, plan)
+        leaving: list[HostBucket] = []  # updates left to the worker (ends_early), in the buckets' order
+        redo: set[HostBucket] = set()  # of those, the redone ones (their snapshot put back first)
         for b in opt._buckets:
             if b not in done:
                 if later and b in watched:
-                    leaving[b] = (self._after_step_update(grad_scale, context, restore=False),
-                                  opt.updates.plan(b.inner, b.slots))
+                    leaving.append(b)
                     continue
                 w, s = self.in_line([b], grad_scale, context)
             else:
@@ -219,8 +218,8 @@ class SpeculativeStep(CpuStepSchedule):
                     w, s = updated, [b] if updated else []
                 elif later:
                     self._counts["redone"] += 1
-                    leaving[b] = (self._after_step_update(grad_scale, context, restore=True),
-                                  opt.updates.plan(b.inner, b.slots))
+                    leaving.append(b)
+                    redo.add(b)
                     continue
                 else:
                     self._counts["redone"] += 1
@@ -230,23 +229,11 @@ class SpeculativeStep(CpuStepSchedule):
                     self._redo_ms += (opt._timer.now() - started) * 1e3
             written, sent = written + w, sent + s
         self._predict(held)
-        self._counts["left_running"] += len(leaving)
-        left = self._queue.put_all(leaving)
-        self._after_step = list(left.values())
-        opt._in_flight.updating(left)
+        left = self._queue.put_after_step(leaving, grad_scale, context,
+                                          before=lambda b: self.snapshots[b].restore(b.inner) if b in redo else None)
+        self._counts["left_running"] += len(left)
+        self._queue.leave(left)
         return written, sent + list(left)
-
-    def _after_step_update(self, grad_scale, context, restore: bool):
-        """A bucket's update left to the worker (:class:`~lightning_fastopt.offload.left_running.UpdateQueue`'s
-        ``Update``): its snapshot put back first where it redoes a speculation (timed into
-        ``cpu_step_background``, not ``redo``)."""
-        grad_scale, context = _frozen(grad_scale), _frozen(context)  # (a scaler updates its scale in place)
-
-        def update(bucket: HostBucket, plan) -> list[ParamSlot]:
-            if restore:
-                self.snapshots[bucket].restore(bucket.inner)
-            return self.opt.updates.bucket_step(bucket, grad_scale, context, self.opt._compute_done, plan=plan)
-        return update
 
     def _speculating(self) -> bool:
         return self._misses() <= self.misses_allowed
@@ -288,9 +275,7 @@ class SpeculativeStep(CpuStepSchedule):
         """The state is about to be read or replaced: the updates the last step left
         running have ended, and updates no step has taken are undone (a step redoes them),
         so nobody sees a speculated state."""
-        futures, self._after_step = self._after_step, []
-        for f in futures:
-            f.result()
+        self._queue.wait_left()
         self._drop()
 
     def breakdown(self) -> dict[str, float]:
@@ -362,12 +347,9 @@ def _grad_versions(opt, bucket: HostBucket) -> list[int]:
 
 
 def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: _frozen(v) for k, v in hyperparameters(g).items()} for g in groups]
+    return [{k: frozen(v) for k, v in hyperparameters(g).items()} for g in groups]
 
 
-def _frozen(value: Any) -> Any:
-    """A copy that later in-place writes do not change (a tensor learning rate, a tensor scale)."""
-    return value.detach().clone() if isinstance(value, Tensor) else value
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -45,7 +45,6 @@ class StreamedStep(CpuStepSchedule):
         self.started = 0  # buckets whose update started during backward, over the whole run (tests, benchmarks)
         self._queue = UpdateQueue(optimizer)  # its lock guards the finished list too
         self._finished: list[HostBucket] = []  # this step's, in the order the worker ended them
-        self._after_step: list[Future] = []  # updates the last step left running (ends_early)
 
     @property
     def ends_early(self) -> bool:
@@ -133,15 +132,12 @@ class StreamedStep(CpuStepSchedule):
             if b not in futures:
                 w, s = self.in_line([b], grad_scale, context)
                 written, sent = written + w, sent + s
-        self._after_step = list(left.values())
-        opt._in_flight.updating(left)
+        self._queue.leave(left)
         return written, sent + [b for b in opt._buckets if b in left]
 
     def wait(self) -> None:
         """The updates the last step left running (ends_early) have ended."""
-        futures, self._after_step = self._after_step, []
-        for f in futures:
-            f.result()
+        self._queue.wait_left()
 
     def end(self) -> None:
         self.join()  # a backward that was not followed by a step (an error): let it finish
