@@ -57,6 +57,8 @@ CONFIGS = {
     "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"], None),
     # the same clipped (speculated): each step ends before the updates it redoes or held back
     "offload-speculated-ending-early": ("ddp_run.py", ["module_streamed", "{out}"], None),
+    # half offloaded, gradients copied at the step (after DDP's reduction), updated after it ends
+    "offload-at-the-step-ending-early": ("ddp_run.py", ["module_waits", "{out}"], None),
 }
 TIMING_COUNTERS = ("buckets_", "handed_over_in_backward")
 

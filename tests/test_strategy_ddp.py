@@ -79,9 +79,11 @@ def test_two_process_fastopt_matches_plain_ddp(tmp_path, reference, strategy):
 
 def test_two_process_forward_waits_by_module_match_plain_ddp(tmp_path, reference):
     """forward_waits="module" under DDP (gradients copied at the step, after DDP's
-    reduction): each module's forward waits for its own bucket, the weights are DDP's."""
+    reduction): each step ends before its host updates, each module's forward waits for
+    its own bucket, the weights are DDP's."""
     ours, ours_rank1 = _run("module_waits", tmp_path / "module.pt")
     assert ours.pop("waits_by_module", False) and ours_rank1.pop("waits_by_module", False)
+    assert ours.pop("steps_ended_early") and ours_rank1.pop("steps_ended_early")
     ref, _ = reference("ddp")
     for k in ref:
         assert torch.equal(ours[k], ours_rank1[k])  # ranks stay in sync
