@@ -52,7 +52,7 @@ HEADLINE="plain,fastopt:1:stream,fastopt:1:stream:t14,fastopt:1:stream:module,fa
 # CPUOffloadPolicy, the same with offload_parameters=True (our CPU kernels updating the host shards in
 # place: issue 52's >= 3x target; then streamed into backward), and fastopt_fsdp at fraction 1 (exact,
 # streamed), before the rest
-OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1:params,fastopt_fsdp:1:params:stream,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
+OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1:params,fastopt_fsdp:1:params:stream,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:1:module,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
 HEADLINE_STEPS="--warmup 7 --steps 8"
 
 # The CUDA bit-exactness tests against torch: Adam, AdamW, SGD and Adagrad in torch's foreach,
