@@ -369,6 +369,33 @@ def test_direct_io_moves_aligned_buffers_and_falls_back_where_the_file_system_ha
     assert os.listdir(tmp_path) == []
 
 
+FINALIZED_WHERE_THREADING_HOLDS_ITS_LOCKS = """
+import sys, threading
+from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty
+f = DirectFile(sys.argv[1], ALIGN)
+f.write_from(aligned_empty(ALIGN), 0).result()  # (the pool has a thread)
+with threading._shutdown_locks_lock:  # as a thread starting holds it while the collector may run
+    del f  # the finalizer
+print("closed")
+"""
+
+
+def test_a_file_collected_inside_threadings_bookkeeping_closes_without_joining(tmp_path):
+    """A finalizer runs wherever the collector does: once inside a thread's start, which
+    holds threading's shutdown locks, where joining the pool's threads deadlocked (the
+    suite hung there).  In a process of its own, which would hang."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    done = subprocess.run([sys.executable, "-c", FINALIZED_WHERE_THREADING_HOLDS_ITS_LOCKS, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0 and done.stdout.strip() == "closed", done.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
 # ---------------------------------------------------------------------------- under the Trainer
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(tmp_path, zero_stage):

@@ -79,18 +79,24 @@ class UpdateQueue:
         for f in futures:
             f.result()
 
-    def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED) -> Future:
+    def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED,
+            noted_in: dict[HostBucket, Future] | None = None) -> Future:
         """Queue ``update(bucket, plan)`` for the worker; ``plan``: fixed already, else when
-        the worker takes it.  The future ends with the slots it updated."""
-        return self.put_all({bucket: (update, plan)})[bucket]
+        the worker takes it; ``noted_in``: a schedule's record of its updates, where the
+        future goes under :attr:`lock` before the worker can take it.  The future ends with
+        the slots it updated."""
+        return self.put_all({bucket: (update, plan)}, noted_in)[bucket]
 
-    def put_all(self, updates: dict[HostBucket, tuple[Update, Any]]) -> dict[HostBucket, Future]:
+    def put_all(self, updates: dict[HostBucket, tuple[Update, Any]],
+                noted_in: dict[HostBucket, Future] | None = None) -> dict[HostBucket, Future]:
         """:meth:`put` each, all queued before the worker takes any (so that it takes
         them in its own order from the first)."""
         futures = {b: Future() for b in updates}
         with self.lock:
             for b, (update, plan) in updates.items():
                 self._queued[b] = (futures[b], update, plan)
+            if noted_in is not None:
+                noted_in.update(futures)
         for _ in updates:
             self.opt.updates.pool().submit(self._run_next)
         return futures

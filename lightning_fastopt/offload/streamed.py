@@ -60,7 +60,7 @@ class StreamedStep(CpuStepSchedule):
         if not opt.lands_during_backward:
             return
         opt.copies.mark_compute_done(bucket.backward_done)
-        self.running[bucket] = self._queue.put(bucket, self._update)
+        self._queue.put(bucket, self._update, noted_in=self.running)  # (before the worker may end it)
         self.started += 1
 
     def _update(self, bucket: HostBucket, plan) -> list[ParamSlot]:

@@ -166,16 +166,25 @@ class DirectFile:
                                 f"nvme_path={str(self.directory)!r} failed{full}: {e.strerror or e}")
 
     def close(self) -> None:
+        """Wait for the transfers in flight, then close the file."""
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=wait)
             self._pool = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
     def __del__(self) -> None:
+        """Close without joining the pool's threads: a finalizer runs wherever the garbage
+        collector does, even inside ``threading``'s own bookkeeping (a thread starting,
+        holding its shutdown locks), where joining a thread deadlocks (the suite hung there
+        once, 2026-11-28).  Nothing is in flight by then: each transfer queued holds this
+        object; the idle threads end on their own."""
         try:
-            self.close()
+            self._close(wait=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
