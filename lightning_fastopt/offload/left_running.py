@@ -1,13 +1,15 @@
 """Host buckets' updates queued for the worker thread, and the steps that end before them.
 
-The streamed and speculative schedules hand host buckets' updates to the optimizer's one
-worker thread (:meth:`~lightning_fastopt.offload.share_updates.ShareUpdates.pool`) through
-an :class:`UpdateQueue`: each update's plan is fixed when the worker takes it, or earlier
-by the step (:meth:`UpdateQueue.fix_plans`, ``put(..., plan=)``): the step's
-hyperparameters, which an LR scheduler moves as soon as the step returns.
+The streamed schedule hands host buckets' updates to the optimizer's one worker thread
+(:meth:`~lightning_fastopt.offload.share_updates.ShareUpdates.pool`) through an
+:class:`UpdateQueue` as their gradients land; each update's plan is fixed when the worker
+takes it, or earlier by the step (:meth:`UpdateQueue.fix_plans`, ``put(..., plan=)``): the
+step's hyperparameters, which an LR scheduler moves as soon as the step returns.
 
 Where a step may end before its updates (:func:`ends_early`: each module's forward waits
 for its own weights, ``forward_waits="module"``, and the state is in host memory), the
+streamed step leaves those still queued or running, and the synchronous and speculative
+steps leave the ones they would run in line (:meth:`UpdateQueue.put_after_step`); the
 worker takes the queued bucket the next forward needs first: the one latest in the
 buckets' order, which is the order backward produces the gradients in (the parameters'
 reversed: the first layers' land last).  Otherwise it takes them in the order queued.
@@ -49,36 +51,6 @@ class UpdateQueue:
         self._queued: dict[HostBucket, tuple[Future, Update, Any]] = {}  # in the order queued
         self._left: list[Future] = []  # the updates the last step left running
 
-    def put_after_step(self, buckets: list[HostBucket], grad_scale, context,
-                       before: Callable[[HostBucket], None] | None = None) -> dict[HostBucket, Future]:
-        """Each bucket's update in the step now ending, left to the worker: its plan fixed
-        now (this step's hyperparameters; ``grad_scale`` and ``context`` copied, as a scaler
-        writes its scale in place), ``before(bucket)`` first where given, the new weights
-        sent behind the compute stream as the step found it.  A bucket without a gradient
-        has none."""
-        opt = self.opt
-        grad_scale, context = frozen(grad_scale), frozen(context)
-
-        def update(bucket: HostBucket, plan) -> list[ParamSlot]:
-            if before is not None:
-                before(bucket)
-            return opt.updates.bucket_step(bucket, grad_scale, context, opt._compute_done, plan=plan)
-
-        plans = {b: opt.updates.plan(b.inner, b.slots) for b in buckets}
-        return self.put_all({b: (update, plan) for b, plan in plans.items() if plan is not None})
-
-    def leave(self, left: dict[HostBucket, Future]) -> None:
-        """The step returns with these updates queued or running: a module's forward waits
-        for its bucket's (the weights in flight), :meth:`wait_left` for all."""
-        self._left = list(left.values())
-        self.opt._in_flight.updating(left)
-
-    def wait_left(self) -> None:
-        """The updates the last step left running have ended."""
-        futures, self._left = self._left, []
-        for f in futures:
-            f.result()
-
     def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED,
             noted_in: dict[HostBucket, Future] | None = None) -> Future:
         """Queue ``update(bucket, plan)`` for the worker; ``plan``: fixed already, else when
@@ -108,6 +80,36 @@ class UpdateQueue:
             for b, (future, update, plan) in list(self._queued.items()):
                 if plan is UNPLANNED:
                     self._queued[b] = (future, update, updates.plan(b.inner, b.slots))
+
+    def put_after_step(self, buckets: list[HostBucket], grad_scale, context,
+                       before: Callable[[HostBucket], None] | None = None) -> dict[HostBucket, Future]:
+        """Each bucket's update in the step now ending, left to the worker: its plan fixed
+        now (this step's hyperparameters; ``grad_scale`` and ``context`` copied, as a scaler
+        writes its scale in place), ``before(bucket)`` first where given, the new weights
+        sent behind the compute stream as the step found it.  A bucket without a gradient
+        has none."""
+        opt = self.opt
+        grad_scale, context = frozen(grad_scale), frozen(context)
+
+        def update(bucket: HostBucket, plan) -> list[ParamSlot]:
+            if before is not None:
+                before(bucket)
+            return opt.updates.bucket_step(bucket, grad_scale, context, opt._compute_done, plan=plan)
+
+        plans = {b: opt.updates.plan(b.inner, b.slots) for b in buckets}
+        return self.put_all({b: (update, plan) for b, plan in plans.items() if plan is not None})
+
+    def leave(self, left: dict[HostBucket, Future]) -> None:
+        """The step returns with these updates queued or running: a module's forward waits
+        for its bucket's (the weights in flight), :meth:`wait_left` for all."""
+        self._left = list(left.values())
+        self.opt._in_flight.updating(left)
+
+    def wait_left(self) -> None:
+        """The updates the last step left running have ended."""
+        futures, self._left = self._left, []
+        for f in futures:
+            f.result()
 
     def _next(self) -> HostBucket:
         """The queued bucket the worker takes now (see the module's documentation)."""
