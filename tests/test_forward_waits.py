@@ -331,6 +331,29 @@ class _HeldWorker:
         self._release.set()
 
 
+def forward_waits_for_the_held_updates(model, opt, held, x):
+    """After a step that returned with every update held (``held``: a :class:`_HeldWorker`):
+    the next forward, in a thread of its own, waits for the first module's weights until
+    the worker is released, then runs, every update and copy waited for."""
+    assert held.order == [] and opt._in_flight
+    waiting, forward = threading.Event(), []
+    wait_for = opt.wait_for_weights
+
+    def noted(params=None):
+        waiting.set()
+        wait_for(params)
+
+    opt.wait_for_weights = noted
+    runner = threading.Thread(target=lambda: forward.append(model(x)))
+    runner.start()
+    assert waiting.wait(timeout=TIMEOUT)  # the forward waits for the first module's weights...
+    assert not forward and held.order == []
+    held.release()  # ...until its update has ended
+    runner.join(timeout=TIMEOUT)
+    assert forward and not opt._in_flight
+    del opt.wait_for_weights
+
+
 def _streamed(model, mode="module", lr=1e-2, stream=True):
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=lr), {p: n for n, p in model.named_parameters()},
                            bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, stream_cpu_step=stream)
@@ -355,22 +378,7 @@ def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(strea
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()  # returns, nothing updated yet
-    assert held.order == [] and opt._in_flight
-    waiting, forward = threading.Event(), []
-    wait_for = opt.wait_for_weights
-
-    def noted(params=None):
-        waiting.set()
-        wait_for(params)
-
-    opt.wait_for_weights = noted
-    runner = threading.Thread(target=lambda: forward.append(model(x)))
-    runner.start()
-    assert waiting.wait(timeout=TIMEOUT)  # the forward waits for layer 0's weights...
-    assert not forward and held.order == []
-    held.release()  # ...until its update has ended
-    runner.join(timeout=TIMEOUT)
-    assert forward and not opt._in_flight
+    forward_waits_for_the_held_updates(model, opt, held, x)
     assert held.order == [0, 1, 2, 3]  # the next forward's first layer first
     for _ in range(2):
         _step(model, opt, x)

@@ -27,7 +27,7 @@ from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.optim.takeover import engine_of
 from tests.helpers import ACCELERATOR, assert_modules_equal
-from tests.test_forward_waits import TIMEOUT, _HeldWorker
+from tests.test_forward_waits import _HeldWorker, forward_waits_for_the_held_updates
 from tests.test_precision import _data
 from tests.test_streamed_step import _net, cpu_updates_and_backward_end
 from tests.test_strategy import Model
@@ -448,31 +448,15 @@ def test_a_step_that_ends_before_its_redone_and_held_back_updates_ends_where_the
 
 def _step_ending_early(model, opt, driver, x, clip, hold):
     """One step the Driver's way, the worker held (``hold``: after clipping, so that the
-    speculations ran) while the step returns; the weights' forward, in a thread of its own,
-    is waiting for the first layer's update when the worker is released."""
+    speculations ran) while the step returns, then the next forward waiting for it; the
+    updates the worker ran, by layer."""
     driver.announce_grad_scale(opt)
     opt.zero_grad()
     model(x).square().mean().backward()
     driver.clip_scaled_gradients(opt, clip)
     held = hold()
     driver._step(opt)  # returns with every update left
-    assert held.order == [] and opt._in_flight
-    waiting, forward = threading.Event(), []
-    wait_for = opt.wait_for_weights
-
-    def noted(params=None):
-        waiting.set()
-        wait_for(params)
-
-    opt.wait_for_weights = noted
-    runner = threading.Thread(target=lambda: forward.append(model(x)))
-    runner.start()
-    assert waiting.wait(timeout=TIMEOUT)  # the forward waits for the first layer's weights...
-    assert not forward and held.order == []
-    held.release()  # ...until its update has ended
-    runner.join(timeout=TIMEOUT)
-    assert forward and not opt._in_flight
-    del opt.wait_for_weights
+    forward_waits_for_the_held_updates(model, opt, held, x)
     return list(held.order)
 
 
