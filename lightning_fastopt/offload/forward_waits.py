@@ -8,9 +8,9 @@ copy only just before the forward of a module that owns one of the bucket's para
 forward pre-hook, :class:`ForwardWaits`): the first layers compute while later layers'
 weights are still crossing, which hides the copies of the offloaded share behind the
 device share's forward (fraction below 1), or behind the forward itself (the delayed
-update, whose buckets are sent in forward order).  A streamed step (``stream_cpu_step``)
+update, whose buckets are sent in forward order).  With the state in host memory the step
 goes further: it ends before its CPU updates do, and a module's forward waits first for
-its bucket's update (:mod:`~lightning_fastopt.offload.streamed`).
+its bucket's update (:mod:`~lightning_fastopt.offload.left_running`).
 
 The contract that makes this safe: between a step and the next backward, an offloaded
 weight is read only by the forward of a module that owns it (or after that forward ran).
@@ -54,7 +54,7 @@ class WeightsInFlight:
     """The buckets whose weight copies the compute stream has not waited for yet, in the
     order they were sent (copies run in that order: waiting for one waits for every
     earlier one); and those whose CPU update was still running when the step ended (a
-    streamed step with ``"module"``, :meth:`updating`): each is waited for on the host,
+    step that ends early with ``"module"``, :meth:`updating`): each is waited for on the host,
     then for its own copy, which the worker issues when the update ends, in its order."""
 
     def __init__(self, copies: CopyStreams, by_module: bool) -> None:

@@ -112,14 +112,12 @@ class StreamedStep(CpuStepSchedule):
         futures = dict(self.running)
         if self.ends_early:
             self._queue.fix_plans()
-            with self._queue.lock:
-                finished, self._finished = self._finished, []
-                self.running = {}
         else:
             with opt._timer.phase("cpu_step"):
                 self.join()
-            with self._queue.lock:
-                finished, self._finished = self._finished, []
+        with self._queue.lock:  # (together: an update the worker ends after this is left running, not finished)
+            finished, self._finished = self._finished, []
+            self.running = {}
         ended = set(finished)
         left = {b: f for b, f in futures.items() if b not in ended}
         written: list[ParamSlot] = []
