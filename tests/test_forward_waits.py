@@ -316,16 +316,18 @@ class _HeldWorker:
     def __init__(self, opt, model):
         self.order = []
         self._release = threading.Event()
-        run = opt.updates.run
-        layer = {p: i for i, m in enumerate(model) for p in m.parameters()}
+        engine = getattr(opt, "local", opt)  # a wrapper's offload optimizer (FSDP's: over aliases of the rows)
+        alias = getattr(opt, "alias_of", lambda p: p)
+        run = engine.updates.run
+        layer = {alias(p): i for i, m in enumerate(model) for p in m.parameters()}
 
         def recorded(inner, plan, *args):
-            if inner is not opt._device_inner:
+            if inner is not engine._device_inner:
                 self.order.append(layer[plan[0][0].param])
             return run(inner, plan, *args)
 
-        opt.updates.run = recorded
-        opt.updates.pool().submit(self._release.wait, TIMEOUT)
+        engine.updates.run = recorded
+        engine.updates.pool().submit(self._release.wait, TIMEOUT)
 
     def release(self):
         self._release.set()
@@ -334,8 +336,9 @@ class _HeldWorker:
 def forward_waits_for_the_held_updates(model, opt, held, x):
     """After a step that returned with every update held (``held``: a :class:`_HeldWorker`):
     the next forward, in a thread of its own, waits for the first module's weights until
-    the worker is released, then runs, every update and copy waited for."""
-    assert held.order == [] and opt._in_flight
+    the worker is released, then runs, every update and copy waited for.  Returns its output."""
+    in_flight = getattr(opt, "local", opt)._in_flight  # (a wrapper's: its offload optimizer's)
+    assert held.order == [] and in_flight
     waiting, forward = threading.Event(), []
     wait_for = opt.wait_for_weights
 
@@ -350,8 +353,9 @@ def forward_waits_for_the_held_updates(model, opt, held, x):
     assert not forward and held.order == []
     held.release()  # ...until its update has ended
     runner.join(timeout=TIMEOUT)
-    assert forward and not opt._in_flight
+    assert forward and not in_flight
     del opt.wait_for_weights
+    return forward[0]
 
 
 def _streamed(model, mode="module", lr=1e-2, stream=True):

@@ -136,7 +136,7 @@ def test_registered_with_fabric_and_bad_arguments_refused():
         FastOptFabricFSDPStrategy(tensor_paralel_size=1)
     with pytest.raises(ValueError, match="stream_cpu_step=True .* needs keep_gradients=False"):
         FastOptFabricFSDPStrategy(stream_cpu_step=True)
-    for argument, why in (("forward_waits", "FSDP gathers each module's weights on streams of its own"),
+    for argument, why in (("forward_waits", r"it is for the Trainer \(which knows what reads the weights"),
                           ("zero_stage", "FSDP shards the parameters, gradients and optimizer state itself"),
                           ("delayed_update", "the delayed update is for the Trainer"),
                           ("gpu_memory_budget_gb", "it is offload_fraction='auto''s, which is for the Trainer")):

@@ -28,6 +28,8 @@ class Run(NamedTuple):
     apart: list  # each rank's (masters kept apart from the weights, parameters)
     early: list  # each rank's (host bucket updates started during backward, of them kept by the steps)
     pieces: list  # each rank's (slots, parameters) of its local optimizer (more slots: split on disk)
+    left: list  # each rank's (host bucket updates the steps left running,)
+    log: str  # what rank 0 printed
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,11 @@ def run(tmp_path_factory):
         if key not in runs:
             out = tmp_path_factory.mktemp("host") / "run.pt"
             ranks = range(1 if "devices=1" in extra else 2)
-            run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=len(ranks))
+            proc = run_script(SCRIPT, strategy, "adamw", out, *extra, ranks=len(ranks))
             runs[key] = Run([torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks],
                             run_counts(out, "masters_apart", ranks), run_counts(out, "early_updates", ranks),
-                            run_counts(out, "pieces", ranks))
+                            run_counts(out, "pieces", ranks), run_counts(out, "left_running", ranks),
+                            proc.stdout + proc.stderr)
         return runs[key]
     return fit
 
@@ -139,6 +142,39 @@ def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run,
     assert all(n >= 6 for n in started), ours.early  # (at least a bucket each step, on each rank)
     kept = [kept for _, kept in ours.early]
     assert kept == ([0, 0] if "clip=none" not in extra and "clip=50" not in extra else started), ours.early
+
+
+ENDING_EARLY = {"streamed": ("stream_cpu_step", "clip=none"), "at-the-step": (),
+                "speculated-and-redone": ("stream_cpu_step",),
+                "activation-checkpointing-speculated-and-kept": ("stream_cpu_step", "clip=50",
+                                                                 "activation_checkpointing")}
+
+
+@slow
+@pytest.mark.parametrize("extra", ENDING_EARLY.values(), ids=ENDING_EARLY.keys())
+def test_steps_that_end_before_their_updates_each_unit_waiting_for_its_rows(run, extra):
+    """``forward_waits="module"`` with the host shards: every step ends before the CPU
+    updates it leaves (streamed, at the step, speculated and redone), each FSDP unit's
+    forward waiting for its own rows' updates, and the run ends where
+    ``ModelParallelStrategy`` ends (with activation checkpointing too: FSDP gathers each
+    unit again for its recomputation).  Where every speculation is kept nothing is left."""
+    ours = run("fastopt-1", "host_params", "forward_waits=module", *extra)
+    _assert_same(ours.results, run("reference", "host_params",
+                                   *[e for e in extra if e != "stream_cpu_step"]).results)
+    kept = "clip=50" in extra
+    assert all((left == 0) == kept for left, in ours.left), ours.left
+    assert "each FSDP unit's forward waits only for its own rows' CPU updates" in ours.log
+
+
+@slow
+def test_with_the_shards_on_the_device_the_step_waits_for_its_updates_and_says_why(run):
+    """``forward_waits="module"`` without the host shards: FSDP gathers the device shards on
+    streams of its own, which wait for the whole step: not used, said in one line; the run
+    ends where ``ModelParallelStrategy`` ends."""
+    ours = run("fastopt-1", "forward_waits=module", "stream_cpu_step")
+    _assert_same(ours.results, run("reference").results)
+    assert all(left == 0 for left, in ours.left), ours.left
+    assert "forward_waits='module' not used: FSDP keeps the parameter shards on the device" in ours.log
 
 
 HALF = {"bf16-true": ("precision=bf16-true",), "16-true": ("precision=16-true",),
@@ -387,6 +423,123 @@ def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_land
         assert ours.keys() == theirs.keys() and all(torch.equal(rows(ours[k]), rows(theirs[k])) for k in ours)
     opt.close()
     plain_opt.close()
+
+
+def _host_sharded_model(mesh, prefetch=False):
+    """Two Linears and the root, each a unit under the policy (with ``prefetch``: the first
+    unit gathers the second ahead, ``set_modules_to_forward_prefetch``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    if prefetch:
+        model[0].set_modules_to_forward_prefetch([model[2]])
+    return model
+
+
+def _train_over_host_shards(mesh, waits, prefetch, clip, **kw):
+    """Four steps of the rows' optimizer over the host shards (one bucket per tensor), each
+    unit's forward waiting for its own rows' updates (``waits="module"``,
+    :class:`~lightning_fastopt.fsdp.unit_waits.UnitWaits`) or the step for all of them; with
+    ``clip`` every gradient multiplied by 0.5 after backward (a speculated update redone).
+    With ``"module"`` the worker is held over the second and third steps, and what it
+    shows is checked.  Returns each parameter's rows and state after the run."""
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+    from lightning_fastopt.fsdp.unit_waits import UnitWaits
+    from tests.test_forward_waits import _HeldWorker, forward_waits_for_the_held_updates
+
+    model = _host_sharded_model(mesh, prefetch)
+    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
+                              {p: n for n, p in model.named_parameters()}, device_grads="copy_when_reduced",
+                              host_shards=True, bucket_size_mb=0.0002, forward_waits=waits, **kw)
+    early = waits == "module"
+    unit_waits = UnitWaits(model, lambda: [opt]) if early else None
+    if early:
+        opt.modules_wait_for(unit_waits.covered)
+        assert opt.local.schedule.ends_early
+    speculated = kw.get("speculate", False)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 6, generator=g) for _ in range(5)]
+    rows = lambda: [p.to_local().clone() for p in model.parameters()]  # noqa: E731
+
+    def step(x, hold=False, zero_grad=lambda: opt.zero_grad()):
+        """One step; ``hold``: the worker held from before backward (streamed, at the step)
+        or from before the step (speculated: once its speculative updates have run)."""
+        held = None
+        zero_grad()
+        if hold and not speculated:
+            held = _HeldWorker(opt, model)
+        model(x).square().mean().backward()
+        if clip:
+            opt.scale_gradients(torch.tensor(0.5))
+        if hold and speculated:
+            held = _HeldWorker(opt, model)
+        before, left = rows(), opt.local.schedule.updates_left_running
+        opt.step()  # with the worker held: returns, every update left to it
+        if held is not None:
+            buckets = len(opt.local._buckets)
+            assert opt.local.schedule.updates_left_running - left == buckets >= 3
+            assert speculated or all(torch.equal(a, b) for a, b in zip(before, rows()))  # (not written yet)
+        return held
+
+    step(xs[0])
+    held = step(xs[1], hold=early)
+    if early:  # the next forward stops at the first unit's pre-hook until the worker has updated its rows
+        asked, wait_for = [], opt.wait_for_weights
+        opt.wait_for_weights = lambda params=None: (asked.append(set(params)), wait_for(params))
+        seen = forward_waits_for_the_held_updates(model, opt, held, xs[4])
+        assert held.order == sorted(held.order) and set(held.order) == {0, 2}, held.order  # the first unit's first
+        first_units = (model[0], model[2]) if prefetch else (model[0],)  # (and the one FSDP gathers ahead of it)
+        assert asked[0] == {p for m in first_units for p in m.parameters()}
+    else:
+        seen = model(xs[4])
+    held = step(xs[2], hold=early)
+
+    def zero_grad_in_place():
+        """``zero_grad(set_to_none=False)`` with the last step's updates still to run: it
+        waits for them (they read the gradients it zeroes), releasing the worker first."""
+        if held is None:
+            return opt.zero_grad(set_to_none=False)
+        wait = opt.local.schedule.wait
+        opt.local.schedule.wait = lambda: (held.release(), wait())
+        opt.zero_grad(set_to_none=False)
+        held.release()  # (where zero_grad did not wait, the updates read zeroed gradients from here)
+        del opt.local.schedule.wait
+
+    step(xs[3], zero_grad=zero_grad_in_place)
+    opt.wait_for_weights()
+    result = [(p.to_local().clone(), {k: v.to_local() if isinstance(v, DTensor) else v
+                                      for k, v in opt.state_of(p).items()}) for p in model.parameters()]
+    opt.close()
+    if unit_waits is not None:
+        unit_waits.remove()
+    return seen.detach(), result
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetching"])
+@pytest.mark.parametrize("kw", [{"stream_cpu_step": True}, {}, {"stream_cpu_step": True, "speculate": True}],
+                         ids=["streamed", "at-the-step", "speculated-and-redone"])
+def test_a_step_over_host_shards_ends_before_its_updates_and_each_unit_waits_for_its_rows(one_process, kw,
+                                                                                         prefetch):
+    """``forward_waits="module"`` over FSDP's host shards (updated in place, nothing copied:
+    FSDP gathers them): with the worker held, ``step()`` returns with every bucket's update
+    left to it (the shards not written yet, unless speculated); the next forward stops at
+    the first unit's pre-hook (before FSDP gathers its rows, with the second unit's where it
+    prefetches them) until the worker is released, which updates the first unit's rows
+    first; ``zero_grad(set_to_none=False)`` waits for the updates that read the gradients
+    it zeroes.  The run ends where waiting at the step ends, bit for bit, and the forward
+    that waited computes what it computes there (clipped, every speculated update redone
+    on the worker, too)."""
+    clip = "speculate" in kw
+    seen, ours = _train_over_host_shards(one_process, "module", prefetch, clip, **kw)
+    ref_seen, ref = _train_over_host_shards(one_process, "step", prefetch, clip, **kw)
+    assert torch.equal(seen, ref_seen)  # (the forward that waited saw every new weight)
+    for (rows, state), (ref_rows, ref_state) in zip(ours, ref):
+        assert torch.equal(rows, ref_rows)
+        assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
 
 
 def test_host_shards_are_their_own_masters_in_host_memory():

@@ -449,9 +449,9 @@ def test_bad_arguments_are_refused_when_built_naming_them():
     with pytest.raises(TypeError, match="copy_on_cpu must be True or False"):
         FastOptFSDPStrategy(copy_on_cpu="yes")
     # FastOptStrategy's arguments that FSDP does not take, each with its reason
-    with pytest.raises(ValueError, match=r"FastOptFSDPStrategy does not take forward_waits \(forward_waits='module'\): "
-                                         "FSDP gathers each module's weights on streams of its own"):
-        FastOptFSDPStrategy(forward_waits="module")
+    with pytest.raises(ValueError, match=r"forward_waits must be one of \('step', 'module'\), got 'unit'"):
+        FastOptFSDPStrategy(forward_waits="unit")
+    assert FastOptFSDPStrategy(forward_waits="module", offload_parameters=True).options.forward_waits == "module"
     with pytest.raises(ValueError, match=r"does not take zero_stage \(zero_stage=2\): FSDP shards .* itself"):
         FastOptFSDPStrategy(zero_stage=2)
     strategy = FastOptFSDPStrategy(offload_fraction=0.25, data_parallel_size=2, tensor_parallel_size=1,

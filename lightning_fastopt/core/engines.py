@@ -74,9 +74,6 @@ def check_ddp_kwargs(kwargs: dict[str, Any], base: type, ours: type) -> None:
 
 FSDP_DOES_NOT_TAKE = {
     "zero_stage": "FSDP shards the parameters, gradients and optimizer state itself (ZeRO stage 3)",
-    "forward_waits": "FSDP gathers each module's weights on streams of its own, which wait for the optimizer step "
-                     "once per forward, at the root module, so a module's forward cannot wait for its own weights "
-                     "alone; new weights are all in place when the next forward starts",
     "per_parameter_optimizers": "on FSDP's rows of each parameter a step must work element by element "
                                 "(elementwise_optimizers names such classes)",
 }

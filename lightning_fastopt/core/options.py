@@ -122,9 +122,10 @@ class StrategyOptions:
         elementwise = check_optimizer_names(arguments.pop("elementwise_optimizers", ()), "elementwise_optimizers")
         offload_parameters = arguments.pop("offload_parameters", False)
         arguments = {"keep_gradients": False, "stream_cpu_step": False, "gpu_memory_budget_gb": None,
-                     "delayed_update": False, "delayed_update_warmup": 40, "host_state_dtype": "float32", **arguments}
+                     "delayed_update": False, "delayed_update_warmup": 40, "host_state_dtype": "float32",
+                     "forward_waits": "step", **arguments}
         check_offload_parameters(offload_parameters, arguments)
-        options = cls.check(**arguments, zero_stage=0, forward_waits="step")
+        options = cls.check(**arguments, zero_stage=0)
         options.elementwise_optimizers = elementwise
         options.offload_parameters = offload_parameters
         return options

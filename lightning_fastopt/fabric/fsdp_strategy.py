@@ -50,7 +50,8 @@ __all__ = ["FastOptFabricFSDPStrategy"]
 _NOT_TAKEN = {**FSDP_DOES_NOT_TAKE, "delayed_update": f"the delayed update {DELAYED_UPDATE_IS_THE_TRAINERS}",
               "delayed_update_warmup": f"the delayed update {DELAYED_UPDATE_IS_THE_TRAINERS}",
               "gpu_memory_budget_gb": "it is offload_fraction='auto''s, which is for the Trainer (it times the step's "
-                                      "closure)"}
+                                      "closure)",
+              "forward_waits": "it is for the Trainer (which knows what reads the weights between steps)"}
 
 
 class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):

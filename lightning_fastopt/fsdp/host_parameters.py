@@ -46,20 +46,30 @@ def host_shard_arguments(offload_parameters: bool, device: torch.device, pin_mem
     return {"offload_policy": CPUOffloadPolicy(pin_memory=pin_memory and device.type == "cuda")}
 
 
+def param_groups_of(state: Any) -> list[Any]:
+    """The parameter groups (``FSDPParamGroup``) of one FSDP2 state: none where its modules
+    hold no parameter themselves; more than one where ``shard_placement_fn`` puts
+    parameters on meshes of their own (torch versions that keep a list)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
 def _fsdp_params(model: nn.Module) -> Iterator[tuple[Any, bool]]:
     """FSDP2's record of each parameter ``fully_shard`` manages in ``model`` (its
     ``FSDPParam``), and whether its group keeps it in host memory (``CPUOffloadPolicy``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+    states = {}  # (a state several modules share, fully_shard([a, b]), once)
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group  # None where the module holds no parameter itself
-        if group is None:
-            continue
-        on_host = isinstance(group.offload_policy, CPUOffloadPolicy)
-        for fsdp_param in group.fsdp_params:
-            yield fsdp_param, on_host
+        if isinstance(module, FSDPModule):
+            states.setdefault(id(state := module._get_fsdp_state()), state)
+    for state in states.values():
+        for group in param_groups_of(state):
+            on_host = isinstance(group.offload_policy, CPUOffloadPolicy)
+            for fsdp_param in group.fsdp_params:
+                yield fsdp_param, on_host
 
 
 def fsdp_parameters(model: nn.Module) -> dict[nn.Parameter, bool]:

@@ -201,6 +201,19 @@ class LocalShardOptimizer(LocalOffloadWrapper):
                                       stride=param.stride())
                 if isinstance(v, Tensor) and v.shape == rows and v.dim() > 0 else v for k, v in state.items()}
 
+    # ------------------------------------------------------------------ weights the last step left updating
+    def modules_wait_for(self, params: set[Tensor]) -> None:
+        """``forward_waits="module"`` (the host shards): the FSDP units holding ``params``
+        wait for their rows' updates before their forward gathers them
+        (:class:`~lightning_fastopt.fsdp.unit_waits.UnitWaits`); the other rows' updates
+        are waited for when the step ends."""
+        self.local.modules_wait_for({self._alias[p] for p in params if p in self._alias})
+
+    def wait_for_weights(self, params: list[Tensor] | None = None) -> None:
+        """Wait for the updates of ``params``' rows the last step left running, or for every
+        one (None): before anything but their unit's forward reads them."""
+        self.local.wait_for_weights(None if params is None else [self._alias[p] for p in params if p in self._alias])
+
     @property
     def held_numel(self) -> int:
         """The elements of the rows this rank holds (and steps)."""
@@ -262,8 +275,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
             p in self._at_step or _placed_otherwise(p)) else norms.get(self._alias[p])) for p in self._params])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)  # the DTensor gradients
-        self.local.zero_grad(set_to_none)  # and the aliases' (and the host copies)
+        self.local.zero_grad(set_to_none)  # the aliases' (and the host copies), once no update reads them
+        super().zero_grad(set_to_none)  # and the DTensor gradients
         for alias in self._alias.values():
             alias.grad = None
 

@@ -33,12 +33,15 @@ Update = Callable[[HostBucket, Any], list[ParamSlot]]  # a bucket's update given
 def ends_early(opt) -> bool:
     """Whether a step of ``opt`` may return before the host updates it leaves queued or
     running have ended: where each module's forward waits for its own weights
-    (``"module"``), and so first for its bucket's update, the weights are copied back
-    (an accelerator's code path), the state is in host memory (a disk tier's window is
-    read ahead in landing order, and it ends each step) and no wrapper gives the updates
-    norms at the step (``before_updates``: LAMB's and LARS's whole-tensor norms on FSDP's rows)."""
-    return (opt.forward_waits == "module" and opt.copies.needed and not opt.layout.tier.on_disk
-            and opt.before_updates is None)
+    (``"module"``), and so first for its bucket's update, the weights reach the forward
+    through something it waits for (copied back on an accelerator's code path, or
+    gathered by FSDP from its host shards, updated in place: ``host_shards``, each unit's
+    forward waiting on the host first, :mod:`~lightning_fastopt.fsdp.unit_waits`), the
+    state is in host memory (a disk tier's window is read ahead in landing order, and it
+    ends each step) and no wrapper gives the updates norms at the step
+    (``before_updates``: LAMB's and LARS's whole-tensor norms on FSDP's rows)."""
+    return (opt.forward_waits == "module" and (opt.copies.needed or opt.host_shards)
+            and not opt.layout.tier.on_disk and opt.before_updates is None)
 
 
 class UpdateQueue:
@@ -50,6 +53,7 @@ class UpdateQueue:
         self.lock = threading.Lock()  # the queue and its plans; a schedule may guard its own records with it
         self._queued: dict[HostBucket, tuple[Future, Update, Any]] = {}  # in the order queued
         self._left: list[Future] = []  # the updates the last step left running
+        self.left_total = 0  # the updates steps left running, over the run (tests, benchmarks)
 
     def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED,
             noted_in: dict[HostBucket, Future] | None = None) -> Future:
@@ -103,6 +107,7 @@ class UpdateQueue:
         """The step returns with these updates queued or running: a module's forward waits
         for its bucket's (the weights in flight), :meth:`wait_left` for all."""
         self._left = list(left.values())
+        self.left_total += len(left)
         self.opt._in_flight.updating(left)
 
     def wait_left(self) -> None:

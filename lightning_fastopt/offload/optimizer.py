@@ -378,6 +378,8 @@ class OffloadOptimizer(OptimizerWrapper):
         return self._intake.by_param()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.host_shards:  # an update the last step left running reads FSDP's gradients where they are
+            self.schedule.wait()
         super().zero_grad(set_to_none)
         self._intake.renew()
 

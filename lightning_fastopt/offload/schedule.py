@@ -32,9 +32,16 @@ class CpuStepSchedule:
     name = "at the step"  # how the optimizer's repr and the strategy's log line say it
     needs_spare_grads = False  # a second gradient buffer per offloaded parameter
     host_updates_at_step = True  # every host bucket is updated at step(), in order (none earlier or later)
+    _queue = None  # the schedules that may leave updates running hand them to the worker through an UpdateQueue
 
     def __init__(self, optimizer) -> None:
         self.opt = optimizer  # the OffloadOptimizer whose host buckets it updates (it imports this module)
+
+    @property
+    def updates_left_running(self) -> int:
+        """How many host buckets' updates steps left running, over the run (a step that ends
+        early: :func:`~lightning_fastopt.offload.left_running.ends_early`)."""
+        return self._queue.left_total if self._queue is not None else 0
 
     def grads_landed(self, bucket: HostBucket) -> None:
         """During backward: every gradient of ``bucket`` is on its way to the host."""

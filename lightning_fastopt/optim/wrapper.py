@@ -201,6 +201,10 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """Milliseconds per phase of the last step (with ``wall_clock_breakdown``)."""
         return {}
 
+    def wait_for_weights(self, params: list[Tensor] | None = None) -> None:
+        """Wait for the new weights of ``params`` (every one: None) that the last step left
+        on their way: before anything but their modules' forward reads them.  Here none is."""
+
     def step_skipped(self) -> None:
         """A precision plugin skipped this step (an overflow) without calling :meth:`step`:
         undo, now, whatever was begun for it during backward (before the next forward reads

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import in_place_refusals, stream_arguments
 from lightning_fastopt.optim.base import FusedOptimizer, needs_step_context
-from lightning_fastopt.trainer.grad_readers import gradient_readers, weight_readers
+from lightning_fastopt.trainer.grad_readers import forward_waits_refusals, gradient_readers, say_forward_waits
 from lightning_fastopt.trainer.package import TrainerPackage
 
 
@@ -101,33 +101,15 @@ class CopyPlan:
         (``forward_waits="module"``), said in one line."""
         if self.forward_waits == "step":
             return False
-        why_not = weight_readers(self.lightning_module, trainer.callbacks, self.package)
-        if why_not:
-            why_not = [f"{', '.join(why_not)} can read the weights between steps"]
+        why_not = forward_waits_refusals(self.lightning_module, trainer.callbacks, self.package)
         why_not += [reason for reason, applies in (
-            ("the model is compiled (torch.compile), where the forward pre-hooks would be traced or break the graph",
-             _compiled(self.lightning_module)),
             ("nothing is offloaded", self.offload_fraction == 0 and not self.auto_fraction),
             ("a CPU run updates in place, with nothing to copy",
              self.root_device.type == "cpu" and not (self.copy_on_cpu or self.delayed_update)),
         ) if applies]
-        if why_not:
-            rank_zero_info(f"lightning_fastopt: forward_waits='module' not used: {'; '.join(why_not)}")
-            return False
-        rank_zero_info("lightning_fastopt: each module's forward waits only for its own new weights "
-                       "(forward_waits='module')")
-        return True
+        return say_forward_waits(why_not, "each module's forward waits only for its own new weights")
 
 
 def _user_comm_hook(strategy) -> bool:
     """Whether the run registers a DDP communication hook of its own (``DDPStrategy(ddp_comm_hook=...)``)."""
     return any(getattr(strategy, a, None) is not None for a in ("_ddp_comm_hook", "_ddp_comm_wrapper"))
-
-
-def _compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` (or a submodule) runs through torch.compile: a compiled submodule,
-    or a LightningModule the Trainer was given compiled (Lightning notes ``_compiler_ctx``)."""
-    from torch._dynamo import OptimizedModule
-
-    return getattr(module, "_compiler_ctx", None) is not None or any(
-        isinstance(m, OptimizedModule) for m in module.modules())

@@ -46,17 +46,19 @@ from lightning_fastopt.fsdp.host_parameters import (check_host_shards, gradient_
                                                     materialize_on_the_host, move_all_but_fsdp_parameters,
                                                     say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
+from lightning_fastopt.fsdp.unit_waits import UnitWaits
 from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_table import EngineTable
-from lightning_fastopt.trainer.grad_readers import gradient_readers
+from lightning_fastopt.trainer.grad_readers import forward_waits_refusals, gradient_readers, say_forward_waits
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
+from lightning_fastopt.trainer.weight_waits import WeightWaits
 
 __all__ = ["FSDPTrainerStrategy"]
 
-class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
+class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, PrecisionSlot):
     """FSDP2 (ZeRO stage 3) with the fused, offloaded optimizer step on each rank's shards.
 
     Args:
@@ -78,6 +80,16 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         stream_cpu_step: start each host bucket's CPU update during backward, once its
             gradients have landed (speculated where the step checks them first: clipping,
             fp16); bit for bit the step at the step.
+        forward_waits: ``"step"`` (default: the next forward starts once every CPU update of
+            the step has ended) or ``"module"``: with the parameter shards in host memory
+            (``offload_parameters``), the step may end before its CPU updates, and each
+            FSDP unit's forward waits for the updates of its own rows before FSDP gathers
+            them (:mod:`~lightning_fastopt.fsdp.unit_waits`), so that the next forward runs
+            beside the updates of the units it reaches later; bit for bit the same.  Used
+            where nothing but the units' forward reads the weights between steps (no hook
+            that runs there overridden, the model not compiled), else said in one line; with
+            the shards on the device FSDP gathers them on streams of its own, which wait for
+            the whole step (said, not used).
         host_state_dtype: as for ``FastOptStrategy``: ``"bfloat16"`` keeps the offloaded
             rows' Adam moments in bfloat16 (stochastic rounding; changes the math);
             checkpoints and the optimizer given back after fit hold them as float32.
@@ -134,7 +146,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
                  stream_cpu_step: bool = False, delayed_update: bool = False, delayed_update_warmup: int = 40,
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
-                 auto_wrap_policy: Iterable[type] | None = None,
+                 forward_waits: str = "step", auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
                  offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
                  nvme_path: str | None = None, nvme_window_mb: float = 512.0, data_parallel_size: int | str = "auto",
@@ -151,7 +163,8 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
             wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
             keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
             delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb,
-            host_state_dtype=host_state_dtype, elementwise_optimizers=elementwise_optimizers,
+            host_state_dtype=host_state_dtype, forward_waits=forward_waits,
+            elementwise_optimizers=elementwise_optimizers,
             offload_parameters=offload_parameters, offload_optimizer_device=offload_optimizer_device,
             nvme_path=nvme_path, nvme_window_mb=nvme_window_mb)
         self.options = options
@@ -161,6 +174,7 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         self._foreign_precision = None
         self._threads = TorchThreads()
         self._engine_at: dict[int, LocalShardOptimizer] = {}  # the engine of each of self.optimizers that has one
+        self._unit_waits: UnitWaits | None = None  # the FSDP units' forward pre-hooks (forward_waits="module")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -230,6 +244,9 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
         names = {p: n for n, p in module.named_parameters()}
         device_grads = self._device_grads(trainer, on_host)
         arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
+        by_unit = self._waits_by_unit(trainer, on_host)
+        if by_unit:
+            arguments["forward_waits"] = "module"
 
         def engine(opt) -> LocalShardOptimizer:
             fused = fused_for(opt, module, self.precision_plugin.precision)
@@ -241,6 +258,11 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                                        **arguments, **self._streams(trainer, device_grads, fused))
 
         self._take_over_optimizers(engine)
+        if by_unit:
+            self._unit_waits = UnitWaits(module, lambda: self.engines)
+            for e in self.engines:
+                e.modules_wait_for(self._unit_waits.covered)
+                _say_if_its_steps_wait(e)
         self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
 
     @override
@@ -275,6 +297,21 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
                            "lands them, and are freed on the device (no hook or callback reads p.grad; "
                            "FastOptFSDPStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
         return "copy_when_reduced"
+
+    def _waits_by_unit(self, trainer, on_host: bool) -> bool:
+        """Whether each FSDP unit's forward waits only for its own rows' updates
+        (``forward_waits="module"``), said in one line."""
+        if self.options.forward_waits == "step":
+            return False
+        why_not = forward_waits_refusals(self.lightning_module, trainer.callbacks, self.package)
+        why_not += [reason for reason, applies in (
+            ("FSDP keeps the parameter shards on the device and gathers them on streams of its own, which wait for "
+             "the whole step at the root's forward (offload_parameters=True keeps them in host memory)", not on_host),
+            (f"the optimizer state is on disk (offload_optimizer_device={self.options.offload_optimizer_device!r}), "
+             "read ahead in the order the gradients land", self.options.offload_optimizer_device != "cpu"),
+        ) if applies]
+        return say_forward_waits(why_not, "each FSDP unit's forward waits only for its own rows' CPU updates, which a "
+                                          "step may leave running")
 
     def _streams(self, trainer, device_grads: str, fused) -> dict[str, bool]:
         """``stream_cpu_step``'s arguments for the local optimizer of ``fused``, said in one line."""
@@ -343,12 +380,27 @@ class FSDPTrainerStrategy(EngineTable, AutoFractionSteps, PrecisionSlot):
     @override
     def teardown(self) -> None:
         self._release_engines()
+        if self._unit_waits is not None:
+            self._unit_waits.remove()
+            self._unit_waits = None
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
         register_fsdp_names(cls, strategy_registry)
+
+
+def _say_if_its_steps_wait(engine: LocalShardOptimizer) -> None:
+    """With ``forward_waits="module"``: one line where ``engine``'s steps still wait for their
+    CPU updates (:func:`~lightning_fastopt.offload.left_running.ends_early`), and why."""
+    local = engine.local
+    if getattr(local.schedule, "ends_early", False):
+        return
+    why = ("its updates read norms over whole parameters, summed over every rank's rows at the step (LAMB's and "
+           "LARS's trust ratios)" if local.before_updates is not None else "its own step runs at the step")
+    rank_zero_info(f"lightning_fastopt: the steps of {type(engine.optimizer).__name__} wait for their CPU updates "
+                   f"(forward_waits='module' not used for it): {why}")
 
 
 def _sharded_by_the_strategy() -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_fastopt.trainer.package import TrainerPackage
@@ -90,3 +92,35 @@ def weight_readers(module, callbacks: Iterable, package: TrainerPackage) -> list
         readers += [f"{type(callback).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
                     if is_overridden(hook, callback, base)]
     return readers
+
+
+def forward_waits_refusals(module, callbacks: Iterable, package: TrainerPackage) -> list[str]:
+    """Why no forward may wait for its own weights alone (``forward_waits="module"``),
+    under any strategy: code that can read the weights between steps
+    (:func:`weight_readers`), or a compiled model, where the forward pre-hooks would be
+    traced or break the graph; empty when neither applies."""
+    readers = weight_readers(module, callbacks, package)
+    why_not = [f"{', '.join(readers)} can read the weights between steps"] if readers else []
+    if _compiled(module):
+        why_not.append("the model is compiled (torch.compile), where the forward pre-hooks would be traced or break "
+                       "the graph")
+    return why_not
+
+
+def say_forward_waits(why_not: list[str], what: str) -> bool:
+    """Whether ``forward_waits="module"`` is used (no reason against it in ``why_not``), said in
+    one line: ``what`` it does, or why not."""
+    if why_not:
+        rank_zero_info(f"lightning_fastopt: forward_waits='module' not used: {'; '.join(why_not)}")
+        return False
+    rank_zero_info(f"lightning_fastopt: {what} (forward_waits='module')")
+    return True
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) runs through torch.compile: a compiled submodule,
+    or a LightningModule the Trainer was given compiled (Lightning notes ``_compiler_ctx``)."""
+    from torch._dynamo import OptimizedModule
+
+    return getattr(module, "_compiler_ctx", None) is not None or any(
+        isinstance(m, OptimizedModule) for m in module.modules())

@@ -65,11 +65,12 @@ from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
+from lightning_fastopt.trainer.weight_waits import WeightWaits
 
 __all__ = ["TrainerStrategy"]
 
 
-class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPlan, PrecisionSlot):
+class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpoints, CopyPlan, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -306,31 +307,6 @@ class TrainerStrategy(EngineTable, AutoFractionSteps, EngineCheckpoints, CopyPla
 
     def _offload_optimizers(self) -> list[OffloadOptimizer]:
         return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]
-
-    def _wait_for_weights(self) -> None:
-        """Every new weight is on the device before anything but a module's forward reads it."""
-        for o in self._offload_optimizers():
-            o.wait_for_weights()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._wait_for_weights()  # a checkpoint reads every weight
-        return super().lightning_module_state_dict()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._wait_for_weights()  # validation_step may read weights outside their modules' forward
-        super().on_validation_start()
-
-    @override
-    def on_test_start(self) -> None:
-        self._wait_for_weights()
-        super().on_test_start()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._wait_for_weights()
-        super().on_predict_start()
 
     def _say_delays(self) -> None:
         """What ``delayed_update=True`` does in this run, in one line."""

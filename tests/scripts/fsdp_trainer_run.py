@@ -55,6 +55,8 @@ model is built on the meta device (``trainer.init_module(empty_init=True)``), it
 read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (and so
 :class:`ShardedNet`'s) each run under
 ``torch.utils.checkpoint`` (non-reentrant), their activations recomputed in backward.
+``forward_waits=module``: that option of ours; OUT.left_running.rank<r> says how many host
+buckets' updates the steps left running over the run.
 """
 
 import contextlib
@@ -359,6 +361,8 @@ def main():
         options["copy_on_cpu"] = False
     if "host_state_dtype" in extra:
         options["host_state_dtype"] = extra["host_state_dtype"]
+    if "forward_waits" in extra:
+        options["forward_waits"] = extra["forward_waits"]
     if "nvme" in extra:  # the offloaded masters and state in a file of a directory of this process's
         options.update(offload_optimizer_device="nvme", nvme_path=tempfile.mkdtemp(prefix="nvme-", dir=Path(out).parent),
                        nvme_window_mb=0.05 if WIDTH > 33 else 0.02)  # (wide: two pieces of 1024 elements' regions)
@@ -408,6 +412,8 @@ def main():
         started = getattr(schedule, "started", 0)  # the streamed one's
         early, kept = started + totals.get("speculated", 0), started + totals.get("committed", 0)
         Path(f"{out}.early_updates.rank{trainer.global_rank}").write_text(f"{early} {kept}")
+        # host buckets whose update a step left running (forward_waits=module: the step ended before it)
+        Path(f"{out}.left_running.rank{trainer.global_rank}").write_text(str(schedule.updates_left_running))
     finish_process()  # results written: leave without the interpreter's finalization (tests.helpers)
 
 
