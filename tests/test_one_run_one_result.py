@@ -47,6 +47,10 @@ CONFIGS = {
     # half host shards (fp16 loss scaling, overflows skipped) speculated in place, redone or undone at once
     "fsdp-half-host-shards-speculated": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
                                                                  "precision=16-true", "stream_cpu_step"], 2),
+    # the host shards' steps ending before their CPU updates, each unit's forward waiting for its rows (speculated
+    # and redone: every clipped step)
+    "fsdp-host-shards-ending-early": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
+                                                              "stream_cpu_step", "forward_waits=module"], 2),
     "fsdp-offload-on-disk-speculated": ("fsdp_trainer_run.py",
                                         ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"], 2),
     "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], None),
