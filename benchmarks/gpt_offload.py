@@ -71,8 +71,10 @@ CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:
 # "fastopt_fsdp:1:params" is FastOptFSDPStrategy(offload_parameters=True) under the same CPUOffloadPolicy as
 # "fsdp:cpu_offload" (the host shards updated in place by our CPU kernels: issue 52's comparison), and
 # "fastopt_fsdp:1:params:stream" each unit's update started in backward as its gradients land on the host
-FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1:params:stream", "fastopt_fsdp:1",
-                "fastopt_fsdp:1:stream"]
+# ("...:module": forward_waits="module", the step ending before the updates of the units the next forward
+# reaches first, each unit's forward waiting for its own rows')
+FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1:params:stream",
+                "fastopt_fsdp:1:params:stream:module", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
 CONFIGS += FSDP_CONFIGS
 CLIP = ":clip"
 DELAYED_WARMUP = 2
@@ -101,7 +103,7 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
 
 
 def fsdp_strategy(config: str):
-    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream|:params]`` (one rank)."""
+    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream][:params][:module]`` (one rank)."""
     name, *mode = config.split(":")
     if name == "fsdp":
         if set(mode) - {"cpu_offload"}:
@@ -122,10 +124,12 @@ def fsdp_strategy(config: str):
     from lightning_fastopt import FastOptFSDPStrategy
 
     fraction, *rest = mode
-    if set(rest) - {"stream", "params"}:
-        raise ValueError(f"{config!r}: expected 'fastopt_fsdp:F' and ':stream' or ':params' (offload_parameters)")
+    if set(rest) - {"stream", "params", "module"}:
+        raise ValueError(f"{config!r}: expected 'fastopt_fsdp:F' and ':stream', ':params' (offload_parameters), "
+                         "':module' (forward_waits='module')")
     return FastOptFSDPStrategy(offload_fraction=float(fraction), stream_cpu_step="stream" in rest,
-                               offload_parameters="params" in rest, data_parallel_size=1, tensor_parallel_size=1)
+                               offload_parameters="params" in rest, data_parallel_size=1, tensor_parallel_size=1,
+                               forward_waits="module" if "module" in rest else "step")
 
 
 def host_weights(config: str) -> bool:
@@ -270,11 +274,14 @@ def child(config: str, args) -> dict:
     opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
     copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
 
-    speculated = dict(getattr(getattr(opt, "schedule", None), "totals", {}))  # the speculative step's bucket counts
+    schedule = getattr(getattr(opt, "local", opt), "schedule", None)  # (an FSDP engine's is its local optimizer's)
+    speculated = dict(getattr(schedule, "totals", {}))  # the speculative step's bucket counts
+    left_running = getattr(schedule, "updates_left_running", 0)  # bucket updates steps left running (":module")
     # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
     fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
     return dict(configuration=config, fraction=fraction, params=n_params,
                 tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
+                left_running=left_running,
                 step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
                 # weights in host memory: each block's gathered for forward and again for backward
                 h2d_bytes_per_param=2 * copy_bytes if host_weights(config) else copy_bytes,
@@ -456,6 +463,9 @@ def main() -> None:
                   f"({counts.get('redone', 0) / max(speculated, 1):.0%}), {counts.get('dropped', 0)} dropped, "
                   f"{counts.get('held_back', 0)} held back (updated at the step); "
                   f"{counts.get('left_running', 0)} redone or held back left running by a step that ended early")
+        elif r.get("left_running"):
+            print(f"\n{r['configuration']}: {r['left_running']} bucket updates left running by steps that ended "
+                  "early (warm-up included)")
     if gpu and "fastopt:0" in by and "fastopt:1" in by:
         per_quarter = (by["fastopt:0"]["peak_gib"] - by["fastopt:1"]["peak_gib"]) / 4
         print(f"\nGPU memory saved per 25% of offload: {per_quarter:.2f} GiB")

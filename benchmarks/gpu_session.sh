@@ -50,9 +50,10 @@ HEADLINE="plain,fastopt:1:stream,fastopt:1:stream:t14,fastopt:1:stream:module,fa
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, with FSDP's
 # CPUOffloadPolicy, the same with offload_parameters=True (our CPU kernels updating the host shards in
-# place: issue 52's >= 3x target; then streamed into backward), and fastopt_fsdp at fraction 1 (exact,
+# place: issue 52's >= 3x target; then streamed into backward, then each step ending before the updates
+# of the units the next forward reaches first, unmeasured), and fastopt_fsdp at fraction 1 (exact,
 # streamed), before the rest
-OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1:params,fastopt_fsdp:1:params:stream,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:1:module,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
+OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1:params,fastopt_fsdp:1:params:stream,fastopt_fsdp:1:params:stream:module,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:1:module,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
 HEADLINE_STEPS="--warmup 7 --steps 8"
 
 # The CUDA bit-exactness tests against torch: Adam, AdamW, SGD and Adagrad in torch's foreach,

@@ -46,6 +46,10 @@ class TinyGPT(L.LightningModule):
     """A byte-level GPT.  The optimizer comes from the CLI's ``optimizer:`` block (or
     from a ``configure_optimizers`` you add)."""
 
+    # its hook between steps (on_train_epoch_end) prints the epoch's mean loss and reads no weight:
+    # lightning_fastopt's forward_waits="module" may let the next forward start before every new weight is in
+    reads_weights_between_steps = False
+
     def __init__(self, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, block_size: int = 64,
                  dropout: float = 0.0) -> None:
         super().__init__()

@@ -524,6 +524,28 @@ def test_the_strategy_falls_back_to_waiting_at_the_step_where_weights_can_be_rea
     assert trainer.strategy.engines[0].forward_waits == mode
 
 
+class _EpochEnd(_Validated):
+    def on_train_epoch_end(self):  # reads no weight (a log line of the epoch's losses, say)
+        pass
+
+
+class _EpochEndSaysItDoesNot(_EpochEnd):
+    reads_weights_between_steps = False
+
+
+@pytest.mark.parametrize("cls,mode", [(_EpochEnd, "step"), (_EpochEndSaysItDoesNot, "module")])
+def test_a_lightning_module_whose_hooks_read_no_weights_can_say_so(info, cls, mode):
+    """A LightningModule that overrides a hook between steps counts as a reader (the step
+    waits, said in one line), unless it says its hooks read no weights, as a callback can."""
+    strategy = FastOptStrategy(offload_fraction=0.5, bucket_size_mb=0.0002, copy_on_cpu=True, forward_waits="module")
+    trainer = L.Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=1, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(cls(lambda ps: torch.optim.AdamW(ps, lr=1e-2), sched=False), _data())
+    said = f"forward_waits='module' not used: {cls.__name__}.on_train_epoch_end can read the weights between steps"
+    assert (said in info.text) == (mode == "step")
+    assert trainer.strategy.engines[0].forward_waits == mode
+
+
 @pytest.mark.parametrize("what", ["submodule", "lightning_module"])
 def test_a_compiled_model_waits_at_the_step(info, what):
     """Forward pre-hooks inside torch.compile would be traced (the waits baked in) or break

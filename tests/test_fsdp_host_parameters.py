@@ -167,6 +167,15 @@ def test_steps_that_end_before_their_updates_each_unit_waiting_for_its_rows(run,
 
 
 @slow
+def test_a_checkpoint_saved_after_a_step_that_ended_early_holds_its_updates(run):
+    """Half the steps under ours with every step ending before its updates (the last one's
+    still running when the fit saves its checkpoint, which waits for them), resumed under
+    ``ModelParallelStrategy`` with the policy: where its own resume ends."""
+    ours = run("reference", "host_params", "resume:fastopt-1", "forward_waits=module", "stream_cpu_step").results
+    _assert_same(ours, run("reference", "host_params", "resume:reference").results)
+
+
+@slow
 def test_with_the_shards_on_the_device_the_step_waits_for_its_updates_and_says_why(run):
     """``forward_waits="module"`` without the host shards: FSDP gathers the device shards on
     streams of its own, which wait for the whole step: not used, said in one line; the run

@@ -85,6 +85,9 @@ def test_rest_holds_what_first_leaves_out(tmp_path):
     headline = re.search(r'^HEADLINE="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
                          re.M).group(1).split(",")
     assert set(others) & set(headline) == {"plain"}  # plain again: the bound's GPU step, on rest's machine
+    rows = {r["configuration"]: r for r in json.loads(files["gpt_others.json"])["rows"]}
+    # its steps ended before their CPU updates (nothing in the GPT reads weights between steps), on a CPU too
+    assert rows["fastopt_fsdp:1:params:stream:module"]["left_running"] > 0
     assert "of the disk's rate reading and writing at once" in files["disk_tier.md"]  # the disk row (issue 53)
 
 

@@ -76,14 +76,16 @@ def weight_readers(module, callbacks: Iterable, package: TrainerPackage) -> list
     """Why the next forward must wait for every new weight: each overridden hook of
     :data:`BETWEEN_STEP_HOOKS` as ``Class.hook``, and ``manual optimization`` (user code
     runs after the step inside ``training_step``); empty when nothing reads them.  A
-    callback with ``reads_weights_between_steps = False`` does not count, nor what
+    LightningModule's or a callback's hooks with ``reads_weights_between_steps = False``
+    (a class attribute: they read no weight) do not count, nor what
     Lightning's callbacks that read no weights override (``package.quiet_callbacks``:
     checkpoints read weights through the strategy, which waits for every weight first;
     with their subclasses in Lightning, TQDMProgressBar; what a user's subclass
     overrides still counts)."""
     readers = [] if module.automatic_optimization else ["manual optimization"]
-    readers += [f"{type(module).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
-                if is_overridden(hook, module, package.LightningModule)]
+    if getattr(module, "reads_weights_between_steps", True) is not False:
+        readers += [f"{type(module).__name__}.{hook}" for hook in BETWEEN_STEP_HOOKS
+                    if is_overridden(hook, module, package.LightningModule)]
     for callback in callbacks:
         if getattr(callback, "reads_weights_between_steps", True) is False:
             continue  # the callback says so (a timer, a logger of metrics)
