@@ -64,7 +64,7 @@ class _Wait:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         params = _sharded_params(self.state)
-        for ahead in self.state._states_to_forward_prefetch:
+        for ahead in getattr(self.state, "_states_to_forward_prefetch", ()):
             params += _sharded_params(ahead)
         if params:
             for engine in self.engines():
