@@ -146,6 +146,7 @@ def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run,
 
 ENDING_EARLY = {"streamed": ("stream_cpu_step", "clip=none"), "at-the-step": (),
                 "speculated-and-redone": ("stream_cpu_step",),
+                "bf16-mixed-streamed": ("stream_cpu_step", "clip=none", "precision=bf16-mixed"),
                 "activation-checkpointing-speculated-and-kept": ("stream_cpu_step", "clip=50",
                                                                  "activation_checkpointing")}
 
@@ -189,7 +190,11 @@ def test_with_the_shards_on_the_device_the_step_waits_for_its_updates_and_says_w
 HALF = {"bf16-true": ("precision=bf16-true",), "16-true": ("precision=16-true",),
         "bf16-true-streamed": ("precision=bf16-true", "clip=none", "+stream_cpu_step"),
         "16-true-speculated-and-redone": ("precision=16-true", "+stream_cpu_step"),
-        "16-true-speculated-and-kept": ("precision=16-true", "clip=50", "+stream_cpu_step")}
+        "16-true-speculated-and-kept": ("precision=16-true", "clip=50", "+stream_cpu_step"),
+        "bf16-true-streamed-ending-early": ("precision=bf16-true", "clip=none", "+stream_cpu_step",
+                                           "+forward_waits=module"),
+        "16-true-speculated-and-redone-ending-early": ("precision=16-true", "+stream_cpu_step",
+                                                      "+forward_waits=module")}
 
 
 @slow
@@ -199,7 +204,9 @@ def test_half_host_shards_on_one_rank_end_where_fastopt_ends_in_one_process(run,
     policy: the host shards are half, each with a float32 master beside it in host memory
     (which ``ModelParallelStrategy`` does not keep), so the reference is ours without FSDP:
     one rank ends on the bits of ``FastOptStrategy`` in one process (the batches in its
-    order), synchronous, streamed, and speculated with the updates redone or kept.  Two
+    order), synchronous, streamed, and speculated with the updates redone or kept (and with
+    every step ending before its updates, ``forward_waits="module"``: the half shard each
+    writes in place is what the next forward's units wait for).  Two
     causes this found: an update streamed into backward writes the half shard in place, and
     the check for weights others wrote (made at the step for the host shards) took that
     write for another's and rounded the masters to it; and a step skipped for an overflow
@@ -212,6 +219,7 @@ def test_half_host_shards_on_one_rank_end_where_fastopt_ends_in_one_process(run,
     if "+stream_cpu_step" in extra:
         started, kept = ours.early[0]
         assert started >= 6 * 2 and (kept > 0) == ("clip=none" in extra or "clip=50" in extra), ours.early
+    assert (ours.left[0][0] > 0) == ("+forward_waits=module" in extra), ours.left  # steps that ended early
 
 
 @slow

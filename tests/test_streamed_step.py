@@ -48,6 +48,45 @@ def _train(stream, make_opt, fraction, steps=12):
     return model, states, opt
 
 
+def test_a_step_that_waits_leaves_nothing_running_where_the_worker_ends_its_updates_late():
+    """The streamed step that waits for its updates takes the list of those running, then
+    waits for each; the worker, held until the list is taken, ends every update after, so
+    none is noted as finished by it.  The step still counts each as ended, not left running
+    (it counted them left once: sent last, their slots not among those it wrote), and ends
+    where the unstreamed step ends."""
+    from tests.test_forward_waits import _HeldWorker
+
+    def make(stream):
+        model = _net()
+        names = {p: n for n, p in model.named_parameters()}
+        return model, OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-2), names, bucket_size_mb=0.002,
+                                       copy_on_cpu=True, stream_cpu_step=stream)
+
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(1))
+    model, opt = make(True)
+    held = _HeldWorker(opt, model)
+    schedule = opt.schedule
+
+    def late_join():  # join()'s own two steps, the worker released between them
+        running, schedule.running = schedule.running, {}
+        held.release()
+        return {b: f.result() for b, f in running.items()}
+
+    schedule.join = late_join
+    model(x).square().mean().backward()
+    opt.step()
+    assert len(held.order) == len(opt._buckets) >= 3 and schedule.updates_left_running == 0
+    assert not opt._in_flight
+    ref, ref_opt = make(False)
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    del schedule.join
+    opt.close()
+    ref_opt.close()
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("make_opt", [lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
                                       lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9)], ids=["adamw", "sgd"])

@@ -118,6 +118,9 @@ class StreamedStep(CpuStepSchedule):
         with self._queue.lock:  # (together: an update the worker ends after this is left running, not finished)
             finished, self._finished = self._finished, []
             self.running = {}
+        if not self.ends_early:  # every one has ended: those the worker ended once join() took them were not noted
+            noted = set(finished)
+            finished += [b for b in futures if b not in noted]  # (the last it ended, in its order)
         ended = set(finished)
         left = {b: f for b, f in futures.items() if b not in ended}
         written: list[ParamSlot] = []
