@@ -148,7 +148,8 @@ ENDING_EARLY = {"streamed": ("stream_cpu_step", "clip=none"), "at-the-step": (),
                 "speculated-and-redone": ("stream_cpu_step",),
                 "bf16-mixed-streamed": ("stream_cpu_step", "clip=none", "precision=bf16-mixed"),
                 "activation-checkpointing-speculated-and-kept": ("stream_cpu_step", "clip=50",
-                                                                 "activation_checkpointing")}
+                                                                 "activation_checkpointing"),
+                "validated-at-each-epochs-end": ("stream_cpu_step", "clip=none", "validate")}
 
 
 @slow
@@ -158,7 +159,8 @@ def test_steps_that_end_before_their_updates_each_unit_waiting_for_its_rows(run,
     updates it leaves (streamed, at the step, speculated and redone), each FSDP unit's
     forward waiting for its own rows' updates, and the run ends where
     ``ModelParallelStrategy`` ends (with activation checkpointing too: FSDP gathers each
-    unit again for its recomputation).  Where every speculation is kept nothing is left."""
+    unit again for its recomputation; validated after each epoch's last step, whose updates
+    the validation waits for: the same loss).  Where every speculation is kept nothing is left."""
     ours = run("fastopt-1", "host_params", "forward_waits=module", *extra)
     _assert_same(ours.results, run("reference", "host_params",
                                    *[e for e in extra if e != "stream_cpu_step"]).results)

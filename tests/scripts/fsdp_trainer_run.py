@@ -56,7 +56,8 @@ read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (
 :class:`ShardedNet`'s) each run under
 ``torch.utils.checkpoint`` (non-reentrant), their activations recomputed in backward.
 ``forward_waits=module``: that option of ours; OUT.left_running.rank<r> says how many host
-buckets' updates the steps left running over the run.
+buckets' updates the steps left running over the run.  ``validate``: the (last) fit validates
+at each epoch's end (:meth:`Net.validation_step`), the last validation loss in OUT.rank<r>.
 """
 
 import contextlib
@@ -105,6 +106,10 @@ class Net(L.LightningModule):
         for layer in self.net:  # each layer's activations recomputed in backward (FSDP gathers its weights again)
             x = checkpoint(layer, x, use_reentrant=False)
         return nn.functional.mse_loss(x, y)
+
+    def validation_step(self, batch, batch_idx):  # (run where a validation loader is given: ``validate``)
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         return _with_scheduler(OPTIMIZERS[self.optimizer](self.parameters()))
@@ -389,13 +394,16 @@ def main():
         with trainer.init_module(empty_init=True) if "empty_init" in extra else contextlib.nullcontext():
             model = _model(name, optimizer, tied, sequence_parallel)
         assert "empty_init" not in extra or all(p.is_meta for p in model.parameters())
-    trainer.fit(model, data, ckpt_path=path)
+    validation = torch.utils.data.DataLoader(_data(), batch_size=8) if "validate" in extra else None
+    trainer.fit(model, data, validation, ckpt_path=path)
     opt = trainer.optimizers[0]
     names = {p: n for n, p in model.named_parameters()}
     result = {f"weight/{n}": _full(p.detach()) for n, p in model.named_parameters()}
     for p, state in opt.state.items():
         result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in state.items()})
     result["global_step"] = torch.tensor(trainer.global_step)
+    if validation is not None:  # the last validation's loss (after the first epoch's last step, and the second's)
+        result["val_loss"] = trainer.callback_metrics["val_loss"].detach().clone()
     torch.save(result, f"{out}.rank{trainer.global_rank}")
     for engine in getattr(trainer.strategy, "engines", []):  # the offload fraction each local optimizer ended at
         local = getattr(engine, "local", engine)  # FastOptStrategy's engine is the offload optimizer itself
