@@ -561,6 +561,31 @@ def test_a_step_over_host_shards_ends_before_its_updates_and_each_unit_waits_for
         assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
 
 
+def test_lambs_steps_over_host_shards_wait_for_their_updates_and_say_why(one_process, caplog, monkeypatch):
+    """LAMB's trust ratios read norms over whole parameters, summed over every rank's rows
+    when the step starts (``before_updates``): its steps wait for their updates whatever
+    ``forward_waits`` says, and the strategy says so in one line; AdamW's end early."""
+    import logging
+
+    from lightning_fastopt import FusedAdam, FusedLAMB
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+    from lightning_fastopt.trainer.fsdp_strategy import _say_if_its_steps_wait
+
+    model = _host_sharded_model(one_process)
+    names = {p: n for n, p in model.named_parameters()}
+    for make, early in ((lambda ps: FusedLAMB(ps, lr=1e-2), False), (lambda ps: FusedAdam(ps, lr=1e-2), True)):
+        opt = LocalShardOptimizer(make(model.parameters()), names, host_shards=True, forward_waits="module")
+        assert opt.local.schedule.ends_early == early
+        caplog.clear()
+        monkeypatch.setattr(logging.getLogger("lightning.fabric"), "propagate", True)
+        with caplog.at_level(logging.INFO):
+            _say_if_its_steps_wait(opt)
+        said = "the steps of FusedLAMB wait for their CPU updates (forward_waits='module' not used for it): its " \
+               "updates read norms over whole parameters"
+        assert (said in caplog.text) == (not early), caplog.text
+        opt.close()
+
+
 def test_host_shards_are_their_own_masters_in_host_memory():
     from lightning_fastopt import FusedSGD
     from lightning_fastopt.offload import OffloadOptimizer

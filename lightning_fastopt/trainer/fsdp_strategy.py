@@ -259,6 +259,8 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
 
         self._take_over_optimizers(engine)
         if by_unit:
+            if self._unit_waits is not None:  # (set up again without a teardown between)
+                self._unit_waits.remove()
             self._unit_waits = UnitWaits(module, lambda: self.engines)
             for e in self.engines:
                 e.modules_wait_for(self._unit_waits.covered)
