@@ -358,23 +358,38 @@ def forward_waits_for_the_held_updates(model, opt, held, x):
     return forward[0]
 
 
-def _streamed(model, mode="module", lr=1e-2, stream=True):
+def _streamed(model, mode="module", lr=1e-2, stream=True, **kw):
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=lr), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, stream_cpu_step=stream)
+                           bucket_size_mb=0.00105, copy_on_cpu=True, forward_waits=mode, stream_cpu_step=stream, **kw)
     waits = ForwardWaits(model, lambda: [opt])
     opt.modules_wait_for(waits.covered)
     return opt
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["", "state-on-disk"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "at-the-step"])
-def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(stream):
+def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(stream, disk, tmp_path, monkeypatch):
     """The worker held, every bucket's update is still queued when ``step()`` returns
     (streamed: queued as its gradients landed; at the step: all left then); the next
     forward's first module waits for its bucket's update (on the host), then for its copy;
-    the run ends where waiting at the step ends."""
+    the run ends where waiting at the step ends.  With the masters and state on disk
+    (a window of two buckets' regions) too: the tier reads the buckets ahead in the order
+    the worker takes them, each region at most once."""
+    disk_kw = dict(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=64) if disk else {}
+    if disk:  # a window of two buckets' regions
+        sizing = _streamed(_net(), stream=stream, **disk_kw)
+        disk_kw["nvme_window_mb"] = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
+        sizing.close()
+    reads = []
+    if disk:
+        from lightning_fastopt.runtime.direct_io import DirectFile
+
+        read_into = DirectFile.read_into
+        monkeypatch.setattr(DirectFile, "read_into", lambda f, buffer, offset: (reads.append(offset),
+                                                                                 read_into(f, buffer, offset))[1])
     model = _net()
-    opt = _streamed(model, stream=stream)
-    assert opt.schedule.ends_early
+    opt = _streamed(model, stream=stream, **disk_kw)
+    assert opt.schedule.ends_early and opt.layout.tier.on_disk == disk
     x = torch.randn(8, 16)
     _step(model, opt, x)
     opt.wait_for_weights()  # (the first step's updates, left running, have ended)
@@ -382,8 +397,13 @@ def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(strea
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()  # returns, nothing updated yet
+    reads.clear()
     forward_waits_for_the_held_updates(model, opt, held, x)
     assert held.order == [0, 1, 2, 3]  # the next forward's first layer first
+    if disk:  # each region read at most once, in the worker's order (some may be in the window already)
+        regions = {b: opt.layout.tier.regions[b].offset for b in opt._buckets}
+        order = [regions[b] for b in reversed(opt._buckets)]
+        assert reads == [r for r in order if r in reads] and len(reads) >= 2, (reads, order)
     for _ in range(2):
         _step(model, opt, x)
     opt.close()

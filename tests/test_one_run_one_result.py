@@ -51,6 +51,9 @@ CONFIGS = {
     # and redone: every clipped step)
     "fsdp-host-shards-ending-early": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
                                                               "stream_cpu_step", "forward_waits=module"], 2),
+    "fsdp-host-shards-on-disk-ending-early": ("fsdp_trainer_run.py",
+                                              ["fastopt-1", "adamw", "{out}", "host_params", "nvme",
+                                               "stream_cpu_step", "forward_waits=module"], 2),
     "fsdp-offload-on-disk-speculated": ("fsdp_trainer_run.py",
                                         ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"], 2),
     "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], None),

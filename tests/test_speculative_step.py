@@ -430,16 +430,30 @@ def test_clipping_by_value_redoes_only_the_buckets_it_changed(backend):
 
 
 # ---------------------------------------------------------------------- a step that ends before its updates
+def _on_disk(directory) -> dict:
+    """The offload optimizer's arguments for its masters and state on disk in ``directory``,
+    through a window of two buckets' regions (every step reads some back)."""
+    sizing = _offload(_net(), ADAMW, True, offload_optimizer_device="nvme", nvme_path=str(directory),
+                      nvme_window_mb=64)
+    window_mb = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
+    sizing.close()
+    return dict(offload_optimizer_device="nvme", nvme_path=str(directory), nvme_window_mb=window_mb)
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["", "state-on-disk"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("case", [
     dict(clip=0.06), dict(clip=1e-4, always=False), dict(clip=0.06, precision="16-mixed", overflow_at=(0, 5)),
     dict(clip=0.06, micro_batches=2, sched=True)], ids=["redone", "held-back", "fp16", "accumulation-scheduler"])
 def test_a_step_that_ends_before_its_redone_and_held_back_updates_ends_where_the_synchronous_step_ends(
-        backend, fraction, case):
+        backend, fraction, case, disk, tmp_path):
     """With ``forward_waits="module"`` the redone and held-back buckets' updates are left
     running when the step returns (each forward waits for its own): bit for bit the
-    synchronous step, loss scale and skipped steps included."""
-    ended_early = _train(True, ADAMW, fraction, forward_waits="module", **case)
+    synchronous step, loss scale and skipped steps included; with the state on disk too
+    (a redone bucket's speculative region discarded on the worker, the window read ahead
+    in the worker's order)."""
+    tier = _on_disk(tmp_path) if disk else {}
+    ended_early = _train(True, ADAMW, fraction, forward_waits="module", **case, **tier)
     _assert_same(ended_early, _train(False, ADAMW, fraction, **case))
     totals = ended_early[2]
     assert totals["left_running"] > 0

@@ -8,9 +8,9 @@ copy only just before the forward of a module that owns one of the bucket's para
 forward pre-hook, :class:`ForwardWaits`): the first layers compute while later layers'
 weights are still crossing, which hides the copies of the offloaded share behind the
 device share's forward (fraction below 1), or behind the forward itself (the delayed
-update, whose buckets are sent in forward order).  With the state in host memory the step
-goes further: it ends before its CPU updates do, and a module's forward waits first for
-its bucket's update (:mod:`~lightning_fastopt.offload.left_running`).
+update, whose buckets are sent in forward order).  The step goes further: it ends before
+its CPU updates do, and a module's forward waits first for its bucket's update
+(:mod:`~lightning_fastopt.offload.left_running`).
 
 The contract that makes this safe: between a step and the next backward, an offloaded
 weight is read only by the forward of a module that owns it (or after that forward ran).

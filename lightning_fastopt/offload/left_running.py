@@ -7,12 +7,13 @@ takes it, or earlier by the step (:meth:`UpdateQueue.fix_plans`, ``put(..., plan
 step's hyperparameters, which an LR scheduler moves as soon as the step returns.
 
 Where a step may end before its updates (:func:`ends_early`: each module's forward waits
-for its own weights, ``forward_waits="module"``, and the state is in host memory), the
+for its own weights, ``forward_waits="module"``), the
 streamed step leaves those still queued or running, and the synchronous and speculative
 steps leave the ones they would run in line (:meth:`UpdateQueue.put_after_step`); the
 worker takes the queued bucket the next forward needs first: the one latest in the
 buckets' order, which is the order backward produces the gradients in (the parameters'
-reversed: the first layers' land last).  Otherwise it takes them in the order queued.
+reversed: the first layers' land last), the state tier reading ahead in that order (a
+disk tier's window).  Otherwise it takes them in the order queued.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ def ends_early(opt) -> bool:
     (``"module"``), and so first for its bucket's update, the weights reach the forward
     through something it waits for (copied back on an accelerator's code path, or
     gathered by FSDP from its host shards, updated in place: ``host_shards``, each unit's
-    forward waiting on the host first, :mod:`~lightning_fastopt.fsdp.unit_waits`), the
-    state is in host memory (a disk tier's window is read ahead in landing order, and it
-    ends each step) and no wrapper gives the updates norms at the step
-    (``before_updates``: LAMB's and LARS's whole-tensor norms on FSDP's rows)."""
+    forward waiting on the host first, :mod:`~lightning_fastopt.fsdp.unit_waits`) and no
+    wrapper gives the updates norms at the step (``before_updates``: LAMB's and LARS's
+    whole-tensor norms on FSDP's rows).  Wherever the state lives: a disk tier reads
+    ahead the buckets in the order the worker takes them (:meth:`UpdateQueue._run_next`)."""
     return (opt.forward_waits == "module" and (opt.copies.needed or opt.host_shards)
-            and not opt.layout.tier.on_disk and opt.before_updates is None)
+            and opt.before_updates is None)
 
 
 class UpdateQueue:
@@ -52,7 +53,7 @@ class UpdateQueue:
         self.opt = optimizer
         self.lock = threading.Lock()  # the queue and its plans; a schedule may guard its own records with it
         self._queued: dict[HostBucket, tuple[Future, Update, Any]] = {}  # in the order queued
-        self._left: list[Future] = []  # the updates the last step left running
+        self._left: dict[HostBucket, Future] = {}  # the updates the last step left running
         self.left_total = 0  # the updates steps left running, over the run (tests, benchmarks)
 
     def put(self, bucket: HostBucket, update: Update, plan: Any = UNPLANNED,
@@ -106,36 +107,52 @@ class UpdateQueue:
     def leave(self, left: dict[HostBucket, Future]) -> None:
         """The step returns with these updates queued or running: a module's forward waits
         for its bucket's (the weights in flight), :meth:`wait_left` for all."""
-        self._left = list(left.values())
+        with self.lock:
+            self._left = dict(left)
         self.left_total += len(left)
         self.opt._in_flight.updating(left)
 
     def wait_left(self) -> None:
         """The updates the last step left running have ended."""
-        futures, self._left = self._left, []
-        for f in futures:
+        futures, self._left = self._left, {}
+        for f in futures.values():
             f.result()
 
-    def _next(self) -> HostBucket:
-        """The queued bucket the worker takes now (see the module's documentation)."""
+    def _in_order(self) -> list[HostBucket]:
+        """The queued buckets in the order the worker takes them (see the module's documentation)."""
         if not ends_early(self.opt):
-            return next(iter(self._queued))
-        return max(self._queued, key=self.opt._buckets.index)
+            return list(self._queued)
+        position = {b: i for i, b in enumerate(self.opt._buckets)}
+        return sorted(self._queued, key=position.__getitem__, reverse=True)
 
     def _run_next(self) -> None:
-        """On the worker: the update of the bucket :meth:`_next` names, its plan fixed now
-        unless it was."""
+        """On the worker: the update of the first bucket :meth:`_in_order` names, its plan
+        fixed now unless it was (where steps end early, the state tier reads ahead first:
+        :meth:`_read_ahead`)."""
         with self.lock:
-            bucket = self._next()
+            bucket, *ahead = self._in_order()
             future, update, plan = self._queued.pop(bucket)
             if plan is UNPLANNED:
                 plan = self.opt.updates.plan(bucket.inner, bucket.slots)
+            left = bucket in self._left
+        if ends_early(self.opt):
+            self._read_ahead(bucket, ahead, left)
         try:
             updated = update(bucket, plan)
         except BaseException as error:
             future.set_exception(error)
             return
         future.set_result(updated)
+
+    def _read_ahead(self, bucket: HostBucket, ahead: list[HostBucket], left: bool) -> None:
+        """Where steps end early, the state tier (a disk tier's window; nothing in host memory)
+        reads ahead, as slots allow, ``bucket`` and then what the worker takes after it: the
+        queued ones (``ahead``, in its order: the next forward's first), then what lands
+        next (during backward, the buckets after this one; after a step that left this one
+        running, ``left``, the next backward's first)."""
+        buckets = self.opt._buckets
+        lands_next = buckets if left else buckets[buckets.index(bucket) + 1:]
+        self.opt.layout.tier.prefetch([bucket, *ahead, *lands_next])
 
 
 def frozen(value: Any) -> Any:

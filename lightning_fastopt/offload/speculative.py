@@ -26,8 +26,8 @@ norm), and still ends where the synchronous step ends, bit for bit.
    step skipped for an overflow (or gradients dropped without a step) restores every
    speculated bucket.
 
-Where each module's forward waits for its own weights (``forward_waits="module"``, the state
-in host memory: :func:`~lightning_fastopt.offload.left_running.ends_early`) the step does
+Where each module's forward waits for its own weights (``forward_waits="module"``:
+:func:`~lightning_fastopt.offload.left_running.ends_early`) the step does
 not wait for the updates it redoes or held back: it fixes each one's plan (this step's
 hyperparameters, loss scale and context) and leaves it to the worker, which puts a redone
 bucket's snapshot back first and takes the bucket the next forward needs first; that

@@ -288,13 +288,18 @@ class DiskTier:
     def prefetch(self, buckets: Sequence[HostBucket]) -> None:
         """Start reading the buckets' regions, in this order (the one about to be used
         first), each into the slot used longest ago that no bucket is using or being read
-        into, on the stager thread once that slot's last write has landed: with two slots,
-        the next bucket's read follows the last one's write while this one updates."""
+        into and that holds none of the buckets before it in ``buckets`` (wanted sooner),
+        on the stager thread once that slot's last write has landed: with two slots, the
+        next bucket's read follows the last one's write while this one updates."""
         with self._lock:
+            sooner: set[HostBucket] = set()
             for bucket in buckets:
+                if bucket in sooner:
+                    continue
+                sooner.add(bucket)
                 if self._holding(bucket) is not None:
                     continue
-                spare = [s for s in self.window if not s.in_use and s.read is None]
+                spare = [s for s in self.window if not s.in_use and s.read is None and s.bucket not in sooner]
                 if not spare:
                     return
                 slot = min(spare, key=lambda s: s.last_used)

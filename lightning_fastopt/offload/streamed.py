@@ -7,8 +7,8 @@ the gradients of the earlier layers.  FSDP's host shards (``host_shards``) are u
 place, nothing sent: compute reads only the copies FSDP gathers from them, and the next
 gather is the next forward's.  ``step()`` only waits for what is left.
 
-Where each module's forward waits only for its own weights (``forward_waits="module"``,
-state in host memory: :attr:`StreamedStep.ends_early`) the step does not wait for what is
+Where each module's forward waits only for its own weights (``forward_waits="module"``:
+:attr:`StreamedStep.ends_early`) the step does not wait for what is
 left either: it fixes each queued update's plan (this step's hyperparameters: an LR
 scheduler may move them as soon as it returns) and hands the updates to the weights in
 flight, and the next forward's pre-hook on a module waits on the host for its bucket's
@@ -65,10 +65,11 @@ class StreamedStep(CpuStepSchedule):
 
     def _update(self, bucket: HostBucket, plan) -> list[ParamSlot]:
         """On the worker: the bucket's update as planned, the next buckets' masters and
-        state read meanwhile where they are on disk."""
+        state read meanwhile where they are on disk (in landing order; where steps end
+        early the queue has them read in the order the worker takes them)."""
         opt = self.opt
-        i = opt._buckets.index(bucket)
-        opt.layout.tier.prefetch(opt._buckets[i:])
+        if not self.ends_early:
+            opt.layout.tier.prefetch(opt._buckets[opt._buckets.index(bucket):])
         updated = opt.updates.bucket_step(bucket, None, None, bucket.backward_done, plan=plan)
         with self._queue.lock:
             if bucket in self.running:  # (not one a step left running: that step has ended, and the next

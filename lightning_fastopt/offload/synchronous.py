@@ -4,8 +4,8 @@
 in the order backward produced its gradients, waiting only for that bucket's copies, and
 starts sending its new weights to the device while the CPU moves on to the next bucket.
 
-Where each module's forward waits for its own weights (``forward_waits="module"``, the
-state in host memory: :func:`~lightning_fastopt.offload.left_running.ends_early`) the
+Where each module's forward waits for its own weights (``forward_waits="module"``:
+:func:`~lightning_fastopt.offload.left_running.ends_early`) the
 step does not run the host buckets' updates itself: once every gradient has left the
 device, it fixes each update's plan (this step's hyperparameters, loss scale and context)
 and leaves them to the worker thread, which takes the bucket the next forward needs first;

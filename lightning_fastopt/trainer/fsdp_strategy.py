@@ -306,12 +306,10 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
         if self.options.forward_waits == "step":
             return False
         why_not = forward_waits_refusals(self.lightning_module, trainer.callbacks, self.package)
-        why_not += [reason for reason, applies in (
-            ("FSDP keeps the parameter shards on the device and gathers them on streams of its own, which wait for "
-             "the whole step at the root's forward (offload_parameters=True keeps them in host memory)", not on_host),
-            (f"the optimizer state is on disk (offload_optimizer_device={self.options.offload_optimizer_device!r}), "
-             "read ahead in the order the gradients land", self.options.offload_optimizer_device != "cpu"),
-        ) if applies]
+        if not on_host:
+            why_not.append("FSDP keeps the parameter shards on the device and gathers them on streams of its own, "
+                           "which wait for the whole step at the root's forward (offload_parameters=True keeps them "
+                           "in host memory)")
         return say_forward_waits(why_not, "each FSDP unit's forward waits only for its own rows' CPU updates, which a "
                                           "step may leave running")
 
