@@ -114,7 +114,8 @@ class UpdateQueue:
 
     def wait_left(self) -> None:
         """The updates the last step left running have ended."""
-        futures, self._left = self._left, {}
+        with self.lock:
+            futures, self._left = self._left, {}
         for f in futures.values():
             f.result()
 
