@@ -273,6 +273,18 @@ def assert_bfloat16_moments_followed(ours, exact, steps=6, lr=1e-2):
         assert {a[k].dtype for k in a if k.startswith("state/") and not k.endswith("/step")} == {torch.float32}
 
 
+def on_disk_through_two_buckets(directory, build) -> dict:
+    """An offload optimizer's arguments for its masters and state on disk in ``directory``
+    through a window of two slots (2.5 of its largest bucket's regions: with three buckets
+    or more, every step reads some back); ``build(**arguments)`` makes the optimizer, once
+    here to size its regions."""
+    disk = dict(offload_optimizer_device="nvme", nvme_path=str(directory), nvme_window_mb=64)
+    sizing = build(**disk)
+    disk["nvme_window_mb"] = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
+    sizing.close()
+    return disk
+
+
 def run_counts(out, name: str, ranks) -> list[tuple[int, ...] | None]:
     """Each rank's numbers a run script wrote to ``OUT.<name>.rank<r>`` (None where it wrote none)."""
     from pathlib import Path

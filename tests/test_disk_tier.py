@@ -18,7 +18,7 @@ from lightning_fastopt import FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, Fus
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.runtime import direct_io
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty
-from tests.helpers import SIZES, split_groups
+from tests.helpers import SIZES, on_disk_through_two_buckets, split_groups
 
 GROUPS = [dict(), dict(lr=3e-3, weight_decay=0.0)]
 ALGORITHMS = {
@@ -49,9 +49,7 @@ def _optimizer(params, make, tmp_path=None, window_mb=None, **kw):
     if tmp_path is None:
         return build()
     if window_mb is None:
-        sizing = build(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=64)
-        window_mb = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
-        sizing.close()
+        return build(**on_disk_through_two_buckets(tmp_path, build))
     return build(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=window_mb)
 
 

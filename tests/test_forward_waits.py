@@ -40,7 +40,7 @@ from lightning_fastopt.offload import slots as slots_module
 from lightning_fastopt.offload import weight_watch
 from lightning_fastopt.offload.copies import CopyStreams
 from lightning_fastopt.offload.forward_waits import ForwardWaits
-from tests.helpers import ACCELERATOR
+from tests.helpers import ACCELERATOR, on_disk_through_two_buckets
 from tests.test_precision import _data
 from tests.test_strategy import Model
 
@@ -375,11 +375,9 @@ def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(strea
     the run ends where waiting at the step ends.  With the masters and state on disk
     (a window of two buckets' regions) too: the tier reads the buckets ahead in the order
     the worker takes them, each region at most once."""
-    disk_kw = dict(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=64) if disk else {}
-    if disk:  # a window of two buckets' regions
-        sizing = _streamed(_net(), stream=stream, **disk_kw)
-        disk_kw["nvme_window_mb"] = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
-        sizing.close()
+    disk_kw = {}
+    if disk:
+        disk_kw = on_disk_through_two_buckets(tmp_path, lambda **kw: _streamed(_net(), stream=stream, **kw))
     reads = []
     if disk:
         from lightning_fastopt.runtime.direct_io import DirectFile

@@ -396,17 +396,11 @@ def _host_sharded_steps(mesh, stream: bool, steps=4):
     """A model under the policy stepped by the rows' optimizer over its host shards, in
     place, streamed or not; each gradient copy announced as in flight when its hooks run.
     Returns the model, the optimizer and the log of what was awaited and read."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
     from lightning_fastopt import FusedAdam
     from lightning_fastopt.fsdp import LocalShardOptimizer
     from lightning_fastopt.fsdp.host_parameters import gradient_copy_waits
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
-    policy = CPUOffloadPolicy(pin_memory=False)
-    for module in (model[0], model[2], model):
-        fully_shard(module, mesh=mesh, offload_policy=policy)
+    model = _host_sharded_model(mesh)
     log = []
     for module in (model[0], model[2]):
         for record in module._get_fsdp_state()._fsdp_param_group.fsdp_params:  # before the optimizer's hooks

@@ -26,7 +26,7 @@ from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.optim.takeover import engine_of
-from tests.helpers import ACCELERATOR, assert_modules_equal
+from tests.helpers import ACCELERATOR, assert_modules_equal, on_disk_through_two_buckets
 from tests.test_forward_waits import _HeldWorker, forward_waits_for_the_held_updates
 from tests.test_precision import _data
 from tests.test_streamed_step import _net, cpu_updates_and_backward_end
@@ -430,16 +430,6 @@ def test_clipping_by_value_redoes_only_the_buckets_it_changed(backend):
 
 
 # ---------------------------------------------------------------------- a step that ends before its updates
-def _on_disk(directory) -> dict:
-    """The offload optimizer's arguments for its masters and state on disk in ``directory``,
-    through a window of two buckets' regions (every step reads some back)."""
-    sizing = _offload(_net(), ADAMW, True, offload_optimizer_device="nvme", nvme_path=str(directory),
-                      nvme_window_mb=64)
-    window_mb = 2.5 * max(r.size for r in sizing.layout.tier.regions.values()) / 2**20
-    sizing.close()
-    return dict(offload_optimizer_device="nvme", nvme_path=str(directory), nvme_window_mb=window_mb)
-
-
 @pytest.mark.parametrize("disk", [False, True], ids=["", "state-on-disk"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 @pytest.mark.parametrize("case", [
@@ -452,7 +442,9 @@ def test_a_step_that_ends_before_its_redone_and_held_back_updates_ends_where_the
     synchronous step, loss scale and skipped steps included; with the state on disk too
     (a redone bucket's speculative region discarded on the worker, the window read ahead
     in the worker's order)."""
-    tier = _on_disk(tmp_path) if disk else {}
+    tier = {}
+    if disk:
+        tier = on_disk_through_two_buckets(tmp_path, lambda **kw: _offload(_net(), ADAMW, True, **kw))
     ended_early = _train(True, ADAMW, fraction, forward_waits="module", **case, **tier)
     _assert_same(ended_early, _train(False, ADAMW, fraction, **case))
     totals = ended_early[2]

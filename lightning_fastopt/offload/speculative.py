@@ -350,8 +350,6 @@ def _hyperparameters(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: frozen(v) for k, v in hyperparameters(g).items()} for g in groups]
 
 
-
-
 def _same(a: Any, b: Any) -> bool:
     """Equal, tensors by value (and never a tensor equal to a number: the kernels read them differently)."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
