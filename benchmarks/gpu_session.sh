@@ -39,43 +39,35 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # The headline rows of the ~1B GPT table (issue 37), in the order of what they decide. The run of
 # 2026-11-28 (H200) measured all eight of the older list (benchmarks/results/2026-11-28-h200): the
 # streamed and delayed steps stretched the GPU's own work from 110 ms to 300 ms while the CPU
-# update ran on every core, so the CPU step's thread count comes first (":t14" leaves two of the
-# 16 cores to the thread that launches the GPU's work and to the copies), then the streamed step
-# that ends before its CPU updates (":module": the next forward runs beside them, first layer
-# first; since 2026-11-28, unmeasured) and the clipped step that ends before the updates it redoes or held
-# back (":module:clip", unmeasured; clipping multiplies each bucket's gradients in its update), then the
-# rows that check the rest. gpt_offload.py measures the bound's terms first (the CPU update's rate, the
-# pinned copies), about 10 s. A row takes 38-47 s (start and imports 17-23 s of it).
-HEADLINE="plain,fastopt:1:stream,fastopt:1:stream:t14,fastopt:1:stream:module,fastopt:1:delayed:t14,fastopt:1,fastopt:1:stream:clip,fastopt:1:stream:module:clip,fastopt:0.5:stream,fastopt:auto:stream,fastopt:1:stream:bf16-true,fastopt:1:delayed"
+# update ran on every core, so the CPU step with 14 threads comes first (":t14" leaves two of the
+# 16 cores to the thread that launches the GPU's work and to the copies), then with it the streamed
+# step that ends before its CPU updates (":module": the next forward runs beside them, first layer
+# first) and the clipped one (":clip": clipping multiplies each bucket's gradients in its update),
+# then issue 52's pair (the host shards updated in place by our kernels, each step ending early,
+# against ModelParallelStrategy with FSDP's CPUOffloadPolicy and torch's AdamW: >= 3x), then the
+# rows that check the rest. gpt_offload.py measures the bound's terms first (the CPU update's rate,
+# the pinned copies), about 10 s. A row takes 38-47 s (start and imports 17-23 s of it).
+HEADLINE="plain,fastopt:1:stream:t14,fastopt:1:stream:module:t14,fastopt:1:stream:module:t14:clip,fastopt_fsdp:1:params:stream:module,fsdp:cpu_offload,fastopt:1:stream,fastopt:1:stream:module,fastopt:1:delayed:t14,fastopt:1,fastopt:1:stream:clip,fastopt:0.5:stream:t14,fastopt:auto:stream,fastopt:1:stream:bf16-true,fastopt:1:delayed"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
-# run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, with FSDP's
-# CPUOffloadPolicy, the same with offload_parameters=True (our CPU kernels updating the host shards in
-# place: issue 52's >= 3x target; then streamed into backward, then each step ending before the updates
-# of the units the next forward reaches first, unmeasured), and fastopt_fsdp at fraction 1 (exact,
+# run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, the host
+# shards updated at the step and streamed into backward, and fastopt_fsdp at fraction 1 (exact,
 # streamed), before the rest
-OTHERS="plain,fsdp,fsdp:cpu_offload,fastopt_fsdp:1:params,fastopt_fsdp:1:params:stream,fastopt_fsdp:1:params:stream:module,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:1:module,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream"
+OTHERS="plain,fsdp,fastopt_fsdp:1:params,fastopt_fsdp:1:params:stream,fastopt_fsdp:1,fastopt_fsdp:1:stream,fastopt:1:stream:t8,fastopt:1:delayed:t8,plain:clip,fastopt:0,fastopt:0.5,fastopt:1:clip,fastopt:1:module,fastopt:auto:delayed,fastopt:1:delayed:bf16-true,fastopt:0.5:module,fastopt:1:delayed:bf16-true:module,fastopt:0.25:stream,fastopt:1:stream:module:clip,fastopt:0.5:stream"
 HEADLINE_STEPS="--warmup 7 --steps 8"
 
 # The CUDA bit-exactness tests against torch: Adam, AdamW, SGD and Adagrad in torch's foreach,
 # for-loop and fused steps, the kernels alone and under the offload optimizer at fractions 0
 # and 1; then the Trainer-level comparisons with Trainer() on the GPU.
-FIRST_TESTS=(
-    "tests/test_grad_norms.py -m cuda"
-    "tests/test_rounding.py -m cuda -k kernels-"
-    "tests/test_rounding.py -m cuda -k offload1-"
-    "tests/test_rounding.py -m cuda -k offload0-"
-    "tests/test_offload_cuda.py::test_trainer_on_gpu_matches_plain_lightning"
-    "tests/test_rounding.py::test_trainer_on_gpu_with_torch_adamw_matches_plain_lightning"
-    "tests/test_offload_cuda.py::test_offloaded_training_matches_the_reference"
+FIRST_TESTS=(  # one pytest process (a start cost ~15 s on the H200, 2026-11-28: six took 120 s)
+    "tests/test_grad_norms.py tests/test_rounding.py tests/test_offload_cuda.py -m cuda -k 'test_grad_norms or kernels- or offload1- or offload0- or pytorch_fallback or test_trainer_on_gpu or test_offloaded_training_matches_the_reference'"
+    "tests/test_fsdp_strategy.py tests/test_fsdp_host_parameters.py -m cuda"
 )
 # what `first` leaves to `rest`, most telling first
 REST_TESTS=(
     "tests/test_rounding.py -m cuda -k offload0.5-"
-    "tests/test_rounding.py -m cuda -k pytorch_fallback"
     "tests/test_offload_cuda.py -m cuda -k 'not (test_trainer_on_gpu_matches_plain_lightning or test_offloaded_training_matches_the_reference)'"
     "tests/test_torch_fused.py tests/test_bf16_state.py tests/test_half_weights.py tests/test_weight_watch.py tests/test_forward_waits.py -m cuda"
     "tests/test_cuda_kernels.py tests/test_cuda_math.py tests/test_cuda_build.py"
-    "tests/test_fsdp_strategy.py tests/test_fsdp_host_parameters.py -m cuda"
     "tests/test_resume.py::test_sigkill_and_resume_on_gpu_is_bit_exact tests/test_fabric.py::test_on_gpu_equals_fabric_with_torch_adamw tests/test_fabric.py::test_bf16_mixed_equals_fabrics_own tests/test_fabric.py::test_on_gpu_fp16_overflow_skips_the_step_and_save_load_continues_exactly"
 )
 TRAINER_ON_GPU="tests/test_lightning_patterns.py tests/test_precision.py tests/test_strategy.py tests/test_streamed_step.py tests/test_speculative_step.py tests/test_half_weights.py tests/test_delayed_update.py tests/test_forward_waits.py"
@@ -157,7 +149,7 @@ case "$part" in
         timeout 60 python3 benchmarks/rounding_probe.py 2>&1 | tee "$WORK/rounding_probe.md"
         pack
         say "GPT headline rows"
-        gpt "$HEADLINE" gpt_headline 240 $HEADLINE_STEPS
+        gpt "$HEADLINE" gpt_headline "${GPT_S:-240}" $HEADLINE_STEPS
         say "bit-exactness tests and Trainer-level comparisons"
         run_tests $((FIRST_S - SECONDS)) first_tests.txt "${FIRST_TESTS[@]}"
         say "done"
@@ -211,10 +203,10 @@ case "$part" in
     largest)
         record_commit
         build largest_build.txt
-        for state in float32 bfloat16; do
+        for state in ${LARGEST_STATES:-float32 bfloat16}; do
             say "the largest GPT at 24 GiB of GPU, AdamW moments $state"
             # shellcheck disable=SC2086
-            timeout 280 python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 --state $state \
+            timeout "${LARGEST_S:-280}" python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 --state $state \
                 --out "$WORK/largest_$state.json" 2>&1 | tee "$WORK/largest_$state.md"
             pack
         done
