@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -75,6 +76,11 @@ def child(args) -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(args.gpu_gib * 2**30 / total, 1.0))
 
+    began = time.perf_counter()
+
+    def progress(what: str) -> None:  # a try cut off says how far it got (the parent keeps the last line)
+        print(f"{PROGRESS}{what} after {time.perf_counter() - began:.1f} s", flush=True)
+
     class Timed(L.Callback):
         def __init__(self):
             self.times = []
@@ -82,12 +88,17 @@ def child(args) -> None:
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if cuda:
                 torch.cuda.synchronize()
+            if batch_idx == 0:
+                progress("set up (the model in host memory, sharded; the optimizer's state)")
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.started)
+            progress(f"step {batch_idx + 1} took {self.times[-1]:.2f} s; GPU peak "
+                     f"{torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.3g} GiB, host peak "
+                     f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30:.3g} GiB")
 
     class Model(L.LightningModule):  # the GPT with AdamW (examples/gpt.py takes its optimizer from the CLI)
         def __init__(self):
@@ -113,13 +124,13 @@ def child(args) -> None:
     trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, max_steps=args.steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         precision="bf16-mixed", strategy=strategy, callbacks=[timed])
-    started = time.perf_counter()
     with trainer.init_module(empty_init=True):
         model = Model()
+    progress("built on the meta device")
     trainer.fit(model, loader)
     last = timed.times[-2:] if len(timed.times) > 2 else timed.times
     print(json.dumps(dict(layers=args.child, params=sum(p.numel() for p in model.parameters()), trained=True,
-                          steps=trainer.global_step, step_s=sum(last) / len(last), wall_s=time.perf_counter() - started,
+                          steps=trainer.global_step, step_s=sum(last) / len(last), wall_s=time.perf_counter() - began,
                           gpu_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                           host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30)))
 
@@ -129,12 +140,41 @@ def run_child(args, layers: int) -> dict:
                str(args.tokens), "--steps", str(args.steps), "--state", args.state, "--gpu-gib", str(args.gpu_gib)]
     command += ["--tiny"] if args.tiny else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired as stopped:  # (subprocess.run killed it)
+        return dict(layers=layers, trained=False, error=f"stopped after --timeout-s {args.timeout_s} s",
+                    got_to=last_progress(_text(stopped.stdout)))
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode == 0 and lines:
         return json.loads(lines[-1])
-    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-    return dict(layers=layers, trained=False, error=tail[0][:300])
+    return dict(layers=layers, trained=False, error=failure(done.returncode, done.stderr or done.stdout),
+                got_to=last_progress(done.stdout))
+
+
+PROGRESS = "PROGRESS "  # the child's lines that say how far it got
+
+
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def last_progress(stdout: str) -> str | None:
+    """The last of the child's progress lines, without its prefix (None: it printed none)."""
+    lines = [line[len(PROGRESS):] for line in stdout.splitlines() if line.startswith(PROGRESS)]
+    return lines[-1] if lines else None
+
+
+def failure(returncode: int, printed: str) -> str:
+    """Why a child failed, in one line: the signal that ended it (the kernel's out-of-memory
+    killer sends 9), else the exception its traceback ends with, else its last line (a
+    warning printed after the traceback is not the cause)."""
+    if returncode < 0:
+        return f"killed by signal {-returncode}" + (" (the host's out-of-memory killer sends it)" if returncode == -9
+                                                     else "")
+    lines = printed.strip().splitlines()
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)]
+    return (raised or lines[-1:] or [f"exit {returncode}"])[-1][:300]
 
 
 def main() -> None:
@@ -180,7 +220,10 @@ def main() -> None:
             print(f"trained: {got['layers']} layers, {got['params'] / 1e9:.3g}B parameters, {got['step_s']:.3g} s a "
                   f"step, GPU peak {got['gpu_peak_gib'] or 0:.3g} GiB, host peak {got['host_peak_gib']:.3g} GiB")
             break
-        print(f"did not train: {r['layers']} layers ({got['error']})")
+        print(f"did not train: {r['layers']} layers ({got['error']}; got to: {got['got_to'] or 'nothing printed'})",
+              flush=True)
+        if args.out:  # after each try: a run cut off keeps the ones before
+            Path(args.out).write_text(json.dumps(dict(plan=rows, tries=tries), indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(plan=rows, tries=tries), indent=1))
 

@@ -181,8 +181,11 @@ def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, dec
     denom = torch._foreach_sqrt(second) if torch_sqrt else [t.double().sqrt_().float() for t in second]
     if ROUNDINGS[rounding] == "torch_cuda_for_loop":  # CUDA's division by a host scalar
         torch._foreach_mul_(denom, float_reciprocal(bias_correction2_sqrt))
-    else:
-        torch._foreach_div_(denom, bias_correction2_sqrt)
+    else:  # one scalar a tensor, as torch's foreach step passes them: ATen's CUDA foreach division
+        # by a single scalar multiplies by its reciprocal (ForeachBinaryOpScalar.cu), by a list it
+        # divides (the CPU divides either way); the one-scalar form missed torch's CUDA foreach
+        # bits by an ulp (H200, 2026-11-28, test_rounding.py's pytorch_fallback cases)
+        torch._foreach_div_(denom, [bias_correction2_sqrt] * len(denom))
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(work, exp_avgs, denom, value=-step_size)
     _finish(params, work, copies)
