@@ -57,7 +57,8 @@ sys.path.insert(0, str(REPO / "examples"))
 # (delayed from the third step on, well before the timed steps), a ":bf16-true" suffix trains with half
 # weights (precision="bf16-true") instead of bf16-mixed, a ":module" suffix adds forward_waits="module";
 # a final ":clip" (any configuration) trains with gradient_clip_val=1.0 (streamed, the step is speculative);
-# a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default every core of the process)
+# a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default the
+# process's cores, less two where it has 8 or more: lightning_fastopt.core.cpu_threads)
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
            "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
            "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "fastopt:0.5:module",
@@ -72,7 +73,9 @@ CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:
 # "fsdp:cpu_offload" (the host shards updated in place by our CPU kernels: issue 52's comparison), and
 # "fastopt_fsdp:1:params:stream" each unit's update started in backward as its gradients land on the host
 # ("...:module": forward_waits="module", the step ending before the updates of the units the next forward
-# reaches first, each unit's forward waiting for its own rows')
+# reaches first, each unit's forward waiting for its own rows'); a ":bf16-true" suffix on any of them trains
+# with half weights (precision="bf16-true": half shards, so half the copies; under ModelParallelStrategy
+# torch's AdamW then steps the bfloat16 shards themselves, with fastopt_fsdp the float32 masters beside them)
 FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1:params:stream",
                 "fastopt_fsdp:1:params:stream:module", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
 CONFIGS += FSDP_CONFIGS
@@ -103,8 +106,10 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
 
 
 def fsdp_strategy(config: str):
-    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream][:params][:module]`` (one rank)."""
+    """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream][:params][:module]`` (one rank),
+    each with an optional ``:bf16-true`` (the precision, set by the caller)."""
     name, *mode = config.split(":")
+    mode = [m for m in mode if m != "bf16-true"]
     if name == "fsdp":
         if set(mode) - {"cpu_offload"}:
             raise ValueError(f"{config!r}: expected 'fsdp' or 'fsdp:cpu_offload'")
@@ -262,8 +267,8 @@ def child(config: str, args) -> dict:
     else:
         strategy = base
     measure = Measure()
-    half = base.startswith("fastopt:") and fastopt_arguments(base)[1]
-    precision = ("bf16-true" if half else "bf16-mixed") if gpu else "32-true"
+    half = fastopt_arguments(base)[1] if base.startswith("fastopt:") else "bf16-true" in base.split(":")
+    precision = "bf16-true" if half else "bf16-mixed" if gpu else "32-true"  # (half weights on a CPU too)
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=strategy,
                         precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -6,8 +6,9 @@ An offload step cannot be shorter than the longest of three terms:
 - the CPU update of the offloaded share at the rate our kernels reach here: exact AdamW
   moves 28 bytes a parameter (read master, m, v and the gradient, write master, m, v: with
   float32 gradients and weights under bf16-mixed; with bfloat16 ones the half gradient in
-  and the half weight out take the place of the float32 gradient, 28 again), timed on the
-  threads the strategy gives the step (this process's share of the node's cores);
+  and the half weight out take the place of the float32 gradient, 28 again), timed on all
+  of this process's cores (the host's best: on a GPU the strategies leave two of eight or
+  more to the thread that launches the GPU's work, ``lightning_fastopt.core.cpu_threads``);
 - the copies (gradients down, weights up) at the pinned copy bandwidth of each direction,
   measured with one large pinned buffer (the two directions have copy engines of their own,
   so each is a term).
@@ -137,7 +138,7 @@ def pinned_copy_rates(nbytes: int, repeat: int = 5) -> tuple[float, float]:
 
 
 def measure(cpu_params: int, copy_bytes: int) -> Terms:
-    """This machine's terms, the CPU step on the threads the strategies give it by default."""
+    """This machine's terms, the CPU step on every core of this process."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from lightning_fastopt.core.cpu_threads import default_cpu_threads
 

@@ -266,6 +266,26 @@ def test_default_cpu_threads_share_the_cores():
     cores = len(os.sched_getaffinity(0))
     assert default_cpu_threads(1) == cores
     assert default_cpu_threads(cores * 4) == 1
+    # on an accelerator, two of a share of eight or more left to the launching thread and the copies
+    assert default_cpu_threads(1, accelerator=True, cores=16) == 14
+    assert default_cpu_threads(2, accelerator=True, cores=16) == 6
+    assert default_cpu_threads(1, accelerator=True, cores=8) == 6
+    assert default_cpu_threads(2, accelerator=True, cores=8) == 4
+    assert default_cpu_threads(1, accelerator=False, cores=16) == 16
+    assert default_cpu_threads(32, accelerator=True, cores=16) == 1
+
+
+def test_on_an_accelerator_the_step_gets_the_accelerators_default():
+    """No accelerator is touched: the count is set from the device's type alone."""
+    from lightning_fastopt.core.cpu_threads import TorchThreads
+
+    before, threads = torch.get_num_threads(), TorchThreads()
+    try:
+        threads.set(None, 1, torch.device("cuda", 0))
+        assert torch.get_num_threads() == default_cpu_threads(1, accelerator=True)
+    finally:
+        threads.restore()
+    assert torch.get_num_threads() == before
 
 
 class _WithOddParameter(L.LightningModule):

@@ -8,13 +8,28 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 
-def default_cpu_threads(processes_per_node: int) -> int:
-    """The cores this process may run on, shared among the processes of this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, processes_per_node))
+# Cores of a process's share that the CPU step leaves, on an accelerator, to the thread that
+# launches the accelerator's work and to the copies, where the share has at least SPARED_FROM:
+# on H200 hosts of 16 cores (two leases of 2026-11-28, plain's step 110 and 111 ms in both),
+# the streamed full-offload step of a 1B GPT took 465 ms with the update on all 16 cores and
+# 372 ms on 14 (with all 16, the GPU's own work stretched from 110 to about 300 ms a step)
+LEFT_TO_THE_ACCELERATOR = 2
+SPARED_FROM = 8  # a share of fewer cores keeps them all for the update
+
+
+def default_cpu_threads(processes_per_node: int, accelerator: bool = False, cores: int | None = None) -> int:
+    """The cores this process may run on (``cores``: by default its affinity), shared among
+    the processes of this node; on an accelerator, less :data:`LEFT_TO_THE_ACCELERATOR` where
+    the share has at least :data:`SPARED_FROM`."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+    share = max(1, cores // max(1, processes_per_node))
+    if accelerator and share >= SPARED_FROM:
+        return share - LEFT_TO_THE_ACCELERATOR
+    return share
 
 
 class TorchThreads:
@@ -27,7 +42,8 @@ class TorchThreads:
     CPU keeps the count Lightning's own strategy leaves (its launcher sets one in some
     processes, torch's default holds in the others): the run ends on that strategy's
     bits.  On an accelerator, where the model's bits do not depend on it, the CPU step
-    gets this process's share of the node's cores."""
+    gets this process's share of the node's cores, less two where the share has eight or
+    more (:func:`default_cpu_threads`)."""
 
     def __init__(self) -> None:
         self._before: int | None = None
@@ -38,7 +54,7 @@ class TorchThreads:
                            "step: torch's, as Lightning left them for the model, which computes on the CPU "
                            "(cpu_threads=N sets them)")
             return
-        threads = threads or default_cpu_threads(processes_per_node)
+        threads = threads or default_cpu_threads(processes_per_node, accelerator=True)
         self._before = torch.get_num_threads()
         torch.set_num_threads(threads)
         rank_zero_info(f"lightning_fastopt: {threads} CPU thread(s) per process for the optimizer step")
