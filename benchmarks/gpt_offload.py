@@ -75,7 +75,9 @@ CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:
 # ("...:module": forward_waits="module", the step ending before the updates of the units the next forward
 # reaches first, each unit's forward waiting for its own rows'); a ":bf16-true" suffix on any of them trains
 # with half weights (precision="bf16-true": half shards, so half the copies; under ModelParallelStrategy
-# torch's AdamW then steps the bfloat16 shards themselves, with fastopt_fsdp the float32 masters beside them)
+# torch's AdamW then steps the bfloat16 shards themselves, with fastopt_fsdp the float32 masters beside them),
+# a ":prefetch" suffix has each block gather the next one ahead, both ways (FSDP's set_modules_to_forward_prefetch
+# and set_modules_to_backward_prefetch: whether FSDP then overlaps its copies with compute on one GPU)
 FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fsdp:1:params:stream",
                 "fastopt_fsdp:1:params:stream:module", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
 CONFIGS += FSDP_CONFIGS
@@ -107,9 +109,10 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
 
 def fsdp_strategy(config: str):
     """The strategy of ``fsdp[:cpu_offload]`` or ``fastopt_fsdp:F[:stream][:params][:module]`` (one rank),
-    each with an optional ``:bf16-true`` (the precision, set by the caller)."""
+    each with an optional ``:bf16-true`` (the precision, set by the caller) and ``:prefetch`` (FSDP's
+    explicit prefetch, set by the model's ``configure_model``)."""
     name, *mode = config.split(":")
-    mode = [m for m in mode if m != "bf16-true"]
+    mode = [m for m in mode if m not in ("bf16-true", "prefetch")]
     if name == "fsdp":
         if set(mode) - {"cpu_offload"}:
             raise ValueError(f"{config!r}: expected 'fsdp' or 'fsdp:cpu_offload'")
@@ -201,6 +204,10 @@ def child(config: str, args) -> dict:
             for block in self.blocks:
                 fully_shard(block, mesh=mesh, **extra)
             fully_shard(self, mesh=mesh, **extra)
+            if "prefetch" in config.split(":"):  # FSDP's explicit prefetch: the next block ahead, each way
+                for before, after in zip(self.blocks, self.blocks[1:]):
+                    before.set_modules_to_forward_prefetch([after])
+                    after.set_modules_to_backward_prefetch([before])
 
     class Measure(L.Callback):
         reads_weights_between_steps = False  # it times steps: forward_waits="module" may apply

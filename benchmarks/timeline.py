@@ -12,6 +12,9 @@ From a ``torch.profiler`` trace (CPU and CUDA activities):
 - ``CPU update``: the offload optimizer's CPU updates (its ``fastopt::cpu_update``
   ranges, on the main thread or the worker: :func:`profile` records every thread, where
   torch's profiler records only the thread that started it by default);
+- ``grad scale``: clipping's multiply of a host bucket's gradients, in its update's turn
+  (``fastopt::grad_scale``; on the H200, 2026-11-28, the clipped row's CPU lane had gaps
+  between buckets that its ranges did not cover);
 - ``disk read``, ``disk write``: with the masters and state on disk
   (``offload_optimizer_device="nvme"``), the transfers of their file (``fastopt::disk_read``,
   ``fastopt::disk_write``, on the I/O threads).
@@ -25,10 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-LANES = ("GPU compute", "D2H", "H2D", "CPU update", "disk read", "disk write")
+LANES = ("GPU compute", "D2H", "H2D", "CPU update", "grad scale", "disk read", "disk write")
 CPU_UPDATE = "fastopt::cpu_update"  # the record_function name of a bucket's CPU update
-RANGE_LANES = {CPU_UPDATE: "CPU update", "fastopt::disk_read": "disk read", "fastopt::disk_write": "disk write"}
-DISK_LANES = ("disk read", "disk write")
+RANGE_LANES = {CPU_UPDATE: "CPU update", "fastopt::grad_scale": "grad scale", "fastopt::disk_read": "disk read",
+               "fastopt::disk_write": "disk write"}
+SOMETIMES = ("grad scale", "disk read", "disk write")  # lanes drawn only where they ran (clipping, state on disk)
 
 Intervals = list[tuple[float, float]]
 
@@ -79,7 +83,7 @@ def lanes_from_events(events) -> dict[str, Intervals]:
     starts = [s for spans in raw.values() for s, _ in spans]
     t0 = min(starts) if starts else 0.0
     return {lane: merge((s - t0, e - t0) for s, e in spans) for lane, spans in raw.items()
-            if spans or lane not in DISK_LANES}  # the disk's lanes where the state is on disk
+            if spans or lane not in SOMETIMES}
 
 
 def _overlap(a: Intervals, b: Intervals) -> float:
@@ -122,7 +126,7 @@ def draw(lanes: dict[str, Intervals], path, title: str) -> None:
 
     names = [lane for lane in LANES if lane in lanes] + [lane for lane in lanes if lane not in LANES]
     colors = {"GPU compute": "tab:green", "D2H": "tab:orange", "H2D": "tab:purple", "CPU update": "tab:blue",
-              "disk read": "tab:brown", "disk write": "tab:red"}
+              "grad scale": "tab:cyan", "disk read": "tab:brown", "disk write": "tab:red"}
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(names) + 1.2))
     for row, lane in enumerate(reversed(names)):
         spans = lanes[lane]

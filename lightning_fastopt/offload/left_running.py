@@ -119,9 +119,10 @@ class UpdateQueue:
         for f in futures.values():
             f.result()
 
-    def _in_order(self) -> list[HostBucket]:
-        """The queued buckets in the order the worker takes them (see the module's documentation)."""
-        if not ends_early(self.opt):
+    def _in_order(self, early: bool) -> list[HostBucket]:
+        """The queued buckets in the order the worker takes them (see the module's documentation;
+        ``early``: :func:`ends_early`)."""
+        if not early:
             return list(self._queued)
         position = {b: i for i, b in enumerate(self.opt._buckets)}
         return sorted(self._queued, key=position.__getitem__, reverse=True)
@@ -130,13 +131,14 @@ class UpdateQueue:
         """On the worker: the update of the first bucket :meth:`_in_order` names, its plan
         fixed now unless it was (where steps end early, the state tier reads ahead first:
         :meth:`_read_ahead`)."""
+        early = ends_early(self.opt)
         with self.lock:
-            bucket, *ahead = self._in_order()
+            bucket, *ahead = self._in_order(early)
             future, update, plan = self._queued.pop(bucket)
             if plan is UNPLANNED:
                 plan = self.opt.updates.plan(bucket.inner, bucket.slots)
             left = bucket in self._left
-        if ends_early(self.opt):
+        if early:
             self._read_ahead(bucket, ahead, left)
         try:
             updated = update(bucket, plan)

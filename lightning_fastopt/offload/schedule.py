@@ -33,6 +33,7 @@ class CpuStepSchedule:
     needs_spare_grads = False  # a second gradient buffer per offloaded parameter
     host_updates_at_step = True  # every host bucket is updated at step(), in order (none earlier or later)
     _queue = None  # the schedules that may leave updates running hand them to the worker through an UpdateQueue
+    ends_early = False  # whether step() may return before its host updates end (those schedules say when)
 
     def __init__(self, optimizer) -> None:
         self.opt = optimizer  # the OffloadOptimizer whose host buckets it updates (it imports this module)

@@ -180,6 +180,11 @@ class ShareUpdates:
 
 
 def _apply(scales: list[Tensor], sources: dict[Tensor, Tensor]) -> None:
-    """Multiply the gradients a plan reads by the factors it took, in order."""
-    for coef in scales:
-        scale_grads_(list(sources.values()), coef)
+    """Multiply the gradients a plan reads by the factors it took, in order: the profiler
+    range ``fastopt::grad_scale`` (clipping's pass over a bucket's gradients, beside its
+    update's: ``benchmarks/timeline.py`` draws them)."""
+    if not scales:
+        return
+    with torch.profiler.record_function("fastopt::grad_scale"):
+        for coef in scales:
+            scale_grads_(list(sources.values()), coef)

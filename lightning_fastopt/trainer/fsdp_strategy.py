@@ -395,7 +395,7 @@ def _say_if_its_steps_wait(engine: LocalShardOptimizer) -> None:
     """With ``forward_waits="module"``: one line where ``engine``'s steps still wait for their
     CPU updates (:func:`~lightning_fastopt.offload.left_running.ends_early`), and why."""
     local = engine.local
-    if getattr(local.schedule, "ends_early", False):
+    if local.schedule.ends_early:
         return
     why = ("its updates read norms over whole parameters, summed over every rank's rows at the step (LAMB's and "
            "LARS's trust ratios)" if local.before_updates is not None else "its own step runs at the step")
