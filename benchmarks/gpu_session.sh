@@ -41,16 +41,17 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # the 16 cores (372 ms, against 465 on all 16 in the first lease) and ending before its updates
 # (347 ms, 1.70x its bound), and weights in host memory under FSDP (430 ms against 543 for
 # CPUOffloadPolicy with torch's AdamW: FSDP copies each unit's float32 shards in series with its
-# compute on one GPU). So now: the new default thread count (two cores left to the GPU's launching
-# thread) against all 16 in the same run, half shards under FSDP (half the copies) against the
-# same reference, with FSDP's explicit prefetch (whether FSDP then overlaps its copies with
-# compute at one rank) and updated at the step (no gradient hooks: torch versions that block
-# the gradient's copy to the host where a post-accumulate-grad hook is registered, as the
-# streamed step's are, then copy it beside compute), then the targets not measured since the
-# early end: 0.5, auto, the bf16-true
-# peak (<= 12 GiB), and the rest. gpt_offload.py measures the bound's terms first (the CPU update's
-# rate, the pinned copies), about 20 s. A row takes 38-51 s (start and imports 16-22 s of it).
-HEADLINE="plain,fastopt:1:stream:module,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1,fastopt:1:stream:module:clip,fastopt:1:stream:clip,fastopt:1:stream"
+# compute on one GPU). So now: the streamed step against the step at the step on the new default
+# thread count (whether stream_cpu_step may default on), half shards under FSDP (half the copies)
+# against the same reference, the new default against all 16 cores in the same run, FSDP's rows
+# with FSDP's explicit prefetch (whether FSDP then overlaps its copies with compute at one
+# rank) and updated at the step (no gradient hooks: torch versions that block the gradient's
+# copy to the host where a post-accumulate-grad hook is registered, as the streamed step's
+# are, then copy it beside compute), then the targets not measured since the early end: 0.5,
+# auto, the bf16-true peak (<= 12 GiB), and the rest. gpt_offload.py measures the bound's terms
+# first (the CPU update's rate, the pinned copies), about 20 s. A row takes 38-51 s (start and
+# imports 16-22 s of it): GPT_S=300 reaches the first six.
+HEADLINE="plain,fastopt:1:stream:module,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:module:clip,fastopt:1:stream:clip,fastopt:1:stream"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, the host
 # shards updated at the step and streamed into backward, and fastopt_fsdp at fraction 1 (exact,
