@@ -17,7 +17,11 @@ Beside the terms, not one of them: the CPU update's rate again while one busy pr
 shares the cores (``cpu_params_per_s_beside_busy``), as the training's own threads share
 them with an update that runs beside forward and backward.  Near the idle rate, the
 update's threads share their work well (csrc/cpu/chunk_schedule.h); far below it, a streamed
-or delayed row's longer CPU lane comes from there.
+or delayed row's longer CPU lane comes from there.  And on a GPU, the rate while pinned
+copies run both ways (``cpu_params_per_s_beside_copies``): the copies read and write host
+memory too, so an update that runs beside them shares the memory's bandwidth with them (on
+the H200, 2026-11-28, the streamed row's buckets took 270 ms a step of CPU lane where the
+update alone takes 204 ms).
 
     python benchmarks/physical_bound.py           # the terms of this machine, as JSON
 
@@ -50,6 +54,7 @@ class Terms:
     d2h_bytes_per_s: float | None
     h2d_bytes_per_s: float | None
     cpu_params_per_s_beside_busy: float | None = None
+    cpu_params_per_s_beside_copies: float | None = None
 
     def describe(self) -> str:
         copies = ("pinned copies: D2H {:.1f} GB/s, H2D {:.1f} GB/s".format(self.d2h_bytes_per_s / 1e9,
@@ -58,6 +63,9 @@ class Terms:
         beside = (f" ({self.cpu_params_per_s_beside_busy / 1e9:.2f} Gparam/s beside one busy process, "
                   f"{self.cpu_params_per_s_beside_busy / self.cpu_params_per_s:.0%})"
                   if self.cpu_params_per_s_beside_busy else "")
+        if self.cpu_params_per_s_beside_copies:
+            beside += (f" ({self.cpu_params_per_s_beside_copies / 1e9:.2f} Gparam/s while pinned copies run both "
+                       f"ways, {self.cpu_params_per_s_beside_copies / self.cpu_params_per_s:.0%})")
         return (f"CPU update (exact AdamW, our kernels, {self.threads} threads): "
                 f"{self.cpu_params_per_s / 1e9:.2f} Gparam/s = "
                 f"{self.cpu_params_per_s * ADAM_BYTES_PER_PARAM / 1e9:.0f} GB/s at {ADAM_BYTES_PER_PARAM} B a parameter"
@@ -127,6 +135,51 @@ def beside_busy_process(measure_rate):
         busy.wait()
 
 
+def beside_copies(measure_rate, copy_round):
+    """``measure_rate()`` while a thread runs ``copy_round()`` (one round of copies, waited
+    for) again and again: started, and seen through one round, before; stopped after.  The
+    rate, and how many rounds ran while it was measured."""
+    import threading
+
+    stop, started, rounds = threading.Event(), threading.Event(), [0]
+
+    def copying():
+        while not stop.is_set():
+            copy_round()
+            rounds[0] += 1
+            started.set()
+
+    thread = threading.Thread(target=copying, name="pinned copies", daemon=True)
+    thread.start()
+    try:
+        started.wait()
+        before = rounds[0]
+        rate = measure_rate()
+        return rate, rounds[0] - before
+    finally:
+        stop.set()
+        thread.join()
+
+
+def copies_both_ways(nbytes: int):
+    """One round: ``nbytes`` from a pinned host buffer to the GPU and as many back, each on a
+    stream of its own (the two copy engines), waited for."""
+    up_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    down_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    up_device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    down_device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def one_round():
+        with torch.cuda.stream(up):
+            up_device.copy_(up_host, non_blocking=True)
+        with torch.cuda.stream(down):
+            down_host.copy_(down_device, non_blocking=True)
+        up.synchronize()
+        down.synchronize()
+    return one_round
+
+
 def pinned_copy_rates(nbytes: int, repeat: int = 5) -> tuple[float, float]:
     """Bytes a second of one pinned host buffer copied to the GPU and back (each direction alone)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -147,8 +200,10 @@ def measure(cpu_params: int, copy_bytes: int) -> Terms:
     rate = cpu_update_rate(cpu_params)
     beside = beside_busy_process(lambda: cpu_update_rate(cpu_params))
     d2h, h2d = pinned_copy_rates(copy_bytes) if torch.cuda.is_available() else (None, None)
+    copying = (beside_copies(lambda: cpu_update_rate(cpu_params), copies_both_ways(copy_bytes))[0]
+               if torch.cuda.is_available() else None)
     return Terms(cpu_params_per_s=rate, threads=threads, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
-                 cpu_params_per_s_beside_busy=beside)
+                 cpu_params_per_s_beside_busy=beside, cpu_params_per_s_beside_copies=copying)
 
 
 def main(argv=None) -> None:

@@ -3,6 +3,7 @@ step, the CPU update of the offloaded share and each direction's copies (issue 5
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 try:
-    from physical_bound import Terms, beside_busy_process, bound_ms, cpu_update_rate
+    from physical_bound import Terms, beside_busy_process, beside_copies, bound_ms, cpu_update_rate
 finally:
     sys.path.pop(0)
 
@@ -45,6 +46,29 @@ def test_the_terms_say_what_they_measured():
     assert "n/a (no GPU)" in Terms(1e9, 2, None, None).describe()
     beside = Terms(2e9, 16, None, None, cpu_params_per_s_beside_busy=1.5e9).describe()
     assert "2.00 Gparam/s" in beside and "(1.50 Gparam/s beside one busy process, 75%)" in beside
+
+
+def test_the_rate_beside_the_copies_is_said_beside_the_idle_one():
+    said = Terms(2e9, 16, 50e9, 50e9, cpu_params_per_s_beside_copies=1.6e9).describe()
+    assert "(1.60 Gparam/s while pinned copies run both ways, 80%)" in said
+
+
+def test_the_rate_beside_the_copies_is_measured_while_they_run():
+    """The copies (here a stand-in round that counts itself) run before, during and not
+    after the measurement: the rate is taken with them under way."""
+    rounds, at_start = [], []
+
+    def rate():
+        at_start.append(len(rounds))
+        while len(rounds) < at_start[0] + 2:  # rounds go on while it measures
+            time.sleep(0)
+        return 3.0
+
+    measured, ran = beside_copies(rate, lambda: rounds.append(1))
+    assert measured == 3.0 and at_start[0] >= 1 and ran >= 2
+    after = len(rounds)
+    time.sleep(0)
+    assert len(rounds) == after  # stopped (joined before it returned)
 
 
 def _running_children() -> list[int]:
