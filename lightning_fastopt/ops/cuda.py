@@ -20,9 +20,11 @@ from types import ModuleType
 from lightning_fastopt.ops.builder import ExtensionBuildError, ExtensionSpec, load_extension
 from lightning_fastopt.ops.cpu import COMMON_HEADERS, source_root
 
-CUDA_SOURCES = ("adam.cu", "adagrad.cu", "lamb.cu", "lars.cu", "lion.cu", "reduce.cu", "sgd.cu", "bindings.cpp")
-CUDA_HEADERS = ("chunk_walk.cuh", "cuda_api.h", "elementwise.cuh", "launch_plan.h", "multi_tensor_apply.cuh",
-                "optimizer_math.cuh", "tensor_roles.h")
+# Adam in four sources, one a rounding (csrc/cuda/adam_roundings.cuh): compiled side by side
+CUDA_SOURCES = ("adam.cu", "adam_foreach.cu", "adam_fused.cu", "adam_for_loop.cu", "adam_torch_cpu.cu", "adagrad.cu",
+                "lamb.cu", "lars.cu", "lion.cu", "reduce.cu", "sgd.cu", "bindings.cpp")
+CUDA_HEADERS = ("adam_roundings.cuh", "chunk_walk.cuh", "cuda_api.h", "elementwise.cuh", "launch_plan.h",
+                "multi_tensor_apply.cuh", "optimizer_math.cuh", "tensor_roles.h")
 ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 # No FMA contraction: fmaf appears exactly where the CPU kernels use fmadd, so both compute
 # the same IEEE operations.  Division and square roots stay IEEE-rounded (no fast math).
