@@ -148,8 +148,9 @@ gpt() {  # gpt() CONFIGS NAME BUDGET_S EXTRA...
 main() {  # everything printed goes to $OUT/$part.log too (the pipeline at the end waits for it)
 case "$part" in
     first)
-        # 8 minutes on an H100 at most: the build (about 40 s), the GPT rows (240 s of budget:
-        # about 30 s a configuration), the tests in what is left of FIRST_S
+        # 8 minutes on an H100 at most: the build (86 s on the H200 host, 2026-11-28, before Adam's
+        # CUDA source was split and the two builds ran side by side), the GPT rows (GPT_S, 240 s
+        # by default: 38-51 s a configuration), the tests in what is left of FIRST_S
         FIRST_S="${FIRST_S:-470}"
         record_commit
         say "build"
