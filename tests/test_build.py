@@ -597,3 +597,46 @@ def test_kernels_built_without_the_cuda_roundings_refuse_them_and_the_step_loads
                    inv_grad_scale=1.0, amsgrad=False, adamw=True, maximize=False, check_finite=False,
                    state_seed=1, decay=1.0, torch_sqrt=False, rounding=1)
     assert all(torch.equal(p, q) for p, q in zip(params, start))  # refused before anything was written
+
+
+def test_on_an_accelerator_the_cpu_kernels_build_beside_its_own(monkeypatch):
+    """ops.prepare at a GPU run's set-up: the CPU kernels' build runs while the CUDA kernels'
+    does (one after the other, a GPU run's first set-up waited for both). Each stand-in
+    build waits to see the other under way."""
+    cpu_started, accelerator_started = threading.Event(), threading.Event()
+    seen = {}
+
+    def cpu_need(pieces):
+        cpu_started.set()
+        seen["accelerator's under way"] = accelerator_started.wait(timeout=60)
+        seen["pieces"] = pieces
+
+    def accelerator_route(device_type):
+        accelerator_started.set()
+        seen["cpu's under way"] = cpu_started.wait(timeout=60)
+
+    backend = ops.cpu_backend()
+    if not isinstance(backend, ops.CpuKernels):
+        pytest.skip("the pure-PyTorch backend is chosen: nothing is built")
+    monkeypatch.setattr(backend, "need", cpu_need)
+    monkeypatch.setattr(ops, "route", accelerator_route)
+    ops.prepare("cuda", cpu_work=True, pieces=frozenset({"adam"}))
+    assert seen == {"accelerator's under way": True, "cpu's under way": True, "pieces": frozenset({"adam"})}
+
+
+def test_a_cpu_build_that_fails_at_set_up_is_said_there(monkeypatch):
+    """With LIGHTNING_FASTOPT_BACKEND=compiled a build that fails raises: from the thread it
+    ran on too, at set-up."""
+    backend = ops.cpu_backend()
+    if not isinstance(backend, ops.CpuKernels):
+        pytest.skip("the pure-PyTorch backend is chosen: nothing is built")
+
+    def failed(pieces):
+        raise ExtensionBuildError("the compiler said no")
+
+    monkeypatch.setattr(backend, "need", failed)
+    monkeypatch.setattr(ops, "route", lambda device_type: None)
+    with pytest.raises(ExtensionBuildError, match="the compiler said no"):
+        ops.prepare("cuda", cpu_work=True, pieces=frozenset({"adam"}))
+    with pytest.raises(ExtensionBuildError, match="the compiler said no"):
+        ops.prepare("cpu", cpu_work=False, pieces=frozenset({"adam"}))

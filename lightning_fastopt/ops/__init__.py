@@ -15,6 +15,7 @@ device does not build).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import NamedTuple
 
@@ -62,12 +63,23 @@ def prepare(device_type: str, cpu_work: bool, pieces=frozenset()) -> None:
     """Load (building if needed) the kernels a run on ``device_type`` will call, now rather
     than at the first optimizer step: the CPU kernels' ``pieces`` (the optimizers'
     :meth:`~lightning_fastopt.optim.base.FusedOptimizer.kernel_pieces`) where the run steps
-    on the CPU, or offloads a share there (``cpu_work``).  A build that fails falls back as
-    it would at the step, after one warning."""
-    route(device_type)
+    on the CPU, or offloads a share there (``cpu_work``).  On an accelerator the CPU kernels
+    build beside the accelerator's, on a thread of their own (each build runs its compiler
+    processes): one after the other, a GPU run's first set-up waited for both.  A build that
+    fails falls back as it would at the step, after one warning."""
     backend = cpu_backend()
-    if pieces and (device_type == "cpu" or cpu_work) and isinstance(backend, CpuKernels):
+    if not (pieces and (device_type == "cpu" or cpu_work) and isinstance(backend, CpuKernels)):
+        route(device_type)
+        return
+    if device_type == "cpu":
         backend.need(pieces)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-build") as beside:
+        cpu_built = beside.submit(backend.need, pieces)
+        try:
+            route(device_type)
+        finally:
+            cpu_built.result()  # (its error, where LIGHTNING_FASTOPT_BACKEND=compiled raises one)
 
 
 _cpu_kernels: dict[str, CpuKernels] = {}
