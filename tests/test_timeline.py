@@ -20,11 +20,18 @@ finally:
     sys.path.pop(0)
 
 
-def test_each_buckets_cpu_update_is_a_profiler_range():
+def _offloaded(**options):
+    """Four small Linear layers and their AdamW offloaded in buckets of a few tensors, on the
+    accelerator's code path."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.005, copy_on_cpu=True)
+                           bucket_size_mb=0.005, copy_on_cpu=True, **options)
+    return model, opt
+
+
+def test_each_buckets_cpu_update_is_a_profiler_range():
+    model, opt = _offloaded()
     model(torch.randn(8, 32)).sum().backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.step()
@@ -41,10 +48,7 @@ def test_a_streamed_steps_updates_on_the_worker_thread_are_recorded():
     """``stream_cpu_step=True`` updates buckets on the optimizer's worker thread during
     backward: ``timeline.profile`` records them (torch's profiler records only the thread
     that started it by default: the GPU run of 2026-11-26 showed no CPU update when streamed)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.005, copy_on_cpu=True, stream_cpu_step=True)
+    model, opt = _offloaded(stream_cpu_step=True)
     with profile(gpu=False) as prof:
         model(torch.randn(8, 32)).sum().backward()
         opt.step()
@@ -57,10 +61,7 @@ def test_clippings_multiply_of_a_buckets_gradients_is_a_lane_of_its_own():
     """Clipping multiplies a host bucket's gradients in that bucket's update (on the H200,
     2026-11-28, the clipped row's CPU lane had gaps between buckets that only its update
     ranges were drawn for): each bucket's multiply is a ``grad scale`` range."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.005, copy_on_cpu=True)
+    model, opt = _offloaded()
     model(torch.randn(8, 32)).sum().backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.scale_gradients(torch.tensor(0.5))
@@ -109,11 +110,7 @@ def test_the_timeline_is_drawn_as_a_png(tmp_path):
 def test_with_the_state_on_disk_the_files_reads_and_writes_are_lanes(tmp_path):
     """``offload_optimizer_device="nvme"``: each transfer of the file is a profiler range on
     its I/O thread, drawn as the ``disk read`` and ``disk write`` lanes."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.005, copy_on_cpu=True, offload_optimizer_device="nvme",
-                           nvme_path=str(tmp_path), nvme_window_mb=0.04)
+    model, opt = _offloaded(offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.04)
     for _ in range(2):
         model(torch.randn(8, 32)).sum().backward()
         with profile(gpu=False) as prof:
