@@ -141,21 +141,31 @@ def beside_copies(measure_rate, copy_round):
     rate, and how many rounds ran while it was measured."""
     import threading
 
-    stop, started, rounds = threading.Event(), threading.Event(), [0]
+    stop, started, rounds, failed = threading.Event(), threading.Event(), [0], []
 
     def copying():
-        while not stop.is_set():
-            copy_round()
-            rounds[0] += 1
+        try:
+            while not stop.is_set():
+                copy_round()
+                rounds[0] += 1
+                started.set()
+        except BaseException as error:  # said by the caller
+            failed.append(error)
+        finally:
             started.set()
 
     thread = threading.Thread(target=copying, name="pinned copies", daemon=True)
     thread.start()
     try:
         started.wait()
+        if failed:
+            raise failed[0]
         before = rounds[0]
         rate = measure_rate()
-        return rate, rounds[0] - before
+        ran = rounds[0] - before
+        if failed:  # (during the measurement: the rate was not taken beside the copies)
+            raise failed[0]
+        return rate, ran
     finally:
         stop.set()
         thread.join()

@@ -71,6 +71,14 @@ def test_the_rate_beside_the_copies_is_measured_while_they_run():
     assert len(rounds) == after  # stopped (joined before it returned)
 
 
+def test_copies_that_fail_are_said_not_waited_for():
+    def broken():
+        raise RuntimeError("no copy engine")
+
+    with pytest.raises(RuntimeError, match="no copy engine"):
+        beside_copies(lambda: 1.0, broken)
+
+
 def _running_children() -> list[int]:
     """This process's children that are running or runnable (Linux's /proc)."""
     out = []

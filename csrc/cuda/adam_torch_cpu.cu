@@ -1,4 +1,5 @@
-// Adam in the rounding of torch's CPU step (the rounding asked for where none of the CUDA ones is) (adam_roundings.cuh).
+// Adam in the rounding of torch's CPU step, for CUDA tensors where no CUDA rounding is asked
+// for (adam_roundings.cuh).
 #include "adam_roundings.cuh"
 
 namespace fastopt {
