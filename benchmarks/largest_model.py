@@ -218,7 +218,8 @@ def main() -> None:
         tries.append(dict(r, **got))
         if got["trained"]:
             print(f"trained: {got['layers']} layers, {got['params'] / 1e9:.3g}B parameters, {got['step_s']:.3g} s a "
-                  f"step, GPU peak {got['gpu_peak_gib'] or 0:.3g} GiB, host peak {got['host_peak_gib']:.3g} GiB")
+                  f"step, GPU peak {got['gpu_peak_gib'] or 0:.3g} GiB (estimated {r['gpu_gib']:.3g} before "
+                  f"activations), host peak {got['host_peak_gib']:.3g} GiB (estimated {r['host_gib']:.3g})")
             break
         print(f"did not train: {r['layers']} layers ({got['error']}; got to: {got['got_to'] or 'nothing printed'})",
               flush=True)
