@@ -10,8 +10,8 @@ Lightning's ``ModelParallelStrategy`` (FSDP2) with torch's fused AdamW, the same
     python benchmarks/gpt_offload.py --tiny         # a tiny model on any device: checks the script runs
 
 Each configuration trains in its own process (a fresh CUDA context, so peak memory is
-its own; with ``--tiny`` forked from one that imported torch and Lightning already, see
-``run_forked``): bf16-mixed precision, the byte-level GPT of examples/gpt.py (20 layers of width
+its own), forked from one that imported torch and Lightning already (``run_forked``), and
+ends as its last timed step does (``child``): bf16-mixed precision, the byte-level GPT of examples/gpt.py (20 layers of width
 2048 by default) on the text shipped in examples/data, ``--steps`` optimizer steps after
 ``--warmup``.  Reported per configuration:
 
@@ -172,7 +172,11 @@ class Phases:
 phases = Phases()
 
 
-def child(config: str, args) -> dict:
+def child(config: str, args, deliver) -> None:
+    """Train ``config`` and ``deliver`` its row as its last timed step ends, then end the
+    process there (``os._exit``): Lightning's teardown (the model and the optimizer's
+    state copied back to the host) took up to 13 s a row on the H200 (2026-11-28) and
+    measures nothing."""
     import lightning as L
     from gpt import ByteWindows, TinyGPT
     from torch.nn import functional as F
@@ -247,6 +251,10 @@ def child(config: str, args) -> dict:
                     torch.cuda.synchronize()
                 self.t1 = time.perf_counter()
                 phases.mark("timed steps")
+                deliver(row_of(trainer, self.t1 - self.t0, self.profile))
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
 
     phases.mark("imports")
     torch.manual_seed(0)
@@ -280,25 +288,25 @@ def child(config: str, args) -> dict:
                         precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[measure], gradient_clip_val=1.0 if clip else None)
-    trainer.fit(model, loader)
-    phases.mark("teardown")
-    seconds = measure.t1 - measure.t0
-    opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
-    copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
+    def row_of(trainer, seconds: float, profiled: dict | None) -> dict:
+        opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
+        copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
+        schedule = getattr(getattr(opt, "local", opt), "schedule", None)  # (an FSDP engine's is its local optimizer's)
+        speculated = dict(getattr(schedule, "totals", {}))  # the speculative step's bucket counts
+        left_running = getattr(schedule, "updates_left_running", 0)  # bucket updates steps left running (":module")
+        # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
+        fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
+        return dict(configuration=config, fraction=fraction, params=n_params,
+                    tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
+                    left_running=left_running,
+                    step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
+                    # weights in host memory: each block's gathered for forward and again for backward
+                    h2d_bytes_per_param=2 * copy_bytes if host_weights(config) else copy_bytes,
+                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+                    phases_s=phases.seconds, **(profiled or {}))
 
-    schedule = getattr(getattr(opt, "local", opt), "schedule", None)  # (an FSDP engine's is its local optimizer's)
-    speculated = dict(getattr(schedule, "totals", {}))  # the speculative step's bucket counts
-    left_running = getattr(schedule, "updates_left_running", 0)  # bucket updates steps left running (":module")
-    # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
-    fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
-    return dict(configuration=config, fraction=fraction, params=n_params,
-                tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
-                left_running=left_running,
-                step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
-                # weights in host memory: each block's gathered for forward and again for backward
-                h2d_bytes_per_param=2 * copy_bytes if host_weights(config) else copy_bytes,
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-                phases_s=phases.seconds, **(measure.profile or {}))
+    trainer.fit(model, loader)
+    raise RuntimeError(f"{config}: training ended before its last timed step")
 
 
 # ---------------------------------------------------------------------------- running one (parent)
@@ -320,8 +328,11 @@ def run_forked(config: str, args) -> tuple[dict | None, int, str]:
     """As :func:`run_subprocess`, in a process forked from a server that imported torch,
     Lightning and lightning_fastopt once (multiprocessing's ``forkserver``): each row skips
     the interpreter's start and the imports, about 4.5 s a row on the 2-core dev machine of
-    5 s (``--tiny``, where 21 rows check the GPU plan).  The server touches no CUDA device;
-    the GPU rows still start interpreters of their own (``run_subprocess``)."""
+    5 s (``--tiny``, where 21 rows check the GPU plan), 16-22 s of a GPU row's 38-51 on the
+    H200 (2026-11-28).  The server touches no CUDA device (importing torch, Lightning and
+    ours calls none of torch.cuda's functions), so each forked row makes a CUDA context of
+    its own, and its peak memory is its own; where a forked row fails all the same,
+    :func:`main` runs it and the rest as :func:`run_subprocess` does."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_FORK_PRELOAD)
     receive, send = context.Pipe(duplex=False)
@@ -345,7 +356,23 @@ def _forked_child(config: str, args, log_path: str, send) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     phases.last = time.perf_counter()
-    send.send(child(config, args))
+    child(config, args, send.send)
+
+
+def one_row(config: str, args, run):
+    """``config``'s row by ``run`` (None where it failed), its exit code, the tail of what it
+    printed, its wall time and the runner for the next rows: where a forked GPU row fails
+    (a CUDA context the fork broke?) it runs again in an interpreter of its own, and so do
+    the rest (said)."""
+    began = time.perf_counter()
+    row, code, tail = run(config, args)
+    if row is None and run is run_forked and not args.tiny:
+        print(f"{config}: FAILED forked (exit {code}), again in an interpreter of its own, and the rest so\n{tail}",
+              flush=True)
+        run = run_subprocess
+        began = time.perf_counter()
+        row, code, tail = run(config, args)
+    return row, code, tail, time.perf_counter() - began, run
 
 
 # ---------------------------------------------------------------------------- the table (parent)
@@ -391,7 +418,7 @@ def main() -> None:
     if args.tiny:
         args.layers, args.width, args.heads, args.seq, args.batch, args.warmup, args.steps = 2, 64, 4, 32, 2, 2, 3
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args)), flush=True)
+        child(args.child, args, lambda row: print("RESULT " + json.dumps(row), flush=True))
         return
     if args.timeline:
         try:
@@ -405,6 +432,7 @@ def main() -> None:
     terms = measure_terms(args.tiny)  # first: a run cut off still has them
     if terms is not None:
         print(f"the bound's terms ({time.perf_counter() - started:.0f} s): {terms.describe()}", flush=True)
+    run = run_forked  # every row forked from one process that imported what they need
     for i, config in enumerate(configs):
         elapsed = time.perf_counter() - started
         if args.budget_s is not None and rows and elapsed + longest > args.budget_s:
@@ -417,9 +445,7 @@ def main() -> None:
             except ImportError:
                 print(f"{config}: skipped (deepspeed is not installed)", flush=True)
                 continue
-        began = time.perf_counter()
-        row, code, tail = (run_forked if args.tiny else run_subprocess)(config, args)
-        wall = time.perf_counter() - began
+        row, code, tail, wall, run = one_row(config, args, run)
         longest = max(longest, wall)
         if row is None:
             print(f"{config}: FAILED (exit {code}, {wall:.0f} s)\n{tail}", flush=True)

@@ -49,8 +49,9 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # copy to the host where a post-accumulate-grad hook is registered, as the streamed step's
 # are, then copy it beside compute), then the targets not measured since the early end: 0.5,
 # auto, the bf16-true peak (<= 12 GiB), and the rest. gpt_offload.py measures the bound's terms
-# first (the CPU update's rate, the pinned copies), about 20 s. A row takes 38-51 s (start and
-# imports 16-22 s of it): GPT_S=300 reaches the first six.
+# first (the CPU update's rate, the pinned copies), about 20 s. A row took 38-51 s (start and
+# imports 16-22 s of it, Lightning's teardown up to 13 s), before rows were forked from one
+# process that imported them and ended at their last timed step: GPT_S=300 reached five rows.
 HEADLINE="plain,fastopt:1:stream:module,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:module:clip,fastopt:1:stream:clip,fastopt:1:stream"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, the host
