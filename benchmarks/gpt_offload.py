@@ -11,9 +11,9 @@ Lightning's ``ModelParallelStrategy`` (FSDP2) with torch's fused AdamW, the same
 
 Each configuration trains in its own process (a fresh CUDA context, so peak memory is
 its own), forked from one that imported torch and Lightning already (``run_forked``), and
-ends as its last timed step does (``child``): bf16-mixed precision, the byte-level GPT of examples/gpt.py (20 layers of width
-2048 by default) on the text shipped in examples/data, ``--steps`` optimizer steps after
-``--warmup``.  Reported per configuration:
+ends as its last timed step does (``child``): bf16-mixed precision, the byte-level GPT of
+examples/gpt.py (20 layers of width 2048 by default) on the text shipped in examples/data,
+``--steps`` optimizer steps after ``--warmup``.  Reported per configuration:
 
 - ``tokens/s``: tokens per second over the measured steps (wall clock, synchronized at
   both ends), and ``vs plain``: that over plain Lightning's;
@@ -288,7 +288,9 @@ def child(config: str, args, deliver) -> None:
                         precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[measure], gradient_clip_val=1.0 if clip else None)
+
     def row_of(trainer, seconds: float, profiled: dict | None) -> dict:
+        """The row, read as the last timed step ends (the speculative counts: each step adds its own at its end)."""
         opt = (getattr(trainer.strategy, "engines", None) or [None])[0]
         copy_bytes = next(trainer.lightning_module.parameters()).element_size()  # what the copies move a parameter
         schedule = getattr(getattr(opt, "local", opt), "schedule", None)  # (an FSDP engine's is its local optimizer's)

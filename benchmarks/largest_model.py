@@ -213,9 +213,16 @@ def main() -> None:
         print(f"| {r['layers']} | {r['params'] / 1e9:.3g}B | {r['gpu_gib']:.3g} | {r['host_gib']:.3g} | "
               f"{'yes' if r['fits'] else 'no'} |")
     tries = []
+
+    def save() -> None:  # the plan, then again after each try: a run cut off keeps the ones before
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(plan=rows, tries=tries), indent=1))
+
+    save()
     for r in sorted((r for r in rows if r["fits"]), key=lambda r: -r["layers"])[:args.tries]:
         got = run_child(args, r["layers"])
         tries.append(dict(r, **got))
+        save()
         if got["trained"]:
             print(f"trained: {got['layers']} layers, {got['params'] / 1e9:.3g}B parameters, {got['step_s']:.3g} s a "
                   f"step, GPU peak {got['gpu_peak_gib'] or 0:.3g} GiB (estimated {r['gpu_gib']:.3g} before "
@@ -223,10 +230,6 @@ def main() -> None:
             break
         print(f"did not train: {r['layers']} layers ({got['error']}; got to: {got['got_to'] or 'nothing printed'})",
               flush=True)
-        if args.out:  # after each try: a run cut off keeps the ones before
-            Path(args.out).write_text(json.dumps(dict(plan=rows, tries=tries), indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(plan=rows, tries=tries), indent=1))
 
 
 if __name__ == "__main__":

@@ -209,9 +209,10 @@ def measure(cpu_params: int, copy_bytes: int) -> Terms:
     torch.set_num_threads(threads)
     rate = cpu_update_rate(cpu_params)
     beside = beside_busy_process(lambda: cpu_update_rate(cpu_params))
-    d2h, h2d = pinned_copy_rates(copy_bytes) if torch.cuda.is_available() else (None, None)
-    copying = (beside_copies(lambda: cpu_update_rate(cpu_params), copies_both_ways(copy_bytes))[0]
-               if torch.cuda.is_available() else None)
+    d2h = h2d = copying = None
+    if torch.cuda.is_available():
+        d2h, h2d = pinned_copy_rates(copy_bytes)
+        copying, _ = beside_copies(lambda: cpu_update_rate(cpu_params), copies_both_ways(copy_bytes))
     return Terms(cpu_params_per_s=rate, threads=threads, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
                  cpu_params_per_s_beside_busy=beside, cpu_params_per_s_beside_copies=copying)
 
