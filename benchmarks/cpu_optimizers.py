@@ -16,7 +16,10 @@ m 4, v 4; the offload strategy's ``host_state_dtype="bfloat16"``); SGD with mome
 (a norm pass over g, a moments pass, an apply pass); LAMB on FSDP2's rows 44 too
 (``lamb-rows``: the update's norms first, which the ranks sum, read p,g,m,v; then one pass
 given them: read p,g,m,v, write p,m,v; 56 before 2026-11-27, when it ran both passes
-after the norms); LARS 28.
+after the norms); LARS 28; clipped Adam (``adam-clipped``: the gradients multiplied by
+clipping's coefficient first) 28, the multiply read in the update's pass (``grad_factors``;
+a pass of its own, as the offload step took it before 2026-11-29 and torch takes it, moves
+8 more: read g, write g).
 
 Targets (issue 2): FusedAdam >= 1.0x torch AdamW(fused=True) and >= 5x the torch
 default (foreach=False); the fused mixed-precision step >= 2.5x the best torch
@@ -41,7 +44,7 @@ from lightning_fastopt import FusedAdagrad, FusedAdam, FusedLAMB, FusedLars, Fus
 from lightning_fastopt.functional import fused_adam_  # noqa: E402
 from lightning_fastopt.ops import cpu_backend  # noqa: E402
 
-BYTES = {"adam": 28, "adam-mixed": 28, "adam-mixed-bf16-state": 20, "sgd": 20, "adagrad": 20, "lion": 20, "lamb": 44,
+BYTES = {"adam": 28, "adam-clipped": 28, "adam-mixed": 28, "adam-mixed-bf16-state": 20, "sgd": 20, "adagrad": 20, "lion": 20, "lamb": 44,
          "lamb-rows": 44, "lars": 28}
 
 
@@ -170,6 +173,8 @@ def implementations(name: str, sizes) -> list[tuple[str, Callable[[], object]]]:
             print(f"# DeepSpeedCPUAdam not measured: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
         else:
             optimizer("DeepSpeedCPUAdam", lambda p: DeepSpeedCPUAdam(p, lr=1e-3, weight_decay=0.01))
+    elif name == "adam-clipped":
+        impls += clipped_implementations(sizes)
     elif name == "adam-mixed":
         impls += mixed_precision_implementations(sizes)
     elif name == "adam-mixed-bf16-state":  # ours with bfloat16 moments, against the same torch compositions
@@ -213,6 +218,31 @@ class _given_norms:
         context = self.opt.step_context([p.grad for p in self.params], None)
         self.opt.given_norms = self.opt.norm_sums(None, context)
         self.opt.step()
+
+
+def clipped_implementations(sizes) -> list[tuple[str, Callable[[], object]]]:
+    """AdamW on gradients clipped by norm (their multiply by the coefficient, a float32
+    tensor as ``clip_grad_norm_`` passes it; the norm itself is taken elsewhere, on the
+    device, in an offloaded run): ours reading them multiplied in the update's pass, ours
+    and torch's fused step after a multiply in place of its own.  The gradients are
+    multiplied again at every step (by a coefficient near 1: they stay in range)."""
+    coef = torch.tensor(0.999)
+
+    def ours_fused():
+        params = make_params(sizes)
+        opt = FusedAdam(params, lr=1e-3, weight_decay=0.01)
+        return lambda: (setattr(opt, "grad_factors", (float(coef),)), opt.step())
+
+    def multiplied_first(make):
+        params = make_params(sizes)
+        opt, grads = make(params), [p.grad for p in params]
+        return lambda: (torch._foreach_mul_(grads, coef), opt.step())
+
+    return [("lightning_fastopt FusedAdam, the multiply in its pass (grad_factors)", ours_fused()),
+            ("lightning_fastopt FusedAdam after a multiply pass", multiplied_first(
+                lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01))),
+            ("torch AdamW(fused=True) after a multiply pass", multiplied_first(
+                lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)))]
 
 
 def mixed_precision_implementations(sizes, state_dtype=torch.float32) -> list[tuple[str, Callable[[], object]]]:
@@ -274,7 +304,7 @@ LAYOUTS = {
     "2000 x 5k": [5_000] * 2000,
 }
 QUICK_LAYOUTS = {"1M x 1": [1_000_000], "200 x 5k": [5_000] * 200}
-ALGORITHMS = ["adam", "adam-mixed", "adam-mixed-bf16-state", "sgd", "adagrad", "lion", "lamb", "lamb-rows", "lars"]
+ALGORITHMS = ["adam", "adam-clipped", "adam-mixed", "adam-mixed-bf16-state", "sgd", "adagrad", "lion", "lamb", "lamb-rows", "lars"]
 
 
 def main(argv=None) -> int:

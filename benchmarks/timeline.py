@@ -12,9 +12,10 @@ From a ``torch.profiler`` trace (CPU and CUDA activities):
 - ``CPU update``: the offload optimizer's CPU updates (its ``fastopt::cpu_update``
   ranges, on the main thread or the worker: :func:`profile` records every thread, where
   torch's profiler records only the thread that started it by default);
-- ``grad scale``: clipping's multiply of a host bucket's gradients, in its update's turn
-  (``fastopt::grad_scale``; on the H200, 2026-11-28, the clipped row's CPU lane had gaps
-  between buckets that its ranges did not cover);
+- ``grad scale``: clipping's multiply of a host bucket's gradients, in its update's turn,
+  where it is a pass of its own (``fastopt::grad_scale``: an optimizer that runs its own
+  step, FSDP's host gradients; our kernels read our host copies multiplied, in the
+  update's pass);
 - ``disk read``, ``disk write``: with the masters and state on disk
   (``offload_optimizer_device="nvme"``), the transfers of their file (``fastopt::disk_read``,
   ``fastopt::disk_write``, on the I/O threads).

@@ -9,6 +9,11 @@ What the optimizer classes and the offload/ZeRO strategy call.  Every function u
   torch's fused CUDA kernels when ``grad_scale`` is not 1, see below);
 - ``grad_scale`` (float or one-element tensor): the grads are divided by it inside the
   kernel (loss-scale unscaling);
+- ``grad_factors`` (Adam, SGD, Adagrad, Lion: numbers, in order): the update reads each
+  gradient multiplied by each factor, rounded to the gradient's dtype after each, as
+  multiplying the gradients in place by each (``torch._foreach_mul_``: clipping's
+  coefficient) would leave them, and the gradients stay as they are; the CPU kernels do
+  it as they read the gradient (no pass of its own), elsewhere on copies;
 - ``check_finite=True``: if any gradient holds inf or NaN nothing at all is updated and
   the function returns True (the step was skipped); otherwise it returns False;
 - ``found_inf`` (one-element float32 tensor, torch.amp's flag): when it is nonzero
@@ -183,9 +188,13 @@ def _scalars(route: Route, params: TensorList, *, lr=0.0, step=1, grad_scale=Non
 
 def _run(sc: _Scalars, route: Route, name: str, cuda_kwargs: dict | None = None, **kwargs):
     """Call kernel function ``name`` by keyword: on the CUDA kernels (with the device
-    scalars and ``cuda_kwargs``) when the scalars were resolved for them, else on the
-    route's host backends."""
+    scalars and ``cuda_kwargs``; ``grad_factors`` applied to copies of the gradients, which
+    they do not read) when the scalars were resolved for them, else on the route's host
+    backends."""
     if sc.ext is not None:
+        factors = kwargs.pop("grad_factors", [])
+        if factors:
+            kwargs["grads"] = times_factors(kwargs["grads"], factors)
         return _on_cuda(sc.ext, name, **kwargs, **(cuda_kwargs or {}), **sc.kwargs)
     return _call(route, name, **kwargs)
 
@@ -213,6 +222,30 @@ def scale_grads_(grads: TensorList, factor: Tensor) -> None:
     unique = list({id(g): g for g in grads}.values())
     for same in by_device(unique):
         torch._foreach_mul_(same, factor.to(same[0].device))
+
+
+def checked_grad_factors(grad_factors, check_finite: bool) -> list[float]:
+    """``grad_factors`` as numbers, each finite, refused beside ``check_finite`` (which
+    checks the gradients as they are, not as the factors make them)."""
+    factors = [_scalar(f) for f in grad_factors]
+    for f in factors:
+        if not math.isfinite(f):
+            raise ValueError(f"grad_factors must be finite numbers, got {f}")
+    if factors and check_finite:
+        raise ValueError("check_finite reads the gradients before grad_factors: pass one or the other "
+                         "(check them with grads_all_finite first)")
+    return factors
+
+
+def times_factors(grads: TensorList, factors: Sequence[float]) -> list[Tensor]:
+    """Copies of ``grads`` multiplied by each of ``factors`` in turn, in their dtype: what
+    ``torch._foreach_mul_`` by each (a float32 tensor, as :func:`scale_grads_` passes it)
+    would leave in them."""
+    out = list(grads)
+    for f in factors:
+        out = [t for same in by_device(out)
+               for t in torch._foreach_mul(same, torch.tensor(f, dtype=torch.float32, device=same[0].device))]
+    return out
 
 
 def grads_all_finite(grads: TensorList) -> bool:
@@ -278,7 +311,7 @@ def unscale_grads_(grads: TensorList, grad_scale, found_inf: Tensor | None = Non
 def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, *, step, lr, beta1, beta2, eps,
                 weight_decay, amsgrad=False, adamw_mode=True, maximize=False, bias_correction=True,
                 grad_scale=None, check_finite=False, found_inf=None, param_copies=None, torch_sqrt=False,
-                rounding="torch_cpu", index_bases=None) -> bool:
+                rounding="torch_cpu", index_bases=None, grad_factors=()) -> bool:
     """Adam (adamw_mode=False, L2 decay) or AdamW (decoupled decay), torch.optim.Adam's formula,
     each operation rounded as the torch implementation ``rounding`` names rounds it
     (:mod:`lightning_fastopt.ops.rounding`; by default torch's CPU step), with the IEEE square
@@ -289,6 +322,7 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
     index in its tensor (:func:`lightning_fastopt.ops.torch_backend.round_bf16_stochastic`);
     ``index_bases``, where given, the index of each tensor's first element in a whole tensor
     it is a piece of, so that a tensor stepped in pieces rounds as the whole one does."""
+    factors = checked_grad_factors(grad_factors, check_finite)
     check_rounding(rounding)
     check_rounding_device(rounding, params)
     check_torch_sqrt(torch_sqrt, rounding)
@@ -306,7 +340,7 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
             and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
             return True
-        torch_fused.adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=sc.step, lr=sc.lr,
+        torch_fused.adam_(params, times_factors(grads, factors), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=sc.step, lr=sc.lr,
                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                           adamw=adamw_mode, maximize=maximize, grad_scale=_grad_scale_value(grad_scale))
         return False
@@ -322,13 +356,14 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
                 eps=eps, weight_decay=weight_decay, step_size=step_size, bias_correction2_sqrt=bc2_sqrt,
                 inv_grad_scale=sc.inv_scale, amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
                 check_finite=check_finite, state_seed=sc.step & 0xFFFFFFFF, decay=1 - sc.lr * weight_decay,
-                torch_sqrt=torch_sqrt, rounding=kernel_code(rounding), index_bases=list(index_bases or []))
+                torch_sqrt=torch_sqrt, rounding=kernel_code(rounding), index_bases=list(index_bases or []),
+                grad_factors=factors)
 
 
 @_routed
 def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentum=0.0, dampening=0.0,
                weight_decay=0.0, nesterov=False, maximize=False, wd_after_momentum=False, grad_scale=None,
-               check_finite=False, found_inf=None, param_copies=None, rounding="torch_cpu") -> bool:
+               check_finite=False, found_inf=None, param_copies=None, rounding="torch_cpu", grad_factors=()) -> bool:
     """SGD with momentum/Nesterov, torch.optim.SGD's formula (apex's wd_after_momentum option),
     each operation rounded as torch's CPU step (and its CUDA foreach step) rounds it, or as
     its CUDA fused kernel (``rounding="torch_cuda_fused"``) or its CPU fused kernel
@@ -336,6 +371,7 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
 
     On ``step == 1`` the momentum buffers are initialised from the gradient, as torch does.
     """
+    factors = checked_grad_factors(grad_factors, check_finite)
     check_rounding(rounding, SGD_ROUNDINGS)
     check_rounding_device(rounding, params)
     _check_lengths(params, grads=grads, momentum_buffers=momentum_buffers if momentum else None,
@@ -353,7 +389,7 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
             and torch_fused.takes(params, grads, buffers, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
             return True
-        torch_fused.sgd_(params, grads, momentum_buffers, lr=sc.lr, momentum=momentum, dampening=dampening,
+        torch_fused.sgd_(params, times_factors(grads, factors), momentum_buffers, lr=sc.lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first_step=step == 1,
                          grad_scale=_grad_scale_value(grad_scale))
         return False
@@ -361,17 +397,18 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
                 copies=_list(param_copies), lr=sc.lr, momentum=momentum, dampening=dampening,
                 weight_decay=weight_decay, inv_grad_scale=sc.inv_scale, nesterov=nesterov, maximize=maximize,
                 wd_after_momentum=wd_after_momentum, first_step=step == 1, check_finite=check_finite,
-                rounding=kernel_code(rounding))
+                rounding=kernel_code(rounding), grad_factors=factors)
 
 
 @_routed
 def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
                    maximize=False, grad_scale=None, check_finite=False, found_inf=None, param_copies=None,
-                   torch_sqrt=False, rounding="torch_cpu") -> bool:
+                   torch_sqrt=False, rounding="torch_cpu", grad_factors=()) -> bool:
     """Adagrad, torch.optim.Adagrad's formula, each operation rounded as torch's default CPU
     step rounds it, with the IEEE square root (``torch_sqrt``: torch's CPU square root), or
     (``rounding="torch_cuda_fused"``) as its fused CUDA kernel, in double, or
     (``"torch_cuda_for_loop"``) as its CUDA for-loop step (:mod:`lightning_fastopt.ops.rounding`)."""
+    factors = checked_grad_factors(grad_factors, check_finite)
     check_rounding(rounding, ADAGRAD_ROUNDINGS)
     check_torch_sqrt(torch_sqrt, rounding)
     _check_lengths(params, grads=grads, state_sums=state_sums, param_copies=param_copies)
@@ -387,13 +424,15 @@ def fused_adagrad_(route, params, grads, state_sums, *, step, lr, lr_decay=0.0, 
     return _run(sc, route, "adagrad_", cuda_kwargs={"lr": sc.lr, "lr_decay": lr_decay},
                 params=list(params), grads=list(grads), state_sums=list(state_sums), copies=_list(param_copies),
                 clr=clr, weight_decay=weight_decay, eps=eps, inv_grad_scale=sc.inv_scale, maximize=maximize,
-                check_finite=check_finite, torch_sqrt=torch_sqrt, rounding=kernel_code(rounding))
+                check_finite=check_finite, torch_sqrt=torch_sqrt, rounding=kernel_code(rounding),
+                grad_factors=factors)
 
 
 @_routed
 def fused_lion_(route, params, grads, exp_avgs, *, lr, beta1, beta2, weight_decay=0.0, maximize=False,
-                grad_scale=None, check_finite=False, found_inf=None, param_copies=None) -> bool:
+                grad_scale=None, check_finite=False, found_inf=None, param_copies=None, grad_factors=()) -> bool:
     """Lion: p -= lr * sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2); decoupled decay."""
+    factors = checked_grad_factors(grad_factors, check_finite)
     _check_lengths(params, grads=grads, exp_avgs=exp_avgs, param_copies=param_copies)
     if not len(params):
         return False
@@ -402,7 +441,7 @@ def fused_lion_(route, params, grads, exp_avgs, *, lr, beta1, beta2, weight_deca
         return True
     return _run(sc, route, "lion_", params=list(params), grads=list(grads), exp_avgs=list(exp_avgs),
                 copies=_list(param_copies), lr=sc.lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                inv_grad_scale=sc.inv_scale, maximize=maximize, check_finite=check_finite)
+                inv_grad_scale=sc.inv_scale, maximize=maximize, check_finite=check_finite, grad_factors=factors)
 
 
 @_routed

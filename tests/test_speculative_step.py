@@ -544,19 +544,23 @@ def test_what_reads_the_gradients_after_clipping_reads_them_clipped(backend):
 
 
 def test_clipping_multiplies_a_host_buckets_gradients_in_its_update_on_the_thread_that_runs_it(monkeypatch):
-    """A step that ends before its updates: the host gradients are still unclipped when it
-    returns, the worker multiplies each bucket's before its update, and the run ends where
-    the synchronous step ends."""
+    """A step that ends before its updates: the host gradients are unclipped when it returns,
+    and stay so: the worker's update of each bucket reads them multiplied by the clipping
+    coefficient (``grad_factors``: in the kernels' one pass over them, no pass of its own),
+    and the run ends where the synchronous step ends."""
     from lightning_fastopt.offload import share_updates
+    from lightning_fastopt.optim import adam
 
-    threads = []
-    real = share_updates.scale_grads_
+    calls = []
+    real = adam.fused_adam_
 
-    def noted(grads, coef):
-        threads.append(threading.current_thread().name)
-        real(grads, coef)
+    def noted(*args, grad_factors=(), **kwargs):
+        if grad_factors:
+            calls.append((threading.current_thread().name, tuple(grad_factors)))
+        return real(*args, grad_factors=grad_factors, **kwargs)
 
-    monkeypatch.setattr(share_updates, "scale_grads_", noted)
+    monkeypatch.setattr(adam, "fused_adam_", noted)
+    monkeypatch.setattr(share_updates, "scale_grads_", lambda *args: pytest.fail("a pass of its own"))
     x = _inputs(1)[0]
 
     def run(speculate, waits):
@@ -568,19 +572,21 @@ def test_clipping_multiplies_a_host_buckets_gradients_in_its_update_on_the_threa
         driver.train_step(opt, model, x, 1e-4)
         opt.wait_for_weights()
         held = _HeldWorker(opt, model) if speculate else None
-        threads.clear()
+        calls.clear()
         driver.announce_grad_scale(opt)
         opt.zero_grad()
         model(x).square().mean().backward()
         landed = [s.host_grad.clone() for b in opt._buckets for s in b.slots]
         driver.clip_scaled_gradients(opt, 1e-4)
         driver._step(opt)
+        now = [s.host_grad for b in opt._buckets for s in b.slots]
         if held is not None:
-            now = [s.host_grad for b in opt._buckets for s in b.slots]
-            assert all(torch.equal(a, b) for a, b in zip(landed, now))  # none multiplied yet
+            assert all(torch.equal(a, b) for a, b in zip(landed, now))  # none updated yet
             held.release()
             opt.wait_for_weights()
-        multiplied_on = list(threads)
+        assert all(torch.equal(a, b) for a, b in zip(landed, now))  # read multiplied, left as they landed
+        assert all(len(factors) == 1 for _, factors in calls)
+        multiplied_on = [thread for thread, _ in calls]
         driver.train_step(opt, model, x, 1e-4)
         opt.close()
         return model, multiplied_on, len(opt._buckets)

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_fastopt import FusedAdam
 from lightning_fastopt.offload import OffloadOptimizer
+from lightning_fastopt.optim.from_torch import to_fused_optimizer
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -20,13 +21,14 @@ finally:
     sys.path.pop(0)
 
 
-def _offloaded(**options):
-    """Four small Linear layers and their AdamW offloaded in buckets of a few tensors, on the
-    accelerator's code path."""
+def _offloaded(optimizer=lambda ps: FusedAdam(ps, lr=1e-3), **options):
+    """Four small Linear layers and their optimizer (AdamW) offloaded in buckets of a few
+    tensors, on the accelerator's code path."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), {p: n for n, p in model.named_parameters()},
-                           bucket_size_mb=0.005, copy_on_cpu=True, **options)
+    opt = OffloadOptimizer(to_fused_optimizer(optimizer(model.parameters())),
+                           {p: n for n, p in model.named_parameters()}, bucket_size_mb=0.005, copy_on_cpu=True,
+                           **options)
     return model, opt
 
 
@@ -57,18 +59,24 @@ def test_a_streamed_steps_updates_on_the_worker_thread_are_recorded():
     opt.close()
 
 
-def test_clippings_multiply_of_a_buckets_gradients_is_a_lane_of_its_own():
-    """Clipping multiplies a host bucket's gradients in that bucket's update (on the H200,
-    2026-11-28, the clipped row's CPU lane had gaps between buckets that only its update
-    ranges were drawn for): each bucket's multiply is a ``grad scale`` range."""
-    model, opt = _offloaded()
+@pytest.mark.parametrize("own_step", [False, True], ids=["fused-adamw", "rmsprop-own-step"])
+def test_clippings_multiply_of_a_buckets_gradients_is_a_lane_where_it_is_a_pass_of_its_own(own_step):
+    """Clipping's multiply of a host bucket's gradients: FusedAdam's kernels read them
+    multiplied in the update's one pass (no range of its own); an optimizer that runs its
+    own step (torch's RMSprop) has them multiplied first, in place, each bucket's multiply
+    a ``grad scale`` range (on the H200, 2026-11-28, the clipped row's CPU lane had gaps
+    between buckets that only its update ranges were drawn for)."""
+    make = (lambda ps: torch.optim.RMSprop(ps, lr=1e-3)) if own_step else (lambda ps: FusedAdam(ps, lr=1e-3))
+    model, opt = _offloaded(make)
     model(torch.randn(8, 32)).sum().backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.scale_gradients(torch.tensor(0.5))
         opt.step()
-    assert sum(e.name == "fastopt::grad_scale" for e in prof.events()) == len(opt._buckets) >= 3
+    assert len(opt._buckets) >= 3
+    assert sum(e.name == "fastopt::grad_scale" for e in prof.events()) == (len(opt._buckets) if own_step else 0)
+    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
     lanes = lanes_from_events(prof.events())
-    assert lanes["grad scale"] and lanes["CPU update"]
+    assert bool(lanes.get("grad scale")) == own_step and lanes["CPU update"]
     opt.close()
 
 

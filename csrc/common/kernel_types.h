@@ -38,6 +38,12 @@ struct TensorSlot {
   DType state_dtype = DType::kFloat32;
   uint32_t state_seed = 0;
   uint32_t index_base = 0;  // the whole tensor's index of element 0 (modulo 2**32, as the noise takes it)
+  // Factors the gradient is multiplied by before the algorithm reads it, in order, each
+  // product rounded to the gradient's dtype: what multiplying it in place by each would
+  // leave (clipping's coefficient, torch._foreach_mul_), read in the pass that reads the
+  // gradient anyway instead of a pass of its own.  CPU kernels only; none by default.
+  const float* grad_factors = nullptr;
+  int32_t grad_factor_count = 0;
 };
 using Slots = std::vector<TensorSlot>;
 

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -97,6 +98,25 @@ void check_rounding(int rounding, std::initializer_list<int> taken) {
                                 ") is for CPU tensors");
 }
 
+// The keyword argument grad_factors of the elementwise algorithms (Adam, SGD, Adagrad,
+// Lion: each gradient element read once per use) onto every slot (TensorSlot::grad_factors;
+// `factors` outlives the call), for a module whose kernels read them (Device::reads_grad_factors).
+template <typename Device>
+void take_grad_factors(Slots& slots, const std::vector<float>& factors, bool check_finite) {
+  if (factors.empty()) return;
+  if (!Device::reads_grad_factors)
+    throw pybind11::value_error("grad_factors: these kernels take none (the CPU kernels do); multiply the "
+                                "gradients first");
+  if (check_finite)
+    throw pybind11::value_error("check_finite reads the gradients before grad_factors: pass one or the other");
+  for (float f : factors)
+    if (!std::isfinite(f)) throw pybind11::value_error("grad_factors must be finite, got " + std::to_string(f));
+  for (TensorSlot& s : slots) {
+    s.grad_factors = factors.data();
+    s.grad_factor_count = static_cast<int32_t>(factors.size());
+  }
+}
+
 template <typename Device>
 void def_optimizer_functions(pybind11::module_& m) {
   namespace py = pybind11;
@@ -108,7 +128,8 @@ void def_optimizer_functions(pybind11::module_& m) {
                     bool amsgrad, bool adamw, bool maximize, bool check_finite, uint32_t state_seed,
                     std::optional<double> decay, bool torch_sqrt, int rounding, bool bias_correction,
                     const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
-                    const OptTensor& step_tensor, const std::vector<int64_t>& index_bases) {
+                    const OptTensor& step_tensor, const std::vector<int64_t>& index_bases,
+                    const std::vector<float>& grad_factors) {
     if (amsgrad && !max_exp_avg_sqs) throw py::value_error("amsgrad needs max_exp_avg_sqs");
     check_rounding<Device>(rounding, {0, 1, 2, 3, 4});
     if (!index_bases.empty() && index_bases.size() != params.size()) {
@@ -120,6 +141,7 @@ void def_optimizer_functions(pybind11::module_& m) {
       slots[i].state_seed = state_seed;
       if (!index_bases.empty()) slots[i].index_base = static_cast<uint32_t>(index_bases[i] & 0xFFFFFFFF);
     }
+    take_grad_factors<Device>(slots, grad_factors, check_finite);
     const AdamArgs a{lr, static_cast<float>(beta1), static_cast<float>(beta2), eps, weight_decay, step_size,
                      static_cast<float>(bias_correction2_sqrt), static_cast<float>(1.0 / bias_correction2_sqrt),
                      inv_grad_scale, amsgrad, adamw, maximize, beta1, beta2,
@@ -135,7 +157,7 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("decay") = py::none(), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
      py::arg("bias_correction") = true, py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
      py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none(),
-     py::arg("index_bases") = std::vector<int64_t>{});
+     py::arg("index_bases") = std::vector<int64_t>{}, py::arg("grad_factors") = std::vector<float>{});
 #endif
 
 #if FASTOPT_WITH_SGD
@@ -143,11 +165,12 @@ void def_optimizer_functions(pybind11::module_& m) {
                    const OptTensorList& copies, float lr, float momentum, double dampening, float weight_decay,
                    float inv_grad_scale, bool nesterov, bool maximize, bool wd_after_momentum, bool first_step,
                    bool check_finite, int rounding, const OptTensor& grad_scale, const OptTensor& found_inf,
-                   const OptTensor& lr_tensor) {
+                   const OptTensor& lr_tensor, const std::vector<float>& grad_factors) {
     if (momentum != 0.0f && !momentum_buffers) throw py::value_error("momentum needs momentum_buffers");
     check_rounding<Device>(rounding, {0, 2, 3});
-    const Slots slots =
+    Slots slots =
         Device::slots(params, &grads, {momentum != 0.0f ? opt_list(momentum_buffers) : &kNoTensors}, copies);
+    take_grad_factors<Device>(slots, grad_factors, check_finite);
     const Rounding r = static_cast<Rounding>(rounding);
     const SgdArgs a{lr, momentum, sgd_one_minus_dampening(dampening, r), weight_decay, inv_grad_scale, nesterov,
                     maximize, wd_after_momentum, first_step, r};
@@ -157,7 +180,8 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("momentum"), py::arg("dampening"), py::arg("weight_decay"), py::arg("inv_grad_scale"),
      py::arg("nesterov"), py::arg("maximize"), py::arg("wd_after_momentum"), py::arg("first_step"),
      py::arg("check_finite"), py::arg("rounding") = 0, py::kw_only(), py::arg("grad_scale") = py::none(),
-     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none());
+     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(),
+     py::arg("grad_factors") = std::vector<float>{});
 #endif
 
 #if FASTOPT_WITH_ADAGRAD
@@ -165,9 +189,10 @@ void def_optimizer_functions(pybind11::module_& m) {
                        const OptTensorList& copies, double clr, double weight_decay, double eps, float inv_grad_scale,
                        bool maximize, bool check_finite, bool torch_sqrt, int rounding, double lr, double lr_decay,
                        const OptTensor& grad_scale, const OptTensor& found_inf, const OptTensor& lr_tensor,
-                       const OptTensor& step_tensor) {
+                       const OptTensor& step_tensor, const std::vector<float>& grad_factors) {
     check_rounding<Device>(rounding, {0, 2, 4});
-    const Slots slots = Device::slots(params, &grads, {&state_sums}, copies);
+    Slots slots = Device::slots(params, &grads, {&state_sums}, copies);
+    take_grad_factors<Device>(slots, grad_factors, check_finite);
     // the float scalars as before (the bindings took floats); kTorchCudaFused takes them as given
     const AdagradArgs a{static_cast<float>(clr), static_cast<float>(weight_decay), static_cast<float>(eps),
                         inv_grad_scale, maximize, torch_sqrt, static_cast<Rounding>(rounding), clr, weight_decay, eps};
@@ -177,22 +202,24 @@ void def_optimizer_functions(pybind11::module_& m) {
      py::arg("weight_decay"), py::arg("eps"), py::arg("inv_grad_scale"), py::arg("maximize"),
      py::arg("check_finite"), py::arg("torch_sqrt") = false, py::arg("rounding") = 0, py::kw_only(),
      py::arg("lr") = 0.0, py::arg("lr_decay") = 0.0, py::arg("grad_scale") = py::none(),
-     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none());
+     py::arg("found_inf") = py::none(), py::arg("lr_tensor") = py::none(), py::arg("step_tensor") = py::none(),
+     py::arg("grad_factors") = std::vector<float>{});
 #endif
 
 #if FASTOPT_WITH_LION
   m.def("lion_", [](const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const OptTensorList& copies, float lr, float beta1, float beta2, float weight_decay,
                     float inv_grad_scale, bool maximize, bool check_finite, const OptTensor& grad_scale,
-                    const OptTensor& found_inf, const OptTensor& lr_tensor) {
-    const Slots slots = Device::slots(params, &grads, {&exp_avgs}, copies);
+                    const OptTensor& found_inf, const OptTensor& lr_tensor, const std::vector<float>& grad_factors) {
+    Slots slots = Device::slots(params, &grads, {&exp_avgs}, copies);
+    take_grad_factors<Device>(slots, grad_factors, check_finite);
     const LionArgs a{lr, beta1, beta2, weight_decay, inv_grad_scale, maximize};
     return Device::run(params, slots, check_finite, {grad_scale, found_inf, lr_tensor, std::nullopt},
                        [&](const auto& on) { on.lion(slots, a); });
   }, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("copies"), py::arg("lr"), py::arg("beta1"),
      py::arg("beta2"), py::arg("weight_decay"), py::arg("inv_grad_scale"), py::arg("maximize"),
      py::arg("check_finite"), py::kw_only(), py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
-     py::arg("lr_tensor") = py::none());
+     py::arg("lr_tensor") = py::none(), py::arg("grad_factors") = std::vector<float>{});
 #endif
 
 #if FASTOPT_WITH_LAMB

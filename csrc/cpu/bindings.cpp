@@ -74,6 +74,7 @@ struct CpuKernels {
 
 // The CPU's policy for ../common/optimizer_bindings.h.
 struct CpuDevice {
+  static constexpr bool reads_grad_factors = true;  // the kernels read TensorSlot::grad_factors
   static bool follows(Rounding) { return true; }
 
   static Slots slots(const TensorList& params, const TensorList* grads, const std::vector<const TensorList*>& states,

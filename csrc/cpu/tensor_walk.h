@@ -128,16 +128,32 @@ void dispatch_dtypes(const TensorSlot& s, const Fn& fn) {
   dispatch_dtype_combination<CpuStorage>(s, fn);
 }
 
+// Forced inline: the per-vector steps below (GCC otherwise stops inlining the body once
+// enough instantiations share one caller, and the loop pays a call per vector).
+#define FASTOPT_ALWAYS_INLINE __attribute__((always_inline))
+
+// x * f rounded to the storage of G (x holds values of G: a gradient's), back in float32,
+// as an in-place multiply of a G tensor by a float32 scalar leaves it.
+template <typename G>
+FASTOPT_ALWAYS_INLINE inline VecF times_in(const VecF& x, float f) {
+  const VecF y = x * VecF::set1(f);
+  if constexpr (std::is_same_v<storage_t<G>, float>) {
+    return y;
+  } else {
+    alignas(64) storage_t<G> rounded[VecF::W];
+    y.store(rounded);
+    return VecF::load(rounded);
+  }
+}
+
 // body(VecF& param, VecF grad, std::array<VecF, NS>& state) updates param and state in
 // registers; the first NS state pointers of the slot are loaded and stored (S: their
-// storage, F32, or BF16 stored with stochastic rounding, see vec.h).  With
+// storage, F32, or BF16 stored with stochastic rounding, see vec.h); the gradient is
+// multiplied by the slot's grad_factors (times_in) as it is loaded.  With
 // kStoreParam false the parameter (and its copy) is only read; with G = None no
 // gradient is read and the body sees zeros.
 // One out-of-line function per dtype combination (a fresh inlining budget for each), with
-// the per-vector step forced inline: otherwise GCC stops inlining the body once enough
-// instantiations share one caller, and the loop pays a call per vector.
-#define FASTOPT_ALWAYS_INLINE __attribute__((always_inline))
-
+// the per-vector step forced inline.
 template <int NS, bool kStoreParam, typename P, typename G, typename C, typename S, typename Body>
 __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int64_t e, const Body& body) {
   using PT = storage_t<P>;
@@ -162,7 +178,12 @@ __attribute__((noinline)) void for_each_vec(const TensorSlot& s, int64_t b, int6
                  void* cp) FASTOPT_ALWAYS_INLINE {
     VecF pv = VecF::load(pp + off);
     VecF gv;
-    if constexpr (kHasGrad) gv = VecF::load(gp + off); else gv = VecF::zero();
+    if constexpr (kHasGrad) {
+      gv = VecF::load(gp + off);
+      for (int32_t f = 0; f < s.grad_factor_count; ++f) gv = times_in<G>(gv, s.grad_factors[f]);
+    } else {
+      gv = VecF::zero();
+    }
     std::array<VecF, NS> sv;
     for (int k = 0; k < NS; ++k) sv[k] = VecF::load(sp[k] + off);
     body(pv, gv, sv);

@@ -102,6 +102,7 @@ struct CudaKernels {
 
 // The CUDA module's policy for ../common/optimizer_bindings.h.
 struct CudaDevice {
+  static constexpr bool reads_grad_factors = false;  // grad_factors: multiplied into copies by the caller
   static bool follows(Rounding r) { return r != Rounding::kTorchCpuFused; }
 
   static Slots slots(const TensorList& params, const TensorList* grads, const std::vector<const TensorList*>& states,

@@ -225,10 +225,12 @@ class GradIntake:
         """Multiply every gradient :meth:`read` gives by ``coef`` (a float32 tensor: clipping
         by norm), as ``torch._foreach_mul_`` multiplies them: those on the device now, a
         host bucket's when something first reads them (:meth:`apply_scales`), which is in
-        the end the bucket's update itself, on the thread that runs it, reading them while
-        they are in cache (the worker's, where the step ends before it).  Each gradient is
-        multiplied alone, so where and when does not change a bit.  With ``"keep"`` every
-        one now (the step copies them from ``p.grad``)."""
+        the end the bucket's update itself, on the thread that runs it (the worker's, where
+        the step ends before it): the kernels read our own host copies multiplied, in the
+        update's one pass over them (``grad_factors``), and multiply ``p.grad`` in place
+        (:meth:`ShareUpdates.run <lightning_fastopt.offload.share_updates.ShareUpdates.run>`).
+        Each gradient is multiplied alone, so where and when does not change a bit.  With
+        ``"keep"`` every one now (the step copies them from ``p.grad``)."""
         grads = self.read()  # (every gradient landed; the factors left before applied)
         if self.mode == "keep":
             scale_grads_([g for _, g in grads], coef)

@@ -80,10 +80,18 @@ class ShareUpdates:
         return Plan(updated, sources, targets or None, step_kwargs, opt.step_closure, scales) if updated else None
 
     def run(self, inner: FusedOptimizer, plan: Plan, grad_scale, context) -> list[ParamSlot]:
-        """Step ``inner`` as :meth:`plan` fixed it; a host bucket's update is the profiler
-        range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
+        """Step ``inner`` as :meth:`plan` fixed it, the gradients multiplied by the plan's
+        factors (clipping's) as the kernels read them where the gradients are our own host
+        copies, else in place first (``fastopt::grad_scale``); a host bucket's update is the
+        profiler range ``fastopt::cpu_update`` (``benchmarks/timeline.py`` draws them)."""
         updated, sources, targets, step_kwargs, closure, scales = plan
-        _apply(scales, sources)
+        if scales and inner.reads_grad_factors and all(s.host_grad is not None for s in updated):
+            # host gradients of our own, forgotten once the step ends: the kernels multiply
+            # them as they read them, in the update's one pass over them (a pass of their
+            # own otherwise: 8 bytes more a float32 parameter to the update's 28)
+            inner.grad_factors = tuple(float(coef) for coef in scales)
+        else:  # FSDP's host gradients (read after the step, as torch leaves them), or an optimizer's own step
+            _apply(scales, sources)
         inner.grad_source = sources
         inner.copies_to = targets
         inner.element_offsets = {s.master: s.part[0] for s in updated if s.part is not None} or None
@@ -99,6 +107,7 @@ class ShareUpdates:
             inner.grad_source = None
             inner.copies_to = None
             inner.element_offsets = None
+            inner.__dict__.pop("grad_factors", None)
             inner.__dict__.pop("step_kwargs", None)
             inner.__dict__.pop("step_closure", None)
         return updated
@@ -180,9 +189,9 @@ class ShareUpdates:
 
 
 def _apply(scales: list[Tensor], sources: dict[Tensor, Tensor]) -> None:
-    """Multiply the gradients a plan reads by the factors it took, in order: the profiler
-    range ``fastopt::grad_scale`` (clipping's pass over a bucket's gradients, beside its
-    update's: ``benchmarks/timeline.py`` draws them)."""
+    """Multiply the gradients a plan reads by the factors it took, in order, in place: the
+    profiler range ``fastopt::grad_scale`` (clipping's pass over a bucket's gradients where
+    the update does not read them multiplied: ``benchmarks/timeline.py`` draws them)."""
     if not scales:
         return
     with torch.profiler.record_function("fastopt::grad_scale"):

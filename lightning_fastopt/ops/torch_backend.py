@@ -24,6 +24,19 @@ def _scaled_grads(grads, factor: float):
     return torch._foreach_mul(_f32(grads), factor)
 
 
+def _times(grads, grad_factors):
+    """The gradients multiplied by each of ``grad_factors`` in turn, in their dtype, as
+    copies (as multiplying them in place by each would leave them); themselves without any."""
+    for f in grad_factors:
+        grads = torch._foreach_mul(list(grads), torch.tensor(f, dtype=torch.float32, device=grads[0].device))
+    return grads
+
+
+def _check_factors(grad_factors, check_finite) -> None:
+    if grad_factors and check_finite:
+        raise ValueError("check_finite reads the gradients before grad_factors: pass one or the other")
+
+
 def _finish(params, work, copies) -> None:
     """Write float32 working copies back to half-precision params, and fill param copies."""
     for p, w in zip(params, work):
@@ -123,7 +136,7 @@ def _lerp_(dst, src, weight: float) -> None:
 def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, beta1, beta2, eps,
           weight_decay, step_size, bias_correction2_sqrt, inv_grad_scale, amsgrad, adamw, maximize,
           check_finite, state_seed: int = 0, decay: float | None = None, torch_sqrt: bool = False,
-          rounding: int = 0, *, index_bases: list[int] | None = None) -> bool:
+          rounding: int = 0, *, index_bases: list[int] | None = None, grad_factors=()) -> bool:
     """torch.optim.Adam/AdamW's foreach step, op for op, on the tensors' device (``decay``:
     AdamW's factor ``1 - lr * weight_decay`` as the caller computed it from the exact lr, by
     default from ``lr``), with the IEEE square root or (``torch_sqrt``) torch's: the bits of
@@ -132,13 +145,15 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
     the compiled kernels follow every rounding everywhere; 3, torch's CPU fused kernel,
     differs from 0 in each tensor's last numel % 8 elements) come within an ulp per step.
     ``index_bases``: each tensor's first element's index in its whole tensor (pieces of one),
-    for the bfloat16 state's stochastic rounding."""
+    for the bfloat16 state's stochastic rounding; ``grad_factors``: see :func:`_times`."""
+    _check_factors(grad_factors, check_finite)
     if decay is None:
         decay = 1 - lr * weight_decay
     if check_finite and not all_finite(grads):
         return True
     if not params:
         return False
+    grads = _times(grads, grad_factors)
     if any(m.dtype == torch.bfloat16 for m in exp_avgs):  # bfloat16 state: float32 working copies
         if amsgrad or any(p.dtype != torch.float32 for p in params):
             raise TypeError("bfloat16 Adam state needs float32 params (masters) and amsgrad=False")
@@ -192,18 +207,20 @@ def _adam_f32(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, dec
 
 
 def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weight_decay, inv_grad_scale,
-         nesterov, maximize, wd_after_momentum, first_step, check_finite, rounding: int = 0) -> bool:
+         nesterov, maximize, wd_after_momentum, first_step, check_finite, rounding: int = 0, *,
+         grad_factors=()) -> bool:
     """torch.optim.SGD's foreach step, op for op: the bits of ``rounding`` 0 (torch's CPU
     step, and its CUDA foreach step); with 2 (torch's CUDA fused kernel) its factor
     ``1 - dampening`` (in float32), and with 3 (torch's CPU fused kernel) each tensor's last
     numel % 8 elements, or with 2, maximize and no decay tensors of numel % 4 == 0, come
     within an ulp per step (a fallback: the compiled kernels follow these too)."""
+    _check_factors(grad_factors, check_finite)
     if check_finite and not all_finite(grads):
         return True
     if not params:
         return False
     work = _f32(params)
-    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    g = _scaled_grads(_times(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0 and not wd_after_momentum:
         torch._foreach_add_(g, work, alpha=weight_decay)
     if momentum != 0:
@@ -224,18 +241,19 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
 
 
 def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad_scale, maximize,
-             check_finite, torch_sqrt: bool = False, rounding: int = 0) -> bool:
+             check_finite, torch_sqrt: bool = False, rounding: int = 0, *, grad_factors=()) -> bool:
     """torch.optim.Adagrad's default CPU step, op for op, with the IEEE square root or
     (``torch_sqrt``) torch's: the bits of ``rounding`` 0 (its CPU step and CUDA foreach step)
     on either device, and of 4 (its CUDA for-loop step, ``addcdiv`` one fused multiply-add)
     on CUDA; 4 on the CPU, and 2 (torch's fused CUDA kernel, in double), within an ulp per
     step (a fallback)."""
+    _check_factors(grad_factors, check_finite)
     if check_finite and not all_finite(grads):
         return True
     if not params:
         return False
     work = _f32(params)
-    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    g = _scaled_grads(_times(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
         torch._foreach_add_(g, work, alpha=weight_decay)
     torch._foreach_addcmul_(state_sums, g, g, 1.0)
@@ -253,13 +271,14 @@ def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad
 
 
 def lion_(params, grads, exp_avgs, copies, lr, beta1, beta2, weight_decay, inv_grad_scale, maximize,
-          check_finite) -> bool:
+          check_finite, *, grad_factors=()) -> bool:
+    _check_factors(grad_factors, check_finite)
     if check_finite and not all_finite(grads):
         return True
     if not params:
         return False
     work = _f32(params)
-    g = _scaled_grads(grads, -inv_grad_scale if maximize else inv_grad_scale)
+    g = _scaled_grads(_times(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
         torch._foreach_mul_(work, 1 - lr * weight_decay)
     c = [m.clone() for m in exp_avgs]

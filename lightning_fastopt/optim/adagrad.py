@@ -28,6 +28,7 @@ class FusedAdagrad(FusedOptimizer):
 
     kernel_piece = "adagrad"
     steps_pieces = True
+    reads_grad_factors = True
 
     state_keys = ("sum",)
 
@@ -66,4 +67,5 @@ class FusedAdagrad(FusedOptimizer):
         fused_adagrad_(b.params, b.grads, b.states["sum"], step=b.step, lr=group["lr"], lr_decay=group["lr_decay"],
                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                        grad_scale=grad_scale, param_copies=b.copies, found_inf=b.found_inf,
-                       torch_sqrt=group.get("torch_sqrt", False), rounding=group.get("rounding", "torch_cpu"))
+                       torch_sqrt=group.get("torch_sqrt", False), rounding=group.get("rounding", "torch_cpu"),
+                       grad_factors=self.grad_factors)

@@ -58,6 +58,7 @@ class FusedAdam(FusedOptimizer):
 
     kernel_piece = "adam"
     steps_pieces = True
+    reads_grad_factors = True
 
     def kernel_pieces(self) -> frozenset[str]:
         return frozenset().union(*(adam_pieces(self._with_own_keys(g).get("rounding", "torch_cpu"))
@@ -150,7 +151,8 @@ class FusedAdam(FusedOptimizer):
                     adamw_mode=group["decoupled_weight_decay"], maximize=group["maximize"],
                     bias_correction=group["bias_correction"], grad_scale=grad_scale,
                     param_copies=b.copies, found_inf=b.found_inf, torch_sqrt=group.get("torch_sqrt", False),
-                    rounding=group.get("rounding", "torch_cpu"), index_bases=self._index_bases(b.params))
+                    rounding=group.get("rounding", "torch_cpu"), index_bases=self._index_bases(b.params),
+                    grad_factors=self.grad_factors)
 
 
 def check_state_dtype(state_dtype: Any, amsgrad: bool = False) -> torch.dtype:

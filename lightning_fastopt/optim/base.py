@@ -79,7 +79,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     A third, ``step_kwargs``, holds the keyword arguments a wrapper's step was given for
     the user's own ``step`` (only an optimizer with :attr:`takes_step_kwargs` gets any),
     and a fourth, ``step_closure``, the closure of the wrapper's step, evaluated, for that
-    ``step`` (:mod:`~lightning_fastopt.optim.closure`).
+    ``step`` (:mod:`~lightning_fastopt.optim.closure`).  A fifth, ``grad_factors``, holds
+    numbers the gradients are multiplied by as the kernels read them (clipping's
+    coefficient, without a pass of its own; the gradients stay as they are), for an
+    optimizer that :attr:`reads_grad_factors`.
     """
 
     state_keys: tuple[str, ...] = ()
@@ -94,6 +97,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     # alone, so a tensor may be stepped in pieces, each with its own state, in the same bits
     # (lightning_fastopt.offload.pieces): set by the elementwise kernels' classes
     steps_pieces = False
+    # the update reads every gradient through one of the functions that take grad_factors
+    # (lightning_fastopt.functional): a wrapper may set grad_factors instead of multiplying
+    reads_grad_factors = False
+    grad_factors: tuple[float, ...] = ()
     given_norms: dict[Tensor, Tensor] | None = None
     # where a tensor it steps starts in a whole tensor it is a piece of (elements; a wrapper's,
     # lightning_fastopt.offload.pieces): bfloat16 state's stochastic rounding reads the index
@@ -265,6 +272,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _take_step(self, grad_scale, check_finite: bool, found_inf: Tensor | None, step_context: Any) -> bool:
         """The step of :meth:`step`; returns True when it was skipped."""
+        if self.grad_factors and not self.reads_grad_factors:
+            raise ValueError(f"{type(self).__name__} does not read grad_factors: multiply the gradients instead")
         if found_inf is not None and not self.capturable:
             if float(found_inf.reshape(-1)[0]) != 0.0:
                 return True

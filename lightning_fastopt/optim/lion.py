@@ -15,6 +15,7 @@ class FusedLion(FusedOptimizer):
 
     kernel_piece = "lion"
     steps_pieces = True
+    reads_grad_factors = True
 
     state_keys = ("exp_avg",)
     counts_steps = False
@@ -34,4 +35,4 @@ class FusedLion(FusedOptimizer):
         beta1, beta2 = group["betas"]
         fused_lion_(b.params, b.grads, b.states["exp_avg"], lr=group["lr"], beta1=beta1, beta2=beta2,
                     weight_decay=group["weight_decay"], maximize=group["maximize"], grad_scale=grad_scale,
-                    param_copies=b.copies, found_inf=b.found_inf)
+                    param_copies=b.copies, found_inf=b.found_inf, grad_factors=self.grad_factors)

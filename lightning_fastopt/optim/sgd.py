@@ -27,6 +27,7 @@ class FusedSGD(FusedOptimizer):
 
     kernel_piece = "sgd"
     steps_pieces = True
+    reads_grad_factors = True
 
     counts_steps = False
 
@@ -72,4 +73,5 @@ class FusedSGD(FusedOptimizer):
                    momentum=group["momentum"], dampening=group["dampening"], weight_decay=group["weight_decay"],
                    nesterov=group["nesterov"], maximize=group["maximize"],
                    wd_after_momentum=group["wd_after_momentum"], grad_scale=grad_scale,
-                   param_copies=b.copies, found_inf=b.found_inf, rounding=group.get("rounding", "torch_cpu"))
+                   param_copies=b.copies, found_inf=b.found_inf, rounding=group.get("rounding", "torch_cpu"),
+                   grad_factors=self.grad_factors)
