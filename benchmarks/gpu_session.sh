@@ -41,8 +41,10 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # the 16 cores (372 ms, against 465 on all 16 in the first lease) and ending before its updates
 # (347 ms, 1.70x its bound), and weights in host memory under FSDP (430 ms against 543 for
 # CPUOffloadPolicy with torch's AdamW: FSDP copies each unit's float32 shards in series with its
-# compute on one GPU). So now: the streamed step against the step at the step on the new default
-# thread count (whether stream_cpu_step may default on), half shards under FSDP (half the copies)
+# compute on one GPU). So now: the streamed step, the same clipped (540 ms then: clipping's
+# multiply is now read in the update's pass, 8 of 36 bytes a parameter fewer), against the step
+# at the step on the new default thread count (whether stream_cpu_step may default on), half
+# shards under FSDP (half the copies)
 # against the same reference, the new default against all 16 cores in the same run, FSDP's rows
 # with FSDP's explicit prefetch (whether FSDP then overlaps its copies with compute at one
 # rank) and updated at the step (no gradient hooks: torch versions that block the gradient's
@@ -52,7 +54,7 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # first (the CPU update's rate, the pinned copies), about 20 s. A row took 38-51 s (start and
 # imports 16-22 s of it, Lightning's teardown up to 13 s), before rows were forked from one
 # process that imported them and ended at their last timed step: GPT_S=300 reached five rows.
-HEADLINE="plain,fastopt:1:stream:module,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:module:clip,fastopt:1:stream:clip,fastopt:1:stream"
+HEADLINE="plain,fastopt:1:stream:module,fastopt:1:stream:module:clip,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:clip,fastopt:1:stream"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, the host
 # shards updated at the step and streamed into backward, and fastopt_fsdp at fraction 1 (exact,
@@ -64,8 +66,9 @@ HEADLINE_STEPS="--warmup 7 --steps 8"
 # for-loop and fused steps, the kernels alone and under the offload optimizer at fractions 0
 # and 1; then the Trainer-level comparisons with Trainer() on the GPU.
 FIRST_TESTS=(  # one pytest process each (a start cost ~15 s on the H200, 2026-11-28: six took 120 s)
-    # not reached on 2026-11-28 (the FSDP ones on one GPU), and the fallback's foreach Adam fixed after it
-    "tests/test_rounding.py tests/test_fsdp_strategy.py tests/test_fsdp_host_parameters.py -m cuda -k 'pytorch_fallback or test_fsdp'"
+    # not reached on 2026-11-28 (the FSDP ones on one GPU), the fallback's foreach Adam fixed after
+    # it, and clipping's factors on CUDA tensors (multiplied copies) added after it
+    "tests/test_rounding.py tests/test_fsdp_strategy.py tests/test_fsdp_host_parameters.py tests/test_grad_factors.py -m cuda -k 'pytorch_fallback or test_fsdp or test_grad_factors'"
     "tests/test_grad_norms.py tests/test_rounding.py tests/test_offload_cuda.py -m cuda -k 'test_grad_norms or kernels- or offload1- or offload0- or test_trainer_on_gpu or test_offloaded_training_matches_the_reference'"
 )
 # what `first` leaves to `rest`, most telling first
