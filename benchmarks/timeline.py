@@ -16,6 +16,12 @@ From a ``torch.profiler`` trace (CPU and CUDA activities):
   where it is a pass of its own (``fastopt::grad_scale``: an optimizer that runs its own
   step, FSDP's host gradients; our kernels read our host copies multiplied, in the
   update's pass);
+- ``worker task``: what the offload optimizer's worker thread runs, each update with what
+  comes with it (waiting for its gradients, the copies it issues; ``fastopt::worker_task``):
+  where the ``CPU update`` lane has gaps inside this one, the worker was busy otherwise;
+  outside it, it had nothing to do;
+- ``forward wait``: the forward waiting on the host for an update a step left running
+  (``forward_waits="module"``; ``fastopt::forward_wait``);
 - ``disk read``, ``disk write``: with the masters and state on disk
   (``offload_optimizer_device="nvme"``), the transfers of their file (``fastopt::disk_read``,
   ``fastopt::disk_write``, on the I/O threads).
@@ -29,11 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-LANES = ("GPU compute", "D2H", "H2D", "CPU update", "grad scale", "disk read", "disk write")
+LANES = ("GPU compute", "D2H", "H2D", "CPU update", "grad scale", "worker task", "forward wait", "disk read",
+         "disk write")
 CPU_UPDATE = "fastopt::cpu_update"  # the record_function name of a bucket's CPU update
-RANGE_LANES = {CPU_UPDATE: "CPU update", "fastopt::grad_scale": "grad scale", "fastopt::disk_read": "disk read",
+RANGE_LANES = {CPU_UPDATE: "CPU update", "fastopt::grad_scale": "grad scale", "fastopt::worker_task": "worker task",
+               "fastopt::forward_wait": "forward wait", "fastopt::disk_read": "disk read",
                "fastopt::disk_write": "disk write"}
-SOMETIMES = ("grad scale", "disk read", "disk write")  # lanes drawn only where they ran (clipping, state on disk)
+# lanes drawn only where they ran (clipping's own pass, a worker thread, the forward's waits, state on disk)
+SOMETIMES = ("grad scale", "worker task", "forward wait", "disk read", "disk write")
 
 Intervals = list[tuple[float, float]]
 
@@ -127,7 +136,8 @@ def draw(lanes: dict[str, Intervals], path, title: str) -> None:
 
     names = [lane for lane in LANES if lane in lanes] + [lane for lane in lanes if lane not in LANES]
     colors = {"GPU compute": "tab:green", "D2H": "tab:orange", "H2D": "tab:purple", "CPU update": "tab:blue",
-              "grad scale": "tab:cyan", "disk read": "tab:brown", "disk write": "tab:red"}
+              "grad scale": "tab:cyan", "worker task": "tab:gray", "forward wait": "tab:olive",
+              "disk read": "tab:brown", "disk write": "tab:red"}
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(names) + 1.2))
     for row, lane in enumerate(reversed(names)):
         spans = lanes[lane]

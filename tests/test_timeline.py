@@ -2,6 +2,7 @@
 updates are profiler ranges), where each lane hid behind GPU compute, and the picture."""
 
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +41,8 @@ def test_each_buckets_cpu_update_is_a_profiler_range():
     assert len(opt._buckets) >= 3
     assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
     lanes = lanes_from_events(prof.events())
-    assert set(lanes) == set(LANES) - {"grad scale", "disk read", "disk write"}  # (no clipping, no disk)
+    # (no clipping, no worker thread nor forward waiting for it, no disk)
+    assert set(lanes) == set(LANES) - {"grad scale", "worker task", "forward wait", "disk read", "disk write"}
     assert lanes["CPU update"] and not lanes["GPU compute"]
     assert lanes["CPU update"][0][0] >= 0.0
     opt.close()
@@ -56,6 +58,51 @@ def test_a_streamed_steps_updates_on_the_worker_thread_are_recorded():
         opt.step()
     assert len(opt._buckets) >= 3
     assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
+    opt.close()
+
+
+def test_the_worker_threads_tasks_are_a_lane_around_its_updates():
+    """Each task of the worker (a bucket's streamed update, with its wait for the gradients
+    and the copies it issues) is a ``worker task`` range around its ``CPU update``: where the
+    update lane has gaps inside a task, the worker was busy otherwise (the H200's clipped
+    row: 241 ms of updates in about 400 ms, 2026-11-28); outside, it had nothing to do."""
+    model, opt = _offloaded(stream_cpu_step=True)
+    with profile(gpu=False) as prof:
+        model(torch.randn(8, 32)).sum().backward()
+        opt.step()
+    events = prof.events()
+    tasks = [e for e in events if e.name == "fastopt::worker_task"]
+    updates = [e for e in events if e.name == CPU_UPDATE]
+    assert len(tasks) == len(updates) == len(opt._buckets) >= 3
+    for u in updates:  # each update inside a task of its thread
+        assert any(t.thread == u.thread and t.time_range.start <= u.time_range.start
+                   and u.time_range.end <= t.time_range.end for t in tasks)
+    lanes = lanes_from_events(events)
+    busy = lambda lane: sum(e - s for s, e in lanes[lane])  # noqa: E731
+    assert busy("worker task") >= busy("CPU update") > 0 and "forward wait" not in lanes
+    opt.close()
+
+
+def test_a_forward_waiting_on_the_host_for_an_update_is_a_lane():
+    """``forward_waits="module"``: a step that returned with its updates held on the worker;
+    the next forward's first module waits on the host for its bucket's update, a ``forward
+    wait`` range on the forward's thread that ends once the worker is released."""
+    from tests.test_forward_waits import _HeldWorker, _net, _step, _streamed, forward_waits_for_the_held_updates
+
+    model = _net()
+    opt = _streamed(model)
+    x = torch.randn(8, 16)
+    _step(model, opt, x)
+    opt.wait_for_weights()
+    held = _HeldWorker(opt, model)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()  # returns, nothing updated yet
+    with profile(gpu=False) as prof:
+        forward_waits_for_the_held_updates(model, opt, held, x)
+    waits = [e for e in prof.events() if e.name == "fastopt::forward_wait"]
+    assert waits and all(e.thread != threading.main_thread().ident for e in waits)  # (the forward's own thread)
+    assert lanes_from_events(prof.events())["forward wait"]
     opt.close()
 
 
@@ -124,6 +171,7 @@ def test_with_the_state_on_disk_the_files_reads_and_writes_are_lanes(tmp_path):
         with profile(gpu=False) as prof:
             opt.step()
     lanes = lanes_from_events(prof.events())
-    assert set(lanes) == set(LANES) - {"grad scale"} and lanes["disk read"] and lanes["disk write"]
+    assert set(lanes) == set(LANES) - {"grad scale", "worker task", "forward wait"}
+    assert lanes["disk read"] and lanes["disk write"]
     assert lanes["CPU update"]
     opt.close()

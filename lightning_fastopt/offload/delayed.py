@@ -143,7 +143,7 @@ class DelayedStep(CpuStepSchedule):
                 continue
             for s in b.slots:
                 s.swap_grad_buffers()
-            self.updates.pending[b] = opt.updates.pool().submit(self._run, b, plan, grad_scale, context)
+            self.updates.pending[b] = opt.updates.submit(self._run, b, plan, grad_scale, context)
 
     def _run(self, bucket: HostBucket, plan, grad_scale, context) -> list[ParamSlot]:
         opt = self.opt

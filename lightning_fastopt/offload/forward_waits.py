@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 
@@ -105,6 +106,9 @@ class WeightsInFlight:
         for b in done:
             future = self._updating.pop(b, None)
             if future is not None:
+                if not future.done():  # the forward waits on the host for the CPU (timeline.py's lane)
+                    with torch.profiler.record_function("fastopt::forward_wait"):
+                        future.result()
                 future.result()  # the worker issued its copy
                 self.copies.compute_waits_for(b.params_sent)
         if plain:

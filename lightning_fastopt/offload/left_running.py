@@ -75,7 +75,7 @@ class UpdateQueue:
             if noted_in is not None:
                 noted_in.update(futures)
         for _ in updates:
-            self.opt.updates.pool().submit(self._run_next)
+            self.opt.updates.submit(self._run_next)
         return futures
 
     def fix_plans(self) -> None:

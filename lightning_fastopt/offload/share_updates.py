@@ -10,8 +10,8 @@ When each share's update runs is the step schedules' business
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -169,6 +169,12 @@ class ShareUpdates:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
         return self._worker
 
+    def submit(self, task: Callable[..., Any], *args: Any) -> Future:
+        """Run ``task(*args)`` on the worker thread, in the profiler range
+        ``fastopt::worker_task`` (``benchmarks/timeline.py``'s ``worker task`` lane: where
+        its updates leave gaps, whether the worker had nothing to do or was busy in between)."""
+        return self.pool().submit(_as_worker_task, task, args)
+
     @contextlib.contextmanager
     def on_worker(self) -> Iterator[None]:
         """Time an update on the worker thread into the next step's ``cpu_step_background``
@@ -186,6 +192,11 @@ class ShareUpdates:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _as_worker_task(task: Callable[..., Any], args: tuple) -> Any:
+    with torch.profiler.record_function("fastopt::worker_task"):
+        return task(*args)
 
 
 def _apply(scales: list[Tensor], sources: dict[Tensor, Tensor]) -> None:

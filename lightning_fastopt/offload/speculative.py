@@ -137,7 +137,7 @@ class SpeculativeStep(CpuStepSchedule):
         if not self._speculating():
             self.watched[bucket] = spec  # updated at the step; whether this would have held is checked there
             return
-        spec.future = opt.updates.pool().submit(self._speculate, bucket, spec)
+        spec.future = opt.updates.submit(self._speculate, bucket, spec)
         self.running[bucket] = spec
 
     def _speculate(self, bucket: HostBucket, spec: Speculation) -> list[ParamSlot]:
