@@ -559,6 +559,32 @@ def test_a_step_over_host_shards_ends_before_its_updates_and_each_unit_waits_for
         assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
 
 
+def test_fsdps_host_gradients_are_clipped_in_place_as_torch_leaves_them(one_process):
+    """Clipping over FSDP's host shards: their gradients are FSDP's ``p.grad``, which the
+    user may read after the step, so each bucket's update multiplies them in place first
+    (the kernels are given no factors: tests/test_grad_factors.py), and after the step they
+    read as torch's clipping leaves them."""
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.fsdp import LocalShardOptimizer
+
+    model = _host_sharded_model(one_process)
+    opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
+                              device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002)
+    given = []
+    for b in opt.local._buckets:
+        take = b.inner._take_step
+        b.inner._take_step = lambda *a, _take=take, _inner=b.inner: (given.append(_inner.grad_factors), _take(*a))[1]
+    model(torch.randn(8, 6)).square().mean().backward()
+    before = [p.grad.to_local().clone() for p in model.parameters()]
+    coef = torch.tensor(0.37)
+    opt.scale_gradients(coef)
+    opt.step()
+    assert len(given) == len(opt.local._buckets) >= 3 and not any(given)
+    after = [p.grad.to_local() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, torch._foreach_mul(before, coef)))
+    opt.close()
+
+
 def test_lambs_steps_over_host_shards_wait_for_their_updates_and_say_why(one_process, caplog, monkeypatch):
     """LAMB's trust ratios read norms over whole parameters, summed over every rank's rows
     when the step starts (``before_updates``): its steps wait for their updates whatever
