@@ -340,9 +340,10 @@ def fused_adam_(route, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=Non
             and torch_fused.takes(params, grads, exp_avgs, exp_avg_sqs, maxes, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
             return True
-        torch_fused.adam_(params, times_factors(grads, factors), exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step=sc.step, lr=sc.lr,
-                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                          adamw=adamw_mode, maximize=maximize, grad_scale=_grad_scale_value(grad_scale))
+        torch_fused.adam_(params, times_factors(grads, factors), exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                          step=sc.step, lr=sc.lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                          amsgrad=amsgrad, adamw=adamw_mode, maximize=maximize,
+                          grad_scale=_grad_scale_value(grad_scale))
         return False
     if rounding == "torch_cuda_fused":
         step_size, bc2_sqrt = fused_cuda_scalars(sc.lr, beta1, beta2, sc.step, bias_correction)
@@ -389,9 +390,9 @@ def fused_sgd_(route, params, grads, momentum_buffers=None, *, step, lr, momentu
             and torch_fused.takes(params, grads, buffers, copies=param_copies)):
         if check_finite and not grads_all_finite(grads):
             return True
-        torch_fused.sgd_(params, times_factors(grads, factors), momentum_buffers, lr=sc.lr, momentum=momentum, dampening=dampening,
-                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first_step=step == 1,
-                         grad_scale=_grad_scale_value(grad_scale))
+        torch_fused.sgd_(params, times_factors(grads, factors), momentum_buffers, lr=sc.lr, momentum=momentum,
+                         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                         first_step=step == 1, grad_scale=_grad_scale_value(grad_scale))
         return False
     return _run(sc, route, "sgd_", params=list(params), grads=list(grads), momentum_buffers=_list(buffers),
                 copies=_list(param_copies), lr=sc.lr, momentum=momentum, dampening=dampening,
