@@ -51,7 +51,8 @@ def test_benchmark_scripts_run(tmp_path):
     """Tiny sizes: the numbers are not checked here, the benchmarks report them.  The
     scripts run at once (each mostly imports), their outputs checked one by one."""
     scripts = {
-        "cpu": ["benchmarks/cpu_optimizers.py", "--quick", "--repeat", "1", "--algorithms", "adam,adam-mixed,lamb,lamb-rows"],
+        "cpu": ["benchmarks/cpu_optimizers.py", "--quick", "--repeat", "1", "--algorithms",
+                "adam,adam-clipped,adam-mixed,lamb,lamb-rows"],
         "offload": ["benchmarks/offload_step.py", "--quick"],
         "zero": ["benchmarks/zero.py", "--quick"],
         "watch": ["benchmarks/weight_watch.py", "--numel", "1e5", "--tensors", "10", "--repeat", "1"],
@@ -69,6 +70,8 @@ def test_benchmark_scripts_run(tmp_path):
     assert "read-modify-write bandwidth" in out["cpu"]
     assert "| lamb | lightning_fastopt FusedLAMB |" in out["cpu"]
     assert "| lamb-rows | lightning_fastopt FusedLAMB on rows (norms given) |" in out["cpu"]
+    assert "| adam-clipped | lightning_fastopt FusedAdam, the multiply in its pass (grad_factors) |" in out["cpu"]
+    assert "| adam-clipped | torch AdamW(fused=True) after a multiply pass |" in out["cpu"]
     assert "| offload_fraction=0.5 |" in out["offload"] and "| torch AdamW(fused=True) | " in out["offload"]
     assert "| 2 | 1 |" in out["zero"] and "ideal sharded state" in out["zero"]
     assert "| CPU | 1e+05 bfloat16" in out["watch"] and "floor / per step" in out["watch"]
