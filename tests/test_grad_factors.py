@@ -134,10 +134,10 @@ def test_an_optimizer_that_reads_no_factors_refuses_them():
 
 
 def _clipped_step(copy_on_cpu: bool, fraction: float, fused: bool, monkeypatch, make=FusedAdam):
-    """One offloaded AdamW step on four small layers, clipped by 0.37 after backward;
+    """Two offloaded AdamW steps on four small layers, each clipped by 0.37 after backward;
     ``fused`` False: the update multiplies the gradients in place first, as an optimizer that
     reads no factors has them.  Returns the weights, the optimizer state, the gradients as
-    ``p.grad`` holds them after the step, and the factors each host update was given."""
+    ``p.grad`` holds them after the last step, and the factors each host update was given."""
     given = []
     with monkeypatch.context() as m:
         if not fused:
