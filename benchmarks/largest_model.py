@@ -89,7 +89,7 @@ def child(args) -> None:
             if cuda:
                 torch.cuda.synchronize()
             if batch_idx == 0:
-                progress("set up (the model in host memory, sharded; the optimizer's state)")
+                progress("set up: the first step begins")
             self.started = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -121,6 +121,7 @@ def child(args) -> None:
     timed = Timed()
     strategy = FastOptFSDPStrategy(offload_parameters=True, auto_wrap_policy={Block}, stream_cpu_step=True,
                                    host_state_dtype=args.state)
+    _say_set_up_phases(strategy, progress)
     trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, max_steps=args.steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         precision="bf16-mixed", strategy=strategy, callbacks=[timed])
@@ -133,6 +134,30 @@ def child(args) -> None:
                           steps=trainer.global_step, step_s=sum(last) / len(last), wall_s=time.perf_counter() - began,
                           gpu_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                           host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30)))
+
+
+def _say_set_up_phases(strategy, progress) -> None:
+    """Progress lines inside the strategy's set-up (a try the time limit cut off there says
+    which phase it was in): before and after the sharded model is materialized in host
+    memory (each module's ``reset_parameters``: one thread's random numbers, and the first
+    touch of every page), and once the optimizer is set up."""
+    from lightning_fastopt.trainer import fsdp_strategy
+
+    materialize = fsdp_strategy.materialize_on_the_host
+
+    def materialized(model) -> None:
+        progress("sharded on the meta device; materializing it in host memory")
+        materialize(model)
+        progress("materialized in host memory")
+
+    fsdp_strategy.materialize_on_the_host = materialized
+    setup_optimizers = strategy.setup_optimizers
+
+    def optimizers_set_up(trainer) -> None:
+        setup_optimizers(trainer)
+        progress("the optimizer set up")
+
+    strategy.setup_optimizers = optimizers_set_up
 
 
 def run_child(args, layers: int) -> dict:

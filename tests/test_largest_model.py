@@ -2,6 +2,7 @@
 on the H200 (2026-11-28) a 7.25B try was cut off by the call's time and reported a
 Lightning warning, its last line printed, as the error."""
 
+import json
 import subprocess
 import sys
 from argparse import Namespace
@@ -13,6 +14,10 @@ try:
     import largest_model
 finally:
     sys.path.pop(0)
+
+from tests.helpers import subprocess_env  # noqa: E402
+
+SCRIPT = REPO / "benchmarks" / "largest_model.py"
 
 TRACEBACK_THEN_WARNING = """Traceback (most recent call last):
   File "largest_model.py", line 120, in child
@@ -49,3 +54,18 @@ def test_a_try_stopped_by_its_time_limit_says_so_and_how_far_it_got(monkeypatch)
     got = largest_model.run_child(args, 4)
     assert got == dict(layers=4, trained=False, error="stopped after --timeout-s 7 s",
                        got_to="set up (the model in host memory) after 80.0 s")
+
+
+def test_a_tiny_try_says_each_phase_of_its_set_up_in_order():
+    """The child's progress lines name the strategy's set-up phases (the H200's 7.25B try
+    was cut off before its first step, 2026-11-28, and nothing said where), then each step."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--child", "2", "--width", "64", "--tokens", "16",
+                           "--steps", "2", "--gpu-gib", "1"], capture_output=True, text=True, cwd=REPO,
+                          env=subprocess_env(REPO), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line.split(" after ")[0] for line in done.stdout.splitlines() if line.startswith(largest_model.PROGRESS)]
+    phases = ["built on the meta device", "sharded on the meta device; materializing it in host memory",
+              "materialized in host memory", "the optimizer set up", "set up: the first step begins"]
+    assert [line[len(largest_model.PROGRESS):] for line in said[:5]] == phases
+    assert [line.split(" took ")[0] for line in said[5:]] == ["PROGRESS step 1", "PROGRESS step 2"]
+    assert json.loads(done.stdout.splitlines()[-1])["trained"] is True
