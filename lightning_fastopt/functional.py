@@ -50,6 +50,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.ops import Route, torch_fused, unsupported_tensor_error
+from lightning_fastopt.ops.torch_backend import times_factors
 from lightning_fastopt.ops.rounding import (ADAGRAD_ROUNDINGS, SGD_ROUNDINGS, check_rounding,
                                             check_rounding_device, check_torch_sqrt, fused_cuda_adagrad_clr,
                                             fused_cuda_scalars, kernel_code)
@@ -235,17 +236,6 @@ def checked_grad_factors(grad_factors, check_finite: bool) -> list[float]:
         raise ValueError("check_finite reads the gradients before grad_factors: pass one or the other "
                          "(check them with grads_all_finite first)")
     return factors
-
-
-def times_factors(grads: TensorList, factors: Sequence[float]) -> list[Tensor]:
-    """Copies of ``grads`` multiplied by each of ``factors`` in turn, in their dtype: what
-    ``torch._foreach_mul_`` by each (a float32 tensor, as :func:`scale_grads_` passes it)
-    would leave in them."""
-    out = list(grads)
-    for f in factors:
-        out = [t for same in by_device(out)
-               for t in torch._foreach_mul(same, torch.tensor(f, dtype=torch.float32, device=same[0].device))]
-    return out
 
 
 def grads_all_finite(grads: TensorList) -> bool:

@@ -24,9 +24,10 @@ def _scaled_grads(grads, factor: float):
     return torch._foreach_mul(_f32(grads), factor)
 
 
-def _times(grads, grad_factors):
-    """The gradients multiplied by each of ``grad_factors`` in turn, in their dtype, as
-    copies (as multiplying them in place by each would leave them); themselves without any."""
+def times_factors(grads, grad_factors):
+    """The gradients (of one device) multiplied by each of ``grad_factors`` in turn, in their
+    dtype, as copies: what ``torch._foreach_mul_`` by each (a float32 tensor, as clipping
+    passes its coefficient) would leave in them; the gradients themselves without any."""
     for f in grad_factors:
         grads = torch._foreach_mul(list(grads), torch.tensor(f, dtype=torch.float32, device=grads[0].device))
     return grads
@@ -145,7 +146,7 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
     the compiled kernels follow every rounding everywhere; 3, torch's CPU fused kernel,
     differs from 0 in each tensor's last numel % 8 elements) come within an ulp per step.
     ``index_bases``: each tensor's first element's index in its whole tensor (pieces of one),
-    for the bfloat16 state's stochastic rounding; ``grad_factors``: see :func:`_times`."""
+    for the bfloat16 state's stochastic rounding; ``grad_factors``: see :func:`times_factors`."""
     _check_factors(grad_factors, check_finite)
     if decay is None:
         decay = 1 - lr * weight_decay
@@ -153,7 +154,7 @@ def adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, copies, lr, bet
         return True
     if not params:
         return False
-    grads = _times(grads, grad_factors)
+    grads = times_factors(grads, grad_factors)
     if any(m.dtype == torch.bfloat16 for m in exp_avgs):  # bfloat16 state: float32 working copies
         if amsgrad or any(p.dtype != torch.float32 for p in params):
             raise TypeError("bfloat16 Adam state needs float32 params (masters) and amsgrad=False")
@@ -220,7 +221,7 @@ def sgd_(params, grads, momentum_buffers, copies, lr, momentum, dampening, weigh
     if not params:
         return False
     work = _f32(params)
-    g = _scaled_grads(_times(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
+    g = _scaled_grads(times_factors(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0 and not wd_after_momentum:
         torch._foreach_add_(g, work, alpha=weight_decay)
     if momentum != 0:
@@ -253,7 +254,7 @@ def adagrad_(params, grads, state_sums, copies, clr, weight_decay, eps, inv_grad
     if not params:
         return False
     work = _f32(params)
-    g = _scaled_grads(_times(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
+    g = _scaled_grads(times_factors(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
         torch._foreach_add_(g, work, alpha=weight_decay)
     torch._foreach_addcmul_(state_sums, g, g, 1.0)
@@ -278,7 +279,7 @@ def lion_(params, grads, exp_avgs, copies, lr, beta1, beta2, weight_decay, inv_g
     if not params:
         return False
     work = _f32(params)
-    g = _scaled_grads(_times(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
+    g = _scaled_grads(times_factors(grads, grad_factors), -inv_grad_scale if maximize else inv_grad_scale)
     if weight_decay != 0:
         torch._foreach_mul_(work, 1 - lr * weight_decay)
     c = [m.clone() for m in exp_avgs]
