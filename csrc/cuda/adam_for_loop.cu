@@ -4,8 +4,7 @@
 namespace fastopt {
 namespace cuda {
 
-template void adam_in_rounding<Rounding::kTorchCudaForLoop>(
-    const Slots&, const AdamArgs&, bool, const DeviceScalars&, cudaStream_t);
+template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCudaForLoop);
 
 }  // namespace cuda
 }  // namespace fastopt

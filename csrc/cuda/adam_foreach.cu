@@ -4,8 +4,7 @@
 namespace fastopt {
 namespace cuda {
 
-template void adam_in_rounding<Rounding::kTorchCudaForeach>(
-    const Slots&, const AdamArgs&, bool, const DeviceScalars&, cudaStream_t);
+template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCudaForeach);
 
 }  // namespace cuda
 }  // namespace fastopt

@@ -17,15 +17,15 @@ void adam_in_rounding(const Slots& slots, const AdamArgs& a, bool bias_correctio
   elementwise_step<2>(slots, adam_math<R>(a, bias_correction), d, stream, "adam");
 }
 
-// instantiated in their own sources (above), not in the sources that call them
-extern template void adam_in_rounding<Rounding::kTorchCudaForeach>(const Slots&, const AdamArgs&, bool,
-                                                                   const DeviceScalars&, cudaStream_t);
-extern template void adam_in_rounding<Rounding::kTorchCudaFused>(const Slots&, const AdamArgs&, bool,
-                                                                 const DeviceScalars&, cudaStream_t);
-extern template void adam_in_rounding<Rounding::kTorchCudaForLoop>(const Slots&, const AdamArgs&, bool,
-                                                                   const DeviceScalars&, cudaStream_t);
-extern template void adam_in_rounding<Rounding::kTorchCpu>(const Slots&, const AdamArgs&, bool,
-                                                           const DeviceScalars&, cudaStream_t);
+// The instantiation of one rounding, with its one signature: `template FASTOPT_ADAM_IN_ROUNDING(R);`
+// in that rounding's source, declared instantiated there (`extern`) for the sources that call it.
+#define FASTOPT_ADAM_IN_ROUNDING(R) \
+  void adam_in_rounding<R>(const Slots&, const AdamArgs&, bool, const DeviceScalars&, cudaStream_t)
+
+extern template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCudaForeach);
+extern template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCudaFused);
+extern template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCudaForLoop);
+extern template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCpu);
 
 }  // namespace cuda
 }  // namespace fastopt

@@ -5,8 +5,7 @@
 namespace fastopt {
 namespace cuda {
 
-template void adam_in_rounding<Rounding::kTorchCpu>(
-    const Slots&, const AdamArgs&, bool, const DeviceScalars&, cudaStream_t);
+template FASTOPT_ADAM_IN_ROUNDING(Rounding::kTorchCpu);
 
 }  // namespace cuda
 }  // namespace fastopt
