@@ -5,6 +5,7 @@ CPU kernels (``lightning_fastopt/fsdp/host_parameters.py``).  Against Lightning'
 two gloo processes, clipping, gradient accumulation and an LR scheduler on
 (``tests/scripts/fsdp_trainer_run.py host_params``)."""
 
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ class Run(NamedTuple):
     early: list  # each rank's (host bucket updates started during backward, of them kept by the steps)
     pieces: list  # each rank's (slots, parameters) of its local optimizer (more slots: split on disk)
     left: list  # each rank's (host bucket updates the steps left running,)
+    landings: list  # each rank's (host shards with a post-accumulate-grad hook, FSDP groups telling of landings)
     log: str  # what rank 0 printed
 
 
@@ -46,7 +48,7 @@ def run(tmp_path_factory):
             runs[key] = Run([torch.load(f"{out}.rank{r}", weights_only=True) for r in ranks],
                             run_counts(out, "masters_apart", ranks), run_counts(out, "early_updates", ranks),
                             run_counts(out, "pieces", ranks), run_counts(out, "left_running", ranks),
-                            proc.stdout + proc.stderr)
+                            run_counts(out, "landings", ranks), proc.stdout + proc.stderr)
         return runs[key]
     return fit
 
@@ -142,6 +144,8 @@ def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run,
     assert all(n >= 6 for n in started), ours.early  # (at least a bucket each step, on each rank)
     kept = [kept for _, kept in ours.early]
     assert kept == ([0, 0] if "clip=none" not in extra and "clip=50" not in extra else started), ours.early
+    # told of each gradient by its FSDP group, not by post-accumulate-grad hooks (FSDP's copies would block)
+    assert all(hooked == 0 and groups == 3 for hooked, groups in ours.landings), ours.landings  # (3 Linears)
 
 
 ENDING_EARLY = {"streamed": ("stream_cpu_step", "clip=none"), "at-the-step": (),
@@ -381,36 +385,56 @@ def test_moving_the_model_leaves_fsdps_parameters_where_it_put_them(one_process)
 
 
 class _CopyInFlight:
-    """Stands for FSDP's ``grad_offload_event`` (a pinned gradient copy still on its way,
-    which some torch versions leave when the hooks run): says when it is waited for."""
+    """Stands for FSDP's ``grad_offload_event``: the pinned copy of a gradient into host
+    memory, still on its way when FSDP hands the gradient over.  Until it is waited for,
+    the gradient's rows read NaN (what pinned memory holds meanwhile is anything); the
+    first wait puts their values in.  Every wait is logged with its thread."""
 
-    def __init__(self, log, param):
-        self.log, self.param = log, param
-        log.append(("announced", param))
+    def __init__(self, log, param, rows):
+        self.log, self.param, self.rows, self.values = log, param, rows, rows.clone()
+        rows.fill_(float("nan"))
+        log.append(("announced", param, threading.current_thread()))
 
     def synchronize(self):
-        self.log.append(("landed", self.param))
+        if self.values is not None:
+            self.rows.copy_(self.values)
+            self.values = None
+        self.log.append(("waited", self.param, threading.current_thread()))
+
+
+def _copies_in_flight(model, log):
+    """Each FSDP group's gradient copies left in flight by its ``post_backward`` (as torch
+    leaves them in pinned memory where no post-accumulate-grad hook is registered)."""
+    from lightning_fastopt.fsdp.host_parameters import host_param_groups
+
+    for group in host_param_groups(model):
+        def post_backward(*args, group=group, torchs=group.post_backward):
+            grads = {fp: fp.sharded_param.grad for fp in group.fsdp_params}
+            out = torchs(*args)
+            for fp, old in grads.items():
+                grad = fp.sharded_param.grad
+                if grad is not None and grad is not old:
+                    fp.grad_offload_event = _CopyInFlight(log, fp.sharded_param, grad._local_tensor)
+            return out
+        group.post_backward = post_backward
 
 
 def _host_sharded_steps(mesh, stream: bool, steps=4):
     """A model under the policy stepped by the rows' optimizer over its host shards, in
-    place, streamed or not; each gradient copy announced as in flight when its hooks run.
-    Returns the model, the optimizer and the log of what was awaited and read."""
+    place, streamed or not; each gradient copy left in flight when FSDP hands it over.
+    Returns the model, the optimizer and the log of the copies and their waits."""
     from lightning_fastopt import FusedAdam
     from lightning_fastopt.fsdp import LocalShardOptimizer
-    from lightning_fastopt.fsdp.host_parameters import gradient_copy_waits
+    from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
 
     model = _host_sharded_model(mesh)
     log = []
-    for module in (model[0], model[2]):
-        for record in module._get_fsdp_state()._fsdp_param_group.fsdp_params:  # before the optimizer's hooks
-            record.sharded_param.register_post_accumulate_grad_hook(
-                lambda p, record=record: setattr(record, "grad_offload_event", _CopyInFlight(log, p)))
-    waits = gradient_copy_waits(model)
+    _copies_in_flight(model, log)
     opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01),
                               {p: n for n, p in model.named_parameters()}, device_grads="copy_when_reduced",
-                              wait_for_grad_copy=lambda p: (waits(p), log.append(("read", p))), host_shards=True,
+                              host_gradients=HostGradientLandings(model), host_shards=True,
                               bucket_size_mb=0.0002, stream_cpu_step=stream)
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # (FSDP's copies would block)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         opt.zero_grad()
@@ -420,16 +444,20 @@ def _host_sharded_steps(mesh, stream: bool, steps=4):
 
 
 def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_landed(one_process):
-    """The rows' optimizer over host shards (``host_shards``), streamed: each bucket's update
-    starts during backward, after FSDP's copy of its gradients is awaited, and the result is
-    the synchronous step's, bit for bit; nothing kept apart from the shards."""
+    """The rows' optimizer over host shards (``host_shards``), streamed, told of each gradient
+    when its FSDP group's post-backward returns (no post-accumulate-grad hook: FSDP would
+    copy the gradients into host memory blocking backward): each bucket's update starts
+    during backward on the worker, which waits for FSDP's copy of each of its gradients
+    first, and the result is the synchronous step's, bit for bit; nothing kept apart from
+    the shards.  Stopping puts back the groups' post-backward as it was."""
+    from lightning_fastopt.fsdp.host_parameters import host_param_groups
+
     streamed, opt, log = _host_sharded_steps(one_process, stream=True)
     assert opt.local.schedule.started >= 4 * 2 and len(opt.local._buckets) >= 2
-    reads = [i for i, (what, _) in enumerate(log) if what == "read"]
-    assert len(reads) == 4 * 4  # 4 tensors, 4 steps
-    for i in reads:  # each read after its copy (announced in flight before the optimizer's hook ran) landed
-        before = [what for what, p in log[:i] if p is log[i][1] and what != "read"]
-        assert before[-2:] == ["announced", "landed"], before
+    announced = [(p, t) for what, p, t in log if what == "announced"]
+    assert len(announced) == 4 * 4 and all(t is threading.main_thread() for _, t in announced)  # 4 tensors, 4 steps
+    worker_waits = [p for what, p, t in log if what == "waited" and t is not threading.main_thread()]
+    assert len(worker_waits) >= 4 * 4 and {id(p) for p in worker_waits} == {id(p) for p, _ in announced}
     assert not any(s.separate_master or s.host_grad is not None for s in opt.local._slots)
     plain, plain_opt, _ = _host_sharded_steps(one_process, stream=False)
     assert plain_opt.local.schedule.name == "at the step"
@@ -440,6 +468,9 @@ def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_land
         assert ours.keys() == theirs.keys() and all(torch.equal(rows(ours[k]), rows(theirs[k])) for k in ours)
     opt.close()
     plain_opt.close()
+    for group in host_param_groups(streamed):  # the test's own wrapper again, ours gone
+        assert group.post_backward.__name__ == "post_backward" and "grads" in group.post_backward.__code__.co_varnames
+        assert not [k for k in vars(group) if k.startswith("_fastopt")]
 
 
 def _host_sharded_model(mesh, prefetch=False):

@@ -39,7 +39,8 @@ from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.fsdp.host_parameters import (check_host_shards, gradient_copy_waits, host_shard_arguments,
+from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
+from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments,
                                                     materialize_on_the_host, say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_dtensors, steps_rows
@@ -193,7 +194,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                                                            self.options.copy_on_cpu), *rows_refusals(fused)])
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads="copy_when_reduced" if streaming else "copy_at_step",
-                                     wait_for_grad_copy=gradient_copy_waits(module) if on_host else None,
+                                     host_gradients=HostGradientLandings(module) if on_host else None,
                                      **arguments, **streams)
         rank_zero_info(f"lightning_fastopt: {engine!r}")
         self._engines[id(optimizer)] = engine

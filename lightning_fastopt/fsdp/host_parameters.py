@@ -17,21 +17,21 @@ materializes on the device, which FSDP then refuses), leave FSDP's parameters wh
 the parameters are under the policy all together or not at all (:func:`host_sharded`).
 Each host bucket's update may start as FSDP hands its gradients over in host memory
 (``stream_cpu_step``: the offload optimizer's ``host_shards``), once FSDP's copy of them
-has landed (:func:`gradient_copy_waits`).
+has landed (:mod:`~lightning_fastopt.fsdp.gradient_landings`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["check_host_shards", "gradient_copy_waits", "host_shard_arguments", "host_sharded",
+__all__ = ["check_host_shards", "host_param_groups", "host_shard_arguments", "host_sharded",
            "materialize_on_the_host", "move_all_but_fsdp_parameters", "say_host_shards"]
 
 
@@ -56,9 +56,9 @@ def param_groups_of(state: Any) -> list[Any]:
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
-def _fsdp_params(model: nn.Module) -> Iterator[tuple[Any, bool]]:
-    """FSDP2's record of each parameter ``fully_shard`` manages in ``model`` (its
-    ``FSDPParam``), and whether its group keeps it in host memory (``CPUOffloadPolicy``)."""
+def _param_groups(model: nn.Module) -> Iterator[tuple[Any, bool]]:
+    """FSDP2's parameter groups in ``model`` (``FSDPParamGroup``), each once, and whether it
+    keeps its parameters in host memory (``CPUOffloadPolicy``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     states = {}  # (a state several modules share, fully_shard([a, b]), once)
@@ -67,30 +67,19 @@ def _fsdp_params(model: nn.Module) -> Iterator[tuple[Any, bool]]:
             states.setdefault(id(state := module._get_fsdp_state()), state)
     for state in states.values():
         for group in param_groups_of(state):
-            on_host = isinstance(group.offload_policy, CPUOffloadPolicy)
-            for fsdp_param in group.fsdp_params:
-                yield fsdp_param, on_host
+            yield group, isinstance(group.offload_policy, CPUOffloadPolicy)
+
+
+def host_param_groups(model: nn.Module) -> list[Any]:
+    """FSDP2's parameter groups in ``model`` that keep their parameters in host memory."""
+    return [group for group, on_host in _param_groups(model) if on_host]
 
 
 def fsdp_parameters(model: nn.Module) -> dict[nn.Parameter, bool]:
     """Each parameter ``fully_shard`` manages in ``model``, and whether its group keeps it in
     host memory (``CPUOffloadPolicy``), read from FSDP2's state."""
-    return {fsdp_param.sharded_param: on_host for fsdp_param, on_host in _fsdp_params(model)}
-
-
-def gradient_copy_waits(model: nn.Module) -> Callable[[Tensor], None]:
-    """A wait for FSDP's copy of a host shard's gradient into host memory, for its
-    post-accumulate-grad hook: torch versions that copy it without blocking (pinned memory,
-    ``grad_offload_event``) run the hooks before it has landed; later ones block for it
-    wherever a hook is registered, and record no event.  Called with a parameter of
-    ``model``; one FSDP does not keep in host memory has nothing to wait for."""
-    records = {fsdp_param.sharded_param: fsdp_param for fsdp_param, on_host in _fsdp_params(model) if on_host}
-
-    def wait(param: Tensor) -> None:
-        event = getattr(records.get(param), "grad_offload_event", None)
-        if event is not None:
-            event.synchronize()
-    return wait
+    return {fsdp_param.sharded_param: on_host for group, on_host in _param_groups(model)
+            for fsdp_param in group.fsdp_params}
 
 
 def host_sharded(model: nn.Module) -> bool:

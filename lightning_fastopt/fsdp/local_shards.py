@@ -16,8 +16,9 @@ two ways (``device_grads``):
 - ``"copy_at_step"``: when the step starts (the offloaded ones are copied to the host
   then); ``p.grad`` keeps every DTensor gradient until ``zero_grad``, as under torch;
 - ``"copy_when_reduced"``: as FSDP's reduce-scatter lands each one during backward (its
-  post-accumulate-grad hooks on the sharded parameters), the offloaded ones leave for the
-  host at once and their ``p.grad`` is dropped (the device memory saving), so nothing
+  post-accumulate-grad hooks on the sharded parameters; on host shards, the end of their
+  group's post-backward: :mod:`~lightning_fastopt.fsdp.gradient_landings`), the offloaded
+  ones leave for the host at once and their ``p.grad`` is dropped (the device memory saving), so nothing
   outside the optimizer may read those between backward and the step; with
   ``stream_cpu_step`` a host bucket's CPU update starts as its last gradient lands
   (speculated with ``speculate``, as everywhere).  During gradient accumulation
@@ -52,7 +53,7 @@ state dicts read it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._ops._math_ops import _NormPartial  # the placement of a partial p-norm
 from typing_extensions import override
 
+from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
 from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.grad_norms import by_device_and_dtype, norms_of, unscaled_norm
@@ -117,9 +119,12 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         process_group: the group the parameters are sharded over (overflow checks agree
             over it; default: the whole world).
         device_grads: ``"copy_at_step"`` (default) or ``"copy_when_reduced"`` (see above).
-        wait_for_grad_copy: called with a parameter before its landed gradient is read
-            (``"copy_when_reduced"``): FSDP's host shards' wait for FSDP's copy of it into
-            host memory (:func:`~lightning_fastopt.fsdp.host_parameters.gradient_copy_waits`).
+        host_gradients: where the parameters are FSDP's host shards (``CPUOffloadPolicy``),
+            what tells when FSDP has handed over each gradient in host memory
+            (``"copy_when_reduced"``;
+            :class:`~lightning_fastopt.fsdp.gradient_landings.HostGradientLandings`): no
+            post-accumulate-grad hook on those, which would make FSDP's copies block
+            backward; each bucket's update waits for its gradients' copies instead.
         **offload_args: for this rank's :class:`~lightning_fastopt.offload.OffloadOptimizer`
             (``offload_fraction``, ``bucket_size_mb``, ``copy_on_cpu``, ``stream_cpu_step``,
             ``speculate``, ...).
@@ -129,14 +134,14 @@ class LocalShardOptimizer(LocalOffloadWrapper):
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
                  process_group=None, device_grads: str = "copy_at_step",
-                 wait_for_grad_copy: Callable[[Tensor], None] | None = None, **offload_args: Any) -> None:
+                 host_gradients: HostGradientLandings | None = None, **offload_args: Any) -> None:
         super().__init__(optimizer)
         if device_grads not in _DEVICE_GRADS:
             raise ValueError(f"LocalShardOptimizer takes device_grads {_DEVICE_GRADS} (the gradients' rows at the "
                              f"step, or as FSDP's reduce-scatter lands them), got {device_grads!r}")
         self.group = process_group
         self.device_grads = device_grads
-        self._wait_for_grad_copy = wait_for_grad_copy
+        self._host_gradients = host_gradients
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
@@ -161,8 +166,9 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         self.local = OffloadOptimizer(shard, self._alias_names, device_grads=device_grads,
                                       reduced_by=(lambda alias: alias.requires_grad and alias not in self._kept)
                                       if streaming else None, stays_on_device=self._kept.__contains__, **offload_args)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._landed) for p in self._params
-                       if p.requires_grad] if streaming else []
+        self._hooks: list[Any] = []
+        if streaming:
+            self._watch_landings([p for p in self._params if p.requires_grad])
         if optimizer.whole_tensor_norms:
             self.local.before_updates = self._give_whole_tensor_norms
         self._ready = True
@@ -179,7 +185,7 @@ class LocalShardOptimizer(LocalOffloadWrapper):
                 self._kept.add(self._alias[p])
         self._params += new
         if self.device_grads == "copy_when_reduced":
-            self._hooks += [p.register_post_accumulate_grad_hook(self._landed) for p in new if p.requires_grad]
+            self._watch_landings([p for p in new if p.requires_grad])
         self.local.add_param_group(dict(hyperparameters(group), params=[self._alias[p] for p in group["params"]]))
 
     # ------------------------------------------------------------------ what users read
@@ -220,20 +226,27 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         return sum(a.numel() for a in self._alias.values())
 
     # ------------------------------------------------------------------ gradients and step
-    def _landed(self, param: Tensor) -> None:
+    def _watch_landings(self, params: list[Tensor]) -> None:
+        """Hear of each gradient of ``params`` FSDP's reduce-scatter lands: from
+        :attr:`_host_gradients` for the host shards, else from post-accumulate-grad hooks."""
+        if self._host_gradients is not None:
+            self._host_gradients.watch(params, self._landed)
+        else:
+            self._hooks += [p.register_post_accumulate_grad_hook(self._landed) for p in params]
+
+    def _landed(self, param: Tensor, copy_landing: Any = None) -> None:
         """FSDP's reduce-scatter landed ``param``'s gradient (``device_grads="copy_when_reduced"``):
         its rows go to the local optimizer, with the hyperparameters the user's groups hold
         now (an update started during backward uses them; LR schedulers wrote them after the
         last step), and an offloaded one's ``p.grad`` is dropped once its copy to the host
-        is on its way."""
+        is on its way.  ``copy_landing``: the event FSDP's copy of a host shard's gradient
+        recorded (None: it has landed), which its reader waits for."""
         if self.local.accumulating or param in self._at_step:
             return  # FSDP adds the next micro-batch's into p.grad; or it is taken at the step
-        if self._wait_for_grad_copy is not None:
-            self._wait_for_grad_copy(param)  # a host shard's gradient: FSDP's copy to the host has landed
         copy_hyperparameters(self.local.optimizer, self.param_groups)
         alias = self._alias[param]
         alias.grad = _local_grad(param)
-        self.local.grad_reduced(alias)
+        self.local.grad_reduced(alias, landing=copy_landing)
         if alias.grad is None and not _placed_otherwise(param):  # taken to the host: the device copy goes too
             param.grad = None  # (one placed otherwise stays: the clipping norm is torch's norm of it)
 
@@ -345,6 +358,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._host_gradients is not None:
+            self._host_gradients.remove()
         self.local.close()
 
     def _describe(self) -> str:

@@ -64,13 +64,15 @@ class CopyStreams:
             host.copy_(compute(), non_blocking=True)
 
     def mark_grads_sent(self, event) -> None:
-        """Record ``event`` after the gradient copies issued so far."""
-        if event is not None:
+        """Record ``event`` after the gradient copies issued so far (on a side stream: with
+        none, they have landed; :class:`CopiesElsewhere` records nothing)."""
+        if event is not None and self.d2h is not None:
             event.record(self.d2h)
 
     @staticmethod
     def wait_on_host(event) -> None:
-        """Block the host until ``event`` has passed (a bucket's gradients have landed)."""
+        """Block the host until ``event`` has passed (a bucket's gradients have landed):
+        a CUDA event, or :class:`CopiesElsewhere`."""
         if event is not None:
             event.synchronize()
 
@@ -111,3 +113,21 @@ class CopyStreams:
         """Wait for every copy (timing and teardown)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+class CopiesElsewhere:
+    """A host bucket's ``grads_ready`` where someone else copies its gradients into host
+    memory (FSDP's host shards): the event each gradient's copy recorded (the last one of
+    each parameter: earlier steps' have passed), waited for together, on the thread that
+    reads them.  Nothing to wait for where every copy blocked until it landed (a CPU run)."""
+
+    def __init__(self) -> None:
+        self._events: dict[Tensor, object] = {}
+
+    def add(self, param: Tensor, event) -> None:
+        """``param``'s gradient is on its way: ``event`` passes when it has landed."""
+        self._events[param] = event
+
+    def synchronize(self) -> None:
+        for event in list(self._events.values()):
+            event.synchronize()

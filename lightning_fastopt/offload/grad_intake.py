@@ -29,11 +29,13 @@ clipping) is the whole gradient's, under the first piece.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_fastopt.functional import scale_grads_
+from lightning_fastopt.offload.copies import CopiesElsewhere
 from lightning_fastopt.offload.grad_norms import DeviceGradNorms
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot
 from lightning_fastopt.offload.weight_watch import changed_flags
@@ -78,14 +80,17 @@ class GradIntake:
             self.reset(b)
 
     # ------------------------------------------------------------------ during backward
-    def ready(self, param: Tensor, grad: Tensor | None = None) -> None:
-        """``param``'s gradient is final (a backward hook, or a reducer): send it."""
+    def ready(self, param: Tensor, grad: Tensor | None = None, landing: Any = None) -> None:
+        """``param``'s gradient is final (a backward hook, or a reducer): send it (``landing``:
+        the event its copy into host memory recorded, see :meth:`reduced`)."""
         opt = self.opt
         opt._in_flight.wait_all()  # the weights' checks below read them: every copy first
         if opt.accumulating:
             return  # Lightning is accumulating: the gradient is not final yet
         g = param.grad if grad is None else grad
         for slot in opt.layout.pieces_of[param]:
+            if landing is not None:
+                slot.bucket.grads_ready.add(param, landing)
             first = not slot.grad_sent
             self._send(slot, g)
             if not first and slot.bucket.recorded:
@@ -98,12 +103,18 @@ class GradIntake:
                 self._sent(bucket)
         self._free(param, g)
 
-    def reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
+    def reduced(self, param: Tensor, grad: Tensor | None = None, landing: Any = None) -> None:
         """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
-        ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
+        ``param.grad`` (the reduction landed there), taken as a backward hook takes one.
+        ``landing`` (FSDP's host shards): an event its copy into host memory recorded, still
+        on its way: the bucket's readers wait for it (``grads_ready``, :class:`CopiesElsewhere
+        <lightning_fastopt.offload.copies.CopiesElsewhere>`), not the thread handing it over."""
         slot = self.opt._slot_of[param]
+        if landing is not None and (slot.bucket is None or not isinstance(slot.bucket.grads_ready, CopiesElsewhere)):
+            raise ValueError(f"a gradient copy still on its way (landing) is awaited only for FSDP's host shards "
+                             f"(host_shards=True), got one for {slot.name}")
         if slot.offloaded and self.opt.lands_during_backward:
-            self.ready(param, grad)
+            self.ready(param, grad, landing)
 
     def _send(self, slot: ParamSlot, g: Tensor | None) -> None:
         """Copy the slot's part of its parameter's gradient ``g`` to the host (see :meth:`_free`)."""

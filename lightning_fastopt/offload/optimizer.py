@@ -344,10 +344,12 @@ class OffloadOptimizer(OptimizerWrapper):
         return whole.by_name.get(slot.name, {})
 
     # ------------------------------------------------------------------ gradients
-    def grad_reduced(self, param: Tensor, grad: Tensor | None = None) -> None:
+    def grad_reduced(self, param: Tensor, grad: Tensor | None = None, landing: Any = None) -> None:
         """A reducer (``reduced_by``) hands over ``param``'s final gradient: ``grad``, or
-        ``param.grad`` (the reduction landed there), taken as a backward hook takes one."""
-        self._intake.reduced(param, grad)
+        ``param.grad`` (the reduction landed there), taken as a backward hook takes one.
+        ``landing`` (``host_shards``): an event the gradient's copy into host memory recorded,
+        still on its way (FSDP's), which whatever reads it waits for first."""
+        self._intake.reduced(param, grad, landing)
 
     def gradients(self) -> list[Tensor]:
         """Every gradient the next step will use, where the step will read it (offloaded

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fastopt.offload.copies import CopiesElsewhere
 from lightning_fastopt.offload.partition import choose_offloaded, split_into_buckets
 from lightning_fastopt.offload.pieces import piece_elements, piece_of_state, piece_ranges, splits
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, carve, master_dtype, remember_weights
@@ -159,7 +160,8 @@ class ShareLayout:
             bucket.inner.state_dtype = self.host_state_dtype
         if copies.needed:
             bucket.written_flags = torch.zeros(len(slots), dtype=torch.bool, pin_memory=self.pin)
-        bucket.grads_ready = copies.new_event()
+        # (FSDP's host shards: FSDP copies the gradients into host memory, we wait for its copies)
+        bucket.grads_ready = CopiesElsewhere() if self.opt.host_shards else copies.new_event()
         bucket.params_sent = copies.new_event()
         bucket.backward_done = copies.new_event()
         for s in slots:

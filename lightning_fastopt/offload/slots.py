@@ -159,7 +159,7 @@ class HostBucket:
     slots: list[ParamSlot]
     inner: FusedOptimizer
     buffers: list[Tensor] = field(default_factory=list)  # the flat host memory the views live in
-    grads_ready = None  # event: the gradient copies of this bucket have landed
+    grads_ready = None  # event: the gradient copies of this bucket have landed (or CopiesElsewhere)
     written_flags: Tensor | None = None  # host: which slots' parameters others wrote (lands with the gradients)
     params_sent = None  # event: the parameter copies of this bucket have been issued
     backward_done = None  # event: backward no longer reads this bucket's weights (a streamed step)

@@ -42,7 +42,8 @@ from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwa
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
-from lightning_fastopt.fsdp.host_parameters import (check_host_shards, gradient_copy_waits, host_shard_arguments,
+from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
+from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments,
                                                     materialize_on_the_host, move_all_but_fsdp_parameters,
                                                     say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
@@ -254,7 +255,7 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
             ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host,
                         pieces=fused.kernel_pieces())
             return LocalShardOptimizer(fused, names, device_grads=device_grads,
-                                       wait_for_grad_copy=gradient_copy_waits(module) if on_host else None,
+                                       host_gradients=HostGradientLandings(module) if on_host else None,
                                        **arguments, **self._streams(trainer, device_grads, fused))
 
         self._take_over_optimizers(engine)

@@ -58,6 +58,9 @@ read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (
 ``forward_waits=module``: that option of ours; OUT.left_running.rank<r> says how many host
 buckets' updates the steps left running over the run.  ``validate``: the (last) fit validates
 at each epoch's end (:meth:`Net.validation_step`), the last validation loss in OUT.rank<r>.
+With ``host_params``, OUT.landings.rank<r> says, at the last training batch's end, how many
+host shards have a post-accumulate-grad hook (FSDP copies their gradients blocking) and how
+many of FSDP's parameter groups tell our optimizer of their gradients' landing instead.
 """
 
 import contextlib
@@ -328,13 +331,32 @@ def _delayed(name, extra, options):
     return options
 
 
-def _callbacks(name, extra, saves):
+class _HostShardLandings(L.Callback):
+    """Writes OUT.landings.rank<r> (the module's docstring) at each training batch's end."""
+
+    reads_weights_between_steps = False  # (FSDP's records only: steps may still end before their updates)
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        from lightning_fastopt.fsdp.host_parameters import host_param_groups
+
+        groups = host_param_groups(pl_module)
+        hooked = sum(bool(fp.sharded_param._post_accumulate_grad_hooks) for g in groups for fp in g.fsdp_params)
+        watched = sum(hasattr(g, "_fastopt_gradient_listeners") for g in groups)
+        Path(f"{self.out}.landings.rank{trainer.global_rank}").write_text(f"{hooked} {watched}")
+
+
+def _callbacks(name, extra, saves, out=None):
     """With ``delayed``, the reference's: torch's update delayed as ours is, and where the
     fit saves a checkpoint at each epoch's end (``saves``), the model given the masters
-    there first (as our strategy applies a pending update to the checkpoint it saves)."""
+    there first (as our strategy applies a pending update to the checkpoint it saves).
+    With ``host_params`` (given ``out``): :class:`_HostShardLandings`."""
+    callbacks = [_HostShardLandings(out)] if HOST_PARAMS and out is not None else []
     if "delayed" not in extra or name != "reference":
-        return []
-    return [DelayedTorchUpdate(DELAYED_WARMUP, sync_at_epoch_end=saves)]
+        return callbacks
+    return [*callbacks, DelayedTorchUpdate(DELAYED_WARMUP, sync_at_epoch_end=saves)]
 
 
 def _full(value):
@@ -387,7 +409,7 @@ def main():
             finish_process()  # (as below: a return into the interpreter's finalization aborted now and then)
     trainer = _trainer(name, root, precision, devices=devices, options=_delayed(name, extra, options),
                        max_steps=STEPS, enable_checkpointing="checkpointing" in extra,
-                       callbacks=_callbacks(name, extra, saves="checkpointing" in extra),
+                       callbacks=_callbacks(name, extra, saves="checkpointing" in extra, out=out),
                        use_distributed_sampler="no-distributed-sampler" not in extra)
     if path is not None:
         torch.manual_seed(1)  # the second run's weights come from the checkpoint
