@@ -6,6 +6,7 @@ two gloo processes, clipping, gradient accumulation and an LR scheduler on
 (``tests/scripts/fsdp_trainer_run.py host_params``)."""
 
 import threading
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -146,6 +147,7 @@ def test_each_buckets_update_runs_in_place_as_fsdp_hands_its_gradients_over(run,
     assert kept == ([0, 0] if "clip=none" not in extra and "clip=50" not in extra else started), ours.early
     # told of each gradient by its FSDP group, not by post-accumulate-grad hooks (FSDP's copies would block)
     assert all(hooked == 0 and groups == 3 for hooked, groups in ours.landings), ours.landings  # (3 Linears)
+    assert "handed over none" not in ours.log
 
 
 ENDING_EARLY = {"streamed": ("stream_cpu_step", "clip=none"), "at-the-step": (),
@@ -471,6 +473,31 @@ def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_land
     for group in host_param_groups(streamed):  # the test's own wrapper again, ours gone
         assert group.post_backward.__name__ == "post_backward" and "grads" in group.post_backward.__code__.co_varnames
         assert not [k for k in vars(group) if k.startswith("_fastopt")]
+
+
+def test_where_fsdp_hands_over_no_gradient_in_backward_the_updates_run_at_the_step_said_once(one_process,
+                                                                                          monkeypatch):
+    """A torch whose FSDP no longer calls its groups' ``post_backward`` as we expect (stood
+    in for: nothing watched): the streamed step's updates run at the step, the same bits
+    as the synchronous step, and a warning says so once; none where the gradients landed."""
+    from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
+
+    def steps():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # (each one counted, not once per place)
+            model, opt, _ = _host_sharded_steps(one_process, stream=True)
+        opt.close()
+        return model, opt, [w for w in caught if "handed over none" in str(w.message)]
+
+    heard, _, said = steps()
+    assert said == []
+    monkeypatch.setattr(HostGradientLandings, "watch", lambda self, params, on_landed: None)
+    unheard, opt, said = steps()
+    assert len(said) == 1 and said[0].category is RuntimeWarning and "run at the step" in str(said[0].message)
+    assert opt.local.schedule.started == 0
+    plain, _, _ = _host_sharded_steps(one_process, stream=False)
+    for p, q, r in zip(unheard.parameters(), plain.parameters(), heard.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()) and torch.equal(p.to_local(), r.to_local())
 
 
 def _host_sharded_model(mesh, prefetch=False):

@@ -53,6 +53,7 @@ state dicts read it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,6 +143,8 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         self.group = process_group
         self.device_grads = device_grads
         self._host_gradients = host_gradients
+        self._landings_heard = 0  # gradients FSDP handed over since the last step
+        self._said_none_landed = False
         self._params = list(dict.fromkeys(p for g in self.param_groups for p in g["params"]))
         names = dict(param_names or {})
         self.param_names = {p: names.get(p, f"param{i}") for i, p in enumerate(self._params)}
@@ -241,6 +244,7 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         last step), and an offloaded one's ``p.grad`` is dropped once its copy to the host
         is on its way.  ``copy_landing``: the event FSDP's copy of a host shard's gradient
         recorded (None: it has landed), which its reader waits for."""
+        self._landings_heard += 1
         if self.local.accumulating or param in self._at_step:
             return  # FSDP adds the next micro-batch's into p.grad; or it is taken at the step
         copy_hyperparameters(self.local.optimizer, self.param_groups)
@@ -249,6 +253,23 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         self.local.grad_reduced(alias, landing=copy_landing)
         if alias.grad is None and not _placed_otherwise(param):  # taken to the host: the device copy goes too
             param.grad = None  # (one placed otherwise stays: the clipping norm is torch's norm of it)
+
+    def _say_if_none_landed(self) -> None:
+        """Once, where the host shards' updates were to start during backward and FSDP handed
+        over none of this step's gradients (its groups' ``post_backward`` not called as
+        :mod:`~lightning_fastopt.fsdp.gradient_landings` expects: another torch): the
+        updates run at the step, with the same results, but not in backward."""
+        heard, self._landings_heard = self._landings_heard, 0
+        if (self._host_gradients is None or heard or self._said_none_landed
+                or not self.local.lands_during_backward or not self.local.schedule.starts_in_backward
+                or not any(p.grad is not None for p in self._params)):
+            return
+        self._said_none_landed = True
+        warnings.warn(f"lightning_fastopt: the CPU updates of the parameter shards in host memory were to start "
+                      f"during backward (stream_cpu_step=True), but FSDP handed over none of this step's gradients "
+                      f"(torch {torch.__version__}'s FSDP did not call its parameter groups' post_backward as "
+                      f"lightning_fastopt expects): they run at the step, with the same results", RuntimeWarning,
+                      stacklevel=2)
 
     def _take_gradients(self, at_step: bool = False) -> None:
         """Hand the local rows of every ``p.grad`` (the reduce-scattered gradient) to the
@@ -295,6 +316,7 @@ class LocalShardOptimizer(LocalOffloadWrapper):
 
     def _take_step(self, grad_scale, check_finite: bool, step_context: Any) -> bool:
         copy_hyperparameters(self.local.optimizer, self.param_groups)
+        self._say_if_none_landed()
         self._take_gradients(at_step=True)
         if check_finite:
             finite = grads_all_finite(self.local.gradients())

@@ -34,6 +34,7 @@ class CpuStepSchedule:
     host_updates_at_step = True  # every host bucket is updated at step(), in order (none earlier or later)
     _queue = None  # the schedules that may leave updates running hand them to the worker through an UpdateQueue
     ends_early = False  # whether step() may return before its host updates end (those schedules say when)
+    starts_in_backward = False  # whether host updates start as their gradients land during backward
 
     def __init__(self, optimizer) -> None:
         self.opt = optimizer  # the OffloadOptimizer whose host buckets it updates (it imports this module)

@@ -101,6 +101,7 @@ class Speculation:
 class SpeculativeStep(CpuStepSchedule):
     name = "speculated during backward, checked at the step"
     host_updates_at_step = False
+    starts_in_backward = True
     # speculate while at most misses_allowed of the last `history` steps would not have held
     # (misses_allowed = history: at every step, whatever the last ones did)
     history = 8

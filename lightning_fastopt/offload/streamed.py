@@ -38,6 +38,7 @@ from lightning_fastopt.optim.base import COMPUTE
 class StreamedStep(CpuStepSchedule):
     name = "streamed into backward"
     host_updates_at_step = False
+    starts_in_backward = True
 
     def __init__(self, optimizer) -> None:
         super().__init__(optimizer)
