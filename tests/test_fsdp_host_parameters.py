@@ -170,12 +170,14 @@ def test_steps_that_end_before_their_updates_each_unit_waiting_for_its_rows(run,
     unit again for its recomputation; validated after each epoch's last step, whose updates
     the validation waits for: the same loss; AdamW's state on disk, read ahead in the order
     the worker takes the buckets, whole or in pieces).  Where every speculation is kept
-    nothing is left."""
+    nothing is left; where updates stream into backward unchecked, what is left depends on
+    how far the worker got before the step (every one, on a loaded machine: none left;
+    ``-k ends_before_its_updates`` holds the worker to check it)."""
     ours = run("fastopt-1", "host_params", "forward_waits=module", *extra)
     _assert_same(ours.results, run("reference", "host_params",
                                    *[e for e in extra if e not in ("stream_cpu_step", "nvme")]).results)
-    kept = "clip=50" in extra
-    assert all((left == 0) == kept for left, in ours.left), ours.left
+    kept, streamed = "clip=50" in extra, "stream_cpu_step" in extra and "clip=none" in extra
+    assert all(left == 0 if kept else (streamed or left > 0) for left, in ours.left), ours.left
     assert "each FSDP unit's forward waits only for its own rows' CPU updates" in ours.log
 
 
