@@ -102,7 +102,8 @@ def run_script(*args, timeout: int = 600, ranks: int | None = None):
     torchrun or a cluster's scheduler starts them: Lightning then starts none.  Started by
     Lightning, rank 1 waits for rank 0 to import and build its Trainer, which took half of
     a two-process run's 8 s on 2 cores.  Rank 0's process is returned (its output holds
-    the run's log lines)."""
+    the run's log lines).  Each is forked from a process that imported torch already
+    (:mod:`tests.forked_runs`; ``FASTOPT_TESTS_FORK=0``: a fresh interpreter)."""
     import subprocess
     import sys
     import tempfile
@@ -110,19 +111,14 @@ def run_script(*args, timeout: int = 600, ranks: int | None = None):
 
     repo = Path(__file__).resolve().parent.parent
     command = [sys.executable, *map(str, args)]
-    if ranks is None:
-        proc = subprocess.run(command, cwd=repo, env=subprocess_env(repo), capture_output=True, text=True,
-                              timeout=timeout)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc
-    launched = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
+    launched = {} if ranks is None else dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                                             WORLD_SIZE=str(ranks), NODE_RANK="0")
     with tempfile.TemporaryDirectory() as logs:
-        outputs = [(Path(logs, f"{r}.out"), Path(logs, f"{r}.err")) for r in range(ranks)]
+        outputs = [(Path(logs, f"{r}.out"), Path(logs, f"{r}.err")) for r in range(ranks or 1)]
         procs = []
         for rank, (out, err) in enumerate(outputs):
-            with open(out, "w") as o, open(err, "w") as e:
-                procs.append(subprocess.Popen(command, cwd=repo, stdout=o, stderr=e, text=True,
-                                              env={**subprocess_env(repo), **launched, "LOCAL_RANK": str(rank)}))
+            env = {**subprocess_env(repo), **launched, **({} if ranks is None else {"LOCAL_RANK": str(rank)})}
+            procs.append(_start(command, repo, env, out, err))
         deadline = time.monotonic() + timeout
         try:  # until all have exited, or one failed (the others would wait for it at their next collective)
             while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
@@ -136,8 +132,43 @@ def run_script(*args, timeout: int = 600, ranks: int | None = None):
                     proc.wait()
         texts = [(out.read_text(), err.read_text()) for out, err in outputs]
     for rank, (proc, (_, err)) in enumerate(zip(procs, texts)):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}: {err[-3000:]}"
+        assert proc.returncode == 0, (f"rank {rank} exited {proc.returncode}: " if ranks else "") + err[-3000:]
     return subprocess.CompletedProcess(command, 0, *texts[0])
+
+
+class _ForkedChild:
+    """A child of the fork server (:mod:`tests.forked_runs`), as much of ``Popen`` as
+    :func:`run_script` uses."""
+
+    def __init__(self, server, pid: int) -> None:
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.server.poll(self.pid)
+        return self.returncode
+
+    def kill(self) -> None:
+        self.server.kill(self.pid)
+
+    def wait(self):
+        self.returncode = self.server.wait(self.pid)
+        return self.returncode
+
+
+def _start(command, repo, env, out, err):
+    """``command`` (``[python, ARGS...]``) with ``env`` in ``repo``, its output in the files
+    ``out`` and ``err``: forked from the session's fork server (:mod:`tests.forked_runs`),
+    or a fresh interpreter where that is off."""
+    import subprocess
+
+    from tests.forked_runs import fork_server
+
+    server = fork_server(subprocess_env(repo), repo)
+    if server is not None:
+        return _ForkedChild(server, server.start(command[1:], env, repo, out, err))
+    with open(out, "w") as o, open(err, "w") as e:
+        return subprocess.Popen(command, cwd=repo, stdout=o, stderr=e, text=True, env=env)
 
 
 def spawn_two_ranks(worker, *args) -> None:
