@@ -477,6 +477,20 @@ def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_land
         assert not [k for k in vars(group) if k.startswith("_fastopt")]
 
 
+def test_a_gradient_copy_still_on_its_way_is_refused_outside_host_shards():
+    """Only FSDP's host shards' buckets wait for copies someone else made (``landing``)."""
+    from lightning_fastopt import FusedAdam
+    from lightning_fastopt.offload import OffloadOptimizer
+
+    p = nn.Parameter(torch.ones(4))
+    opt = OffloadOptimizer(FusedAdam([p]), copy_on_cpu=True, device_grads="copy_when_reduced",
+                           reduced_by=lambda q: True)
+    p.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="awaited only for FSDP's host shards"):
+        opt.grad_reduced(p, landing=object())
+    opt.close()
+
+
 def test_where_fsdp_hands_over_no_gradient_in_backward_the_updates_run_at_the_step_said_once(one_process,
                                                                                           monkeypatch):
     """A torch whose FSDP no longer calls its groups' ``post_backward`` as we expect (stood
