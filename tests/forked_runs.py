@@ -156,6 +156,11 @@ class ForkServer:
             self._read(deadline)
         return self._exited[pid]
 
+    def close(self) -> None:
+        """End the server (it ends by itself when the session's process does)."""
+        self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
     def _send(self, message: dict) -> None:
         self._proc.stdin.write((json.dumps(message) + "\n").encode())
         self._proc.stdin.flush()

@@ -17,8 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def server():
     s = ForkServer(subprocess_env(REPO), REPO)
     yield s
-    s._proc.stdin.close()
-    s._proc.wait(timeout=30)
+    s.close()
 
 
 def _script(tmp_path, body: str) -> Path:

@@ -340,11 +340,12 @@ class _HostShardLandings(L.Callback):
         self.out = out
 
     def on_train_batch_end(self, trainer, pl_module, *args):
+        from lightning_fastopt.fsdp.gradient_landings import _LISTENERS
         from lightning_fastopt.fsdp.host_parameters import host_param_groups
 
         groups = host_param_groups(pl_module)
         hooked = sum(bool(fp.sharded_param._post_accumulate_grad_hooks) for g in groups for fp in g.fsdp_params)
-        watched = sum(hasattr(g, "_fastopt_gradient_listeners") for g in groups)
+        watched = sum(hasattr(g, _LISTENERS) for g in groups)
         Path(f"{self.out}.landings.rank{trainer.global_rank}").write_text(f"{hooked} {watched}")
 
 
