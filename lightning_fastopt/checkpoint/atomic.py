@@ -205,14 +205,6 @@ DISTRIBUTED_CHECKPOINT_FILES = CheckpointFiles(r"(__\d+)?\.metadata(\.tmp)?|__\d
                                                + re.escape(SHARDED_METADATA))
 
 
-def refuse_to_replace_a_directory(path) -> None:
-    """As Lightning's and Fabric's FSDP strategies refuse it: a full checkpoint (one file)
-    does not replace a directory that is not a sharded checkpoint (it may hold anything)."""
-    path = os.fspath(path)
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, SHARDED_METADATA)):
-        raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
-
-
 def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFiles | None = None,
                 before_move: Callable[[str], None] | None = None) -> None:
     """Every rank's part of writing a checkpoint (a file or a directory) whole or not at all

@@ -6,7 +6,10 @@ bare ``KeyError`` (a file that is no checkpoint at all), without the file's name
 Lightning adds ``KeyError: 'state_dict'`` for a torch file that holds something else.
 :func:`read_checkpoint_file` says which file, and what it looks like, in one line (the
 original error is chained beneath it); files that are missing or unreadable keep
-Python's own message, which names them already.
+Python's own message, which names them already.  A file that torch's safe loader
+(``weights_only=True``) refuses is not damaged: it is
+:class:`~lightning_fastopt.checkpoint.safe_loading.SafeLoaderRefusedError`, naming what
+was refused and how to load a file one trusts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from typing import Any
+
+from lightning_fastopt.checkpoint.safe_loading import (CheckpointClassNotFoundError, SafeLoaderRefusedError,
+                                                       missing_classes, refusal)
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive
 
@@ -39,13 +45,18 @@ def _diagnosis(path: str) -> str:
 def read_checkpoint_file(path, load: Callable[[str], Any], *, what: str = "checkpoint",
                          needs: str | None = "state_dict") -> Any:
     """``load(path)``, or BrokenCheckpointError naming ``path`` when the file cannot be read
-    as one; ``needs``: a key the loaded dictionary must have."""
+    as one (SafeLoaderRefusedError where torch's safe loader refused it); ``needs``: a key
+    the loaded dictionary must have."""
     path = os.fspath(path)
     try:
         loaded = load(path)
-    except (FileNotFoundError, PermissionError, IsADirectoryError):
+    except (FileNotFoundError, PermissionError, IsADirectoryError, BrokenCheckpointError, SafeLoaderRefusedError,
+            CheckpointClassNotFoundError):
         raise
     except Exception as err:  # torch.load's errors for damaged files vary by damage and version
+        not_damaged = refusal(path, err, f"the {what} {path}") or missing_classes(path, err, f"the {what} {path}")
+        if not_damaged is not None:
+            raise not_damaged from err
         raise BrokenCheckpointError(f"cannot read the {what} {path}: {_diagnosis(path)} "
                                     f"({type(err).__name__}: {_first_line(err)})") from err
     if needs is not None:

@@ -176,10 +176,17 @@ def load_sharded(path, weights_only: bool | None = True) -> dict[str, Any]:
     return checkpoint
 
 
-def consolidate(path, out=None) -> dict[str, Any]:
+def consolidate(path, out=None, *, overwrite: bool = False, weights_only: bool | None = True) -> dict[str, Any]:
     """The sharded checkpoint at ``path`` as one ordinary Lightning checkpoint (a plain
-    torch optimizer state inside), written to ``out`` (atomically) when given."""
-    checkpoint = load_sharded(path)
+    torch optimizer state inside), written to ``out`` (atomically) when given: a file there
+    is replaced only with ``overwrite``, a directory never (checked before ``path`` is
+    read).  ``weights_only=False`` loads what torch's safe loader refuses: only for files
+    you trust."""
+    from lightning_fastopt.checkpoint.replacing import check_output_file  # (it reads this module's file names)
+
+    if out is not None:
+        check_output_file(out, overwrite)
+    checkpoint = load_sharded(path, weights_only)
     if out is not None:
         save_atomically(checkpoint, out)
     return checkpoint

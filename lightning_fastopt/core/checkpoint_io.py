@@ -10,7 +10,8 @@ host memory, such as one holding an optimizer state kept on disk, is read tensor
 as the strategy takes it in, never whole; a new checkpoint under the same name is a new
 file, so the one read stays whole).  Remote paths (``s3://`` ...) go through Lightning's writer
 unchanged.  A sharded checkpoint directory of the same name (a ZeRO run resumed without
-ZeRO) is replaced whole; any other directory in the way is an error.  Reading a sharded
+ZeRO), or a distributed one, is replaced whole where it holds nothing else; any other
+directory in the way is an error (:mod:`~lightning_fastopt.checkpoint.replacing`).  Reading a sharded
 checkpoint directory gives the merged checkpoint
 (:func:`~lightning_fastopt.checkpoint.sharded.load_sharded`: Fabric's ``fabric.load``).
 """
@@ -28,6 +29,8 @@ from lightning.fabric.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from lightning_fastopt.checkpoint.atomic import save_atomically
+from lightning_fastopt.checkpoint.reading import read_checkpoint_file
+from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.sharded import is_sharded, load_sharded
 
 
@@ -38,18 +41,23 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
-        if os.path.isdir(path) and not is_sharded(path):  # a sharded checkpoint of a ZeRO run is replaced
-            raise IsADirectoryError(f"cannot save the checkpoint {os.fspath(path)!r}: a directory that is not a "
-                                    "lightning_fastopt sharded checkpoint is in the way")
+        refuse_to_replace_a_directory(path)  # a checkpoint directory holding nothing else is replaced
         save_atomically(checkpoint, path)
 
     @override
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory merged; a local file read mapped; a damaged file, or one that
+        torch's safe loader refuses, one error naming it and what is wrong
+        (:func:`~lightning_fastopt.checkpoint.reading.read_checkpoint_file`)."""
         if is_sharded(path):
             return load_sharded(path, weights_only)
         location = _as_saved if map_location is None else map_location
         if _maps(path):
-            return torch.load(path, map_location=location, weights_only=weights_only, mmap=True)
+            return read_checkpoint_file(path, lambda p: torch.load(p, map_location=location, weights_only=weights_only,
+                                                                   mmap=True), needs=None)
+        if isinstance(get_filesystem(path), LocalFileSystem):
+            return read_checkpoint_file(path, lambda p: super(AtomicCheckpointIO, self).load_checkpoint(
+                p, location, weights_only), needs=None)
         return super().load_checkpoint(path, location, weights_only)
 
 

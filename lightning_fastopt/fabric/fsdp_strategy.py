@@ -28,8 +28,9 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.atomic import (DISTRIBUTED_CHECKPOINT_FILES, refuse_to_replace_a_directory,
-                                                 save_staged)
+from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
+from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
+from lightning_fastopt.checkpoint.safe_loading import check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals,
                                             register_fsdp_names, rows_refusals, stream_arguments)
@@ -226,7 +227,10 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
-        """Fabric's, loading each optimizer we step as torch would hold it, then into its engine."""
+        """Fabric's, loading each optimizer we step as torch would hold it, then into its
+        engine; a checkpoint that torch's safe loader refuses is refused before anything is
+        loaded (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`)."""
+        check_before_loading(self.broadcast(path), weights_only)
         if not isinstance(state, dict):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         views = self._as_torch_holds_them(state)

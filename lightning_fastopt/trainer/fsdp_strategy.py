@@ -34,8 +34,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.atomic import (DISTRIBUTED_CHECKPOINT_FILES, refuse_to_replace_a_directory,
-                                                 save_staged)
+from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
+from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
+from lightning_fastopt.checkpoint.safe_loading import SafeLoaderRefusedError, check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals,
                                             register_fsdp_names, rows_refusals, stream_arguments)
@@ -363,7 +364,13 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """``ModelParallelStrategy`` loads the weights and optimizer states here (a
         distributed or full checkpoint): each engine's optimizer state is loaded into the
-        optimizer as torch would hold it, then taken over by the engine."""
+        optimizer as torch would hold it, then taken over by the engine.  A checkpoint that
+        torch's safe loader refuses is refused before anything is loaded
+        (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`)."""
+        try:
+            check_before_loading(self.broadcast(checkpoint_path), weights_only)
+        except SafeLoaderRefusedError as refused:
+            raise refused.with_ways(_FIT_DROPS_WEIGHTS_ONLY) from refused
         taken = list(self._optimizers)
         views = [held_as_torch(o) if self._engine_for(o) else o for o in taken]
         self._optimizers = views
@@ -390,6 +397,15 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
     @override
     def register_strategies(cls, strategy_registry) -> None:
         register_fsdp_names(cls, strategy_registry)
+
+
+# NOTE [fit's weights_only under FSDP]: Lightning 2.6's Trainer restores a strategy that loads
+# after its set-up (``restore_checkpoint_after_setup``: FSDP, DeepSpeed) without the
+# ``weights_only`` that ``fit`` was given, so ``fit(..., weights_only=False)`` never reaches
+# this strategy (nor ``ModelParallelStrategy``): a refusal names the ways that do.
+_FIT_DROPS_WEIGHTS_ONLY = ("python -m lightning_fastopt.checkpoint consolidate --no-weights-only, for one file of the "
+                           "weights and state (Lightning's Trainer does not pass fit's weights_only to an FSDP "
+                           "strategy: to resume, allow them instead)")
 
 
 def _say_if_its_steps_wait(engine: LocalShardOptimizer) -> None:
