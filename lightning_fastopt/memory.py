@@ -23,7 +23,7 @@ from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy
 from lightning_fastopt.fsdp.tensor_parallel_pieces import chunk_length, tensor_parallel_pieces
 from lightning_fastopt.fsdp.units_in_flight import units_in_flight
 from lightning_fastopt.offload.partition import choose_offloaded
-from lightning_fastopt.offload.state_tiers import check_device_and_window
+from lightning_fastopt.offload.state_tiers import DEFAULT_WINDOW_MB, check_device_and_window
 from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.zero.partition import assign_owners
 
@@ -86,7 +86,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                     world_size: int = 1, rank: int | None = None, tensor_parallel_size: int = 1,
                     tensor_parallel_plan: Mapping[str, Any] | None = None,
                     offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
-                    nvme_window_mb: float = 512.0, auto_wrap_policy: Any = None,
+                    nvme_window_mb: float | None = None, auto_wrap_policy: Any = None,
                     min_num_params: int | None = None, host_state_dtype: Any = None) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
@@ -149,8 +149,9 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     - ``offload_optimizer_device="nvme"``: the offloaded float32 masters kept apart from the
       weights and the offloaded optimizer state on disk (``disk``: a rank's file, less the
       alignment of each tensor to 64 bytes and each bucket to 4 KiB) instead of in host
-      memory, which holds the window instead (``disk_window``: ``nvme_window_mb``, at
-      most).  The half copies and gradient buffers stay in host memory; so do the host
+      memory, which holds the window instead (``disk_window``: what the state needs,
+      ``nvme_window_mb`` or 512 MiB at most; about: each of its slots holds the largest
+      bucket's region).  The half copies and gradient buffers stay in host memory; so do the host
       shards of ``offload_parameters`` (the masters), their state going to disk.  With
       ``speculate`` the file holds each bucket twice (a speculated update is written
       beside the last state), and nothing more is in host memory.
@@ -169,6 +170,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
     check_device_and_window(offload_optimizer_device, nvme_window_mb)
     units = _check_units(auto_wrap_policy, min_num_params, zero_stage)
     on_disk = offload_optimizer_device == "nvme"
+    window_mb = DEFAULT_WINDOW_MB if nvme_window_mb is None else nvme_window_mb  # the most the window takes
     if zero_stage == 3:  # each rank its rows of every parameter (of its tensor-parallel piece of each)
         ranks = range(world_size) if rank is None else [rank]
         pieces = {t: _tensor_parallel_pieces(model, params, tensor_parallel_plan, tp, t)
@@ -176,7 +178,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
         each = [_rank_estimate(_local_rows(pieces[r % tp], r // tp, world_size // tp),
                                [True] * len(params), offload_fraction, state_tensors, speculate, 3, world_size, r,
                                sum(p.numel() for p in params), on_host=offload_parameters,
-                               window=nvme_window_mb if on_disk else None, host_state=host_state)
+                               window=window_mb if on_disk else None, host_state=host_state)
                 for r in ranks]
         chosen = max(each, key=lambda e: (e.gpu_total, e.cpu_total, -e.rank))
         if units is not None:
@@ -186,7 +188,7 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
 
     def estimate(r: int, owned: list[bool]) -> MemoryEstimate:
         return _rank_estimate(params, owned, offload_fraction, state_tensors, speculate, zero_stage, world_size, r,
-                              window=nvme_window_mb if on_disk else None, host_state=host_state)
+                              window=window_mb if on_disk else None, host_state=host_state)
 
     if owners is None:  # one process holds everything, on every rank
         return estimate(rank or 0, [True] * len(params))
@@ -248,8 +250,8 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
             est.gpu["grads"] += n * size
             est.gpu["master_weights"] += m * n if half else 0
             est.gpu["optimizer_state"] += m * n * state_tensors
-    if window is not None and est.disk:
-        est.disk_window = round(window * 2**20)
+    if window is not None and est.disk:  # what the state needs (every bucket's region at most), within the limit
+        est.disk_window = min(round(window * 2**20), est.disk // (2 if speculate else 1))
     return est
 
 

@@ -320,7 +320,7 @@ def test_a_disk_too_small_is_said_at_set_up_and_a_full_one_during_a_step(tmp_pat
     (the disk filled) is an error naming the path, at the end of that step at the latest."""
     with monkeypatch.context() as m:
         m.setattr(direct_io.shutil, "disk_usage", lambda path: type("U", (), {"free": 4096})())
-        with pytest.raises(ValueError, match=r"nvme_path=.* has 0.00 GiB free; the optimizer state needs"):
+        with pytest.raises(ValueError, match=r"nvme_path=.* has 4 KiB free; the optimizer state needs [\d.]+ KiB"):
             OffloadOptimizer(ALGORITHMS["adamw"](_params()), offload_optimizer_device="nvme",
                              nvme_path=str(tmp_path), copy_on_cpu=True, bucket_size_mb=0.01)
     params = _params()
@@ -331,7 +331,7 @@ def test_a_disk_too_small_is_said_at_set_up_and_a_full_one_during_a_step(tmp_pat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(direct_io.os, "pwritev", full)
     with pytest.raises(OSError, match=r"writing the optimizer state's working file in nvme_path=.* failed \(the disk "
-                                      r"is full\)"):
+                                      r"is full: it needed [\d.]+ KiB, [\d.]+ [KMGT]?i?B free\)"):
         _train(opt, params, 1, start=1)
     monkeypatch.undo()
     opt.close()
@@ -483,7 +483,7 @@ def test_the_memory_estimate_gives_the_disk_and_the_window(tmp_path):
     """``estimate_memory(..., offload_optimizer_device="nvme")``: the masters and AdamW's
     moments leave host memory for the disk, which holds them (the file's size less each
     tensor's alignment to 64 bytes and each bucket's to 4 KiB), host memory the window
-    (never more than ``nvme_window_mb``); the gradient buffers stay."""
+    (what the state needs, never more than ``nvme_window_mb``); the gradient buffers stay."""
     from torch import nn
 
     from lightning_fastopt import estimate_memory
@@ -497,13 +497,17 @@ def test_the_memory_estimate_gives_the_disk_and_the_window(tmp_path):
     n = sum(p.numel() for p in model.parameters())
     assert est.disk == 12 * n == in_memory.cpu["master_weights"] + in_memory.cpu["optimizer_state"]
     assert est.cpu["master_weights"] == est.cpu["optimizer_state"] == 0 and est.cpu["grads"] == 4 * n
-    assert est.disk_window == round(0.2 * 2**20) and est.cpu_total == 4 * n + est.disk_window
+    assert est.disk_window == est.disk and est.cpu_total == 4 * n + est.disk_window  # what the state needs: all
+    smaller = estimate_memory(model, offload_fraction=1.0, optimizer="adamw", offload_optimizer_device="nvme",
+                              nvme_window_mb=0.05)
+    assert smaller.disk_window == round(0.05 * 2**20)  # the most it may take
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), copy_on_cpu=True, bucket_size_mb=0.01,
                            offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.2)
     tier = opt.layout.tier
     padding = len(opt._buckets) * ALIGN + 3 * len(opt._slots) * 64
     assert est.disk <= tier.disk_bytes() <= est.disk + padding
-    assert sum(slot.buffer.numel() for slot in tier.window) <= est.disk_window
+    largest = max(r.size for r in tier.regions.values())  # each slot holds the largest bucket's region
+    assert sum(slot.buffer.numel() for slot in tier.window) == len(tier.window) * largest <= round(0.2 * 2**20)
     speculating = estimate_memory(model, offload_fraction=1.0, optimizer="adamw", offload_optimizer_device="nvme",
                                   nvme_window_mb=0.2, speculate=True)
     assert speculating.disk == 2 * est.disk and speculating.cpu_total == est.cpu_total  # the file twice over
@@ -545,10 +549,11 @@ def test_state_the_plan_did_not_foresee_moves_the_bucket_to_a_larger_region(tmp_
     ref = _optimizer(ref_params, ALGORITHMS["adamw"], copy_on_cpu=True)
     opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True,
                      window_mb=0.3)  # room for a region a third larger
-    before = opt.layout.tier.disk_bytes()
+    before, slot = opt.layout.tier.disk_bytes(), opt.layout.tier.window[0].buffer.numel()
     ref.load_state_dict(saved)
     opt.load_state_dict(saved)
     assert opt.layout.tier.disk_bytes() > before  # the new regions
+    assert all(s.buffer.numel() > slot for s in opt.layout.tier.window)  # the slots grew with them, in the window
     _train(ref, ref_params, 4, start=3)
     _train(opt, params, 4, start=3)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
@@ -654,7 +659,8 @@ def test_a_copy_the_disk_cannot_hold_is_an_error_naming_the_path(tmp_path, monke
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(mapped_copies.os, "posix_fallocate", full)
-    with pytest.raises(OSError, match=r"a copy of the optimizer state .* in nvme_path=.* failed \(the disk is full\)"):
+    with pytest.raises(OSError, match=r"a copy of the optimizer state \(2 MiB\) in nvme_path=.* failed \(the disk is "
+                                      r"full: it needed 2 MiB, [\d.]+ [KMGT]?i?B free\)"):
         opt.state_dict()
     monkeypatch.undo()
     assert set(opt.state_dict()["state"]["w"]) == {"step", "exp_avg", "exp_avg_sq"}  # nothing of the state lost
@@ -730,3 +736,62 @@ def test_after_fit_the_state_given_back_and_a_checkpoint_read_stay_in_files(tmp_
     assert torch.equal(opt.state[model.net[0].weight]["exp_avg"], ref_opt.state[ref.net[0].weight]["exp_avg"])
     del read, weight, saved, opt, trainer
     gc.collect()
+
+
+# ---------------------------------------------------------------------------- the window, and messages (issue 67)
+def test_the_window_takes_what_the_state_needs_and_one_line_says_where_it_is(tmp_path, caplog):
+    """``nvme_window_mb`` left None: slots of the largest bucket's region (two here, or one
+    per bucket where there are fewer), not 512 MiB for a state of a few KiB; the set-up says
+    where the state is, the file's size and the window."""
+    import logging
+
+    params = _params()
+    with caplog.at_level(logging.INFO):
+        opt = OffloadOptimizer(ALGORITHMS["adamw"](params), copy_on_cpu=True, bucket_size_mb=0.004,
+                               offload_optimizer_device="nvme", nvme_path=str(tmp_path))
+    tier = opt.layout.tier
+    largest = max(r.size for r in tier.regions.values())
+    assert tier.window_bytes == 512 * 2**20 and len(tier.regions) >= 3
+    assert sum(s.buffer.numel() for s in tier.window) == len(tier.window) * largest < 2**20
+    said = [r.getMessage() for r in caplog.records if "on disk: a working file" in r.getMessage()]
+    assert len(said) == 1 and f"nvme_path={str(tmp_path)!r}" in said[0], said
+    assert f"window of {len(tier.window)} slot(s) of" in said[0] and "nvme_window_mb=None: what the state needs, " \
+        "512 MiB at most" in said[0] and "KiB in nvme_path" in said[0]
+    _train(opt, params, 2)
+    opt.close()
+
+
+def test_a_window_the_host_cannot_hold_or_without_the_disk_is_refused_when_built(tmp_path):
+    from torch import nn
+
+    from lightning_fastopt import FastOptFSDPStrategy, FastOptStrategy, estimate_memory
+
+    disk = dict(offload_optimizer_device="nvme", nvme_path=str(tmp_path))
+    for build in (FastOptStrategy, FastOptFSDPStrategy,
+                  lambda **kw: OffloadOptimizer(FusedSGD(_params(), lr=0.1), **kw)):
+        with pytest.raises(ValueError, match=r"nvme_window_mb=1000000000000\.0 \(931 PiB\) is more than this "
+                                             r"machine's memory \([\d.]+ [GT]iB\)"):
+            build(**disk, nvme_window_mb=1e12)
+        with pytest.raises(ValueError, match="nvme_window_mb is for offload_optimizer_device='nvme'"):
+            build(nvme_window_mb=64)
+    with pytest.raises(ValueError, match="nvme_window_mb is for offload_optimizer_device='nvme'"):
+        estimate_memory(nn.Linear(2, 2), nvme_window_mb=64)
+    FastOptStrategy(**disk, nvme_window_mb=64)  # a window the host holds is taken
+
+
+def test_nvme_path_removed_during_a_run_is_said_at_the_next_save(tmp_path):
+    """The working file has no name, so the run goes on; the next copy of the state made
+    there (a checkpoint's) says that the directory is gone, not a raw error on a file in it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    params = [torch.randn(512, 1024, requires_grad=True)]  # a state large enough to be copied to the disk
+    opt = OffloadOptimizer(FusedAdam(params, lr=1e-2), {params[0]: "w"}, copy_on_cpu=True,
+                           offload_optimizer_device="nvme", nvme_path=str(disk))
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    disk.rmdir()
+    with pytest.raises(FileNotFoundError, match=r"nvme_path='.*/disk' is gone \(removed while the run used it\?\)"):
+        opt.state_dict()
+    disk.mkdir()
+    assert set(opt.state_dict()["state"]["w"]) == {"step", "exp_avg", "exp_avg_sq"}  # nothing of the state lost
+    opt.close()

@@ -49,7 +49,7 @@ class StrategyOptions:
     offload_parameters: bool = False  # the FSDP strategies': the parameter shards in host memory (CPUOffloadPolicy)
     offload_optimizer_device: str = "cpu"  # where the offloaded masters and state live: host memory, or "nvme"
     nvme_path: str | None = None
-    nvme_window_mb: float = 512.0
+    nvme_window_mb: float | None = None  # None: sized to the state, 512 MiB at most
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -60,7 +60,7 @@ class StrategyOptions:
               delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
               forward_waits: Any, closure_optimizers: Any, per_parameter_optimizers: Any = (),
               offload_optimizer_device: Any = "cpu", nvme_path: Any = None,
-              nvme_window_mb: Any = 512.0) -> StrategyOptions:
+              nvme_window_mb: Any = None) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
@@ -100,7 +100,8 @@ class StrategyOptions:
                    per_parameter_optimizers=check_optimizer_names(per_parameter_optimizers,
                                                                   "per_parameter_optimizers"),
                    offload_optimizer_device=offload_optimizer_device,
-                   nvme_path=None if nvme_path is None else str(nvme_path), nvme_window_mb=float(nvme_window_mb),
+                   nvme_path=None if nvme_path is None else str(nvme_path),
+                   nvme_window_mb=None if nvme_window_mb is None else float(nvme_window_mb),
                    scale_knobs=knobs)
 
     @classmethod

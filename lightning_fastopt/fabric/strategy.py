@@ -88,7 +88,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
                  per_parameter_optimizers: Sequence[str] = (), offload_optimizer_device: str = "cpu",
-                 nvme_path: str | None = None, nvme_window_mb: float = 512.0, **kwargs: Any) -> None:
+                 nvme_path: str | None = None, nvme_window_mb: float | None = None, **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptFabricStrategy)
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())

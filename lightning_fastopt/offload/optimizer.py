@@ -165,8 +165,9 @@ class OffloadOptimizer(OptimizerWrapper):
             for bit, on every schedule; with ``speculate``, a speculated update is written
             beside the bucket's last state in the file until the step keeps one.
         nvme_path: the directory of that file (``"nvme"`` only): a fast disk's.
-        nvme_window_mb: host memory for the buckets on their way to and from the disk
-            (two buckets' masters and state at least).
+        nvme_window_mb: the most host memory for the buckets on their way to and from
+            the disk (two buckets' masters and state at least); None: 512 MiB at most.
+            The window takes what the state needs within it.
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -178,7 +179,7 @@ class OffloadOptimizer(OptimizerWrapper):
                  forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None,
                  stays_on_device: Callable[[Tensor], bool] | None = None, host_shards: bool = False,
                  offload_optimizer_device: str = "cpu", nvme_path: str | None = None,
-                 nvme_window_mb: float = 512.0) -> None:
+                 nvme_window_mb: float | None = None) -> None:
         super().__init__(optimizer)
         check_offload_device(offload_optimizer_device, nvme_path, nvme_window_mb)
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,

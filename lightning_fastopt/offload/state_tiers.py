@@ -36,6 +36,7 @@ only what lives in host memory is copied (:class:`DiskSnapshot`).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, one_per_element, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot, put_state_back
+from lightning_fastopt.runtime.byte_sizes import readable_bytes
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
 
@@ -55,6 +57,7 @@ __all__ = ["DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "che
            "check_offload_device", "make_tier"]
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
+DEFAULT_WINDOW_MB = 512  # the most the disk tier's window takes where nvme_window_mb is None
 _LINE = 64  # bytes: every tensor of a region starts on a cache line
 
 
@@ -149,7 +152,9 @@ class DiskTier:
 
     Args:
         directory: ``nvme_path``.
-        window_mb: host memory for the slots (``nvme_window_mb``): at least two buckets' regions.
+        window_mb: the most host memory the slots take (``nvme_window_mb``; None:
+            :data:`DEFAULT_WINDOW_MB`): at least two buckets' regions.  The slots take what
+            the regions need within it (:meth:`_size_window`).
         pin: the window in page-locked memory (new weights are copied to the device from it).
         copies: the optimizer's copy streams (to wait for the copies that read a slot).
         clock: the step timer's clock (seconds; 0.0 while timing is off), for :meth:`breakdown`.
@@ -160,7 +165,7 @@ class DiskTier:
     def __init__(self, directory, window_mb: float, pin: bool, copies, clock=lambda: 0.0) -> None:
         self.directory = directory
         self.window_mb = window_mb
-        self.window_bytes = round(window_mb * 2**20)
+        self.window_bytes = round((DEFAULT_WINDOW_MB if window_mb is None else window_mb) * 2**20)
         self.pin = pin
         self.copies = copies
         self.file: DirectFile | None = None
@@ -188,11 +193,14 @@ class DiskTier:
             return
         for b in buckets:
             self.regions[b] = self._plan(b, _planned_entries(b))
-        if self.file is None:
+        first = self.file is None
+        if first:
             self.file = DirectFile(self.directory, self._end)
         else:
             self.file.grow(self._end)
         self._size_window(max(self.regions.values(), key=lambda r: r.size))
+        if first:
+            rank_zero_info(f"lightning_fastopt: {self.describe()}")
         for b in buckets:
             with self.resident(b, fresh=True):
                 pass  # the release takes the masters in and writes the region
@@ -208,11 +216,13 @@ class DiskTier:
         return region
 
     def _size_window(self, largest: _Region) -> None:
-        """Slots that each hold the largest region, as many as the window allows (two at
-        least, where there are two buckets) and no more than there are buckets, sharing the
-        whole window (room for a region that grows: see the module's note)."""
+        """Slots that each hold the largest region (and no more: the window takes what the
+        state needs), as many as the window allows (two at least, where there are two
+        buckets) and no more than there are buckets.  A region that grows later (see the
+        module's note) grows the slots within the window (:meth:`_grow_slots`)."""
         region_bytes = largest.size
-        if self.window and self.window[0].buffer.numel() >= region_bytes:
+        if self.window and self.window[0].buffer.numel() >= region_bytes \
+                and len(self.window) >= min(self.window_bytes // self.window[0].buffer.numel(), len(self.regions)):
             return
         count = min(self.window_bytes // region_bytes, len(self.regions))
         if count < min(2, len(self.regions)):
@@ -224,15 +234,51 @@ class DiskTier:
                           f"a bucket holds whole ({_whole_why(slot)}): give {need}")
             else:
                 advice = f"give {need}, or a smaller bucket_size_mb"
-            raise ValueError(f"nvme_window_mb={self.window_mb!r} holds {count} of the host buckets' "
+            given = f"nvme_window_mb={self.window_mb!r}" if self.window_mb is not None else \
+                f"the window's default most ({DEFAULT_WINDOW_MB} MiB)"
+            raise ValueError(f"{given} holds {count} of the host buckets' "
                              f"regions on disk ({region_bytes / 2**20:.3g} MiB each: a bucket's masters and optimizer "
                              f"state); it needs two at least (one updated while the next is read): {advice}")
         for old in self.window:
             self._settle(old)
             if old.bucket is not None:
                 self._evict(old.bucket)
-        size = max(region_bytes, self.window_bytes // max(count, 1) // ALIGN * ALIGN)
+        size = round_up(region_bytes, ALIGN)
         self.window = [_WindowSlot(aligned_empty(size, self.pin)) for _ in range(count)]
+
+    def _grow_slots(self, region_bytes: int, holding: _WindowSlot) -> None:
+        """Every slot made to hold ``region_bytes`` (a region that grew, in ``holding``,
+        which is in use: its tensors were copied out and point back in afterwards), where
+        the window allows as many slots of that size as there are now; else a RuntimeError
+        naming nvme_window_mb."""
+        size = round_up(region_bytes, ALIGN)
+        if size * len(self.window) > self.window_bytes or any(s.in_use for s in self.window if s is not holding):
+            given = f"now {self.window_mb!r}" if self.window_mb is not None else f"now None: {DEFAULT_WINDOW_MB} MiB"
+            raise RuntimeError(f"a host bucket's masters and state now take {region_bytes / 2**20:.3g} MiB (state its "
+                               f"optimizer does not keep was loaded): {len(self.window)} slots of the window would "
+                               f"take {size * len(self.window) / 2**20:.3g} MiB (or another bucket is in a slot "
+                               f"now): give a larger nvme_window_mb ({given})")
+        for slot in self.window:
+            if slot is not holding:
+                if slot.read is not None:  # a read ahead into it: landed before the buffer goes
+                    with contextlib.suppress(BaseException):
+                        slot.read.result()
+                    slot.read = None
+                self._settle(slot)
+                if slot.bucket is not None:
+                    self._evict(slot.bucket)
+                slot.bucket = None
+            slot.buffer = aligned_empty(size, self.pin)
+
+    def describe(self) -> str:
+        """Where the state is: the file's directory and size, and the window in host memory."""
+        slot = self.window[0].buffer.numel() if self.window else 0
+        limit = f"nvme_window_mb={self.window_mb!r}" if self.window_mb is not None else \
+            f"nvme_window_mb=None: what the state needs, {DEFAULT_WINDOW_MB} MiB at most"
+        return (f"the offloaded masters and optimizer state on disk: a working file of "
+                f"{readable_bytes(self.disk_bytes())} in nvme_path={str(self.directory)!r} (unnamed: it goes with the "
+                f"process), read and written through a window of {len(self.window)} slot(s) of "
+                f"{readable_bytes(slot)} in host memory ({limit})")
 
     def disk_bytes(self) -> int:
         return self.file.size if self.file is not None else self._end
@@ -479,10 +525,7 @@ class DiskTier:
         self.regions[bucket] = self._plan(bucket, actual)
         self.file.grow(self._end)
         if self.regions[bucket].size > slot.buffer.numel():
-            raise RuntimeError(f"a host bucket's masters and state now take {self.regions[bucket].size / 2**20:.3g} "
-                               f"MiB (state its optimizer does not keep was loaded), more than a slot of the window "
-                               f"holds ({slot.buffer.numel() / 2**20:.3g} MiB): give a larger nvme_window_mb "
-                               f"(now {self.window_mb!r})")
+            self._grow_slots(self.regions[bucket].size, slot)
         for (index, key), value in kept.items():
             s = next(x for x in bucket.slots if x.index == index)
             _tensor_of(bucket, s, key).set_(value)
@@ -640,26 +683,51 @@ def _point_into(tensor: Tensor, buffer: Tensor, e: _Entry, shape: torch.Size, co
 
 
 def check_offload_device(device: Any, nvme_path: Any, nvme_window_mb: Any) -> str:
-    """Refuse a bad ``offload_optimizer_device`` or ``nvme_window_mb``, or a ``nvme_path``
-    that goes without it."""
+    """Refuse a bad ``offload_optimizer_device`` or ``nvme_window_mb`` (one larger than this
+    machine's memory too), or a ``nvme_path`` or ``nvme_window_mb`` that goes without it."""
     check_device_and_window(device, nvme_window_mb)
     if device == "nvme" and nvme_path is None:
         raise ValueError("offload_optimizer_device='nvme' keeps the offloaded masters and optimizer state in files "
                          "in nvme_path: give nvme_path, a directory on a fast disk")
     if device != "nvme" and nvme_path is not None:
         raise ValueError(f"nvme_path is for offload_optimizer_device='nvme', got offload_optimizer_device={device!r}")
+    if nvme_window_mb is not None:
+        check_window_fits(nvme_window_mb, host_memory_bytes())
     return device
 
 
 def check_device_and_window(device: Any, nvme_window_mb: Any) -> None:
-    """Refuse a bad ``offload_optimizer_device`` or ``nvme_window_mb`` (for what has no
-    directory to check: ``estimate_memory``)."""
+    """Refuse a bad ``offload_optimizer_device`` or ``nvme_window_mb``, or a window given
+    without the disk tier (for what has no directory to check: ``estimate_memory``)."""
     if device not in OFFLOAD_DEVICES:
         raise ValueError(f"offload_optimizer_device must be one of {OFFLOAD_DEVICES} (where the offloaded masters "
                          f"and optimizer state live: host memory, or files in nvme_path), got {device!r}")
+    if nvme_window_mb is None:
+        return
+    if device != "nvme":
+        raise ValueError(f"nvme_window_mb is for offload_optimizer_device='nvme' (host memory for the buckets on "
+                         f"their way to and from the disk), got offload_optimizer_device={device!r}")
     if isinstance(nvme_window_mb, bool) or not isinstance(nvme_window_mb, (int, float)) or not nvme_window_mb > 0:
         raise ValueError(f"nvme_window_mb must be a positive number of MiB (host memory for the buckets read from "
-                         f"and written to disk), got {nvme_window_mb!r}")
+                         f"and written to disk) or None (what the state needs, {DEFAULT_WINDOW_MB} MiB at most), "
+                         f"got {nvme_window_mb!r}")
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, where the system says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_window_fits(nvme_window_mb: float, memory: int | None) -> None:
+    """Refuse a window larger than the host's ``memory`` (bytes; None: unknown, not checked)."""
+    if memory is not None and nvme_window_mb * 2**20 > memory:
+        raise ValueError(f"nvme_window_mb={nvme_window_mb!r} ({readable_bytes(nvme_window_mb * 2**20)}) is more "
+                         f"than this machine's memory ({readable_bytes(memory)}): the window is host memory for the "
+                         f"buckets on their way to and from the disk; give less, or None (what the state needs, "
+                         f"{DEFAULT_WINDOW_MB} MiB at most)")
 
 
 def make_tier(device: str, nvme_path, nvme_window_mb: float, pin: bool, copies,

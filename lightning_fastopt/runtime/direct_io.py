@@ -31,6 +31,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_fastopt.runtime.byte_sizes import readable_bytes
+
 __all__ = ["ALIGN", "RANGES", "DirectFile", "aligned_empty", "open_unlinked", "round_up"]
 
 ALIGN = 4096  # bytes: addresses, offsets and lengths of every transfer
@@ -66,11 +68,34 @@ def check_directory(path: str | os.PathLike) -> Path:
     return directory
 
 
-def open_unlinked(directory: Path, flags: int, suffix: str = ".state") -> int:
+def why_failed(directory: Path, e: OSError, nbytes: int | None = None) -> str:
+    """What to say of ``e`` (a write or reservation in ``directory`` that failed): a full
+    disk with what the write needed and what is free, a directory that is gone."""
+    if e.errno == errno.ENOSPC:
+        try:
+            free = f", {readable_bytes(shutil.disk_usage(directory).free)} free"
+        except OSError:
+            free = ""
+        need = f": it needed {readable_bytes(nbytes)}{free}" if nbytes is not None else free
+        return f" (the disk is full{need})"
+    if not Path(directory).is_dir():
+        return " (the directory is gone: removed while the run used it?)"
+    return ""
+
+
+def open_unlinked(directory: Path, flags: int, suffix: str = ".state", what: str = "optimizer state") -> int:
     """A new file in ``directory``, opened with ``flags`` under a name no other run uses and
     unlinked at once: it lives while this process holds it (its descriptor, or a mapping of
-    it), and no longer."""
-    fd, name = tempfile.mkstemp(prefix="fastopt-", suffix=suffix, dir=directory)
+    it), and no longer.  A directory removed since it was checked is a FileNotFoundError
+    that says so."""
+    try:
+        fd, name = tempfile.mkstemp(prefix="fastopt-", suffix=suffix, dir=directory)
+    except FileNotFoundError as e:
+        if Path(directory).is_dir():
+            raise
+        raise FileNotFoundError(errno.ENOENT, f"lightning_fastopt: nvme_path={str(directory)!r} is gone (removed "
+                                f"while the run used it?): the {what}'s files are made there; create it again, or "
+                                "give another nvme_path", str(directory)) from e
     os.close(fd)
     try:
         return os.open(name, flags)
@@ -92,16 +117,16 @@ class DirectFile:
         self.size = 0
         free = shutil.disk_usage(self.directory).free
         if round_up(size) > free:
-            raise ValueError(f"nvme_path={str(self.directory)!r} has {_gib(free)} free; the {what} needs "
-                             f"{_gib(round_up(size))} there")
+            raise ValueError(f"nvme_path={str(self.directory)!r} has {readable_bytes(free)} free; the {what} needs "
+                             f"{readable_bytes(round_up(size))} there")
         self.direct = True
         try:
-            self.fd = open_unlinked(self.directory, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+            self.fd = open_unlinked(self.directory, os.O_RDWR | getattr(os, "O_DIRECT", 0), what=what)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self.direct = False  # the file system has no direct I/O (tmpfs)
-            self.fd = open_unlinked(self.directory, os.O_RDWR)
+            self.fd = open_unlinked(self.directory, os.O_RDWR, what=what)
         if not self.direct or not hasattr(os, "O_DIRECT"):
             self.direct = False
             rank_zero_info(f"lightning_fastopt: {self.directory} takes no direct I/O: the {what}'s file is read and "
@@ -118,7 +143,7 @@ class DirectFile:
         try:
             os.posix_fallocate(self.fd, self.size, size - self.size)
         except OSError as e:
-            raise self._error(f"reserving {_gib(size)}", e) from e
+            raise self._error(f"reserving {readable_bytes(size)} for", e, size - self.size) from e
         self.size = size
 
     def mapped(self, offset: int, nbytes: int) -> Tensor:
@@ -155,15 +180,15 @@ class DirectFile:
                 try:
                     moved = call(self.fd, [view[done:]], offset + done)
                 except OSError as e:
-                    raise self._error(doing, e) from e
+                    raise self._error(doing, e, len(view) - done) from e
                 if moved <= 0:
                     raise self._error(doing, OSError(errno.EIO, "the file ended early"))
                 done += moved
 
-    def _error(self, doing: str, e: OSError) -> OSError:
-        full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+    def _error(self, doing: str, e: OSError, nbytes: int | None = None) -> OSError:
         return OSError(e.errno, f"lightning_fastopt: {doing} the {self.what}'s working file in "
-                                f"nvme_path={str(self.directory)!r} failed{full}: {e.strerror or e}")
+                                f"nvme_path={str(self.directory)!r} failed{why_failed(self.directory, e, nbytes)}: "
+                                f"{e.strerror or e}")
 
     def close(self) -> None:
         """Wait for the transfers in flight, then close the file."""
@@ -211,7 +236,3 @@ def _all_of(parts: list[Future]) -> Future:
     for p in parts:
         p.add_done_callback(one_done)
     return whole
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"

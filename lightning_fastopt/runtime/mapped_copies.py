@@ -16,7 +16,6 @@ each would cost more than it holds.
 
 from __future__ import annotations
 
-import errno
 import math
 import mmap
 import os
@@ -25,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_fastopt.runtime.direct_io import check_directory, open_unlinked
+from lightning_fastopt.runtime.byte_sizes import readable_bytes
+from lightning_fastopt.runtime.direct_io import open_unlinked, why_failed
 
 __all__ = ["SMALL", "MappedCopies"]
 
@@ -36,7 +36,7 @@ class MappedCopies:
     """Copies of tensors in memory-mapped files in ``directory`` (see the module's documentation)."""
 
     def __init__(self, directory: str | os.PathLike, what: str = "optimizer state") -> None:
-        self.directory: Path = check_directory(directory)
+        self.directory = Path(directory)  # checked where it was given (nvme_path); gone later: said at the copy
         self.what = what
 
     def copy(self, tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -53,14 +53,14 @@ class MappedCopies:
         """An uninitialized CPU tensor whose memory is a file of its own (at least one byte)."""
         numel = math.prod(shape)
         nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-        fd = open_unlinked(self.directory, os.O_RDWR, suffix=".copy")
+        fd = open_unlinked(self.directory, os.O_RDWR, suffix=".copy", what=self.what)
         try:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
-                raise OSError(e.errno, f"lightning_fastopt: a copy of the {self.what} ({nbytes / 2**30:.2f} GiB) "
-                                       f"in nvme_path={str(self.directory)!r} failed{full}: {e.strerror or e}") from e
+                raise OSError(e.errno, f"lightning_fastopt: a copy of the {self.what} ({readable_bytes(nbytes)}) in "
+                                       f"nvme_path={str(self.directory)!r} failed"
+                                       f"{why_failed(self.directory, e, nbytes)}: {e.strerror or e}") from e
             mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)  # the mapping holds the file

@@ -151,7 +151,8 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
                  forward_waits: str = "step", auto_wrap_policy: Iterable[type] | None = None,
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
                  offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
-                 nvme_path: str | None = None, nvme_window_mb: float = 512.0, data_parallel_size: int | str = "auto",
+                 nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:

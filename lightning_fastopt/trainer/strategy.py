@@ -178,9 +178,11 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
             CPU update runs; the same results, bit for bit.  The words of Lightning's
             ``DeepSpeedStrategy``; see docs/strategy.md.
         nvme_path: the directory of that file (a fast disk's), for ``"nvme"``.
-        nvme_window_mb: host memory for the buckets on their way to and from the disk
-            (default 512; two buckets' masters and state at least: about 3 x
-            ``bucket_size_mb`` each with Adam).
+        nvme_window_mb: host memory for the buckets on their way to and from the disk, for
+            ``"nvme"`` only (refused otherwise, as ``nvme_path`` is); at most the host's
+            memory.  None (default): what the state needs (two buckets' masters and state,
+            about 3 x ``bucket_size_mb`` each with Adam, or all of them where fewer), 512
+            MiB at most; a number is the most the window may take.
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
@@ -202,7 +204,7 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
                  per_parameter_optimizers: Sequence[str] = (), offload_optimizer_device: str = "cpu",
-                 nvme_path: str | None = None, nvme_window_mb: float = 512.0, **kwargs: Any) -> None:
+                 nvme_path: str | None = None, nvme_window_mb: float | None = None, **kwargs: Any) -> None:
         check_ddp_kwargs(kwargs, self.package.DDPStrategy, type(self))
         ops.check_environment()
         options = StrategyOptions.from_arguments(locals())

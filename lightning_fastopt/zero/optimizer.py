@@ -79,7 +79,7 @@ class ZeroOptimizer(LocalOffloadWrapper):
                  wall_clock_breakdown: bool = False, copy_on_cpu: bool = False, stream_cpu_step: bool = False,
                  speculate: bool = False, reduced_by: Callable[[Tensor], bool] | None = None,
                  offload_optimizer_device: str = "cpu", nvme_path: str | None = None,
-                 nvme_window_mb: float = 512.0) -> None:
+                 nvme_window_mb: float | None = None) -> None:
         super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
