@@ -78,6 +78,17 @@ def cuda_ext(monkeypatch):
     return spy
 
 
+@pytest.fixture
+def no_process_group_left():
+    """A test that runs an FSDP strategy in this process (gloo, one rank) leaves no process
+    group behind it: the tests after it start none (a one-device run checks that)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -7,6 +7,7 @@ with an error that says which."""
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
@@ -17,6 +18,8 @@ from tests.test_safe_loading import _trainer
 from tests.test_precision import _data
 from tests.test_strategy import Model
 from lightning_fastopt import FastOptStrategy
+
+pytestmark = pytest.mark.usefixtures("no_process_group_left")  # (FSDP runs in this process)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,8 @@ def _fit_fsdp(distributed: bool):
     return trainer
 
 
-@pytest.mark.parametrize("first,then", [(True, False), (False, True)], ids=["directory-then-file", "file-then-directory"])
+@pytest.mark.parametrize("first,then", [(True, False), (False, True)],
+                         ids=["directory-then-file", "file-then-directory"])
 def test_the_trainers_fsdp_strategy_saves_over_a_checkpoint_of_the_other_kind(tmp_path, first, then):
     """As ``ModelParallelStrategy`` does: the second save replaces the first, and resumes."""
     path = tmp_path / "last.ckpt"
@@ -99,7 +103,8 @@ def test_the_trainers_fsdp_strategy_saves_over_a_checkpoint_of_the_other_kind(tm
     assert resumed.global_step == 4
 
 
-@pytest.mark.parametrize("first,then", [(True, False), (False, True)], ids=["directory-then-file", "file-then-directory"])
+@pytest.mark.parametrize("first,then", [(True, False), (False, True)],
+                         ids=["directory-then-file", "file-then-directory"])
 def test_fabrics_fsdp_strategy_saves_over_a_checkpoint_of_the_other_kind(tmp_path, first, then):
     import lightning as L
 
@@ -159,3 +164,51 @@ def test_a_single_file_replaces_a_zero_directory_that_holds_nothing_else(zero_di
     (path / "results.csv").unlink()
     trainer.save_checkpoint(path)
     assert path.is_file() and torch.load(path, weights_only=True)["global_step"] == 2
+
+
+# ---------------------------------------------------------------- resuming with accumulation (docs/checkpoints.md)
+class _Saves(L.Callback):
+    """(global step, micro-batches done) at each save."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self.seen.append((trainer.global_step, trainer.fit_loop.epoch_loop.batch_progress.current.completed))
+
+
+class NoSaveAtTheStartStep(L.Callback):
+    """The recipe of docs/checkpoints.md: a resumed run's checkpoint callbacks count the step
+    it resumed at as saved (Lightning's ModelCheckpoint does not keep it in its state)."""
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.ckpt_path is not None:
+            for callback in trainer.checkpoint_callbacks:
+                callback._last_global_step_saved = trainer.global_step
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fastopt"])
+def test_a_resumed_run_with_accumulation_saves_its_start_again_unless_told(tmp_path, strategy):
+    """``accumulate_grad_batches=2`` and ``every_n_train_steps=2``: resumed from step 2, the
+    run saves step 2 again after its first micro-batch (the file then says one micro-batch
+    more than its weights and state hold: a kill before the next save skips it), under plain
+    Lightning as under ours; with the callback of docs/checkpoints.md it does not."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps, callbacks, ckpt_path=None):
+        saves = _Saves()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2), saves,
+                                       *callbacks])
+        trainer.fit(Model(lambda ps: torch.optim.AdamW(ps), sched=False), _data(), ckpt_path=ckpt_path)
+        return saves.seen
+
+    assert [step for step, _ in fit(2, [])] == [2]
+    start = tmp_path / "epoch=0-step=2.ckpt"
+    again = fit(4, [], ckpt_path=start)
+    assert again[0][0] == 2 and again[0][1] == torch.load(start, weights_only=False)["loops"]["fit_loop"][
+        "epoch_loop.batch_progress"]["current"]["completed"]  # the start re-saved, one micro-batch on
+    fit(2, [])  # the start as it was
+    told = fit(4, [NoSaveAtTheStartStep()], ckpt_path=start)
+    assert [step for step, _ in told] == [4]

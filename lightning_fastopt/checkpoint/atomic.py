@@ -33,16 +33,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-import torch
+from lightning_fastopt.checkpoint.checksums import DISTRIBUTED_FILE, save_checksummed
 
 
 def write_synced(path, write: Callable[[IO[bytes]], None], target=None) -> None:
-    """``write(file)`` into ``path``, flushed to the disk before returning.  A system error
-    while writing (a full disk, a quota) is raised as that ``OSError``, naming ``target``
-    (what ``path`` will become; default ``path``), even where the writer replaced it with
-    its own error (``torch.save``'s says ``unexpected pos ...``)."""
+    """``write(file)`` into ``path`` (opened new, for writing and reading), flushed to the
+    disk before returning.  A system error while writing (a full disk, a quota) is raised as
+    that ``OSError``, naming ``target`` (what ``path`` will become; default ``path``), even
+    where the writer replaced it with its own error (``torch.save``'s says ``unexpected pos
+    ...``)."""
     try:
-        with open(path, "wb") as f:
+        with open(path, "w+b") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -73,9 +74,10 @@ def _system_error_in(exc: BaseException) -> OSError | None:
 
 
 def save_synced(obj: Any, path, target=None) -> None:
-    """``torch.save`` into ``path``, flushed to the disk before returning (errors name
-    ``target``, see :func:`write_synced`)."""
-    write_synced(path, lambda f: torch.save(obj, f), target)
+    """``torch.save`` into ``path``, with the checksums of its tensors
+    (:func:`~lightning_fastopt.checkpoint.checksums.save_checksummed`), flushed to the disk
+    before returning (errors name ``target``, see :func:`write_synced`)."""
+    write_synced(path, lambda f: save_checksummed(obj, f), target)
 
 
 def _host() -> str:
@@ -202,7 +204,20 @@ class CheckpointFiles:
 SHARDED_METADATA = "meta.pt"
 # torch's distributed checkpoint (its metadata and each rank's shards) and Lightning's file beside them
 DISTRIBUTED_CHECKPOINT_FILES = CheckpointFiles(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
-                                               + re.escape(SHARDED_METADATA))
+                                               + re.escape(SHARDED_METADATA) + "|" + re.escape(DISTRIBUTED_FILE))
+
+
+def check_output_file(path, overwrite: bool) -> None:
+    """Where a new file is to be written under ``path`` (``consolidate``'s output): a
+    directory there is never replaced (IsADirectoryError), an existing file only when
+    ``overwrite`` is set (FileExistsError); both name ``path``."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory: nothing was written (a directory is never replaced; "
+                                "name a file)", path)
+    if os.path.lexists(path) and not overwrite:
+        raise FileExistsError(errno.EEXIST, "exists: nothing was written (to replace it, pass --overwrite, or "
+                              "overwrite=True)", path)
 
 
 def save_staged(path, write: Callable[[str], None], ranks, files: CheckpointFiles | None = None,

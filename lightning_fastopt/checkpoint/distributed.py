@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA, save_atomically
+from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA, check_output_file, save_atomically
+from lightning_fastopt.checkpoint.checksums import verify_distributed
 from lightning_fastopt.checkpoint.reading import read_checkpoint_file
-from lightning_fastopt.checkpoint.replacing import check_output_file
 from lightning_fastopt.checkpoint.safe_loading import check_distributed
 
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
@@ -45,6 +45,7 @@ def consolidate_distributed(path, out=None, *, overwrite: bool = False,
     ``weights_only=False`` only for files you trust."""
     if out is not None:
         check_output_file(out, overwrite)
+    verify_distributed(path)
     check_distributed(path, weights_only)
     checkpoint = _read_shards(path)
     meta = os.path.join(os.fspath(path), SHARDED_METADATA)

@@ -18,14 +18,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from lightning_fastopt.checkpoint.checksums import verify_file
+from lightning_fastopt.checkpoint.errors import BrokenCheckpointError
 from lightning_fastopt.checkpoint.safe_loading import (CheckpointClassNotFoundError, SafeLoaderRefusedError,
                                                        missing_classes, refusal)
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive
 
 
-class BrokenCheckpointError(ValueError):
-    """A checkpoint file (or a sharded directory's manifest) cannot be read as one."""
 
 
 def _diagnosis(path: str) -> str:
@@ -44,9 +44,11 @@ def _diagnosis(path: str) -> str:
 
 def read_checkpoint_file(path, load: Callable[[str], Any], *, what: str = "checkpoint",
                          needs: str | None = "state_dict") -> Any:
-    """``load(path)``, or BrokenCheckpointError naming ``path`` when the file cannot be read
-    as one (SafeLoaderRefusedError where torch's safe loader refused it); ``needs``: a key
-    the loaded dictionary must have."""
+    """``load(path)``, checked against the checksums the file holds
+    (:func:`~lightning_fastopt.checkpoint.checksums.verify_file`), or BrokenCheckpointError
+    naming ``path`` when the file cannot be read as one (ChecksumMismatchError, one of them,
+    where a tensor does not match its checksum; SafeLoaderRefusedError where torch's safe
+    loader refused it); ``needs``: a key the loaded dictionary must have."""
     path = os.fspath(path)
     try:
         loaded = load(path)
@@ -59,6 +61,7 @@ def read_checkpoint_file(path, load: Callable[[str], Any], *, what: str = "check
             raise not_damaged from err
         raise BrokenCheckpointError(f"cannot read the {what} {path}: {_diagnosis(path)} "
                                     f"({type(err).__name__}: {_first_line(err)})") from err
+    verify_file(loaded, path, f"the {what} {path}")
     if needs is not None:
         check_holds(loaded, path, needs, what)
     return loaded

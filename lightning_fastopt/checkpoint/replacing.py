@@ -8,12 +8,12 @@ a file only where it is recognisably a checkpoint and holds nothing else
 directory that also holds files of the user's, is refused with an error that says which
 (Lightning's ``ModelParallelStrategy`` deletes the second whole).  A directory saved
 over a directory keeps the user's files (:func:`~lightning_fastopt.checkpoint.atomic.replace_path`).
-``consolidate`` writes a new file and replaces one only when asked (:func:`check_output_file`).
+``consolidate`` writes a new file and replaces one only when asked
+(:func:`~lightning_fastopt.checkpoint.atomic.check_output_file`).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, SHARDED_METADATA, CheckpointFiles
@@ -71,16 +71,3 @@ def refuse_to_replace_a_directory(path) -> None:
 def _listed(names: list[str], most: int = 5) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def check_output_file(path, overwrite: bool) -> None:
-    """Where a new file is to be written under ``path`` (``consolidate``'s output): a
-    directory there is never replaced (IsADirectoryError), an existing file only when
-    ``overwrite`` is set (FileExistsError); both name ``path``."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "is a directory: nothing was written (a directory is never replaced; "
-                                "name a file)", path)
-    if os.path.lexists(path) and not overwrite:
-        raise FileExistsError(errno.EEXIST, "exists: nothing was written (to replace it, pass --overwrite, or "
-                              "overwrite=True)", path)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA
+
 # the first words of the error torch.load raises when its safe unpickler refuses a file
 _REFUSED = "Weights only load failed"
 
@@ -135,9 +137,9 @@ def _reason(error: BaseException) -> str:
 def check_before_loading(path, weights_only: bool | None) -> None:
     """:func:`check_distributed` for a distributed checkpoint directory, :func:`check_file`
     for a file (what Lightning's FSDP strategies read); anything else is left to the load."""
-    from lightning_fastopt.checkpoint.distributed import is_distributed
-
-    if is_distributed(path):
+    directory = os.fspath(path)
+    if os.path.isfile(os.path.join(directory, ".metadata")) \
+            and os.path.isfile(os.path.join(directory, SHARDED_METADATA)):  # (distributed.is_distributed)
         check_distributed(path, weights_only)
     elif os.path.isfile(path):
         check_file(path, weights_only)
@@ -170,8 +172,6 @@ def check_distributed(path, weights_only: bool | None) -> None:
     is loaded into the model or the optimizers."""
     if weights_only is False:
         return
-    from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA
-
     check_file(os.path.join(os.fspath(path), SHARDED_METADATA), weights_only)
     _load_entries_safely(path, weights_only)
 

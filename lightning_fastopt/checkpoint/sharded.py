@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, save_atomically, save_staged, save_synced, temp_path,
-                                                 write_synced)
+from lightning_fastopt.checkpoint.atomic import (CheckpointFiles, check_output_file, save_atomically, save_staged,
+                                                 save_synced, temp_path, write_synced)
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError, check_holds, read_checkpoint_file
 from lightning_fastopt.optim.base import hyperparameters
@@ -96,10 +96,12 @@ def save_sharded(checkpoint: dict[str, Any], path, ranks: Ranks, *, zero_stage: 
 
 
 def write_shard(staging: str, rank: int, optimizer_states: list[dict[str, Any]]) -> None:
+    """This rank's optimizer states (one file, its tensors' checksums in it)."""
     save_synced(optimizer_states, os.path.join(staging, shard_file(rank)))
 
 
 def write_main(staging: str, checkpoint: dict[str, Any]) -> None:
+    """Everything but the optimizer states (one file, its tensors' checksums in it)."""
     save_synced({k: v for k, v in checkpoint.items() if k != "optimizer_states"}, os.path.join(staging, MAIN_FILE))
 
 
@@ -182,8 +184,6 @@ def consolidate(path, out=None, *, overwrite: bool = False, weights_only: bool |
     is replaced only with ``overwrite``, a directory never (checked before ``path`` is
     read).  ``weights_only=False`` loads what torch's safe loader refuses: only for files
     you trust."""
-    from lightning_fastopt.checkpoint.replacing import check_output_file  # (it reads this module's file names)
-
     if out is not None:
         check_output_file(out, overwrite)
     checkpoint = load_sharded(path, weights_only)

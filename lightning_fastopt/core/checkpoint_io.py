@@ -1,6 +1,8 @@
 """AtomicCheckpointIO: Lightning checkpoints that are either complete or absent.
 
-Lightning's own writer streams the bytes into the final file name; a process killed
+Each tensor's checksum is saved beside it and checked when the file is read
+(:mod:`~lightning_fastopt.checkpoint.checksums`).  Lightning's own writer streams the bytes
+into the final file name; a process killed
 mid-write (out of memory, SIGKILL, node failure) can leave a truncated file under the
 name that ``ckpt_path="last"`` then picks.  This writer saves local paths with
 :func:`lightning_fastopt.checkpoint.atomic.save_atomically` (a temporary file, flushed,

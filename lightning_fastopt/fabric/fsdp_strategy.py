@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
+from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
@@ -224,13 +225,17 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             refuse_to_replace_a_directory(self.broadcast(path))
         views = self._as_torch_holds_them(state)
         save_staged(path, lambda staging: super(FastOptFabricFSDPStrategy, self).save_checkpoint(
-            staging, views, storage_options=storage_options, filter=filter), self, DISTRIBUTED_CHECKPOINT_FILES)
+            staging, views, storage_options=storage_options, filter=filter), self, DISTRIBUTED_CHECKPOINT_FILES,
+                    before_move=checksum_staged)
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None):
         """Fabric's, loading each optimizer we step as torch would hold it, then into its
         engine; a checkpoint that torch's safe loader refuses is refused before anything is
-        loaded (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`)."""
+        loaded (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and
+        so is a distributed one whose checksums do not match
+        (:mod:`~lightning_fastopt.checkpoint.checksums`)."""
+        verify_distributed_once(self.broadcast(path), self)
         check_before_loading(self.broadcast(path), weights_only)
         if not isinstance(state, dict):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)

@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_fastopt import ops
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
+from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import SafeLoaderRefusedError, check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
@@ -359,7 +360,8 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
         if not self._save_distributed_checkpoint:
             refuse_to_replace_a_directory(self.broadcast(filepath))
         save_staged(filepath, lambda staging: super(FSDPTrainerStrategy, self).save_checkpoint(
-            checkpoint, staging, storage_options), self, DISTRIBUTED_CHECKPOINT_FILES)
+            checkpoint, staging, storage_options), self, DISTRIBUTED_CHECKPOINT_FILES,
+                    before_move=checksum_staged)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -367,9 +369,13 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
         distributed or full checkpoint): each engine's optimizer state is loaded into the
         optimizer as torch would hold it, then taken over by the engine.  A checkpoint that
         torch's safe loader refuses is refused before anything is loaded
-        (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`)."""
+        (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and so is
+        a distributed one whose checksums do not match
+        (:mod:`~lightning_fastopt.checkpoint.checksums`)."""
+        path = self.broadcast(checkpoint_path)
+        verify_distributed_once(path, self)
         try:
-            check_before_loading(self.broadcast(checkpoint_path), weights_only)
+            check_before_loading(path, weights_only)
         except SafeLoaderRefusedError as refused:
             raise refused.with_ways(_FIT_DROPS_WEIGHTS_ONLY) from refused
         taken = list(self._optimizers)
