@@ -97,8 +97,8 @@ def main(argv=None) -> None:
           f"{low * 1e3:+.1f} and "
           f"{high * 1e3:+.1f} ms)")
     print(f"the hashing alone        {hashing * 1e3:9.1f} ms ({hashing / plain * 100:.1f}% of a save; "
-          f"{nbytes / hashing / 2**30:.1f} GiB/s), beside the flush of torch's bytes to the disk "
-          f"({flush * 1e3:.1f} ms: {'it hides the hashing' if flush > hashing else 'shorter than the hashing'})")
+          f"{nbytes / hashing / 2**30:.1f} GiB/s), run beside the flush of torch's bytes to the disk "
+          f"({flush * 1e3:.1f} ms{', shorter than the hashing' if flush <= hashing else ''})")
     print(f"load (mapped)            {statistics.median(loads) * 1e3:9.1f} ms")
     print(f"check at load            {statistics.median(checks) * 1e3:9.1f} ms (the file in the page cache)")
 

@@ -58,6 +58,7 @@ def test_benchmark_scripts_run(tmp_path):
         "watch": ["benchmarks/weight_watch.py", "--numel", "1e5", "--tensors", "10", "--repeat", "1"],
         "gpt": ["benchmarks/gpt_offload.py", "--tiny", "--configs", "fastopt:1:delayed:module", "--timeline",
                 str(tmp_path)],
+        "checksums": ["benchmarks/checkpoint_checksums.py", "--dir", str(tmp_path), "--params", "2e5", "--repeats", "2"],
     }
     running = {name: subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=subprocess_env(REPO))
@@ -77,6 +78,7 @@ def test_benchmark_scripts_run(tmp_path):
     assert "| CPU | 1e+05 bfloat16" in out["watch"] and "floor / per step" in out["watch"]
     assert "| fastopt:1:delayed:module |" in out["gpt"] and "| CPU update |" in out["gpt"]
     assert (tmp_path / "timeline_fastopt_1_delayed_module.png").is_file()
+    assert "save with checksums" in out["checksums"] and "check at load" in out["checksums"]
 
 
 def test_the_gpt_benchmark_reads_its_configurations():

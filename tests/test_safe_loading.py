@@ -261,3 +261,12 @@ def test_a_pickle_that_would_run_a_command_runs_nothing_under_fabric(tmp_path):
     buffer = io.BytesIO(path.read_bytes())  # and with the opt-in, it runs: the test can fail
     torch.load(buffer, weights_only=False)
     assert marker.exists()
+
+
+def test_the_errors_cross_processes_whole():
+    """Pickled (an error sent from one process to another), each error keeps its message."""
+    refused = SafeLoaderRefusedError("the checkpoint x.ckpt", ["tests.user_objects.UserConfig"]).with_ways("ways")
+    missing = CheckpointClassNotFoundError("the checkpoint x.ckpt", ["__main__.Ghost"])
+    for err in (refused, missing):
+        again = pickle.loads(pickle.dumps(err))
+        assert type(again) is type(err) and str(again) == str(err) and again.names == err.names

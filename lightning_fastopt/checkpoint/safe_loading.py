@@ -45,7 +45,7 @@ class SafeLoaderRefusedError(pickle.UnpicklingError):
             "python -m lightning_fastopt.checkpoint consolidate --no-weights-only)")
 
     def __init__(self, where: str, names: list[str], reason: str = "", ways: str | None = None) -> None:
-        self.where, self.names, self._reason = where, list(names), reason
+        self.where, self.names, self._reason, self._ways = where, list(names), reason, ways
         if names:
             held = f"it holds Python objects that torch's safe loader (weights_only=True) does not load: " \
                    f"{', '.join(names)}"
@@ -58,6 +58,9 @@ class SafeLoaderRefusedError(pickle.UnpicklingError):
             f"{where} was not loaded, for safety: {held}. The file is not damaged. If you trust where it comes "
             f"from, load it with {ways or self.WAYS}, or allow them with {allow}; loading without weights_only "
             f"runs whatever the file's pickle calls.")
+
+    def __reduce__(self):  # (pickled with its own arguments: an error crossing processes)
+        return type(self), (self.where, self.names, self._reason, self._ways)
 
     def with_ways(self, ways: str) -> SafeLoaderRefusedError:
         """The same refusal, giving ``ways`` as the ways to load without the safe loader."""
@@ -77,6 +80,9 @@ class CheckpointClassNotFoundError(ImportError):
                 "for consolidate), or set them on the __main__ module before loading.") if main else ""
         super().__init__(f"{where} names Python classes or functions that this process cannot import: "
                          f"{', '.join(names)}. The file is not damaged: load it where they can be imported.{hint}")
+
+    def __reduce__(self):  # (pickled with its own arguments: an error crossing processes)
+        return type(self), (self.where, self.names)
 
 
 def missing_classes(source: Any, error: BaseException, where: str) -> CheckpointClassNotFoundError | None:

@@ -6,13 +6,17 @@ step's phases) and then chooses the fraction, every rank taking rank 0's.  The o
 optimizer is rebuilt with it between two steps
 (:meth:`~lightning_fastopt.offload.OffloadOptimizer.with_fraction`, the same state: the run
 computes what it would have at any fraction): where it is the engine (DDP's strategy), the
-engine is replaced; where a wrapper steps its share through one (FSDP's
+strategy's :class:`~lightning_fastopt.trainer.engine_set.EngineSet` takes the new one in
+its place; where a wrapper steps its share through one (FSDP's
 :class:`~lightning_fastopt.fsdp.LocalShardOptimizer`, its ``local``), the wrapper's is.
+
+:class:`AutoFractionSteps` is the strategy's part for it: started at each set-up, asked to
+run every optimizer step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -20,55 +24,53 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.auto_fraction import PROBE_SKIP, PROBE_STEPS, AutoFraction
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
-from lightning_fastopt.optim.takeover import engine_of, take_over
+from lightning_fastopt.optim.takeover import engine_of
+from lightning_fastopt.trainer.engine_set import EngineSet
 
 
 class AutoFractionSteps:
-    """A mixin of the Trainer strategies, after
-    :class:`~lightning_fastopt.trainer.engine_table.EngineTable` (whose ``_engine_at`` it
-    updates): the subclass calls :meth:`_start_auto_fraction` once its engines are built
-    and runs each optimizer step through :meth:`_step_probed`."""
+    """The probe of a fit with ``offload_fraction="auto"`` (none otherwise), over the
+    strategy's ``engines``."""
 
-    _auto: AutoFraction | None = None  # the probe of a fit with offload_fraction="auto"
+    def __init__(self, engines: EngineSet) -> None:
+        self.engines = engines
+        self._auto: AutoFraction | None = None
 
-    def _start_auto_fraction(self, trainer, auto: bool, budget_gb: float | None) -> None:
+    def start(self, trainer, auto: bool, budget_gb: float | None, root_device, broadcast: Callable[[Any], Any]) -> None:
+        """At each set-up, once the engines are built: a new probe where ``auto``."""
         self._auto = None
         if not auto:
             return
-        if not self.lightning_module.automatic_optimization:
+        if not trainer.lightning_module.automatic_optimization:
             raise ValueError("offload_fraction='auto' measures the forward and backward that Lightning runs in "
                              "each step's closure (automatic optimization); with manual optimization give a number")
-        if budget_gb is not None and self.root_device.type != "cuda":
+        if budget_gb is not None and root_device.type != "cuda":
             raise ValueError(f"gpu_memory_budget_gb needs a CUDA device to measure memory on, this run is on "
-                             f"{self.root_device}")
+                             f"{root_device}")
         rank_zero_info(f"lightning_fastopt: offload_fraction='auto': the first {PROBE_SKIP + PROBE_STEPS} steps run "
                        f"with everything offloaded, the last {PROBE_STEPS} of them measured")
-        self._auto = AutoFraction(self.root_device, budget_gb, trainer.accumulate_grad_batches,
-                                  agree=lambda f: float(self.broadcast(f)))
+        self._auto = AutoFraction(root_device, budget_gb, trainer.accumulate_grad_batches,
+                                  agree=lambda f: float(broadcast(f)))
 
-    def _step_probed(self, optimizer, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]) -> Any:
+    def step(self, optimizer, optimizers: Sequence[Any], closure: Callable[[], Any],
+             step: Callable[[Callable[[], Any]], Any], skipped: Callable[[], bool]) -> Any:
         """``step(closure)``, the optimizer step, timed while the probe measures; once it
-        has chosen, the offload optimizer runs at the chosen fraction from the next step on."""
+        has chosen, the offload optimizer runs at the chosen fraction from the next step on.
+        ``skipped()``: whether the precision plugin skipped that step (an fp16 overflow)."""
         engine = engine_of(optimizer)
         probed = _probed(engine) if self._auto is not None else None
         if probed is None:
             return step(closure)
         out = step(self._auto.closure(probed, closure))
-        settled = self._auto.after_step(probed, self.precision_plugin.last_step_skipped)
+        settled = self._auto.after_step(probed, skipped())
         if settled is not None:
             new, why = settled
             rank_zero_info(f"lightning_fastopt: {why}")
-            self._settle(engine, new)
+            if isinstance(engine, LocalOffloadWrapper):
+                engine.local = new
+            else:
+                self.engines.replace(optimizers, engine, new)
         return out
-
-    def _settle(self, engine, new: OffloadOptimizer) -> None:
-        if isinstance(engine, LocalOffloadWrapper):
-            engine.local = new
-            return
-        for i, held in self._engine_at.items():
-            if held is engine:
-                self._engine_at[i] = new
-                take_over(self.optimizers[i], new)
 
 
 def _probed(engine) -> OffloadOptimizer | None:

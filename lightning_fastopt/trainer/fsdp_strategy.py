@@ -53,15 +53,15 @@ from lightning_fastopt.fsdp.unit_waits import UnitWaits
 from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
-from lightning_fastopt.trainer.engine_table import EngineTable
+from lightning_fastopt.trainer.engine_choice import runs_in_engine
+from lightning_fastopt.trainer.engine_hooks import EngineHooks
 from lightning_fastopt.trainer.grad_readers import forward_waits_refusals, gradient_readers, say_forward_waits
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
-from lightning_fastopt.trainer.weight_waits import WeightWaits
 
 __all__ = ["FSDPTrainerStrategy"]
 
-class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, PrecisionSlot):
+class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
     """FSDP2 (ZeRO stage 3) with the fused, offloaded optimizer step on each rank's shards.
 
     Args:
@@ -177,11 +177,11 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
         self._scale_knobs = options.scale_knobs  # before Lightning's __init__, which sets the precision plugin
         self._foreign_precision = None
         self._threads = TorchThreads()
-        self._engine_at: dict[int, LocalShardOptimizer] = {}  # the engine of each of self.optimizers that has one
         self._unit_waits: UnitWaits | None = None  # the FSDP units' forward pre-hooks (forward_waits="module")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
+        self._auto_fraction = AutoFractionSteps(self._engines)  # (EngineHooks made self._engines)
 
     @property
     def offload_fraction(self) -> float:
@@ -261,7 +261,10 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
                                        host_gradients=HostGradientLandings(module) if on_host else None,
                                        **arguments, **self._streams(trainer, device_grads, fused))
 
-        self._take_over_optimizers(engine)
+        in_engine = [runs_in_engine(opt, self.package.MockOptimizer, self.closure_optimizers, self._steps_on_shares)
+                     for opt in self.optimizers]
+        self._engines.take_over(self.optimizers, in_engine, engine)
+        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (EngineHooks)
         if by_unit:
             if self._unit_waits is not None:  # (set up again without a teardown between)
                 self._unit_waits.remove()
@@ -269,9 +272,9 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
             for e in self.engines:
                 e.modules_wait_for(self._unit_waits.covered)
                 _say_if_its_steps_wait(e)
-        self._start_auto_fraction(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb)
+        self._auto_fraction.start(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb,
+                                  self.root_device, self.broadcast)
 
-    @override
     def _steps_on_shares(self, optimizer) -> bool:
         """Where its step may run on each rank's rows
         (:func:`~lightning_fastopt.optim.known_steps.steps_rows`); else it runs as torch runs
@@ -283,8 +286,10 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        return self._step_probed(optimizer, closure, lambda timed: super(FSDPTrainerStrategy, self).optimizer_step(
-            optimizer, timed, model, **kwargs))
+        return self._auto_fraction.step(
+            optimizer, self.optimizers, closure,
+            lambda timed: super(FSDPTrainerStrategy, self).optimizer_step(optimizer, timed, model, **kwargs),
+            lambda: self.precision_plugin.last_step_skipped)
 
     def _device_grads(self, trainer, on_host: bool) -> str:
         """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line
@@ -347,7 +352,8 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
         """``ModelParallelStrategy``'s (torch's distributed state dict, in torch's layout) of
         the optimizer as torch would hold it: the user's class with the engine's state,
         DTensors over this rank's rows."""
-        return super().optimizer_state(held_as_torch(optimizer) if self._engine_for(optimizer) else optimizer)
+        held = self._engines.engine_for(self.optimizers, optimizer) is not None
+        return super().optimizer_state(held_as_torch(optimizer) if held else optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -379,14 +385,14 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
         except SafeLoaderRefusedError as refused:
             raise refused.with_ways(_FIT_DROPS_WEIGHTS_ONLY) from refused
         taken = list(self._optimizers)
-        views = [held_as_torch(o) if self._engine_for(o) else o for o in taken]
+        views = [held_as_torch(o) if self._engines.engine_for(taken, o) else o for o in taken]
         self._optimizers = views
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         finally:
             self._optimizers = taken
         for opt, view in zip(taken, views):
-            engine = self._engine_for(opt)
+            engine = self._engines.engine_for(taken, opt)
             if engine is not None:
                 engine.load_param_state(view.state, view.param_groups)
         return checkpoint
@@ -394,7 +400,8 @@ class FSDPTrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, Precision
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        self._release_engines()
+        self._engines.release(self.optimizers)
+        self._threads.restore()
         if self._unit_waits is not None:
             self._unit_waits.remove()
             self._unit_waits = None

@@ -118,10 +118,10 @@ class OneProcessTrainerStrategy:
         strategy, through ``block_backward_sync``): the offload optimizers copy nothing
         during it, as with several processes, so that gradients add up on the device as
         torch adds them.  (``Strategy.backward`` calls this hook and ``post_backward``.)"""
-        self._set_accumulating(not self._stepping and self.lightning_module.automatic_optimization)
+        self._engines.set_accumulating(not self._stepping and self.lightning_module.automatic_optimization)
         super().pre_backward(closure_loss)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self._set_accumulating(False)
+        self._engines.set_accumulating(False)
         super().post_backward(closure_loss)

@@ -52,7 +52,6 @@ from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
-from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.known_steps import say_steps_as_torch, steps_per_parameter
 from lightning_fastopt.optim.takeover import engine_of
@@ -60,17 +59,17 @@ from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.copy_plan import CopyPlan
 from lightning_fastopt.trainer.engine_checkpoints import EngineCheckpoints
-from lightning_fastopt.trainer.engine_table import EngineTable
+from lightning_fastopt.trainer.engine_choice import runs_in_engine, steps_as_torch
+from lightning_fastopt.trainer.engine_hooks import EngineHooks
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
-from lightning_fastopt.trainer.weight_waits import WeightWaits
 
 __all__ = ["TrainerStrategy"]
 
 
-class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpoints, CopyPlan, PrecisionSlot):
+class TrainerStrategy(EngineHooks, CopyPlan, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -216,13 +215,13 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
         self._torch_steps: list[str] = []  # the run's optimizers that run as torch, decided at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
-        # the engine of each of self.optimizers that has one, by position (kept after fit)
-        self._engine_at: dict[int, OptimizerWrapper] = {}
         self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._foreign_precision = None  # a plugin we cannot step with, kept for evaluation (PrecisionSlot)
         self._threads = TorchThreads()
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # (EngineHooks makes self._engines: the engines, once set up)
+        self._checkpoints = EngineCheckpoints(self._engines, self.zero_stage)
+        self._auto_fraction = AutoFractionSteps(self._engines)
 
     def __ne__(self, other: object) -> bool:
         """Lightning's Trainer compares its ``strategy`` argument with names (``!= "auto"``)
@@ -267,8 +266,9 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
         super().setup_optimizers(trainer)
-        in_engine = self._decide_engines()
-        self._torch_steps = self._steps_as_torch(in_engine)
+        in_engine = [runs_in_engine(opt, self.package.MockOptimizer, self.closure_optimizers, self._steps_on_shares)
+                     for opt in self.optimizers]
+        self._torch_steps = steps_as_torch(self.optimizers, in_engine, self.package.MockOptimizer)
         if (self._torch_steps and self.zero_stage == 2 and self.world_size > 1
                 and not isinstance(self.model, DistributedDataParallel)):  # (wrapped already where code reads grads)
             rank_zero_info(f"lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does (all-reduced by DDP): "
@@ -288,16 +288,17 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
             return wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
                                         **offload_arguments(self), **extra)
 
-        self._take_over_optimizers(make_engine, in_engine)
-        if self._engine_at:
+        self._engines.take_over(self.optimizers, in_engine, make_engine)
+        self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (EngineHooks)
+        if len(self._engines):
             self._say_delays()
         if by_module:
-            self._forward_waits = ForwardWaits(self.lightning_module, self._offload_optimizers)
-            for o in self._offload_optimizers():
+            self._forward_waits = ForwardWaits(self.lightning_module, self._engines.offload_optimizers)
+            for o in self._engines.offload_optimizers():
                 o.modules_wait_for(self._forward_waits.covered)
-        self._start_auto_fraction(trainer, self.auto_fraction, self.gpu_memory_budget_gb)
+        self._auto_fraction.start(trainer, self.auto_fraction, self.gpu_memory_budget_gb, self.root_device,
+                                  self.broadcast)
 
-    @override
     def _steps_on_shares(self, optimizer) -> bool:
         """Where its step is known to update each parameter alone
         (:func:`~lightning_fastopt.optim.known_steps.steps_per_parameter`); else it runs as
@@ -306,9 +307,6 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
             return True
         say_steps_as_torch(optimizer)
         return False
-
-    def _offload_optimizers(self) -> list[OffloadOptimizer]:
-        return [o for o in self._engine_at.values() if isinstance(o, OffloadOptimizer)]
 
     def _say_delays(self) -> None:
         """What ``delayed_update=True`` does in this run, in one line."""
@@ -326,8 +324,10 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
         raw = engine_of(optimizer)
         self._stepping = True
         try:
-            out = self._step_probed(optimizer, closure, lambda timed: super(TrainerStrategy, self).optimizer_step(
-                optimizer, timed, model, **kwargs))
+            out = self._auto_fraction.step(
+                optimizer, self.optimizers, closure,
+                lambda timed: super(TrainerStrategy, self).optimizer_step(optimizer, timed, model, **kwargs),
+                lambda: self.precision_plugin.last_step_skipped)
         finally:
             self._stepping = False
         if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
@@ -346,10 +346,43 @@ class TrainerStrategy(EngineTable, WeightWaits, AutoFractionSteps, EngineCheckpo
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    # ------------------------------------------------------------------ checkpoints (EngineCheckpoints)
+    @property
+    @override
+    def checkpoint_io(self) -> Any:
+        """As Lightning's strategies fill theirs, when first asked: the user's plugin, or
+        ours (:meth:`~lightning_fastopt.trainer.engine_checkpoints.EngineCheckpoints.writer`)."""
+        self._checkpoint_io = EngineCheckpoints.writer(self._checkpoint_io, self.package.WrappingCheckpointIO)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        self._checkpoints.save(checkpoint, filepath, self, lambda c, path: super(TrainerStrategy, self).save_checkpoint(
+            c, path, storage_options))
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return self._checkpoints.optimizer_state(self.optimizers, optimizer,
+                                                 super(TrainerStrategy, self).optimizer_state)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        return EngineCheckpoints.load(checkpoint_path, weights_only, super(TrainerStrategy, self).load_checkpoint)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        EngineCheckpoints.load_optimizer_states(checkpoint, self.optimizers)
+
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        self._release_engines()
+        self._engines.release(self.optimizers)
+        self._threads.restore()
         if self._forward_waits is not None:
             self._forward_waits.remove()
             self._forward_waits = None
