@@ -761,7 +761,7 @@ def test_the_window_takes_what_the_state_needs_and_one_line_says_where_it_is(tmp
     opt.close()
 
 
-def test_a_window_the_host_cannot_hold_or_without_the_disk_is_refused_when_built(tmp_path):
+def test_a_window_the_host_cannot_hold_or_without_the_disk_or_under_two_buckets_is_refused_when_built(tmp_path):
     from torch import nn
 
     from lightning_fastopt import FastOptFSDPStrategy, FastOptStrategy, estimate_memory
@@ -776,7 +776,11 @@ def test_a_window_the_host_cannot_hold_or_without_the_disk_is_refused_when_built
             build(nvme_window_mb=64)
     with pytest.raises(ValueError, match="nvme_window_mb is for offload_optimizer_device='nvme'"):
         estimate_memory(nn.Linear(2, 2), nvme_window_mb=64)
-    FastOptStrategy(**disk, nvme_window_mb=64)  # a window the host holds is taken
+    for build in (FastOptStrategy, FastOptFSDPStrategy):  # the two-bucket minimum, known once the buckets' size is
+        with pytest.raises(ValueError, match=r"nvme_window_mb=100 cannot hold two host buckets of bucket_size_mb=64"
+                                             r"\.0 .* give 128 at least \(about 384 with Adam's two moments\)"):
+            build(**disk, nvme_window_mb=100)
+    FastOptStrategy(**disk, nvme_window_mb=128)  # a window the host holds, of two buckets, is taken
 
 
 def test_nvme_path_removed_during_a_run_is_said_at_the_next_save(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
-from lightning_fastopt.offload.state_tiers import check_offload_device
+from lightning_fastopt.offload.state_tiers import check_offload_device, check_window_holds_two_buckets
 from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.optim.closure import check_closure_optimizers, check_optimizer_names
 from lightning_fastopt.optim.base import check_range
@@ -64,6 +64,8 @@ class StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
+        if offload_optimizer_device == "nvme" and nvme_window_mb is not None:
+            check_window_holds_two_buckets(nvme_window_mb, bucket_size_mb)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
                            ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step)):

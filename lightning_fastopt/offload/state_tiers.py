@@ -53,8 +53,8 @@ from lightning_fastopt.runtime.byte_sizes import readable_bytes
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
 
-__all__ = ["DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES", "check_device_and_window",
-           "check_offload_device", "make_tier"]
+__all__ = ["DEFAULT_WINDOW_MB", "DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES",
+           "check_device_and_window", "check_offload_device", "check_window_holds_two_buckets", "make_tier"]
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 DEFAULT_WINDOW_MB = 512  # the most the disk tier's window takes where nvme_window_mb is None
@@ -711,6 +711,17 @@ def check_device_and_window(device: Any, nvme_window_mb: Any) -> None:
         raise ValueError(f"nvme_window_mb must be a positive number of MiB (host memory for the buckets read from "
                          f"and written to disk) or None (what the state needs, {DEFAULT_WINDOW_MB} MiB at most), "
                          f"got {nvme_window_mb!r}")
+
+
+def check_window_holds_two_buckets(nvme_window_mb: float, bucket_size_mb: float) -> None:
+    """Refuse a window that cannot hold two buckets' masters (each bucket's region holds its
+    masters and its state besides: one bucket is updated while the next is read), when the
+    strategy is built; the exact need, with the optimizer's state, is checked at set-up."""
+    if nvme_window_mb < 2 * bucket_size_mb:
+        raise ValueError(f"nvme_window_mb={nvme_window_mb!r} cannot hold two host buckets of bucket_size_mb="
+                         f"{bucket_size_mb!r} (one is updated while the next is read): give {2 * bucket_size_mb:.4g} "
+                         f"at least (about {6 * bucket_size_mb:.4g} with Adam's two moments), a smaller "
+                         f"bucket_size_mb, or None (what the state needs, {DEFAULT_WINDOW_MB} MiB at most)")
 
 
 def host_memory_bytes() -> int | None:
