@@ -118,3 +118,20 @@ def test_the_checksums_name_every_tensor_by_its_path():
     assert set(digests(state)) == {"a", "b/0", "b/1/c"}
     assert digests({"x": torch.ones(2)}) == digests({"x": torch.ones(2)}) != digests({"x": torch.zeros(2)})
     assert digests({"x": torch.ones(2, dtype=torch.bfloat16)}) != digests({"x": torch.ones(2)})
+
+
+def test_what_is_not_torchs_zip_archive_gets_no_checksums_and_loads_unchecked(tmp_path, monkeypatch):
+    """A ``torch.save`` stood in for (Lightning's own tests do it) writes nothing: the save
+    goes through without a record; a file in torch's legacy format loads unchecked."""
+    from lightning_fastopt.checkpoint.atomic import save_atomically
+    from lightning_fastopt.checkpoint.reading import read_checkpoint_file
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", lambda obj, f, **kw: None)
+        save_atomically({"a": torch.ones(2)}, tmp_path / "nothing.ckpt")
+    assert (tmp_path / "nothing.ckpt").read_bytes() == b""
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
+    assert saved_checksums(legacy) is None
+    assert torch.equal(read_checkpoint_file(legacy, lambda p: torch.load(p, weights_only=True))["state_dict"]["w"],
+                       torch.ones(2))

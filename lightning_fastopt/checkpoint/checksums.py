@@ -89,8 +89,8 @@ def save_checksummed(obj: Any, f: IO[bytes]) -> None:
     """``torch.save(obj, f)`` into ``f`` (a new file opened for reading and writing), then
     the checksums of ``obj``'s tensors appended to it as :data:`RECORD`.  The hashing runs
     while the disk takes torch's bytes (flushed on a thread meanwhile: both release the
-    interpreter's lock), so that it costs a save little more than the append; the caller
-    flushes what the append wrote."""
+    interpreter's lock), then the record appended; the caller flushes what the append wrote.
+    What is not torch's zip archive (a ``torch.save`` a test stood in for) gets none."""
     torch.save(obj, f)
     f.flush()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-checksums") as flushing:
@@ -98,9 +98,15 @@ def save_checksummed(obj: Any, f: IO[bytes]) -> None:
         tensors = digests(obj)
         synced.result()
     f.seek(0)
+    if not zipfile.is_zipfile(f):  # not torch's zip archive (a torch.save stood in for, the legacy format)
+        f.seek(0, os.SEEK_END)
+        return
+    f.seek(0)
     with zipfile.ZipFile(f, mode="a") as archive:
-        prefix = archive.namelist()[0].split("/", 1)[0]  # torch's records are under one folder
-        archive.writestr(f"{prefix}/{RECORD}", json.dumps({"algorithm": ALGORITHM, "tensors": tensors}))
+        names = archive.namelist()
+        if names:  # torch's records are under one folder
+            archive.writestr(f"{names[0].split('/', 1)[0]}/{RECORD}",
+                             json.dumps({"algorithm": ALGORITHM, "tensors": tensors}))
 
 
 def _fsync(fd: int) -> None:
@@ -113,6 +119,8 @@ def _fsync(fd: int) -> None:
 def saved_checksums(path) -> dict[str, str] | None:
     """The checksums a file written by :func:`save_checksummed` holds (None: it holds none,
     or it is not a zip archive)."""
+    if not zipfile.is_zipfile(path):
+        return None  # torch's legacy format (or no torch file: its load says so)
     try:
         with zipfile.ZipFile(path) as archive:
             name = next((n for n in archive.namelist() if n.endswith(f"/{RECORD}")), None)
