@@ -26,8 +26,6 @@ from lightning_fastopt.checkpoint.safe_loading import (CheckpointClassNotFoundEr
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format is a zip archive
 
 
-
-
 def _diagnosis(path: str) -> str:
     try:
         size = os.path.getsize(path)
@@ -43,12 +41,13 @@ def _diagnosis(path: str) -> str:
 
 
 def read_checkpoint_file(path, load: Callable[[str], Any], *, what: str = "checkpoint",
-                         needs: str | None = "state_dict") -> Any:
+                         needs: str | None = "state_dict", verify: bool = True) -> Any:
     """``load(path)``, checked against the checksums the file holds
     (:func:`~lightning_fastopt.checkpoint.checksums.verify_file`), or BrokenCheckpointError
     naming ``path`` when the file cannot be read as one (ChecksumMismatchError, one of them,
     where a tensor does not match its checksum; SafeLoaderRefusedError where torch's safe
-    loader refused it); ``needs``: a key the loaded dictionary must have."""
+    loader refused it); ``needs``: a key the loaded dictionary must have; ``verify=False``:
+    the checksums are left to ``load`` (our checkpoint plugin checks them itself)."""
     path = os.fspath(path)
     try:
         loaded = load(path)
@@ -61,7 +60,8 @@ def read_checkpoint_file(path, load: Callable[[str], Any], *, what: str = "check
             raise not_damaged from err
         raise BrokenCheckpointError(f"cannot read the {what} {path}: {_diagnosis(path)} "
                                     f"({type(err).__name__}: {_first_line(err)})") from err
-    verify_file(loaded, path, f"the {what} {path}")
+    if verify:
+        verify_file(loaded, path, f"the {what} {path}")
     if needs is not None:
         check_holds(loaded, path, needs, what)
     return loaded

@@ -372,11 +372,11 @@ class TrainerStrategy(EngineHooks, CopyPlan, PrecisionSlot):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        return EngineCheckpoints.load(checkpoint_path, weights_only, super(TrainerStrategy, self).load_checkpoint)
+        return self._checkpoints.load(checkpoint_path, weights_only, super(TrainerStrategy, self).load_checkpoint)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        EngineCheckpoints.load_optimizer_states(checkpoint, self.optimizers)
+        self._checkpoints.load_optimizer_states(checkpoint, self.optimizers)
 
     # ------------------------------------------------------------------ teardown
     @override
