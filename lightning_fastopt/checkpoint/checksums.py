@@ -41,6 +41,7 @@ RECORD = "fastopt_checksums.json"  # the record of a torch.save zip archive that
 DISTRIBUTED_FILE = "fastopt_checksums.json"
 ALGORITHM = "xxh3_64"
 SWITCH = "LIGHTNING_FASTOPT_CHECKSUMS"  # "0": not checked at load
+HASHING_THREADS = 2  # while the disk takes torch's bytes
 
 
 class ChecksumMismatchError(BrokenCheckpointError):
@@ -80,9 +81,14 @@ def _tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(value, f"{path}/{i}" if path else str(i))
 
 
-def digests(obj: Any) -> dict[str, str]:
-    """The checksum of every tensor inside ``obj``, by its path."""
-    return {path: tensor_digest(t) for path, t in _tensors(obj)}
+def digests(obj: Any, threads: int = 1) -> dict[str, str]:
+    """The checksum of every tensor inside ``obj``, by its path (on ``threads`` threads:
+    the hashing releases the interpreter's lock)."""
+    found = list(_tensors(obj))
+    if threads <= 1 or len(found) < 2:
+        return {path: tensor_digest(t) for path, t in found}
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastopt-checksums") as pool:
+        return dict(zip((path for path, _ in found), pool.map(tensor_digest, (t for _, t in found))))
 
 
 def save_checksummed(obj: Any, f: IO[bytes]) -> None:
@@ -95,7 +101,7 @@ def save_checksummed(obj: Any, f: IO[bytes]) -> None:
     f.flush()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-checksums") as flushing:
         synced = flushing.submit(_fsync, f.fileno())
-        tensors = digests(obj)
+        tensors = digests(obj, threads=HASHING_THREADS)
         synced.result()
     f.seek(0)
     if not zipfile.is_zipfile(f):  # not torch's zip archive (a torch.save stood in for, the legacy format)
