@@ -118,6 +118,8 @@ def test_the_checksums_name_every_tensor_by_its_path():
     assert set(digests(state)) == {"a", "b/0", "b/1/c"}
     assert digests({"x": torch.ones(2)}) == digests({"x": torch.ones(2)}) != digests({"x": torch.zeros(2)})
     assert digests({"x": torch.ones(2, dtype=torch.bfloat16)}) != digests({"x": torch.ones(2)})
+    many = {f"t{i}": torch.randn(1000 + i) for i in range(40)}
+    assert list(digests(many, threads=2).items()) == list(digests(many).items())  # one run, one result
 
 
 def test_what_is_not_torchs_zip_archive_gets_no_checksums_and_loads_unchecked(tmp_path, monkeypatch):
