@@ -12,8 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA, check_output_file
-from lightning_fastopt.checkpoint.distributed import consolidate_distributed, is_distributed
+from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA, check_output_file, is_distributed
+from lightning_fastopt.checkpoint.distributed import consolidate_distributed
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError
 from lightning_fastopt.checkpoint.safe_loading import CheckpointClassNotFoundError, SafeLoaderRefusedError

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from lightning_fastopt.checkpoint.checksums import DISTRIBUTED_FILE, save_checksummed
+from lightning_fastopt.checkpoint.checksums import RECORD, save_checksummed
 
 
 def write_synced(path, write: Callable[[IO[bytes]], None], target=None) -> None:
@@ -202,9 +202,14 @@ class CheckpointFiles:
 
 # Lightning's FSDP strategies mark a sharded checkpoint directory with this file
 SHARDED_METADATA = "meta.pt"
+def is_distributed(path) -> bool:
+    """``path`` is a directory holding a distributed checkpoint written through Lightning."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, SHARDED_METADATA))
+
+
 # torch's distributed checkpoint (its metadata and each rank's shards) and Lightning's file beside them
 DISTRIBUTED_CHECKPOINT_FILES = CheckpointFiles(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|"
-                                               + re.escape(SHARDED_METADATA) + "|" + re.escape(DISTRIBUTED_FILE))
+                                               + re.escape(SHARDED_METADATA) + "|" + re.escape(RECORD))
 
 
 def check_output_file(path, overwrite: bool) -> None:

@@ -9,10 +9,10 @@ GB/s a core), by the tensor's path in what was saved (``state_dict/net.0.weight`
 - a file we write with ``torch.save`` (a single-file checkpoint, a ZeRO directory's main
   file and shard files, ``consolidate``'s output) holds them in a record of its own,
   :data:`RECORD`, beside torch's (the file is a zip archive; ``torch.load`` reads only its
-  own records), appended once torch has written its part: the hashing runs on a thread
-  while torch writes, so it costs a save little more than the append
-  (:func:`save_checksummed`; ``benchmarks/checkpoint_checksums.py``);
-- a distributed checkpoint (FSDP) holds :data:`DISTRIBUTED_FILE`, the digest of every
+  own records), appended once torch has written its part; the hashing runs on two threads
+  while the disk takes torch's bytes (:func:`save_checksummed`;
+  ``benchmarks/checkpoint_checksums.py``);
+- a distributed checkpoint (FSDP) holds a file of the same name beside its shards, the digest of every
   stored item's bytes in the ``.distcp`` files and of ``meta.pt``
   (:func:`write_distributed_checksums`, by rank 0 once every rank has written).
 
@@ -37,8 +37,8 @@ import xxhash
 
 from lightning_fastopt.checkpoint.errors import BrokenCheckpointError
 
-RECORD = "fastopt_checksums.json"  # the record of a torch.save zip archive that holds them
-DISTRIBUTED_FILE = "fastopt_checksums.json"
+# where they are: a record of a torch.save zip archive, and the file beside a distributed checkpoint's shards
+RECORD = "fastopt_checksums.json"
 ALGORITHM = "xxh3_64"
 SWITCH = "LIGHTNING_FASTOPT_CHECKSUMS"  # "0": not checked at load
 HASHING_THREADS = 2  # while the disk takes torch's bytes
@@ -158,14 +158,17 @@ def verify_file(loaded: Any, path, where: str) -> None:
         if tensor is None:
             raise ChecksumMismatchError(f"{where} is damaged: the tensor {name} it was saved with is missing")
         if tensor_digest(tensor) != value:
-            raise ChecksumMismatchError(
-                f"{where} is damaged: the tensor {name} ({_shape(tensor)}) does not hold the bytes it was saved with "
-                f"(its checksum differs): a disk or a copy changed the file; load an earlier checkpoint, or set "
-                f"{SWITCH}=0 to load it anyway")
+            raise ChecksumMismatchError(_differs(f"{where} is damaged: the tensor {name} ({_shape(tensor)})"))
     extra = sorted(set(found) - set(expected))
     if extra:
         raise ChecksumMismatchError(f"{where} is damaged: it holds tensors it was not saved with "
                                     f"({', '.join(extra[:5])})")
+
+
+def _differs(what: str) -> str:
+    """The message of ``what`` (a file, a tensor in it) whose checksum differs."""
+    return (f"{what} does not hold the bytes it was saved with (its checksum differs): a disk or a copy changed the "
+            f"file; load an earlier checkpoint, or set {SWITCH}=0 to load it anyway")
 
 
 def _shape(tensor: torch.Tensor) -> str:
@@ -205,25 +208,25 @@ def _whole_file_digest(path: str) -> str:
 
 
 def write_distributed_checksums(directory: str, side_files: tuple[str, ...] = ()) -> None:
-    """Write :data:`DISTRIBUTED_FILE` into a distributed checkpoint every rank has written:
+    """Write :data:`RECORD` into a distributed checkpoint every rank has written:
     the digest of each stored item's bytes, and of each of ``side_files`` present."""
     items = [[name, path, offset, length, _range_digest(directory, path, offset, length)]
              for name, path, offset, length in _stored_items(directory)]
     files = {name: _whole_file_digest(os.path.join(directory, name)) for name in side_files
              if os.path.isfile(os.path.join(directory, name))}
     record = {"algorithm": ALGORITHM, "items": items, "files": files}
-    with open(os.path.join(directory, DISTRIBUTED_FILE), "wb") as f:  # (flushed with the directory: save_staged)
+    with open(os.path.join(directory, RECORD), "wb") as f:  # (flushed with the directory: save_staged)
         f.write(json.dumps(record).encode())
         f.flush()
         os.fsync(f.fileno())
 
 
 def verify_distributed(directory) -> None:
-    """Check a distributed checkpoint against its :data:`DISTRIBUTED_FILE` (where it has one
+    """Check a distributed checkpoint against its :data:`RECORD` (where it has one
     and the switch is on): :class:`ChecksumMismatchError` naming the tensor (or side file)
     and the file that does not match."""
     directory = os.fspath(directory)
-    record_path = os.path.join(directory, DISTRIBUTED_FILE)
+    record_path = os.path.join(directory, RECORD)
     if not checking() or not os.path.isfile(record_path):
         return
     try:
@@ -237,16 +240,11 @@ def verify_distributed(directory) -> None:
     for name, value in files.items():
         path = os.path.join(directory, name)
         if not os.path.isfile(path) or _whole_file_digest(path) != value:
-            raise ChecksumMismatchError(f"{path} is damaged: it does not hold the bytes it was saved with (its "
-                                        f"checksum differs); load an earlier checkpoint, or set {SWITCH}=0 to load it "
-                                        "anyway")
+            raise ChecksumMismatchError(_differs(f"{path} is damaged: it"))
     for name, relative_path, offset, length, value in items:
         if _range_digest(directory, relative_path, offset, length) != value:
-            raise ChecksumMismatchError(
-                f"{os.path.join(directory, relative_path)} is damaged: the tensor {name} (bytes "
-                f"{offset}..{offset + length}) "
-                f"does not hold the bytes it was saved with (its checksum differs); load an earlier checkpoint, or "
-                f"set {SWITCH}=0 to load it anyway")
+            raise ChecksumMismatchError(_differs(f"{os.path.join(directory, relative_path)} is damaged: the tensor "
+                                                 f"{name} (bytes {offset}..{offset + length})"))
 
 
 def checksum_staged(staging: str) -> None:
@@ -255,7 +253,7 @@ def checksum_staged(staging: str) -> None:
     of torch's stored items and of the files beside them whole (Lightning's ``meta.pt``)."""
     if os.path.isdir(staging):  # the files beside torch's (Lightning's meta.pt) whole
         side = tuple(n for n in sorted(os.listdir(staging)) if not (n == ".metadata" or n.endswith(".distcp")
-                                                                     or n == DISTRIBUTED_FILE))
+                                                                     or n == RECORD))
         write_distributed_checksums(staging, side)
 
 

@@ -30,11 +30,6 @@ from lightning_fastopt.checkpoint.safe_loading import check_distributed
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 
 
-def is_distributed(path) -> bool:
-    """``path`` is a directory holding a distributed checkpoint written through Lightning."""
-    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, SHARDED_METADATA))
-
-
 def consolidate_distributed(path, out=None, *, overwrite: bool = False,
                             weights_only: bool | None = True) -> dict[str, Any]:
     """The distributed checkpoint at ``path`` as one full checkpoint, written to ``out``

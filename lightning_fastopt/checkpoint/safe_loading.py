@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA
+from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA, is_distributed
 
 # the first words of the error torch.load raises when its safe unpickler refuses a file
 _REFUSED = "Weights only load failed"
@@ -92,13 +92,20 @@ def missing_classes(source: Any, error: BaseException, where: str) -> Checkpoint
     imported here."""
     if not isinstance(error, (AttributeError, ImportError)):
         return None
+    unsafe = _unsafe_globals(source)
+    names = [n for n in unsafe or () if not _importable(n)]
+    return CheckpointClassNotFoundError(where, names) if names else None
+
+
+def _unsafe_globals(source: Any) -> list[str] | None:
+    """The globals ``source``'s pickle names that torch's safe loader does not allow, read
+    statically (sorted); None where the pickle cannot be read even so: damaged."""
     if hasattr(source, "seek"):
         source.seek(0)
     try:
-        names = sorted(n for n in torch.serialization.get_unsafe_globals_in_checkpoint(source) if not _importable(n))
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
     except Exception:
         return None
-    return CheckpointClassNotFoundError(where, names) if names else None
 
 
 def _importable(name: str) -> bool:
@@ -123,11 +130,8 @@ def refusal(source: Any, error: BaseException, where: str) -> SafeLoaderRefusedE
         return None
     if isinstance(error, SafeLoaderRefusedError):
         return error
-    if hasattr(source, "seek"):
-        source.seek(0)
-    try:
-        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
-    except Exception:
+    names = _unsafe_globals(source)
+    if names is None:
         return None  # its pickle cannot be read, even statically: damaged
     return SafeLoaderRefusedError(where, names, reason="" if names else _reason(error))
 
@@ -143,9 +147,7 @@ def _reason(error: BaseException) -> str:
 def check_before_loading(path, weights_only: bool | None) -> None:
     """:func:`check_distributed` for a distributed checkpoint directory, :func:`check_file`
     for a file (what Lightning's FSDP strategies read); anything else is left to the load."""
-    directory = os.fspath(path)
-    if os.path.isfile(os.path.join(directory, ".metadata")) \
-            and os.path.isfile(os.path.join(directory, SHARDED_METADATA)):  # (distributed.is_distributed)
+    if is_distributed(path):
         check_distributed(path, weights_only)
     elif os.path.isfile(path):
         check_file(path, weights_only)

@@ -253,11 +253,10 @@ class DiskTier:
         naming nvme_window_mb."""
         size = round_up(region_bytes, ALIGN)
         if size * len(self.window) > self.window_bytes or any(s.in_use for s in self.window if s is not holding):
-            given = f"now {self.window_mb!r}" if self.window_mb is not None else f"now None: {DEFAULT_WINDOW_MB} MiB"
             raise RuntimeError(f"a host bucket's masters and state now take {region_bytes / 2**20:.3g} MiB (state its "
                                f"optimizer does not keep was loaded): {len(self.window)} slots of the window would "
                                f"take {size * len(self.window) / 2**20:.3g} MiB (or another bucket is in a slot "
-                               f"now): give a larger nvme_window_mb ({given})")
+                               f"now): give a larger nvme_window_mb (now {self._limit()})")
         for slot in self.window:
             if slot is not holding:
                 if slot.read is not None:  # a read ahead into it: landed before the buffer goes
@@ -273,12 +272,16 @@ class DiskTier:
     def describe(self) -> str:
         """Where the state is: the file's directory and size, and the window in host memory."""
         slot = self.window[0].buffer.numel() if self.window else 0
-        limit = f"nvme_window_mb={self.window_mb!r}" if self.window_mb is not None else \
-            f"nvme_window_mb=None: what the state needs, {DEFAULT_WINDOW_MB} MiB at most"
         return (f"the offloaded masters and optimizer state on disk: a working file of "
                 f"{readable_bytes(self.disk_bytes())} in nvme_path={str(self.directory)!r} (unnamed: it goes with the "
                 f"process), read and written through a window of {len(self.window)} slot(s) of "
-                f"{readable_bytes(slot)} in host memory ({limit})")
+                f"{readable_bytes(slot)} in host memory ({self._limit()})")
+
+    def _limit(self) -> str:
+        """The most the window may take, in the words of the argument that set it."""
+        if self.window_mb is not None:
+            return f"nvme_window_mb={self.window_mb!r}"
+        return f"nvme_window_mb=None: what the state needs, {DEFAULT_WINDOW_MB} MiB at most"
 
     def disk_bytes(self) -> int:
         return self.file.size if self.file is not None else self._end
