@@ -887,8 +887,9 @@ def test_half_parameters_under_32_true_say_they_get_float32_masters(monkeypatch)
     the code made, not the records a logging set-up captured (pytest 9 captures each
     twice)."""
     import lightning_fastopt.core.engines as engines
+    import lightning_fastopt.plan.run_plan as run_plan
 
-    said = said_lines(monkeypatch, engines)
+    said = said_lines(monkeypatch, engines, run_plan)
 
     class Half(Net):
         def __init__(self):

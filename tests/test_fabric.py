@@ -118,10 +118,12 @@ def test_zero2_with_gradients_kept_says_why_it_reduces_as_stage_1(monkeypatch):
     """Fabric keeps gradients in p.grad by default, so ``fastopt_zero2`` reduces them as stage 1
     does: it logged ``ZeroOptimizer(stage 1, ...)`` without a word of why."""
     import lightning_fastopt.fabric.strategy as fabric_strategy
+    import lightning_fastopt.plan.run_plan as run_plan
 
-    said = said_lines(monkeypatch, fabric_strategy)
+    said = said_lines(monkeypatch, fabric_strategy, run_plan)
     train(_fabric("fastopt_zero2"))
-    why = [i for i, line in enumerate(said) if "ZeRO stage 2 reduces gradients as stage 1 does here" in line]
+    why = [i for i, line in enumerate(said) if "(ZeRO stage 2 reduces them as stage 1 does), as in torch: the loop's "
+           "code (keep_gradients=True, Fabric's default) can read them" in line]
     described = [i for i, line in enumerate(said) if line.startswith("lightning_fastopt: ZeroOptimizer(stage 1,")]
     assert len(why) == 1 and described and why[0] < described[0], said
     said.clear()
@@ -365,10 +367,10 @@ def test_an_own_step_not_named_runs_as_torch_and_named_is_stepped_on_the_shares(
     (``GlobalNorm``) is not known to update each parameter alone: not taken over, bit for
     bit Fabric's own, one line saying so; named in ``per_parameter_optimizers`` it is
     stepped on each share (the device's, each host bucket's), where its norm is one share's."""
-    import lightning_fastopt.optim.known_steps as known_steps
+    import lightning_fastopt.plan.run_plan as run_plan
     from tests.references import GlobalNorm
 
-    said = said_lines(monkeypatch, known_steps)
+    said = said_lines(monkeypatch, run_plan)
     make = lambda ps: GlobalNorm(ps, lr=0.05)  # noqa: E731
     ref = _weights(_closure_loop("auto", make))
     strategy = FastOptFabricStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0002)

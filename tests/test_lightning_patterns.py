@@ -180,11 +180,11 @@ def test_the_log_line_says_where_gradients_live(caplog, monkeypatch):
 def test_zero_with_one_process_and_nothing_offloaded_says_nothing_is_copied_to_the_host(monkeypatch, name):
     """One process, ZeRO, nothing offloaded: the log said ZeRO had nothing to shard and also
     that gradients of offloaded parameters were copied to the host."""
-    import lightning_fastopt.trainer.copy_plan as copy_plan
+    import lightning_fastopt.plan.run_plan as run_plan
     import lightning_fastopt.trainer.strategy as trainer_strategy
     import lightning_fastopt.zero.optimizer as zero_optimizer
 
-    said = said_lines(monkeypatch, trainer_strategy, copy_plan, zero_optimizer)
+    said = said_lines(monkeypatch, trainer_strategy, run_plan, zero_optimizer)
     _fit(name, Net(), epochs=1)
     assert len([line for line in said if "has nothing to shard with one process" in line]) == 1, said
     assert not [line for line in said if "copied to the host" in line], said

@@ -2,7 +2,8 @@
 steps which optimizer, the take-over and the give-back, accumulation marks, weight waits,
 an engine replaced by a rebuilt one), the checkpoint part (its writer, ZeRO or one file,
 an optimizer's state from its engine or torch's), the automatic fraction's part (refusals
-at its start, a step run as given where nothing is probed) and the choice of engine."""
+at its start, a step run as given where nothing is probed).  The plan they follow:
+tests/test_run_plan.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_checkpoints import EngineCheckpoints
-from lightning_fastopt.trainer.engine_choice import runs_in_engine, steps_as_torch
+from lightning_fastopt.plan.run_plan import OptimizerPlan
+from lightning_fastopt.plan.runner import Runner
 from lightning_fastopt.trainer.engine_set import EngineSet
 
 
@@ -32,14 +34,20 @@ def _optimizers():
     return [torch.optim.AdamW(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)]
 
 
-def _engine(opt):
+def _engine(opt, plan):
     return OffloadOptimizer(FusedAdam(opt.param_groups, lr=0.1), copy_on_cpu=True)
+
+
+def _plans(*in_engine):
+    """Plans that put the optimizers ``in_engine`` marks in an engine (the rest run as torch)."""
+    return [OptimizerPlan(Runner("Any", "kernel", engine=FusedAdam) if e else Runner("Any", "torch", "a test's"))
+            for e in in_engine]
 
 
 def test_the_engine_set_takes_over_what_it_is_told_and_gives_it_back():
     optimizers = _optimizers()
     engines = EngineSet()
-    engines.take_over(optimizers, [True, False], _engine)
+    engines.take_over(optimizers, _plans(True, False), _engine)
     assert len(engines) == 1 and engine_of(optimizers[0]) is engines.engines[0]
     assert engine_of(optimizers[1]) is optimizers[1]  # not taken over
     assert engines.engine_for(optimizers, optimizers[0]) is engines.engines[0]
@@ -50,7 +58,7 @@ def test_the_engine_set_takes_over_what_it_is_told_and_gives_it_back():
     engines.set_accumulating(False)
     assert not engines.engines[0].accumulating
     engines.wait_for_weights()  # nothing on its way: returns
-    new = _engine(optimizers[0])
+    new = _engine(optimizers[0], None)
     old = engines.engines[0]
     engines.replace(optimizers, old, new)
     assert engines.engines == [new] and engine_of(optimizers[0]) is new
@@ -62,7 +70,7 @@ def test_the_engine_set_takes_over_what_it_is_told_and_gives_it_back():
 def test_the_checkpoint_part_saves_one_file_or_shards_and_takes_state_from_the_engines():
     optimizers = _optimizers()
     engines = EngineSet()
-    engines.take_over(optimizers, [True, False], _engine)
+    engines.take_over(optimizers, _plans(True, False), _engine)
     part = EngineCheckpoints(engines, zero_stage=0)
     written = []
     part.save({"a": 1}, "path", ranks=None, one_file=lambda c, p: written.append((c, p)))
@@ -100,14 +108,3 @@ def test_the_automatic_fraction_refuses_what_it_cannot_measure_and_otherwise_ste
     auto.start(automatic, False, None, torch.device("cpu"), lambda x: x)  # not asked: no probe
     opt = _optimizers()[0]
     assert auto.step(opt, [opt], lambda: "loss", lambda closure: closure(), lambda: False) == "loss"
-
-
-def test_the_choice_of_engine():
-    adamw, mock = _optimizers()[0], _Mock()
-    lbfgs = torch.optim.LBFGS(torch.nn.Linear(2, 1).parameters())
-    assert runs_in_engine(adamw, _Mock, (), lambda o: True)
-    assert not runs_in_engine(adamw, _Mock, (), lambda o: False)  # a step not known on the shares
-    assert not runs_in_engine(mock, _Mock, (), lambda o: True)
-    assert not runs_in_engine(lbfgs, _Mock, (), lambda o: True)  # its step evaluates the closure again
-    assert not runs_in_engine(adamw, _Mock, ("AdamW",), lambda o: True)  # named as one that does
-    assert steps_as_torch([adamw, mock, lbfgs], [True, False, False], _Mock) == ["LBFGS"]

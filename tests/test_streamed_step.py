@@ -226,7 +226,7 @@ def test_under_the_trainer_it_streams_where_it_may_and_ends_where_trainer_ends(c
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("zero_stage,device_grads,fraction,said,streams", [
+@pytest.mark.parametrize("zero_stage,route,fraction,said,streams", [
     (2, "copy_in_backward", 1.0, "is speculated during backward, once its gradients have landed", True),
     (0, "copy_at_step", 1.0, "is speculated during backward, once its gradients have been reduced and landed", True),
     (1, "copy_at_step", 1.0, "is speculated during backward, once its gradients have been reduced and landed", True),
@@ -236,19 +236,35 @@ def test_under_the_trainer_it_streams_where_it_may_and_ends_where_trainer_ends(c
     (2, "keep", 1.0, "not used: user code reads gradients before the step", False),
     (0, "copy_in_backward", 0.0, "not used: nothing is offloaded", False),
 ], ids=["zero2", "ddp", "zero1", "ddp-own-comm-hook", "ddp-find-unused", "readers", "nothing-offloaded"])
-def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch, zero_stage, device_grads, fraction,
-                                                           said, streams):
-    """The choice the strategy makes at set-up (the gradients' route is decided by then),
-    said in one line: ZeRO stage 2 streams (each bucket once its reduction has landed), so
-    do DDP and ZeRO stage 1 (DDP's buckets handed over as each all-reduce completes, by
-    :class:`~lightning_fastopt.core.ddp_reductions.DDPReductions`, checked with two
-    processes in tests/test_streamed_step_two_ranks.py) unless the run has a communication
-    hook of its own."""
-    import logging
-    import types
+def test_the_plan_says_whether_and_how_the_step_streams(zero_stage, route, fraction, said, streams):
+    """The choice the plan makes at set-up (the gradients' route is decided with it), said in
+    one line: ZeRO stage 2 streams (each bucket once its reduction has landed), so do DDP
+    and ZeRO stage 1 at two processes (DDP's buckets handed over as each all-reduce
+    completes, checked with two processes in tests/test_streamed_step_two_ranks.py) unless
+    the run has a communication hook of its own."""
+    from lightning_fastopt.core.options import StrategyOptions
+    from lightning_fastopt.plan import DDPRun, plan_ddp_run
 
+    options = StrategyOptions(zero_stage=zero_stage, offload_fraction=fraction, copy_on_cpu=True,
+                              stream_cpu_step=True)
+    run = DDPRun(world_size=1 if route == "copy_in_backward" and zero_stage == 0 else 2, device=torch.device("cpu"),
+                 readers=("Net.on_after_backward",) if route == "keep" else (),
+                 step_checks=(("gradient clipping", True),), own_comm_hook=route == "own-comm-hook",
+                 find_unused=route == "find-unused")
+    plan = plan_ddp_run([FusedAdam([nn.Parameter(torch.zeros(3))])], options, run)
+    assert any(said in line for line in plan.lines()), plan.lines()
+    schedule = plan.optimizers[0].schedule
+    assert schedule.streams is streams
+    assert schedule.engine_arguments() == ({"stream_cpu_step": True, "speculate": True} if streams else {})
+    assert plan.gradients.kind == {"own-comm-hook": "copy_at_step", "find-unused": "copy_at_step"}.get(route, route)
+
+
+def test_ddps_buckets_are_handed_over_to_the_engines_as_each_is_reduced(monkeypatch):
+    """Where the plan streams DDP's gradients, the strategy hands each reduced bucket to its
+    engines (:meth:`~lightning_fastopt.trainer.engine_set.EngineSet.hand_over`), through one
+    :class:`~lightning_fastopt.core.ddp_reductions.DDPReductions` a run."""
     from lightning_fastopt import FastOptPrecision
-    from lightning_fastopt.trainer import copy_plan
+    from lightning_fastopt.trainer import strategy as trainer_strategy
 
     class Reductions:  # DDP's, without processes: what the strategy hands the optimizer
         def __init__(self, ddp, on_reduced):
@@ -257,24 +273,8 @@ def test_the_strategy_says_whether_and_how_the_step_streams(caplog, monkeypatch,
         def reduces(self, param):
             return True
 
-    monkeypatch.setattr(copy_plan, "DDPReductions", Reductions)
-    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
-    own = {"ddp_comm_hook": lambda state, bucket: None} if device_grads == "own-comm-hook" else {}
-    strategy = FastOptStrategy(zero_stage=zero_stage, offload_fraction=fraction, copy_on_cpu=True, stream_cpu_step=True,
-                               parallel_devices=[torch.device("cpu")], precision_plugin=FastOptPrecision("32-true"),
-                               **own)
-    strategy.model = types.SimpleNamespace(find_unused_parameters=device_grads == "find-unused")  # DDP's attribute
-    fused = FusedAdam([nn.Parameter(torch.zeros(3))])
-    with caplog.at_level(logging.INFO):
-        chosen = strategy._streams(types.SimpleNamespace(gradient_clip_val=1.0), fused,
-                                   device_grads if device_grads in ("keep", "copy_in_backward") else "copy_at_step")
-    assert said in caplog.text
-    if not streams:
-        assert chosen == {}
-        return
-    reduced_by = chosen.pop("reduced_by", None)
-    assert chosen == {"stream_cpu_step": True, "speculate": True}
-    assert (reduced_by is not None) == (device_grads == "copy_at_step")
-    if reduced_by is not None:
-        assert reduced_by.__self__ is strategy._ddp_reductions and strategy._ddp_reductions.on_reduced == \
-            strategy._hand_over
+    monkeypatch.setattr(trainer_strategy, "DDPReductions", Reductions)
+    strategy = FastOptStrategy(copy_on_cpu=True, stream_cpu_step=True, parallel_devices=[torch.device("cpu")],
+                               precision_plugin=FastOptPrecision("32-true"))
+    reductions = strategy._reductions()
+    assert strategy._reductions() is reductions and reductions.on_reduced == strategy._engines.hand_over

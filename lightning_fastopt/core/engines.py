@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,14 +15,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastopt.core.param_checks import check_parameters
 from lightning_fastopt.offload import OffloadOptimizer
-from lightning_fastopt.optim.base import FusedOptimizer, spans_parameters
-from lightning_fastopt.optim.from_torch import to_fused_optimizer, why_not_fused
+from lightning_fastopt.optim.base import FusedOptimizer
+from lightning_fastopt.optim.from_torch import to_fused_optimizer
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
 from lightning_fastopt.zero import ZeroOptimizer
 
 __all__ = ["FSDP_DOES_NOT_TAKE", "FSDP_STRATEGY_NAMES", "STRATEGY_NAMES", "check_ddp_kwargs", "check_passed_kwargs",
-           "fused_for", "in_place_refusals", "register_fsdp_names", "register_names", "rows_refusals",
-           "stream_arguments", "wrap_fused_optimizer"]
+           "fused_for", "register_fsdp_names", "register_names", "wrap_fused_optimizer"]
 
 # The names ``import lightning_fastopt`` registers: (name, description, offload_fraction, zero_stage).
 STRATEGY_NAMES = (
@@ -112,19 +111,12 @@ def check_passed_kwargs(kwargs: dict[str, Any], takers: tuple[Any, ...], ours: t
 
 def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module, precision: str) -> FusedOptimizer:
     """The user's optimizer checked against ``module``'s parameters and mapped to the
-    optimizer that runs it (the same ``param_groups`` dicts), said in one line: fused, or
-    its own step and why (``precision``: the run's flag, see :func:`_say_half_masters`)."""
+    optimizer that runs it (the same ``param_groups`` dicts; the plan has said which,
+    :mod:`~lightning_fastopt.plan.runner`); ``precision``: the run's flag, see
+    :func:`_say_half_masters`."""
     check_parameters(optimizer, module)
     _say_half_masters(optimizer, precision)
-    fused = to_fused_optimizer(optimizer)
-    name = type(optimizer).__name__
-    why_not = why_not_fused(optimizer)
-    if why_not is not None:  # a step known to work on shares (lightning_fastopt.optim.known_steps)
-        rank_zero_info(f"lightning_fastopt: {name} runs its own step on the master weights, where they live "
-                       f"(not fused: {why_not})")
-    elif fused is not optimizer:
-        rank_zero_info(f"lightning_fastopt: running {name} as {type(fused).__name__} with the same hyperparameters")
-    return fused
+    return to_fused_optimizer(optimizer)
 
 
 def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], *, zero_stage: int,
@@ -134,43 +126,6 @@ def wrap_fused_optimizer(fused: FusedOptimizer, names: dict[torch.Tensor, str], 
     if zero_stage:
         return ZeroOptimizer(fused, names, stage=zero_stage, **offload_args)
     return OffloadOptimizer(fused, names, **offload_args)
-
-
-def stream_arguments(landed: str, checks: Iterable[tuple[str, bool]],
-                     refusals: Iterable[tuple[str, bool]] = ()) -> dict[str, bool]:
-    """The offload optimizer's arguments of ``stream_cpu_step``, said in one line: each host
-    bucket's CPU update starts during backward once its gradients have ``landed``;
-    speculated, and checked at the step, where the step checks the gradients first
-    (``checks``: what it may check, each with whether it does); none, and why, where one
-    of ``refusals`` (reasons, each with whether it applies) applies."""
-    checks = [check for check, applies in checks if applies]
-    why_not = [reason for reason, applies in refusals if applies]
-    if why_not:
-        rank_zero_info(f"lightning_fastopt: stream_cpu_step=True not used: {'; '.join(why_not)}")
-        return {}
-    if checks:
-        rank_zero_info(f"lightning_fastopt: each host bucket's CPU update is speculated during backward, once its "
-                       f"gradients have {landed}, and checked at the step ({', '.join(checks)}): committed, or "
-                       "redone where the check changed it (stream_cpu_step=True)")
-        return {"stream_cpu_step": True, "speculate": True}
-    rank_zero_info(f"lightning_fastopt: each host bucket's CPU update starts during backward, once its "
-                   f"gradients have {landed} (stream_cpu_step=True)")
-    return {"stream_cpu_step": True}
-
-
-def in_place_refusals(offload_fraction: float, device: torch.device, copy_on_cpu: bool) -> list[tuple[str, bool]]:
-    """The reasons not to stream the CPU step that every strategy shares (for
-    :func:`stream_arguments`): nothing offloaded, or a CPU run updating in place."""
-    return [("nothing is offloaded", offload_fraction == 0),
-            ("a CPU run updates in place, with nothing to copy", device.type == "cpu" and not copy_on_cpu)]
-
-
-def rows_refusals(fused: FusedOptimizer) -> list[tuple[str, bool]]:
-    """The reason not to stream the CPU step on FSDP2's rows that an optimizer may give (for
-    :func:`stream_arguments`): norms over whole parameters, summed over every rank's rows
-    when the step starts (LAMB, LARS)."""
-    return [(f"{type(fused).__name__} reads norms over whole parameters, summed over every rank's rows when the "
-             "step starts", spans_parameters(fused))]
 
 
 def _say_half_masters(optimizer: torch.optim.Optimizer, precision: str) -> None:

@@ -134,6 +134,15 @@ class StrategyOptions:
         return options
 
 
+FSDP_OPTION_NAMES = ("offload_fraction", "overlap", "pin_memory", "bucket_size_mb", "cpu_threads", "loss_scale",
+                     "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "at_min_loss_scale",
+                     "wall_clock_breakdown", "copy_on_cpu", "closure_optimizers", "keep_gradients",
+                     "stream_cpu_step", "delayed_update", "delayed_update_warmup", "gpu_memory_budget_gb",
+                     "host_state_dtype", "forward_waits", "elementwise_optimizers", "offload_parameters",
+                     "offload_optimizer_device", "nvme_path", "nvme_window_mb")
+"""The Trainer's FSDP strategy's arguments that :meth:`StrategyOptions.for_fsdp` checks."""
+
+
 def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, Any]) -> None:
     """``offload_parameters`` (the FSDP strategies') checked with the other arguments: the
     host shards are the master weights, updated in place by the CPU kernels, so every rank's
@@ -157,7 +166,7 @@ def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, An
 
 def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, Any]:
     """The arguments of the offload (or ZeRO) optimizer that come from the options (without
-    ``device_grads`` and ``stream_cpu_step``, which depend on the run).  ``options``: a
+    ``device_grads`` and the schedule's, which the run's plan decides).  ``options``: a
     :class:`StrategyOptions`, or the Trainer's strategy, which keeps the same values as
     attributes (read at set-up, as Lightning strategies' attributes are).
     ``params_on_host``: the parameters are host tensors already (FSDP's ``CPUOffloadPolicy``
@@ -171,8 +180,6 @@ def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, A
         args["host_shards"] = True
     if options.host_state_dtype != torch.float32:
         args["host_state_dtype"] = options.host_state_dtype
-    if options.delayed_update:
-        args.update(delayed_update=True, delayed_update_warmup=options.delayed_update_warmup)
     if options.offload_optimizer_device != "cpu":
         args.update(offload_optimizer_device=options.offload_optimizer_device, nvme_path=options.nvme_path,
                     nvme_window_mb=options.nvme_window_mb)

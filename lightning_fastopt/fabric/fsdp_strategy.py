@@ -33,10 +33,8 @@ from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distr
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals,
-                                            register_fsdp_names, rows_refusals, stream_arguments)
+from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
-from lightning_fastopt.core.precision import needs_closure
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
@@ -45,7 +43,8 @@ from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
 from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments,
                                                     materialize_on_the_host, say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
-from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_dtensors, steps_rows
+from lightning_fastopt.plan.fsdp_plan import FSDPRun, plan_fsdp_run
+from lightning_fastopt.plan.runner import choose_runner
 from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]
@@ -171,34 +170,33 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         rank holds (made after ``setup_module``, over the sharded parameters)."""
         if id(optimizer) in self._engines:
             return optimizer
-        if needs_closure(optimizer, self.options.closure_optimizers):
-            say_runs_as_torch(optimizer)
-            return optimizer
-        if not steps_rows(optimizer, self.options.elementwise_optimizers):  # a step that may span rows
-            say_steps_dtensors(optimizer)
-            return optimizer
         module = self._module
-        if module is None:
+        if module is None and choose_runner(optimizer, shares="rows", closure_optimizers=self.options.closure_optimizers,
+                                            named=self.options.elementwise_optimizers).in_engine:
             raise RuntimeError("FastOptFabricFSDPStrategy steps the sharded parameters: set the model up first "
                                "(fabric.setup_module(model)), then create the optimizer over its parameters and "
                                "set it up (fabric.setup_optimizers(optimizer))")
-        on_host = check_host_shards(module, self.options.offload_parameters)
+        on_host = module is not None and check_host_shards(module, self.options.offload_parameters)
+        keep = self.options.keep_gradients
+        plan = plan_fsdp_run([optimizer], self.options, FSDPRun(
+            self.world_size, self.root_device, on_host=on_host,
+            readers=("the loop's code (keep_gradients=True, Fabric's default)",) if keep else (),
+            step_checks=(("clipping or fp16 loss scaling, where the loop applies them", True),),
+            keep_hint="keep_gradients=False"))
+        planned = plan.optimizers[0]
+        if not planned.runner.in_engine:
+            plan.say()
+            return optimizer
+        if on_host:
+            say_host_shards()
+        plan.say()
         fused = fused_for(optimizer, module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
         arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
-        if on_host:
-            say_host_shards()
-        streaming = not self.options.keep_gradients
-        streams = {}
-        if self.options.stream_cpu_step and self.offload_fraction > 0:
-            streams = stream_arguments("been reduce-scattered",
-                                       [("clipping or fp16 loss scaling, where the loop applies them", True)],
-                                       [*in_place_refusals(self.offload_fraction, self.root_device,
-                                                           self.options.copy_on_cpu), *rows_refusals(fused)])
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
-                                     device_grads="copy_when_reduced" if streaming else "copy_at_step",
+                                     device_grads=plan.gradients.kind,
                                      host_gradients=HostGradientLandings(module) if on_host else None,
-                                     **arguments, **streams)
+                                     **arguments, **planned.schedule.engine_arguments())
         rank_zero_info(f"lightning_fastopt: {engine!r}")
         self._engines[id(optimizer)] = engine
         self._users.append(optimizer)

@@ -61,12 +61,12 @@ from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
-from lightning_fastopt.optim.known_steps import say_runs_as_torch, say_steps_as_torch, steps_per_parameter
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
-from lightning_fastopt.core.precision import needs_closure
+from lightning_fastopt.plan.ddp_plan import DDPRun, plan_ddp_run
+from lightning_fastopt.plan.gradients import zero_stage_that_runs
 
 SCALER_KEY = "fastopt_loss_scaler"  # the fp16 loss scaler's state in a Fabric checkpoint
 DELAYED_UPDATE_IS_THE_TRAINERS = (
@@ -176,7 +176,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         self._module = module
         if self._one_process:
             wrapped = module
-        elif self._effective_stage == 2:
+        elif zero_stage_that_runs(self.options.zero_stage, self._run().readers, ()) == 2:
             from lightning.pytorch.overrides.distributed import _sync_module_states
 
             _sync_module_states(module)
@@ -209,26 +209,16 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         return all(id(p) in params for g in optimizer.param_groups for p in g["params"])
 
     def _take_over(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        closure = needs_closure(optimizer, self.options.closure_optimizers)
-        if closure or not steps_per_parameter(optimizer, self.options.per_parameter_optimizers):
-            if self._effective_stage == 2 and not self._one_process:
-                why = ("evaluates the closure again after changing the weights" if closure else
-                       "has a step not known to update each parameter alone (per_parameter_optimizers="
-                       f"[{type(optimizer).__name__!r}] steps it on shares)")
-                raise ValueError(f"{type(optimizer).__name__} {why}, so it runs as torch runs it, on the model's "
-                                 "weights: with zero_stage=2 and keep_gradients=False nothing reduces its gradients; "
-                                 "use zero_stage 0 or 1, or keep_gradients=True")
-            (say_runs_as_torch if closure else say_steps_as_torch)(optimizer)
+        plan = plan_ddp_run([optimizer], self.options, self._run())
+        plan.say()
+        planned = plan.optimizers[0]
+        if not planned.runner.in_engine:
             return optimizer
         fused = fused_for(optimizer, self._module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0, pieces=fused.kernel_pieces())
         names = {p: n for n, p in self._module.named_parameters()}
-        wrapper = wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage,
-                                       device_grads=self._device_grads(), **offload_arguments(self.options))
-        if self._effective_stage != self.options.zero_stage:
-            rank_zero_info("lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does here (every rank keeps "
-                           "them in p.grad for the loop's code: keep_gradients=True, Fabric's default); "
-                           "keep_gradients=False frees other ranks' gradients during backward")
+        wrapper = wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
+                                       **offload_arguments(self.options), **planned.schedule.engine_arguments())
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._wrappers.append(wrapper)
         self._users.append(optimizer)
@@ -243,17 +233,12 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
                                "the strategy keys the optimizer's state by the model's parameter names")
         return super().optimizer_step(optimizer, **kwargs)
 
-    @property
-    def _effective_stage(self) -> int:
-        """ZeRO stage 2 frees other ranks' gradients during backward: with gradients kept in
-        ``p.grad`` for the loop's code it reduces them as stage 1 does (as the Trainer's)."""
-        return 1 if self.options.zero_stage == 2 and self.options.keep_gradients else self.options.zero_stage
-
-    def _device_grads(self) -> str:
-        if self.options.keep_gradients:
-            return "keep"
-        ddp = not self._one_process and self._effective_stage < 2
-        return "copy_at_step" if ddp else "copy_in_backward"
+    def _run(self) -> DDPRun:
+        """What the plan reads of the run: Fabric's loop is the user's own code, which may read
+        ``p.grad`` anywhere, so gradients stay there unless ``keep_gradients=False``."""
+        return DDPRun(self.world_size, self.root_device, readers=_LOOP_READS if self.options.keep_gradients else (),
+                      keep_hint="FastOptFabricStrategy(keep_gradients=True), the default, keeps them for the loop's "
+                                "code", ddp_reduces_torch_steps=False)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -336,6 +321,8 @@ class _FastOptBackwardSync(_BackwardSyncControl):
             for o in wrappers:
                 o.accumulating = False
 
+
+_LOOP_READS = ("the loop's code (keep_gradients=True, Fabric's default)",)
 
 _SINGLE_DEVICE: dict[type, type] = {}
 

@@ -456,13 +456,15 @@ def copy_hyperparameters(into: torch.optim.Optimizer, groups: list[dict[str, Any
         mine.update(hyperparameters(theirs))
 
 
-def needs_step_context(optimizer: FusedOptimizer) -> bool:
-    """Whether the optimizer computes something over every gradient before stepping."""
-    return type(optimizer).step_context is not FusedOptimizer.step_context
+def needs_step_context(optimizer: FusedOptimizer | type[FusedOptimizer]) -> bool:
+    """Whether the optimizer (or its class) computes something over every gradient before
+    stepping."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return cls.step_context is not FusedOptimizer.step_context
 
 
-def spans_parameters(optimizer: FusedOptimizer) -> bool:
-    """Whether the optimizer's update reads norms over whole parameters or something over
-    every gradient (LAMB, LARS): pieces of parameters (FSDP2's rows) need those summed
-    over the pieces before any is updated."""
+def spans_parameters(optimizer: FusedOptimizer | type[FusedOptimizer]) -> bool:
+    """Whether the optimizer's (or its class's) update reads norms over whole parameters or
+    something over every gradient (LAMB, LARS): pieces of parameters (FSDP2's rows) need
+    those summed over the pieces before any is updated."""
     return optimizer.whole_tensor_norms or needs_step_context(optimizer)

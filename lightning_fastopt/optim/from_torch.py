@@ -65,6 +65,16 @@ def fused_base(cls: type) -> type | None:
     return next((base for base in cls.__mro__ if base in _MAPPED), None)
 
 
+def engine_class(optimizer: torch.optim.Optimizer) -> type[FusedOptimizer]:
+    """The class of the optimizer that runs ``optimizer`` (what :func:`to_fused_optimizer`
+    makes), known before anything is made."""
+    if isinstance(optimizer, FusedOptimizer):
+        return type(optimizer)
+    if why_not_fused(optimizer) is not None:
+        return UserStepOptimizer
+    return _MAPPED[fused_base(type(optimizer))]
+
+
 def to_fused_optimizer(optimizer: torch.optim.Optimizer) -> FusedOptimizer:
     """The optimizer that runs ``optimizer`` (see the module's documentation), sharing its
     param_groups and taking its state."""

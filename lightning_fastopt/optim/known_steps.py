@@ -26,19 +26,17 @@ Any other optimizer (a user's or third-party class with its own ``step``: a LARS
 Shampoo or Prodigy written in torch, or one whose kernels run on the accelerator only)
 runs as torch runs it, on the model's weights (the DTensors under FSDP), not offloaded:
 the run ends where Lightning's own strategy ends, and one log line names the argument
-that steps it on shares.
+that steps it on shares (the run's plan, :mod:`~lightning_fastopt.plan.runner`).
 """
 
 from __future__ import annotations
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_fastopt.optim.base import FusedOptimizer
 from lightning_fastopt.optim.from_torch import _defined
 
-__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "say_runs_as_torch", "say_steps_as_torch", "say_steps_dtensors",
-           "steps_per_parameter", "steps_rows"]
+__all__ = ["ELEMENTWISE_TORCH_OPTIMIZERS", "steps_per_parameter", "steps_rows"]
 
 # torch's optimizers whose step updates each element from that element's gradient and state
 # and per-step scalars alone (AdamW is a subclass of Adam)
@@ -73,34 +71,3 @@ def steps_per_parameter(optimizer: torch.optim.Optimizer, named: tuple[str, ...]
     torchs = next((c for c in type(optimizer).__mro__ if f"{c.__module__}.".startswith("torch.optim.")
                    and "step" in vars(c)), None)
     return torchs is not None and torchs is not torch.optim.LBFGS and step is _defined(torchs.step)
-
-
-def say_steps_dtensors(optimizer: torch.optim.Optimizer) -> None:
-    """The one line that says an optimizer runs as torch runs it, on the DTensors."""
-    _say_as_torch(optimizer, "the DTensor parameters",
-                  "its step is not known to work element by element, and on each rank's rows a norm or matrix "
-                  "function of a parameter would span only those rows "
-                  f"(elementwise_optimizers=[{type(optimizer).__name__!r}] steps it on them)")
-
-
-def say_steps_as_torch(optimizer: torch.optim.Optimizer) -> None:
-    """The one line that says an optimizer runs as torch runs it, on the model's weights."""
-    _say_as_torch(optimizer, "the model's weights",
-                  "its step is not known to update each parameter from its own gradient and state alone, and the "
-                  "strategy steps shares of the parameters apart (the device's, each host bucket's, a rank's), where "
-                  "a norm over every gradient would see one share's "
-                  f"(per_parameter_optimizers=[{type(optimizer).__name__!r}] steps it on them)")
-
-
-def say_runs_as_torch(optimizer: torch.optim.Optimizer) -> None:
-    """The one line that says an optimizer ``needs_closure`` holds back (LBFGS, whose step
-    evaluates the closure again after changing the weights, or a class named in
-    ``closure_optimizers``) is not taken over: it runs as torch runs it."""
-    _say_as_torch(optimizer, "the model's weights",
-                  "its step evaluates the closure again after changing them"
-                  if isinstance(optimizer, torch.optim.LBFGS) else "named in closure_optimizers")
-
-
-def _say_as_torch(optimizer: torch.optim.Optimizer, on: str, why: str) -> None:
-    name = type(optimizer).__name__
-    rank_zero_info(f"lightning_fastopt: {name} runs as torch runs it, on {on}, not offloaded: {why}")

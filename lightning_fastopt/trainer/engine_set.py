@@ -22,6 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
+from lightning_fastopt.plan.run_plan import OptimizerPlan
 
 
 class EngineSet:
@@ -42,15 +43,16 @@ class EngineSet:
         """The engines that are offload optimizers themselves (DDP's strategies')."""
         return [e for e in self._at.values() if isinstance(e, OffloadOptimizer)]
 
-    def take_over(self, optimizers: Sequence[Any], in_engine: Sequence[bool],
-                  make_engine: Callable[[Any], OptimizerWrapper]) -> None:
-        """Give each of ``optimizers`` that ``in_engine`` marks the engine
-        ``make_engine(optimizer)`` builds (said in one line each); the set holds only those."""
+    def take_over(self, optimizers: Sequence[Any], plans: Sequence[OptimizerPlan],
+                  make_engine: Callable[[Any, OptimizerPlan], OptimizerWrapper]) -> None:
+        """Give each of ``optimizers`` whose plan (in ``plans``, by position) puts it in an
+        engine the engine ``make_engine(optimizer, plan)`` builds (said in one line each); the
+        set holds only those."""
         self._at = {}
-        for i, (opt, runs) in enumerate(zip(optimizers, in_engine)):
-            if not runs:
+        for i, (opt, plan) in enumerate(zip(optimizers, plans)):
+            if not plan.runner.in_engine:
                 continue
-            engine = make_engine(opt)
+            engine = make_engine(opt, plan)
             rank_zero_info(f"lightning_fastopt: {engine!r}")
             self._at[i] = engine
             take_over(opt, engine)
@@ -67,6 +69,14 @@ class EngineSet:
             if held is old:
                 self._at[i] = new
                 take_over(optimizers[i], new)
+
+    def hand_over(self, grads: list[tuple[Any, Any]]) -> None:
+        """Averaged gradients ``(parameter, gradient)`` of one of DDP's buckets, to the engines
+        that step them (with ZeRO stage 1, each rank's to the shard it owns)."""
+        for engine in self._at.values():
+            for p, g in grads:
+                if engine.owns(p):
+                    engine.grad_reduced(p, g)
 
     def partitions(self) -> list:
         """Each engine's partition (ZeRO's: the owner of each parameter), where it has one."""

@@ -39,9 +39,8 @@ from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distr
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import SafeLoaderRefusedError, check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
-from lightning_fastopt.core.engines import (FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, in_place_refusals,
-                                            register_fsdp_names, rows_refusals, stream_arguments)
-from lightning_fastopt.core.options import StrategyOptions, offload_arguments
+from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
+from lightning_fastopt.core.options import FSDP_OPTION_NAMES, StrategyOptions, offload_arguments
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
 from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
@@ -50,14 +49,14 @@ from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shar
                                                     say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.fsdp.unit_waits import UnitWaits
-from lightning_fastopt.optim.known_steps import say_steps_dtensors, steps_rows
 from lightning_fastopt.optim.takeover import held_as_torch
+from lightning_fastopt.plan.fsdp_plan import plan_fsdp_run
+from lightning_fastopt.plan.run_plan import OptimizerPlan, RunPlan
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
-from lightning_fastopt.trainer.engine_choice import runs_in_engine
 from lightning_fastopt.trainer.engine_hooks import EngineHooks
-from lightning_fastopt.trainer.grad_readers import forward_waits_refusals, gradient_readers, say_forward_waits
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
+from lightning_fastopt.trainer.run_facts import fsdp_run
 
 __all__ = ["FSDPTrainerStrategy"]
 
@@ -157,20 +156,11 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                  tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
+        arguments = locals()
         check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's", FSDP_DOES_NOT_TAKE)
         ops.check_environment()
-        options = StrategyOptions.for_fsdp(
-            type(self).__name__, True, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
-            bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
-            initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-            min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
-            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
-            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
-            delayed_update_warmup=delayed_update_warmup, gpu_memory_budget_gb=gpu_memory_budget_gb,
-            host_state_dtype=host_state_dtype, forward_waits=forward_waits,
-            elementwise_optimizers=elementwise_optimizers,
-            offload_parameters=offload_parameters, offload_optimizer_device=offload_optimizer_device,
-            nvme_path=nvme_path, nvme_window_mb=nvme_window_mb)
+        options = StrategyOptions.for_fsdp(type(self).__name__, True, **{
+            name: arguments[name] for name in FSDP_OPTION_NAMES})
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -178,9 +168,11 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         self._foreign_precision = None
         self._threads = TorchThreads()
         self._unit_waits: UnitWaits | None = None  # the FSDP units' forward pre-hooks (forward_waits="module")
+        self.plan: RunPlan | None = None  # the plan of the run's optimizers, made at set-up
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
+
         self._auto_fraction = AutoFractionSteps(self._engines)  # (EngineHooks made self._engines)
 
     @property
@@ -245,27 +237,28 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         on_host = check_host_shards(self.lightning_module, self.options.offload_parameters)
         super().setup_optimizers(trainer)
         module = self.lightning_module
+        if on_host:
+            say_host_shards()
+        plan = self.plan = plan_fsdp_run(self.optimizers, self.options, fsdp_run(self, trainer, on_host),
+                                         self.package.MockOptimizer)
+        plan.say()
         names = {p: n for n, p in module.named_parameters()}
-        device_grads = self._device_grads(trainer, on_host)
         arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
-        by_unit = self._waits_by_unit(trainer, on_host)
-        if by_unit:
+        if plan.weight_waits.by_module:
             arguments["forward_waits"] = "module"
 
-        def engine(opt) -> LocalShardOptimizer:
+        def engine(opt, planned: OptimizerPlan) -> LocalShardOptimizer:
             fused = fused_for(opt, module, self.precision_plugin.precision)
             # its kernels load (or build, saying so) now, not after the first training step
             ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host,
                         pieces=fused.kernel_pieces())
-            return LocalShardOptimizer(fused, names, device_grads=device_grads,
+            return LocalShardOptimizer(fused, names, device_grads=plan.gradients.kind,
                                        host_gradients=HostGradientLandings(module) if on_host else None,
-                                       **arguments, **self._streams(trainer, device_grads, fused))
+                                       **arguments, **planned.schedule.engine_arguments())
 
-        in_engine = [runs_in_engine(opt, self.package.MockOptimizer, self.closure_optimizers, self._steps_on_shares)
-                     for opt in self.optimizers]
-        self._engines.take_over(self.optimizers, in_engine, engine)
+        self._engines.take_over(self.optimizers, plan.optimizers, engine)
         self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (EngineHooks)
-        if by_unit:
+        if plan.weight_waits.by_module:
             if self._unit_waits is not None:  # (set up again without a teardown between)
                 self._unit_waits.remove()
             self._unit_waits = UnitWaits(module, lambda: self.engines)
@@ -275,61 +268,12 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         self._auto_fraction.start(trainer, self.options.auto_fraction, self.options.gpu_memory_budget_gb,
                                   self.root_device, self.broadcast)
 
-    def _steps_on_shares(self, optimizer) -> bool:
-        """Where its step may run on each rank's rows
-        (:func:`~lightning_fastopt.optim.known_steps.steps_rows`); else it runs as torch runs
-        it, on the DTensors (said in one line)."""
-        if steps_rows(optimizer, self.options.elementwise_optimizers):
-            return True
-        say_steps_dtensors(optimizer)
-        return False
-
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         return self._auto_fraction.step(
             optimizer, self.optimizers, closure,
             lambda timed: super(FSDPTrainerStrategy, self).optimizer_step(optimizer, timed, model, **kwargs),
             lambda: self.precision_plugin.last_step_skipped)
-
-    def _device_grads(self, trainer, on_host: bool) -> str:
-        """Where the gradients go (``LocalShardOptimizer``'s ``device_grads``), said in one line
-        (``on_host``: FSDP's host shards, whose gradients land in host memory)."""
-        if on_host:
-            say_host_shards()
-        readers = gradient_readers(self.lightning_module, trainer.callbacks, self.package, self.options.keep_gradients)
-        if readers:
-            rank_zero_info(f"lightning_fastopt: gradients stay in p.grad until the optimizer step, as in torch: "
-                           f"{', '.join(readers)} can read them")
-            return "copy_at_step"
-        if on_host:
-            return "copy_when_reduced"  # each bucket's gradients handed over as FSDP lands them (streamed updates)
-        if self.offload_fraction != 0 and (self.root_device.type != "cpu" or self.options.copy_on_cpu):
-            rank_zero_info("lightning_fastopt: the offloaded rows' gradients go to the host as FSDP's reduce-scatter "
-                           "lands them, and are freed on the device (no hook or callback reads p.grad; "
-                           "FastOptFSDPStrategy(keep_gradients=True) keeps them for code that reads them elsewhere)")
-        return "copy_when_reduced"
-
-    def _waits_by_unit(self, trainer, on_host: bool) -> bool:
-        """Whether each FSDP unit's forward waits only for its own rows' updates
-        (``forward_waits="module"``), said in one line."""
-        if self.options.forward_waits == "step":
-            return False
-        why_not = forward_waits_refusals(self.lightning_module, trainer.callbacks, self.package)
-        if not on_host:
-            why_not.append("FSDP keeps the parameter shards on the device and gathers them on streams of its own, "
-                           "which wait for the whole step at the root's forward (offload_parameters=True keeps them "
-                           "in host memory)")
-        return say_forward_waits(why_not, "each FSDP unit's forward waits only for its own rows' CPU updates, which a "
-                                          "step may leave running")
-
-    def _streams(self, trainer, device_grads: str, fused) -> dict[str, bool]:
-        """``stream_cpu_step``'s arguments for the local optimizer of ``fused``, said in one line."""
-        if not self.options.stream_cpu_step:
-            return {}
-        refusals = [("user code reads gradients before the step", device_grads != "copy_when_reduced"),
-                    *in_place_refusals(self.offload_fraction, self.root_device, self.options.copy_on_cpu),
-                    *rows_refusals(fused)]
-        return stream_arguments("been reduce-scattered", self._step_checks(trainer), refusals)
 
     @override
     def on_train_start(self) -> None:

@@ -43,12 +43,6 @@ class PrecisionSlot:
         except TypeError as refusal:
             self._precision_plugin, self._foreign_precision = plugin, refusal
 
-    def _step_checks(self, trainer) -> list[tuple[str, bool]]:
-        """What the step checks in every gradient before using them, each with whether this
-        run does (for :func:`~lightning_fastopt.core.engines.stream_arguments`)."""
-        return [("fp16 loss scaling", self.precision_plugin.scaler is not None),
-                ("gradient clipping", bool(trainer.gradient_clip_val))]
-
     def _refuse_foreign_precision(self) -> None:
         """At fit's set-up: our step cannot run under a plugin we could not take."""
         if self._foreign_precision is not None:

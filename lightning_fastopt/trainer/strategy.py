@@ -53,23 +53,25 @@ from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.offload.forward_waits import ForwardWaits
-from lightning_fastopt.optim.known_steps import say_steps_as_torch, steps_per_parameter
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
+from lightning_fastopt.plan.ddp_plan import plan_ddp_run
+from lightning_fastopt.plan.gradients import zero_stage_that_runs
+from lightning_fastopt.plan.run_plan import OptimizerPlan, RunPlan
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
-from lightning_fastopt.trainer.copy_plan import CopyPlan
 from lightning_fastopt.trainer.engine_checkpoints import EngineCheckpoints
-from lightning_fastopt.trainer.engine_choice import runs_in_engine, steps_as_torch
 from lightning_fastopt.trainer.engine_hooks import EngineHooks
+from lightning_fastopt.trainer.grad_readers import gradient_readers
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
 from lightning_fastopt.trainer.precision_slot import PrecisionSlot
+from lightning_fastopt.trainer.run_facts import ddp_run
 
 __all__ = ["TrainerStrategy"]
 
 
-class TrainerStrategy(EngineHooks, CopyPlan, PrecisionSlot):
+class TrainerStrategy(EngineHooks, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
     fp16 loss scaling.
 
@@ -211,8 +213,7 @@ class TrainerStrategy(EngineHooks, CopyPlan, PrecisionSlot):
         for name, value in vars(options).items():
             if name != "scale_knobs":
                 setattr(self, name, value)
-        self._grad_readers: list[str] | None = None  # decided at set-up
-        self._torch_steps: list[str] = []  # the run's optimizers that run as torch, decided at set-up
+        self.plan: RunPlan | None = None  # the plan of the run's optimizers, made at set-up
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
         self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
@@ -248,14 +249,19 @@ class TrainerStrategy(EngineHooks, CopyPlan, PrecisionSlot):
         note = without_twin(self)
         if note:
             rank_zero_info(note)
-        self._grad_readers = None  # decided again for every run (the model or callbacks may differ)
-        self._torch_steps = []  # likewise the optimizers that run as torch (setup_optimizers)
+        self.plan = None  # made again for every run (the model, callbacks or optimizers may differ)
 
     @override
     def configure_ddp(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             return  # wrapped already (ZeRO stage 2 with an optimizer that runs as torch: setup_optimizers)
-        if self.world_size > 1 and self._effective_stage < 2:
+        if self.plan is not None:
+            stage = self.plan.zero_stage
+        else:  # Lightning's set-up, before the optimizers are known: what user code reads decides
+            module = self.lightning_module
+            stage = zero_stage_that_runs(self.zero_stage, gradient_readers(
+                module, module.trainer.callbacks, self.package, self.keep_gradients), ())
+        if self.world_size > 1 and stage < 2:
             super().configure_ddp()
         elif self.world_size > 1:  # ZeRO stage 2 reduces the gradients itself: start from rank 0's weights
             self.package.sync_module_states(self.model)
@@ -266,58 +272,39 @@ class TrainerStrategy(EngineHooks, CopyPlan, PrecisionSlot):
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
         super().setup_optimizers(trainer)
-        in_engine = [runs_in_engine(opt, self.package.MockOptimizer, self.closure_optimizers, self._steps_on_shares)
-                     for opt in self.optimizers]
-        self._torch_steps = steps_as_torch(self.optimizers, in_engine, self.package.MockOptimizer)
-        if (self._torch_steps and self.zero_stage == 2 and self.world_size > 1
-                and not isinstance(self.model, DistributedDataParallel)):  # (wrapped already where code reads grads)
-            rank_zero_info(f"lightning_fastopt: ZeRO stage 2 reduces gradients as stage 1 does (all-reduced by DDP): "
-                           f"{', '.join(self._torch_steps)} runs as torch runs it, reading every parameter's gradient")
-            self.configure_ddp()  # Lightning's set-up called it before the optimizers were known
+        plan = self.plan = plan_ddp_run(self.optimizers, self, ddp_run(self, trainer), self.package.MockOptimizer)
+        plan.say()
+        if self.world_size > 1 and plan.zero_stage < 2 and not isinstance(self.model, DistributedDataParallel):
+            self.configure_ddp()  # ZeRO stage 2 as stage 1: Lightning's set-up called it before the optimizers
         names = {p: n for n, p in self.lightning_module.named_parameters()}
-        device_grads = self._device_grads()
-        by_module = self._waits_by_module(trainer)
 
-        def make_engine(opt) -> OptimizerWrapper:
+        def make_engine(opt, planned: OptimizerPlan) -> OptimizerWrapper:
             fused = fused_for(opt, self.lightning_module, self.precision_plugin.precision)
             # its kernels load (or build, saying so) now, not after the first training step
             ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0, pieces=fused.kernel_pieces())
-            extra = self._streams(trainer, fused, device_grads)
-            if by_module:
+            extra = planned.schedule.engine_arguments()
+            if planned.schedule.streams and plan.gradients.kind == "copy_at_step":
+                extra["reduced_by"] = self._reductions().reduces  # DDP's buckets, handed over as each is reduced
+            if plan.weight_waits.by_module:
                 extra["forward_waits"] = "module"
-            return wrap_fused_optimizer(fused, names, zero_stage=self._effective_stage, device_grads=device_grads,
+            return wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
                                         **offload_arguments(self), **extra)
 
-        self._engines.take_over(self.optimizers, in_engine, make_engine)
+        self._engines.take_over(self.optimizers, plan.optimizers, make_engine)
         self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (EngineHooks)
-        if len(self._engines):
-            self._say_delays()
-        if by_module:
+        if plan.weight_waits.by_module:
             self._forward_waits = ForwardWaits(self.lightning_module, self._engines.offload_optimizers)
             for o in self._engines.offload_optimizers():
                 o.modules_wait_for(self._forward_waits.covered)
         self._auto_fraction.start(trainer, self.auto_fraction, self.gpu_memory_budget_gb, self.root_device,
                                   self.broadcast)
 
-    def _steps_on_shares(self, optimizer) -> bool:
-        """Where its step is known to update each parameter alone
-        (:func:`~lightning_fastopt.optim.known_steps.steps_per_parameter`); else it runs as
-        torch runs it, on the model's weights (said in one line)."""
-        if steps_per_parameter(optimizer, self.per_parameter_optimizers):
-            return True
-        say_steps_as_torch(optimizer)
-        return False
-
-    def _say_delays(self) -> None:
-        """What ``delayed_update=True`` does in this run, in one line."""
-        if not self.delayed_update:
-            return
-        if self.offload_fraction == 0:
-            rank_zero_info("lightning_fastopt: delayed_update=True delays nothing: nothing is offloaded")
-        else:
-            rank_zero_info(f"lightning_fastopt: after {self.delayed_update_warmup} synchronous step(s), each CPU "
-                           "update runs during the next forward and backward, which use weights one update old "
-                           "(delayed_update=True)")
+    def _reductions(self) -> DDPReductions:
+        """DDP's buckets, each handed over to the engines once its all-reduce has completed
+        (made once a run)."""
+        if self._ddp_reductions is None:
+            self._ddp_reductions = DDPReductions(self.model, self._engines.hand_over)
+        return self._ddp_reductions
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
