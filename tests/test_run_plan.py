@@ -160,6 +160,9 @@ def test_the_fsdp_plan():
     assert readers.gradients.kind == "copy_at_step"
     assert readers.optimizers[0].schedule.line == "stream_cpu_step=True not used: user code reads gradients before " \
                                                   "the step"
+    delayed = plan_fsdp_run([torch.optim.AdamW(_params())], StrategyOptions(delayed_update=True,
+                                                                            delayed_update_warmup=3), run)
+    assert delayed.optimizers[0].schedule.engine_arguments() == {"delayed_update": True, "delayed_update_warmup": 3}
     on_host = plan_fsdp_run([torch.optim.AdamW(_params())], StrategyOptions(offload_parameters=True),
                             FSDPRun(2, CPU, on_host=True))
     assert on_host.gradients == type(on_host.gradients)("copy_when_reduced")  # nothing copied, nothing said

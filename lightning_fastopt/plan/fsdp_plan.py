@@ -63,6 +63,8 @@ def plan_fsdp_run(optimizers: Sequence[Any], options: Any, run: FSDPRun, stand_i
                     *in_place_refusals(options.offload_fraction, run.device, options.copy_on_cpu),
                     *rows_refusals(runner.engine)]
         schedule = choose_schedule(stream_cpu_step=options.stream_cpu_step, landed="been reduce-scattered",
-                                   checks=run.step_checks, refusals=refusals)
+                                   checks=run.step_checks, refusals=refusals, delayed_update=options.delayed_update,
+                                   delayed_update_warmup=options.delayed_update_warmup,
+                                   offloaded=options.offload_fraction != 0)
         plans.append(OptimizerPlan(runner, schedule, state))
     return RunPlan(tuple(plans), 3, gradients, waits)
