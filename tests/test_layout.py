@@ -100,9 +100,10 @@ def test_only_the_package_imports_a_front_end():
 # The layers, ground floor first: a module imports from its own layer or those before it.
 # The engines (offload, zero) sit below what the front-ends share (core); the helpers they
 # need from torch's runtime (runtime) below them all; the plan of a run's optimizers (plan),
-# which the front-ends build their engines from, between the engines and core.
-LAYERS = ("ops", "runtime", "functional", "optim", "checkpoint", "offload", "zero", "fsdp", "plan", "core", "trainer",
-          "fabric", "memory", "")
+# which the front-ends build their engines from, and DeepSpeed's words read into ours
+# (from_deepspeed), between the engines and core.
+LAYERS = ("ops", "runtime", "functional", "optim", "checkpoint", "offload", "zero", "fsdp", "plan", "from_deepspeed",
+          "core", "trainer", "fabric", "memory", "")
 
 
 def _layer(name: str) -> int:

@@ -191,7 +191,7 @@ def test_a_misspelt_argument_is_refused_with_the_nearest_name():
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'offload_fractoin' \(did you mean "
                                         r"'offload_fraction'\?\)"):
         FastOptStrategy(offload_fractoin=0.5)
-    with pytest.raises(TypeError, match=r"'nonsense'.*it accepts its own arguments and DDPStrategy's and "):
+    with pytest.raises(TypeError, match=r"'nonsense'.*it accepts its own arguments, DDPStrategy's and "):
         FastOptStrategy(nonsense=1)
     strategy = FastOptStrategy(find_unused_parameters=True, static_graph=False, timeout=None)  # DDP's and DDPStrategy's
     assert strategy._ddp_kwargs == {"find_unused_parameters": True, "static_graph": False}

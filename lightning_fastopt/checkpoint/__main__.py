@@ -1,6 +1,7 @@
 """``python -m lightning_fastopt.checkpoint consolidate PATH OUT``: a sharded (ZeRO) or
-distributed (FSDP: ours, or Lightning's ``ModelParallelStrategy``'s) checkpoint written as
-one ordinary Lightning checkpoint file.
+distributed (FSDP: ours, or Lightning's ``ModelParallelStrategy``'s) checkpoint, or one
+DeepSpeed wrote (its engine's, or Lightning's ``DeepSpeedStrategy``'s), written as one
+ordinary Lightning checkpoint file.
 
 OUT is a file: an existing one is replaced only with ``--overwrite`` (atomically), a
 directory never; both checked before PATH is read.  PATH is read with torch's safe loader;
@@ -13,6 +14,8 @@ import os
 from pathlib import Path
 
 from lightning_fastopt.checkpoint.atomic import SHARDED_METADATA, check_output_file, is_distributed
+from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_fastopt.checkpoint.deepspeed_to_lightning import consolidate_deepspeed
 from lightning_fastopt.checkpoint.distributed import consolidate_distributed
 from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError
 from lightning_fastopt.checkpoint.reading import BrokenCheckpointError
@@ -34,6 +37,9 @@ def main(argv=None) -> None:
                         "classes in hyperparameters: only for files you trust, as loading runs whatever their "
                         "pickles call (for library use, torch.serialization.add_safe_globals allows named classes "
                         "instead)")
+    c.add_argument("--prefix", default="",
+                   help="for a directory DeepSpeed's engine wrote: put PREFIX before every name (the attribute of "
+                        "your LightningModule that holds the module DeepSpeed saved, as 'net.')")
     args = parser.parse_args(argv)
     try:
         check_output_file(args.out, args.overwrite)
@@ -41,6 +47,15 @@ def main(argv=None) -> None:
         parser.exit(2, f"error: {err}\n")
     if os.path.isfile(args.path):
         parser.error(f"{args.path} is one file already: torch.load reads it, and the strategies resume from it")
+    if args.prefix and not is_deepspeed_checkpoint(args.path):
+        parser.error("--prefix is for a directory DeepSpeed wrote")
+    if is_deepspeed_checkpoint(args.path):
+        try:
+            ckpt = consolidate_deepspeed(args.path, args.out, overwrite=args.overwrite, prefix=args.prefix)
+        except (BrokenCheckpointError, CheckpointMismatchError, OSError, ValueError) as err:
+            parser.exit(2, f"error: {err}\n")
+        _said(args.out, ckpt)
+        return
     if not (is_sharded(args.path) or is_distributed(args.path)):
         parser.error(f"{args.path} is neither a sharded lightning_fastopt checkpoint (no {MANIFEST}) nor a "
                      f"distributed one written through Lightning (no .metadata and {SHARDED_METADATA})")
@@ -50,9 +65,13 @@ def main(argv=None) -> None:
     except (BrokenCheckpointError, CheckpointMismatchError, SafeLoaderRefusedError, CheckpointClassNotFoundError,
             OSError) as err:
         parser.exit(2, f"error: {err}\n")
+    _said(args.out, ckpt)
+
+
+def _said(out: Path, ckpt: dict) -> None:
     states = optimizer_states(ckpt)
     where = "" if "optimizer_states" in ckpt else f" (under {', '.join(repr(k) for k in states)})"
-    print(f"wrote {args.out}: {len(states)} optimizer state(s){where}, "
+    print(f"wrote {out}: {len(states)} optimizer state(s){where}, "
           f"{sum(len(s['state']) for s in states.values())} parameter state(s)")
 
 

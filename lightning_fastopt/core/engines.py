@@ -14,6 +14,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_fastopt.core.param_checks import check_parameters
+from lightning_fastopt.from_deepspeed.arguments import NO_EFFECT, REFUSED
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.base import FusedOptimizer
 from lightning_fastopt.optim.from_torch import to_fused_optimizer
@@ -102,11 +103,11 @@ def check_passed_kwargs(kwargs: dict[str, Any], takers: tuple[Any, ...], ours: t
     forwarded = set().union(*(names(fn) for fn in takers))
     unknown = sorted(set(kwargs) - forwarded)
     if unknown:
-        known = names(ours.__init__) | forwarded
+        known = names(ours.__init__) | forwarded | set(NO_EFFECT) | set(REFUSED)  # DeepSpeedStrategy's too
         hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1))
                              else "") for k in unknown]
         raise TypeError(f"{ours.__name__} got unexpected keyword argument(s) {', '.join(hints)}: it accepts its "
-                        f"own arguments and {whose}")
+                        f"own arguments, {whose} and DeepSpeedStrategy's (docs/from_deepspeed.md)")
 
 
 def fused_for(optimizer: torch.optim.Optimizer, module: torch.nn.Module, precision: str) -> FusedOptimizer:

@@ -28,13 +28,16 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_fastopt import ops
+from lightning_fastopt.checkpoint.deepspeed_to_lightning import refuse_deepspeed_directory
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
 from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
-from lightning_fastopt.core.options import StrategyOptions, offload_arguments
+from lightning_fastopt.core.options import FSDP_OPTION_NAMES, StrategyOptions, offload_arguments
+from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
+from lightning_fastopt.from_deepspeed.trainer_settings import check_precision, refuse_the_trainers_settings
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
 from lightning_fastopt.fsdp import LocalShardOptimizer
@@ -97,22 +100,20 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
-                 **kwargs: Any) -> None:
+                 zero_optimization: bool | None = None, stage: int | None = None,
+                 offload_optimizer: bool | None = None, config: dict | str | None = None, **kwargs: Any) -> None:
+        deepspeed = from_deepspeed(locals(), signature_defaults(FastOptFabricFSDPStrategy.__init__), kwargs,
+                                   strategy=type(self).__name__, stage_three=True)
+        refuse_the_trainers_settings(deepspeed, type(self).__name__)
         check_passed_kwargs(kwargs, (), type(self), "Fabric's ModelParallelStrategy's", _NOT_TAKEN)
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, or None, got "
                             f"{parallelize_fn!r}")
         ops.check_environment()
-        self.options = StrategyOptions.for_fsdp(
-            type(self).__name__, False, offload_fraction=offload_fraction, overlap=overlap, pin_memory=pin_memory,
-            bucket_size_mb=bucket_size_mb, cpu_threads=cpu_threads, loss_scale=loss_scale,
-            initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-            min_loss_scale=min_loss_scale, at_min_loss_scale=at_min_loss_scale,
-            wall_clock_breakdown=wall_clock_breakdown, copy_on_cpu=copy_on_cpu, closure_optimizers=closure_optimizers,
-            keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, host_state_dtype=host_state_dtype,
-            elementwise_optimizers=elementwise_optimizers, offload_parameters=offload_parameters,
-            offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path, nvme_window_mb=nvme_window_mb)
-        if stream_cpu_step and keep_gradients:
+        arguments = deepspeed.arguments
+        self.options = StrategyOptions.for_fsdp(type(self).__name__, False, **{
+            name: arguments[name] for name in FSDP_OPTION_NAMES if name in arguments})
+        if self.options.stream_cpu_step and self.options.keep_gradients:
             raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
                              "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
@@ -123,10 +124,13 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         self._engines: dict[int, LocalShardOptimizer] = {}  # by id of the user's optimizer
         self._users: list[torch.optim.Optimizer] = []
         self._module: Module | None = None  # the model set up (its parameter names key the state)
+        self._deepspeed = deepspeed  # the half precision a DeepSpeed config asks for, checked at set-up
         super().__init__(self._parallelize, data_parallel_size=data_parallel_size,
                          tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
+        for line in deepspeed.lines():
+            rank_zero_info(f"lightning_fastopt: {line}")
 
     @property
     def offload_fraction(self) -> float:
@@ -139,6 +143,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         super().setup_environment()
         say_if_nothing_is_sharded(self._data_parallel_size, self.world_size)
         self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
+        check_precision(self._deepspeed, self.precision.precision, "Fabric")
 
     def _parallelize(self, module: Module, mesh) -> Module:
         """The project's ``parallelize_fn`` (or the strategy's sharding), then, with
@@ -233,6 +238,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         loaded (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and
         so is a distributed one whose checksums do not match
         (:mod:`~lightning_fastopt.checkpoint.checksums`)."""
+        refuse_deepspeed_directory(path, type(self).__name__)
         verify_distributed_once(self.broadcast(path), self)
         check_before_loading(self.broadcast(path), weights_only)
         if not isinstance(state, dict):

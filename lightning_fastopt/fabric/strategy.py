@@ -57,10 +57,13 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastopt import ops
+from lightning_fastopt.checkpoint.deepspeed_to_lightning import refuse_deepspeed_directory
 from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
+from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
+from lightning_fastopt.from_deepspeed.trainer_settings import check_precision, refuse_the_trainers_settings
 from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
@@ -88,10 +91,15 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
                  per_parameter_optimizers: Sequence[str] = (), offload_optimizer_device: str = "cpu",
-                 nvme_path: str | None = None, nvme_window_mb: float | None = None, **kwargs: Any) -> None:
+                 nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 zero_optimization: bool | None = None, stage: int | None = None,
+                 offload_optimizer: bool | None = None, config: dict | str | None = None, **kwargs: Any) -> None:
+        deepspeed = from_deepspeed(locals(), signature_defaults(FastOptFabricStrategy.__init__), kwargs,
+                                   strategy=type(self).__name__)
+        refuse_the_trainers_settings(deepspeed, type(self).__name__)
         check_ddp_kwargs(kwargs, DDPStrategy, FastOptFabricStrategy)
         ops.check_environment()
-        options = StrategyOptions.from_arguments(locals())
+        options = StrategyOptions.from_arguments(deepspeed.arguments)
         if options.auto_fraction:
             raise ValueError("offload_fraction='auto' is for the Trainer (it times the step's closure); with Fabric "
                              "give a number")
@@ -110,8 +118,11 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         self._pending: list[torch.optim.Optimizer] = []  # set up before the model that holds their parameters
         self._threads = TorchThreads()
         self._environment_ready = False
+        self._deepspeed = deepspeed  # the half precision a DeepSpeed config asks for, checked at set-up
         super().__init__(**kwargs)
         self._backward_sync_control = _FastOptBackwardSync(self)
+        for line in deepspeed.lines():
+            rank_zero_info(f"lightning_fastopt: {line}")
 
     # ------------------------------------------------------------------ checkpoint_io
     @property
@@ -158,6 +169,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
             super().setup_environment()
         if self.precision.device is None:
             self.precision.device = self.root_device.type
+        check_precision(self._deepspeed, self.precision.precision, "Fabric")
 
     @property
     @override
@@ -275,6 +287,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+        refuse_deepspeed_directory(path, type(self).__name__)
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         scaler = remainder.pop(SCALER_KEY, None) if isinstance(remainder, dict) and state else None
         if scaler is not None:

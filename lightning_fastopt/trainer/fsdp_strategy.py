@@ -34,6 +34,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
+from lightning_fastopt.checkpoint.deepspeed_to_lightning import refuse_deepspeed_directory
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
 from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
@@ -41,6 +42,9 @@ from lightning_fastopt.checkpoint.safe_loading import SafeLoaderRefusedError, ch
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
 from lightning_fastopt.core.options import FSDP_OPTION_NAMES, StrategyOptions, offload_arguments
+from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
+from lightning_fastopt.from_deepspeed.trainer_optimizers import set_up_optimizers
+from lightning_fastopt.from_deepspeed.trainer_settings import give_the_trainer
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
 from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
@@ -155,12 +159,15 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                  data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, **kwargs: Any) -> None:
-        arguments = locals()
+                 timeout: timedelta | None = default_pg_timeout, zero_optimization: bool | None = None,
+                 stage: int | None = None, offload_optimizer: bool | None = None, config: dict | str | None = None,
+                 **kwargs: Any) -> None:
+        deepspeed = from_deepspeed(locals(), signature_defaults(FSDPTrainerStrategy.__init__), kwargs,
+                                   strategy=type(self).__name__, stage_three=True)
         check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's", FSDP_DOES_NOT_TAKE)
         ops.check_environment()
         options = StrategyOptions.for_fsdp(type(self).__name__, True, **{
-            name: arguments[name] for name in FSDP_OPTION_NAMES})
+            name: deepspeed.arguments[name] for name in FSDP_OPTION_NAMES})
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -169,10 +176,12 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         self._threads = TorchThreads()
         self._unit_waits: UnitWaits | None = None  # the FSDP units' forward pre-hooks (forward_waits="module")
         self.plan: RunPlan | None = None  # the plan of the run's optimizers, made at set-up
+        self._deepspeed = deepspeed  # what DeepSpeed's words ask of the Trainer, given it at connect()
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-
+        for line in deepspeed.lines():
+            rank_zero_info(f"lightning_fastopt: {line}")
         self._auto_fraction = AutoFractionSteps(self._engines)  # (EngineHooks made self._engines)
 
     @property
@@ -188,6 +197,14 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         module = self.lightning_module
         base = self.package.LightningModule
         return isinstance(module, base) and type(module).configure_model is base.configure_model
+
+    @override
+    def connect(self, model) -> None:
+        """As the DDP strategy's: a DeepSpeed config's clipping, accumulation and half precision
+        given to the Trainer before Lightning checks the loop's configuration."""
+        super().connect(model)
+        if self._deepspeed.trainer or self._deepspeed.precision:
+            give_the_trainer(self._deepspeed, model.trainer, getattr(self.precision_plugin, "precision", None))
 
     @override
     def setup_environment(self) -> None:
@@ -235,7 +252,8 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
         on_host = check_host_shards(self.lightning_module, self.options.offload_parameters)
-        super().setup_optimizers(trainer)
+        set_up_optimizers(self, trainer, self._deepspeed,
+                          lambda: super(FSDPTrainerStrategy, self).setup_optimizers(trainer))
         module = self.lightning_module
         if on_host:
             say_host_shards()
@@ -322,6 +340,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and so is
         a distributed one whose checksums do not match
         (:mod:`~lightning_fastopt.checkpoint.checksums`)."""
+        refuse_deepspeed_directory(checkpoint_path, type(self).__name__)
         path = self.broadcast(checkpoint_path)
         verify_distributed_once(path, self)
         try:

@@ -44,6 +44,7 @@ class TrainerPackage:
     DDPStrategy: type
     StrategyRegistry: object
     sync_module_states: Callable  # rank 0's parameters and buffers broadcast to every rank
+    LRSchedulerConfig: type  # what the Trainer steps a scheduler by (interval, frequency, ...)
 
     @classmethod
     def load(cls, name: str) -> TrainerPackage:
@@ -68,6 +69,7 @@ class TrainerPackage:
             DDPStrategy=strategies.DDPStrategy,
             StrategyRegistry=strategies.StrategyRegistry,
             sync_module_states=module("overrides.distributed")._sync_module_states,
+            LRSchedulerConfig=module("utilities.types").LRSchedulerConfig,
         )
 
 

@@ -52,6 +52,9 @@ from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.ddp_reductions import DDPReductions
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
+from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
+from lightning_fastopt.from_deepspeed.trainer_optimizers import set_up_optimizers
+from lightning_fastopt.from_deepspeed.trainer_settings import give_the_trainer
 from lightning_fastopt.offload.forward_waits import ForwardWaits
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.optim.wrapper import OptimizerWrapper
@@ -184,6 +187,13 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
             memory.  None (default): what the state needs (two buckets' masters and state,
             about 3 x ``bucket_size_mb`` each with Adam, or all of them where fewer), 512
             MiB at most; a number is the most the window may take.
+        zero_optimization, stage, offload_optimizer, config: Lightning's ``DeepSpeedStrategy``
+            arguments, with its meaning (``config``: a DeepSpeed config, a dict or a JSON
+            file's path); where any is given, DeepSpeed's defaults hold (``stage`` 2, nothing
+            offloaded without ``offload_optimizer=True``), and ``zero_stage`` and
+            ``offload_fraction`` must be left out or agree.  Its other arguments are taken
+            through ``**kwargs``: of no effect here (said once), or refused with the reason
+            (:mod:`~lightning_fastopt.from_deepspeed`, docs/from_deepspeed.md).
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
@@ -205,10 +215,14 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
                  gpu_memory_budget_gb: float | None = None, host_state_dtype: str = "float32",
                  forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
                  per_parameter_optimizers: Sequence[str] = (), offload_optimizer_device: str = "cpu",
-                 nvme_path: str | None = None, nvme_window_mb: float | None = None, **kwargs: Any) -> None:
+                 nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 zero_optimization: bool | None = None, stage: int | None = None,
+                 offload_optimizer: bool | None = None, config: dict | str | None = None, **kwargs: Any) -> None:
+        deepspeed = from_deepspeed(locals(), signature_defaults(TrainerStrategy.__init__), kwargs,
+                                   strategy=type(self).__name__)
         check_ddp_kwargs(kwargs, self.package.DDPStrategy, type(self))
         ops.check_environment()
-        options = StrategyOptions.from_arguments(locals())
+        options = StrategyOptions.from_arguments(deepspeed.arguments)
         # the checked values as attributes (self.offload_fraction, ...): the hooks below read them
         for name, value in vars(options).items():
             if name != "scale_knobs":
@@ -220,7 +234,10 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
         self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
         self._foreign_precision = None  # a plugin we cannot step with, kept for evaluation (PrecisionSlot)
         self._threads = TorchThreads()
+        self._deepspeed = deepspeed  # what DeepSpeed's words ask of the Trainer, given it at connect()
         super().__init__(**kwargs)  # (EngineHooks makes self._engines: the engines, once set up)
+        for line in deepspeed.lines():
+            rank_zero_info(f"lightning_fastopt: {line}")
         self._checkpoints = EngineCheckpoints(self._engines, self.zero_stage)
         self._auto_fraction = AutoFractionSteps(self._engines)
 
@@ -233,6 +250,15 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
         return super().__ne__(other)
 
     # ------------------------------------------------------------------ environment
+    @override
+    def connect(self, model) -> None:
+        """Lightning attaches the model (the Trainer known through it) before it checks the
+        loop's configuration: a DeepSpeed config's clipping, accumulation and half precision
+        are given to the Trainer here (:mod:`~lightning_fastopt.from_deepspeed.trainer_settings`)."""
+        super().connect(model)
+        if self._deepspeed.trainer or self._deepspeed.precision:
+            give_the_trainer(self._deepspeed, model.trainer, getattr(self.precision_plugin, "precision", None))
+
     @override
     def set_world_ranks(self) -> None:
         """Lightning calls this first once it knows how many processes run (the Trainer is
@@ -271,7 +297,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
     @override
     def setup_optimizers(self, trainer) -> None:
         self._refuse_foreign_precision()
-        super().setup_optimizers(trainer)
+        set_up_optimizers(self, trainer, self._deepspeed, lambda: super(TrainerStrategy, self).setup_optimizers(trainer))
         plan = self.plan = plan_ddp_run(self.optimizers, self, ddp_run(self, trainer), self.package.MockOptimizer)
         plan.say()
         if self.world_size > 1 and plan.zero_stage < 2 and not isinstance(self.model, DistributedDataParallel):
@@ -359,7 +385,8 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._checkpoints.load(checkpoint_path, weights_only, super(TrainerStrategy, self).load_checkpoint)
+        return self._checkpoints.load(checkpoint_path, weights_only, super(TrainerStrategy, self).load_checkpoint,
+                                      self.lightning_module)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
