@@ -100,6 +100,14 @@ def test_bad_deepspeed_words_are_refused_when_built(kwargs, error, match):
         FastOptStrategy(**kwargs)
 
 
+def test_the_pytorch_lightning_packages_strategy_takes_them_too():
+    pytest.importorskip("pytorch_lightning")
+    from lightning_fastopt.trainer.pytorch_lightning import FastOptStrategy as PLStrategy
+
+    s = PLStrategy(stage=1, offload_optimizer=True, config={"zero_optimization": {"stage": 1}})
+    assert (s.zero_stage, s.offload_fraction) == (1, 1.0)
+
+
 def test_fsdp_strategies_take_stage_3_only():
     with pytest.raises(ValueError, match=r"FastOptFSDPStrategy is ZeRO stage 3 \(FSDP2\): stage=2"):
         FastOptFSDPStrategy(stage=2)
@@ -190,7 +198,9 @@ def test_a_config_file_as_deepspeed_reads_it(tmp_path):
     ({"optimizer": {"type": "AdamW", "params": {"lrr": 0.1}}}, r"optimizer.params.lrr in .*: not an argument of AdamW"),
     ({"optimizer": {"type": "Adamax", "params": {"momentum": 0.9}}}, r"not an argument of torch.optim.Adamax"),
     ({"optimizer": {"type": "Adafactorial"}}, r"'Adafactorial' is neither DeepSpeed's nor a torch.optim optimizer"),
-    ({"scheduler": {"type": "OneCycle", "params": {}}}, r"scheduler.type in .*: 'OneCycle': not read yet"),
+    ({"scheduler": {"type": "CyclicLR", "params": {}}}, r"scheduler.type in .*: 'CyclicLR': not one of DeepSpeed's"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}},
+     r"scheduler.params.cycle_min_lr in .*: OneCycle needs it"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3}}},
      r"scheduler.params.total_num_steps in .*: WarmupDecayLR needs it"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}}, r"warmup_steps in .*: not an argument"),
@@ -200,7 +210,7 @@ def test_a_config_file_as_deepspeed_reads_it(tmp_path):
     ({"zero_optimization": {"stage": 2}, "stage": 1}, r"stage in .*: not a key"),
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, r"zero_hpz_partition_size in .*: hierarchical"),
 ], ids=["misspelt", "misspelt-inner", "a-string", "device", "ratio", "consecutive", "two-halves", "lamb", "auto-lr",
-        "adamw-key", "torch-key", "no-such-optimizer", "onecycle", "no-total", "scheduler-key",
+        "adamw-key", "torch-key", "no-such-optimizer", "no-such-schedule", "onecycle-min", "no-total", "scheduler-key",
         "half-comm", "prescale", "negative-clip", "stray-key", "hpz"])
 def test_a_bad_config_is_an_error_naming_the_key_and_the_file(tmp_path, config, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -309,20 +319,27 @@ def test_the_config_from_the_cli(tmp_path):
     ("WarmupDecayLR", dict(total_num_steps=12, warmup_num_steps=40)),
     ("WarmupCosineLR", dict(total_num_steps=25, warmup_min_ratio=0.1, warmup_num_steps=4, cos_min_ratio=0.01)),
     ("WarmupCosineLR", dict(total_num_steps=9, warmup_num_steps=3, warmup_type="linear")),
-], ids=["warmup-log", "warmup-linear-1", "decay-linear", "decay-longer-warmup", "cosine-log", "cosine-linear"])
+    ("OneCycle", dict(cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=5)),
+    ("OneCycle", dict(cycle_min_lr=[0.001, 0.002], cycle_max_lr=0.01, cycle_first_step_size=4,
+                      cycle_second_step_size=3, cycle_first_stair_count=2, decay_step_size=2, decay_lr_rate=0.1,
+                      decay_mom_rate=0.05, cycle_min_mom=0.85)),
+    ("LRRangeTest", dict(lr_range_test_min_lr=0.001, lr_range_test_step_size=3, lr_range_test_step_rate=0.5)),
+    ("LRRangeTest", dict(lr_range_test_min_lr=[0.001, 0.01], lr_range_test_step_size=4, lr_range_test_staircase=True)),
+], ids=["warmup-log", "warmup-linear-1", "decay-linear", "decay-longer-warmup", "cosine-log", "cosine-linear",
+        "onecycle", "onecycle-stairs-decay", "range-test", "range-test-staircase"])
 def test_each_steps_rate_is_deepspeeds_own(name, params):
     """Every step's rate (two parameter groups, 30 steps, past the end) the float DeepSpeed's
-    own scheduler gives (deepspeed.runtime.lr_schedules)."""
+    own scheduler gives (deepspeed.runtime.lr_schedules), and OneCycle's Adam betas."""
     lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
     from lightning_fastopt.from_deepspeed.schedules import SCHEDULES
 
     def rates(make):
         groups = [{"params": [nn.Parameter(torch.zeros(2))], "lr": 0.02}, {"params": [nn.Parameter(torch.zeros(2))]}]
-        optimizer = torch.optim.SGD(groups, lr=0.05)
+        optimizer = torch.optim.AdamW(groups, lr=0.05)
         schedule = make(optimizer)
         seen = []
         for _ in range(30):
-            seen.append([g["lr"] for g in optimizer.param_groups])
+            seen.append([(g["lr"], g["betas"]) for g in optimizer.param_groups])
             optimizer.step()
             schedule.step()
         return seen

@@ -11,10 +11,12 @@ The layouts (DeepSpeed 0.19):
   ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per rank: its partition of each group's
   flat float32 masters (``single_partition_of_fp32_groups``), the optimizer's state over that
   partition (``base_optimizer_state``), and where each parameter's piece lies in it
-  (``param_slice_mappings``);
+  (``param_slice_mappings``); with bf16 training the optimizer files' names start with
+  ``bf16_`` and the module's weights are bfloat16, the masters float32 as ever;
 - stage 3: one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` and one optimizer file per
   rank, each rank holding ``ceil(numel / ranks)`` elements of every parameter in turn
-  (``fp32_flat_groups``, the optimizer's state in the same layout).
+  (``fp32_flat_groups``, the optimizer's state in the same layout; frozen parameters in
+  pieces in the model states, ``frozen_param_fragments``).
 
 A directory with a ``latest`` file names its tag there; a tag's directory itself is taken as
 it is.  Nothing is run from the files (:mod:`~lightning_fastopt.checkpoint.deepspeed_files`).
@@ -41,7 +43,7 @@ LIGHTNINGS_PREFIX = "_forward_module."
 
 _MODEL_STAGE_12 = "mp_rank_00_model_states.pt"
 _MODEL_STAGE_3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-_OPTIM = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")  # bf16_: bf16 training's
 _DEEPSPEEDS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
                     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
@@ -71,6 +73,7 @@ class DeepSpeedCheckpoint:
     loss_scaler: dict[str, Any] = field(default_factory=dict)
     client: dict[str, Any] = field(default_factory=dict)
     global_steps: int = 0
+    skipped_steps: int = 0
     scheduler: dict[str, Any] | None = None  # DeepSpeed's own scheduler's state (engine.save_checkpoint's)
 
 
@@ -118,7 +121,7 @@ def _tag_directory(path: Path, tag: str | None) -> Path:
 
 def _optimizer_files(directory: Path, stage: str) -> list[Path]:
     """Each rank's optimizer file, in rank order (an error where a rank's is missing)."""
-    found = {int(m.group(1)): directory / f.name for f in directory.iterdir() if (m := _OPTIM.match(f.name))}
+    found = {int(m.group(1)): directory / f.name for f in sorted(directory.iterdir()) if (m := _OPTIM.match(f.name))}
     if not found:
         raise BrokenCheckpointError(f"the DeepSpeed checkpoint {directory} ({stage}) has no optimizer files "
                                     "(zero_pp_rank_<r>_mp_rank_00_optim_states.pt)")
@@ -162,6 +165,7 @@ def _fill_common(out: DeepSpeedCheckpoint, model: dict[str, Any], optim: dict[st
     """The client's state, the loss scaler, the module's other entries and the step count."""
     out.client = {k: v for k, v in model.items() if k not in _DEEPSPEEDS_KEYS}
     out.global_steps = int(model.get("global_steps", 0))
+    out.skipped_steps = int(model.get("skipped_steps", 0))
     out.scheduler = model.get("lr_scheduler")
     scaler = optim.get("loss_scaler")
     out.loss_scaler = dict(vars(scaler)) if isinstance(scaler, DeepSpeedObject) else {}
@@ -226,8 +230,6 @@ def _stage_3(directory: Path) -> DeepSpeedCheckpoint:
     first = ranks[0]
     _require(first, ("fp32_flat_groups", "optimizer_state_dict", "partition_count"), files[0], "3")
     _check_partitions(first["partition_count"], world, files[0])
-    if model.get("frozen_param_shapes"):
-        raise ValueError(f"{directory} holds frozen parameters partitioned by ZeRO stage 3: not read yet")
     out = DeepSpeedCheckpoint(str(directory.parent), directory.name, 3, world)
     for g, group_shapes in enumerate(model["param_shapes"]):
         flats = [r["fp32_flat_groups"][g] for r in ranks]
@@ -256,7 +258,28 @@ def _stage_3(directory: Path) -> DeepSpeedCheckpoint:
         step = states[0].get("step")
         out.step = step if step is not None else out.step
     _fill_common(out, model, first)
+    out.module.update(_frozen_stage_3(model, models, directory))
     return out
+
+
+def _frozen_stage_3(model: dict[str, Any], models: list[Path], directory: Path) -> dict[str, torch.Tensor]:
+    """Stage 3's frozen parameters, each rank holding a piece of each (``frozen_param_fragments``)."""
+    shapes = model.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    pieces = [read_deepspeed_file(m, "DeepSpeed model states").get("frozen_param_fragments", {}) for m in models]
+    frozen = {}
+    for name, shape in shapes.items():
+        if any(name not in p for p in pieces):
+            raise BrokenCheckpointError(f"the DeepSpeed checkpoint {directory} lacks a rank's piece of the frozen "
+                                        f"parameter {name}")
+        numel = math.prod(shape)
+        whole = torch.cat([p[name].reshape(-1) for p in pieces])
+        if whole.numel() < numel:
+            raise BrokenCheckpointError(f"the DeepSpeed checkpoint {directory} holds {whole.numel()} elements of the "
+                                        f"frozen parameter {name}, not {numel}")
+        frozen[_unprefixed(name)] = whole.narrow(0, 0, numel).clone().view(tuple(shape))
+    return frozen
 
 
 def _hyperparameters(group: dict[str, Any], names: list[str]) -> dict[str, Any]:

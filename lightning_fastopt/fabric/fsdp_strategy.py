@@ -16,6 +16,7 @@ the optimizer as torch would hold it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -28,7 +29,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.deepspeed_to_lightning import refuse_deepspeed_directory
+from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
 from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
@@ -38,10 +39,12 @@ from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwar
 from lightning_fastopt.core.options import FSDP_OPTION_NAMES, StrategyOptions, offload_arguments
 from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
 from lightning_fastopt.from_deepspeed.trainer_settings import check_precision, refuse_the_trainers_settings
+from lightning_fastopt.fabric.deepspeed_state import load_deepspeed_directory
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
-from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS
+from lightning_fastopt.fabric.strategy import DELAYED_UPDATE_IS_THE_TRAINERS, SCALER_KEY
 from lightning_fastopt.fsdp import LocalShardOptimizer
 from lightning_fastopt.fsdp.auto_shard import check_auto_wrap_policy, shard_model
+from lightning_fastopt.fsdp.full_state import load_full_state
 from lightning_fastopt.fsdp.gradient_landings import HostGradientLandings
 from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shard_arguments,
                                                     materialize_on_the_host, say_host_shards)
@@ -237,14 +240,21 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         engine; a checkpoint that torch's safe loader refuses is refused before anything is
         loaded (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and
         so is a distributed one whose checksums do not match
-        (:mod:`~lightning_fastopt.checkpoint.checksums`)."""
-        refuse_deepspeed_directory(path, type(self).__name__)
-        verify_distributed_once(self.broadcast(path), self)
-        check_before_loading(self.broadcast(path), weights_only)
+        (:mod:`~lightning_fastopt.checkpoint.checksums`).  A directory DeepSpeed wrote is read
+        whole on every rank (:mod:`~lightning_fastopt.fabric.deepspeed_state`)."""
+        deepspeeds = os.path.isdir(path) and is_deepspeed_checkpoint(path)  # read whole on every rank
+        if not deepspeeds:
+            verify_distributed_once(self.broadcast(path), self)
+            check_before_loading(self.broadcast(path), weights_only)
         if not isinstance(state, dict):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         views = self._as_torch_holds_them(state)
-        remaining = super().load_checkpoint(path, views, strict=strict, weights_only=weights_only)
+        if deepspeeds:
+            remaining = load_deepspeed_directory(path, views, strict, self.precision, SCALER_KEY,
+                                                 lambda module, checkpoint, optimizers: load_full_state(
+                                                     module, optimizers, checkpoint, strict))
+        else:
+            remaining = super().load_checkpoint(path, views, strict=strict, weights_only=weights_only)
         for key, value in state.items():
             if views[key] is not value and isinstance(value, torch.optim.Optimizer):
                 view = views[key]

@@ -45,6 +45,7 @@ reach the model).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -57,10 +58,11 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.deepspeed_to_lightning import refuse_deepspeed_directory
+from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_fastopt.checkpoint.sharded import SHARDS_KEY, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
 from lightning_fastopt.core.cpu_threads import TorchThreads
+from lightning_fastopt.fabric.deepspeed_state import load_deepspeed_directory
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
 from lightning_fastopt.from_deepspeed.trainer_settings import check_precision, refuse_the_trainers_settings
@@ -287,12 +289,22 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        refuse_deepspeed_directory(path, type(self).__name__)
+        if isinstance(state, dict) and os.path.isdir(path) and is_deepspeed_checkpoint(path):
+            return load_deepspeed_directory(path, state, strict, self.precision, SCALER_KEY, self._load_whole)
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         scaler = remainder.pop(SCALER_KEY, None) if isinstance(remainder, dict) and state else None
         if scaler is not None:
             self.precision.load_state_dict(scaler)
         return remainder
+
+    @staticmethod
+    def _load_whole(module: Module, checkpoint: dict[str, Any], optimizers: list) -> dict[str, Any]:
+        """A whole checkpoint in memory into the module and optimizers (ours load named state)."""
+        rest = dict(checkpoint)
+        module.load_state_dict(rest.pop("state_dict"))
+        for optimizer, saved in zip(optimizers, rest.get("optimizer_states", [])):
+            optimizer.load_state_dict(saved)
+        return rest
 
     # ------------------------------------------------------------------ teardown
     @override

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["SCHEDULES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
+__all__ = ["SCHEDULES", "LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 
 _WARMUP_TYPES = ("log", "linear")
 
@@ -135,5 +135,112 @@ class WarmupCosineLR(_Warmup):
         return [lr * ratio for lr in self.org_lrs]
 
 
-SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
-"""The ``scheduler.type`` names read (DeepSpeed's ``OneCycle`` and ``LRRangeTest`` are not yet)."""
+class OneCycle(LRScheduler):
+    """DeepSpeed's ``OneCycle``: the rate rises from ``cycle_min_lr`` to ``cycle_max_lr`` over
+    ``cycle_first_step_size`` iterations and falls back over ``cycle_second_step_size``
+    (default: the same), in ``cycle_*_stair_count`` flat stairs where given, then decays by
+    ``decay_lr_rate`` every ``decay_step_size``; with ``cycle_momentum`` (where the optimizer
+    has ``betas``) Adam's first beta moves the other way between ``cycle_max_mom`` and
+    ``cycle_min_mom``, the second set to 0.99, as DeepSpeed's does."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: float | Sequence[float],
+                 cycle_max_lr: float | Sequence[float], decay_lr_rate: float = 0.0,
+                 cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
+                 cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
+                 decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
+                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0, last_epoch: int = -1) -> None:
+        first = float(cycle_first_step_size)
+        second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0 or second < 0:
+            raise ValueError(f"cycle_first_step_size must be positive and cycle_second_step_size not negative, got "
+                             f"{cycle_first_step_size!r} and {cycle_second_step_size!r}")
+        self.first_size, self.second_size, self.total_size = first, second, first + second
+        self.step_ratio = first / self.total_size
+        self.first_stairs = cycle_first_stair_count
+        self.second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        self.decay_step_size = decay_step_size
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
+        self.decay_lr_rate = decay_lr_rate
+        self.decays_lr = not (math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0))
+        self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
+        self.min_moms = [(m, 0.99) for m in _per_group(optimizer, cycle_min_mom, "cycle_min_mom")]
+        self.max_moms = [(m, 0.99) for m in _per_group(optimizer, cycle_max_mom, "cycle_max_mom")]
+        self.decay_mom_rate = decay_mom_rate
+        self.decays_mom = not (math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0))
+        for group, low in zip(optimizer.param_groups, self.min_lrs):
+            group["lr"] = low  # as DeepSpeed's, before its first step
+        super().__init__(optimizer, last_epoch)
+        if self.cycle_momentum:
+            for group, momentum in zip(optimizer.param_groups, self.min_moms):
+                group["betas"] = momentum  # as DeepSpeed's, before its first step
+
+    def _scale(self, iteration: int) -> float:
+        done = iteration + 1
+        cycle = math.floor(1 + done / self.total_size)
+        x = 1. + done / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stairs
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stairs
+        if stairs > 0:
+            within = done % self.total_size
+            if within <= self.first_size:
+                position = within * stairs / self.first_size
+            else:
+                position = (self.total_size - within) * stairs / self.second_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def rates(self, iteration: int) -> list[float]:
+        if iteration < self.total_size:
+            scale = self._scale(iteration)
+            return [low + (high - low) * scale for low, high in zip(self.min_lrs, self.max_lrs)]
+        if not self.decays_lr:
+            return list(self.min_lrs)
+        factor = 1 + self.decay_lr_rate * ((iteration - self.total_size + 1) / self.decay_step_size)
+        return [low / factor for low in self.min_lrs]
+
+    def momenta(self, iteration: int) -> list[tuple[float, float]]:
+        if iteration < self.total_size:
+            scale = self._scale(iteration)
+            return [(high[0] - (high[0] - low[0]) * scale, low[1]) for low, high in zip(self.min_moms, self.max_moms)]
+        if not self.decays_mom:
+            return list(self.max_moms)
+        factor = 1 + self.decay_mom_rate * ((iteration - self.total_size + 1) / self.decay_step_size)
+        return [(beta0 * factor, beta1) for beta0, beta1 in self.max_moms]
+
+    def get_lr(self) -> list[float]:
+        return self.rates(self.last_epoch - 1)
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        if self.cycle_momentum and self.last_epoch > 0:
+            for group, momentum in zip(self.optimizer.param_groups, self.momenta(self.last_epoch - 1)):
+                group["betas"] = momentum
+
+
+class LRRangeTest(LRScheduler):
+    """DeepSpeed's ``LRRangeTest``: ``lr_range_test_min_lr`` times ``1 + step_rate * i /
+    step_size`` (``i`` the steps taken; whole intervals only with ``lr_range_test_staircase``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_epoch: int = -1) -> None:
+        if (isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int)
+                or lr_range_test_step_size <= 0):
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
+        self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        taken = float(self.last_epoch) / self.step_size  # DeepSpeed's iteration + 1
+        increase = 1 + self.step_rate * (math.floor(taken) if self.staircase else taken)
+        return [low * increase for low in self.min_lrs]
+
+
+SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+             "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
+"""The ``scheduler.type`` names read: every schedule of DeepSpeed's."""

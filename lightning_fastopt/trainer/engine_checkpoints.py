@@ -17,10 +17,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint, read_deepspeed_checkpoint
-from lightning_fastopt.checkpoint.deepspeed_to_lightning import as_lightning_checkpoint, matched_to, summary
+from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_fastopt.checkpoint.deepspeed_to_lightning import deepspeed_as_lightning
 from lightning_fastopt.checkpoint.reading import read_checkpoint_file
 from lightning_fastopt.checkpoint.sharded import Ranks, load_sharded, save_sharded
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
@@ -68,14 +68,15 @@ class EngineCheckpoints:
 
     @staticmethod
     def load(checkpoint_path, weights_only: bool | None,
-             one_file: Callable[[Any, bool | None], dict[str, Any]], model: Any = None) -> dict[str, Any]:
+             one_file: Callable[[Any, bool | None], dict[str, Any]], model: Any = None,
+             precision: Any = None) -> dict[str, Any]:
         """Sharded (ZeRO) directories are merged, to be re-sharded for this world size; a
-        directory DeepSpeed wrote is read as a Lightning checkpoint of ``model``
-        (:mod:`~lightning_fastopt.checkpoint.deepspeed_to_lightning`); ``one_file(path,
+        directory DeepSpeed wrote is read as a Lightning checkpoint of ``model`` with the
+        ``precision`` plugin (:mod:`~lightning_fastopt.checkpoint.deepspeed_to_lightning`); ``one_file(path,
         weights_only)`` reads a file, and a damaged file or directory is one message naming it
         (BrokenCheckpointError)."""
         if model is not None and _is_local_dir(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
-            return deepspeed_as_lightning(checkpoint_path, model)
+            return deepspeed_as_lightning(checkpoint_path, model, precision)
         if _is_local_dir(checkpoint_path):
             return load_sharded(checkpoint_path, weights_only)
         return read_checkpoint_file(checkpoint_path, lambda path: one_file(path, weights_only),
@@ -103,13 +104,3 @@ def _is_local_dir(path) -> bool:
         return os.path.isdir(path)
     except TypeError:
         return False
-
-
-def deepspeed_as_lightning(path, model: Any) -> dict[str, Any]:
-    """The DeepSpeed checkpoint in ``path`` as a Lightning checkpoint of ``model`` (its names
-    matched to the model's trainable parameters), what was read said in the log."""
-    ds = read_deepspeed_checkpoint(path)
-    prefix = matched_to(ds, [n for n, p in model.named_parameters() if p.requires_grad])
-    for line in summary(ds) + ([f"its parameter names are the model's under {prefix!r}"] if prefix else []):
-        rank_zero_info(f"lightning_fastopt: {line}")
-    return as_lightning_checkpoint(ds, prefix)

@@ -25,6 +25,7 @@ project's ``configure_model`` applies ``fully_shard`` as it does under
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -34,7 +35,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.deepspeed_to_lightning import refuse_deepspeed_directory
+from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_fastopt.checkpoint.deepspeed_to_lightning import deepspeed_as_lightning
 from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
 from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
 from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
@@ -52,6 +54,7 @@ from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shar
                                                     materialize_on_the_host, move_all_but_fsdp_parameters,
                                                     say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
+from lightning_fastopt.fsdp.full_state import load_full_state
 from lightning_fastopt.fsdp.unit_waits import UnitWaits
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.plan.fsdp_plan import plan_fsdp_run
@@ -339,8 +342,9 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         torch's safe loader refuses is refused before anything is loaded
         (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and so is
         a distributed one whose checksums do not match
-        (:mod:`~lightning_fastopt.checkpoint.checksums`)."""
-        refuse_deepspeed_directory(checkpoint_path, type(self).__name__)
+        (:mod:`~lightning_fastopt.checkpoint.checksums`).  A directory DeepSpeed wrote is read
+        whole on every rank and loaded as a full checkpoint
+        (:mod:`~lightning_fastopt.checkpoint.deepspeed_to_lightning`)."""
         path = self.broadcast(checkpoint_path)
         verify_distributed_once(path, self)
         try:
@@ -351,7 +355,11 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         views = [held_as_torch(o) if self._engines.engine_for(taken, o) else o for o in taken]
         self._optimizers = views
         try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+            if os.path.isdir(path) and is_deepspeed_checkpoint(path):  # every rank reads it whole
+                checkpoint = load_full_state(self.model, views, deepspeed_as_lightning(
+                    path, self.lightning_module, self.precision_plugin), self.lightning_module.strict_loading)
+            else:
+                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         finally:
             self._optimizers = taken
         for opt, view in zip(taken, views):

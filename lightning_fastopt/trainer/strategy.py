@@ -386,7 +386,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         return self._checkpoints.load(checkpoint_path, weights_only, super(TrainerStrategy, self).load_checkpoint,
-                                      self.lightning_module)
+                                      self.lightning_module, self.precision_plugin)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:

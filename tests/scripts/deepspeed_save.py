@@ -5,7 +5,11 @@ and what DeepSpeed held when it saved, read through its own API on every rank
 OUT/expected.pt.  One process per rank (RANK = LOCAL_RANK on one machine; without
 WORLD_SIZE, one process on PORT).
 
-    python tests/scripts/deepspeed_save.py STAGE OUT [PORT]
+    python tests/scripts/deepspeed_save.py STAGE OUT [PORT] [--scheduler]
+
+``--scheduler``: DeepSpeed's WarmupDecayLR from the config's scheduler section steps too;
+``--bf16``: DeepSpeed's bf16 training (bfloat16 weights, float32 masters); ``--frozen``: the
+first layer's weight frozen (``requires_grad=False``).
 """
 
 import os
@@ -13,13 +17,15 @@ import sys
 
 import torch
 
-stage, out = int(sys.argv[1]), sys.argv[2]
+scheduled, bf16, frozen = "--scheduler" in sys.argv, "--bf16" in sys.argv, "--frozen" in sys.argv
+argv = [a for a in sys.argv if a not in ("--scheduler", "--bf16", "--frozen")]
+stage, out = int(argv[1]), argv[2]
 os.environ.setdefault("WORLD_SIZE", "1")
 os.environ.setdefault("LOCAL_RANK", "0")
 os.environ["RANK"] = os.environ["LOCAL_RANK"]
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-if len(sys.argv) > 3:
-    os.environ.setdefault("MASTER_PORT", sys.argv[3])
+if len(argv) > 3:
+    os.environ.setdefault("MASTER_PORT", argv[3])
 
 import deepspeed  # noqa: E402
 
@@ -32,18 +38,33 @@ deepspeed.init_distributed(dist_backend="gloo")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.manual_seed(0)
 # odd sizes: the partitions are padded at two ranks
-model = torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.BatchNorm1d(15), torch.nn.Tanh(), torch.nn.Linear(15, 3))
+norm = torch.nn.Identity() if bf16 else torch.nn.BatchNorm1d(15)  # (DeepSpeed leaves BatchNorm's buffers float32)
+model = torch.nn.Sequential(torch.nn.Linear(8, 15), norm, torch.nn.Tanh(), torch.nn.Linear(15, 3))
+if frozen:
+    model[0].weight.requires_grad_(False)
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}}}
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+SCHEDULE = {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                                                "warmup_num_steps": 4, "warmup_type": "linear"}}
+if scheduled:
+    config["scheduler"] = SCHEDULE
+if bf16:
+    config["bf16"] = {"enabled": True}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                       config=config)
 g = torch.Generator().manual_seed(1 + rank)
 for _ in range(3):
-    loss = engine(torch.randn(4, 8, generator=g)).pow(2).mean()
+    x = torch.randn(4, 8, generator=g)
+    loss = engine(x.bfloat16() if bf16 else x).float().pow(2).mean()
     engine.backward(loss)
     engine.step()
 engine.save_checkpoint(out, tag="step3")
 expected = {"masters": {}, "state": {}, "world_size": world, "stage": stage}
 for name, p in model.named_parameters():
+    if not p.requires_grad:
+        with deepspeed.zero.GatheredParameters([p]) if stage == 3 else torch.no_grad():
+            expected["frozen"] = {name: p.detach().clone()}
+        continue
     expected["masters"][name] = safe_get_full_fp32_param(p).clone()
     expected["state"][name] = {k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}
 expected["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
