@@ -178,6 +178,10 @@ def test_a_config_file_as_deepspeed_reads_it(tmp_path):
     assert FastOptStrategy(config={"zero_optimization": {"stage": 1}}).zero_stage == 1  # a dict as well
     off = {"zero_hpz_partition_size": 1, "mics_shard_size": -1, "zero_quantized_weights": False}  # DeepSpeed's defaults
     assert FastOptStrategy(config={"zero_optimization": off, "prescale_gradients": False}).zero_stage == 2
+    flags_off = {"partition_activations": False, "cpu_checkpointing": False, "number_checkpoints": None}  # HF's
+    assert FastOptStrategy(config={"activation_checkpointing": flags_off}).zero_stage == 2
+    with pytest.raises(ValueError, match="activation_checkpointing in .*use torch.utils.checkpoint"):
+        FastOptStrategy(config={"activation_checkpointing": {**flags_off, "partition_activations": True}})
     nvme = FastOptStrategy(config={"zero_optimization": {"offload_optimizer": {"device": "nvme",
                                                                                "nvme_path": str(tmp_path)}}})
     assert (nvme.offload_optimizer_device, nvme.nvme_path, nvme.zero_stage) == ("nvme", str(tmp_path), 2)

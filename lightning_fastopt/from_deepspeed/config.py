@@ -178,8 +178,8 @@ class _Reader:
         self.out.no_effect[path] = why
 
     def _refuse_when_on(self, path: str, value: Any, why: str) -> None:
-        if isinstance(value, Mapping):
-            off = not value or not value.get("enabled", True)
+        if isinstance(value, Mapping):  # off where disabled, or where none of its flags is on (Hugging Face's)
+            off = value.get("enabled") is False or not any(v is True for v in value.values())
         else:
             off = value is None or value is False or (not isinstance(value, bool) and value == 0)
         if not off:

@@ -30,6 +30,7 @@ from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, na
 from lightning_fastopt.offload.delayed import SAVED_KEY, put_master
 from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import ParamSlot, remember_weights
+from lightning_fastopt.optim.user_step import UserStepOptimizer
 
 # In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
 # whose low bits the half weight in the model's state dict does not hold (torch.optim ignores it).
@@ -86,6 +87,8 @@ class EngineState:
                     if s.param.dtype != s.master.dtype:
                         state.add(s, MASTER_KEY, s.master)
         saved = named_state_dict(opt.param_groups, self._names(), state.by_name)
+        for group, counted in zip(saved["param_groups"], _steps_own_group_state(opt)):
+            group.update(counted)
         if opt._delayed is not None:
             saved[SAVED_KEY] = opt._delayed.saved(opt.layout)
         return saved
@@ -98,9 +101,13 @@ class EngineState:
         opt._in_flight.wait_all()  # pending weights may be written into the model below
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {s.name: s.param.shape for s in opt._slots}, opt.param_groups)
-        for group, saved in zip(opt.param_groups, saved_groups):
-            group.update(saved)  # in place: LR schedulers hold these dicts
+        user_step = isinstance(opt.optimizer, UserStepOptimizer)
+        for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+            own = {k: v for k, v in saved.items() if k not in group} if user_step else {}  # the step's own (below)
+            group.update({k: v for k, v in saved.items() if k not in own})  # in place: LR schedulers hold these dicts
             opt.optimizer._validate_group(group)
+            for inner in opt._inners():
+                inner.param_groups[i].update(own)
         for inner in opt._inners():
             inner.state.clear()
         masters = {}
@@ -164,3 +171,17 @@ def saved_dtype(value: Any) -> torch.dtype | None:
     """The dtype a state value is saved in where it is not its own: bfloat16 moments
     (``host_state_dtype``) as float32, as torch.optim keeps them."""
     return torch.float32 if isinstance(value, Tensor) and value.dtype == torch.bfloat16 else None
+
+
+def _steps_own_group_state(opt) -> list[dict[str, Any]]:
+    """What an optimizer's own ``step`` (a :class:`UserStepOptimizer`'s, the user's class) keeps
+    in its parameter groups beyond the user's settings (pytorch-optimizer's classes count their
+    steps there, ``group["step"]``): each
+    share's inner optimizer keeps its own copy of the groups, counted alike, so the first
+    share's is saved with the groups; loading gives it back to every share (not to the
+    user's groups, whose settings are copied into the shares at each step)."""
+    inners = opt._inners()
+    if not inners or not isinstance(opt.optimizer, UserStepOptimizer):  # (our kernels' groups hold settings only)
+        return [{} for _ in opt.param_groups]
+    return [{k: v for k, v in inner_group.items() if k not in group and k not in ("params", "param_names")}
+            for group, inner_group in zip(opt.param_groups, inners[0].param_groups)]

@@ -4,7 +4,8 @@ strategy runs it), or nothing (Lightning's stand-in when ``configure_optimizers`
 None).
 
 The strategies step shares apart (:mod:`~lightning_fastopt.optim.known_steps` says which
-steps give torch's bits there): ``shares="parameters"`` under the DDP strategies (whole
+steps give torch's bits there, :mod:`~lightning_fastopt.plan.catalogue` which third-party
+classes are verified to): ``shares="parameters"`` under the DDP strategies (whole
 parameters: the device's, each host bucket's, a rank's), ``shares="rows"`` under the FSDP
 strategies (each rank's rows of every parameter).
 """
@@ -21,6 +22,7 @@ from lightning_fastopt.optim.closure import evaluates_closure_again
 from lightning_fastopt.optim.from_torch import engine_class, why_not_fused
 from lightning_fastopt.optim.known_steps import steps_per_parameter, steps_rows
 from lightning_fastopt.optim.wrapper import unwrapped
+from lightning_fastopt.plan.catalogue import catalogued
 
 __all__ = ["RUNNERS", "SHARES", "Runner", "choose_runner"]
 
@@ -47,6 +49,7 @@ class Runner:
     engine: type[FusedOptimizer] | None = None
     on: str = ""
     mapped: bool = False  # a torch optimizer run by our kernel class (said in one line)
+    catalogued: str = ""  # the package and version of a class the catalogue verified
 
     @property
     def in_engine(self) -> bool:
@@ -56,6 +59,9 @@ class Runner:
         """What the set-up says of it (None: nothing to say)."""
         if self.runs == "kernel" and self.mapped:
             return f"running {self.name} as {self.engine.__name__} with the same hyperparameters"
+        if self.runs == "own step" and self.catalogued:
+            return (f"{self.name} ({self.catalogued}) runs its own step on the master weights, where they live: "
+                    "catalogued as updating each parameter alone (lightning_fastopt.plan.catalogue)")
         if self.runs == "own step":
             return f"{self.name} runs its own step on the master weights, where they live (not fused: {self.why})"
         if self.runs == "torch":
@@ -89,10 +95,15 @@ def choose_runner(optimizer: Any, *, shares: str, closure_optimizers: tuple[str,
                                      "norm or matrix function of a parameter would span only those rows "
                                      f"({argument}=[{name!r}] steps it on them)", on=on)
     if shares == "parameters" and not steps_per_parameter(optimizer, named):
-        return Runner(name, "torch", "its step is not known to update each parameter from its own gradient and state "
-                                     "alone, and the strategy steps shares of the parameters apart (the device's, each "
-                                     "host bucket's, a rank's), where a norm over every gradient would see one share's "
-                                     f"({argument}=[{name!r}] steps it on them)", on=on)
+        entry, version, why_not = catalogued(optimizer)
+        if entry is not None and why_not is None:
+            return Runner(name, "own step", f"catalogued ({entry.package} {version})", engine_class(optimizer),
+                          catalogued=f"{entry.package} {version}")
+        return Runner(name, "torch", (f"{why_not}; " if why_not else "") +
+                      "its step is not known to update each parameter from its own gradient and state alone, and the "
+                      "strategy steps shares of the parameters apart (the device's, each host bucket's, a rank's), "
+                      f"where a norm over every gradient would see one share's ({argument}=[{name!r}] steps it on "
+                      "them)", on=on)
     why_not = why_not_fused(optimizer)
     if why_not is not None:
         return Runner(name, "own step", why_not, engine_class(optimizer))

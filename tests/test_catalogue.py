@@ -1,0 +1,154 @@
+"""The catalogue of third-party optimizers verified per parameter (issue 74,
+:mod:`lightning_fastopt.plan.catalogue`): each entry's real package, offloaded at 0.5 and 1
+with no argument, under ``bf16-true``, and resumed from a checkpoint, ends bit for bit where
+``Trainer()`` ends (ZeRO stage 2 at two processes in the slow test); a subclass with its own
+step, a version outside the range and a hyper-parameter that combines parameters run as torch
+runs them, saying why."""
+
+from __future__ import annotations
+
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fastopt import FastOptStrategy
+from lightning_fastopt.plan import catalogue
+from lightning_fastopt.plan.runner import choose_runner
+from tests.helpers import run_script
+
+ENTRIES = {f"{e.package}:{e.name}": e for e in catalogue.CATALOGUE}
+
+
+def _class(entry):
+    module = pytest.importorskip(entry.module)
+    return getattr(module, entry.name)
+
+
+class Net(L.LightningModule):
+    def __init__(self, make):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.make = make
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.body(x).float(), y)
+
+    def configure_optimizers(self):
+        return self.make(self.parameters())
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=8)
+
+
+def _fit(strategy, make, tmp_path=None, epochs=2, ckpt_path=None, **kw):
+    model = Net(make)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+    trainer.fit(model, _data(), ckpt_path=ckpt_path)
+    return trainer, [p.detach().clone() for p in model.parameters()]
+
+
+def _half_weights_reference(make, epochs=2):
+    """``bf16-true`` as the strategies define it (docs/strategy.md): bfloat16 weights and
+    gradients, float32 masters the optimizer steps, the bfloat16 copy written back; in torch."""
+    model = Net(make).bfloat16()
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    optimizer = make(masters)
+    for _ in range(epochs):
+        for x, y in _data():
+            model.zero_grad()
+            model.training_step((x.bfloat16(), y.bfloat16()), 0).backward()
+            for master, p in zip(masters, model.parameters()):
+                master.grad = p.grad.float()
+            optimizer.step()
+            with torch.no_grad():
+                for master, p in zip(masters, model.parameters()):
+                    p.copy_(master)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _ours(fraction):
+    return FastOptStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0002)
+
+
+@pytest.mark.parametrize("key", sorted(ENTRIES))
+def test_each_catalogued_class_is_offloaded_with_no_argument_and_ends_where_trainer_ends(key, tmp_path):
+    entry = ENTRIES[key]
+    cls = _class(entry)
+    make = lambda ps: cls(ps, lr=0.01)  # noqa: E731
+    _, reference = _fit("auto", make)
+    for fraction in (0.5, 1.0):
+        trainer, ours = _fit(_ours(fraction), make)
+        assert trainer.strategy.plan.optimizers[0].runner.runs == "own step", key
+        assert trainer.strategy.engines[0].offloaded_numel > 0
+        assert _equal(ours, reference), (key, fraction)
+    _, half = _fit(_ours(0.5), make, precision="bf16-true")
+    assert _equal(half, _half_weights_reference(make)), (key, "bf16-true")
+    trainer, _ = _fit(_ours(0.5), make, epochs=1)
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    _, resumed = _fit(_ours(0.5), make, ckpt_path=str(tmp_path / "one.ckpt"))
+    assert _equal(resumed, reference), (key, "resumed")
+
+
+def test_a_subclass_a_version_or_a_hyperparameter_outside_the_entry_runs_as_torch(monkeypatch):
+    lion = _class(ENTRIES["lion-pytorch:Lion"])
+    params = [nn.Parameter(torch.zeros(3))]
+
+    class Tuned(lion):  # hyper-parameters only: still the class verified
+        pass
+
+    class OwnStep(lion):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    assert choose_runner(Tuned(params), shares="parameters").runs == "own step"
+    own = choose_runner(OwnStep(params), shares="parameters")
+    assert own.runs == "torch" and "OwnStep overrides the step of lion_pytorch.lion_pytorch.Lion" in own.why
+    adan = _class(ENTRIES["pytorch-optimizer:Adan"])
+    assert choose_runner(adan(params), shares="parameters").runs == "own step"
+    clipped = choose_runner(adan(params, max_grad_norm=1.0), shares="parameters")
+    assert clipped.runs == "torch" and clipped.why.startswith("max_grad_norm=1.0: it clips by the norm of every gradient")
+    assert choose_runner(adan(params, max_grad_norm=1.0), shares="parameters", named=("Adan",)).runs == "own step"
+    entry = ENTRIES["lion-pytorch:Lion"]
+    monkeypatch.setattr(catalogue, "CATALOGUE", (catalogue.Entry(entry.module, entry.name, entry.package, "<0.1"),))
+    old = choose_runner(lion(params), shares="parameters")
+    assert old.runs == "torch" and "lion-pytorch 0.2" in old.why and "outside the versions" in old.why
+    assert choose_runner(lion(params), shares="rows").runs == "torch"  # rows: FSDP's, not catalogued yet
+
+
+def test_a_steps_count_kept_in_its_groups_is_saved_and_resumed(tmp_path):
+    """pytorch-optimizer's classes count their steps in each parameter group, not in the
+    parameters' state: the engines save the count with the groups and give it back to every
+    share, so a run resumes where it stopped, and plain Trainer() resumes our checkpoint."""
+    adamp = _class(ENTRIES["pytorch-optimizer:AdamP"])
+    make = lambda ps: adamp(ps, lr=0.01)  # noqa: E731
+    _, reference = _fit("auto", make)
+    trainer, _ = _fit(_ours(0.5), make, epochs=1)
+    assert trainer.strategy.engines[0].state_dict()["param_groups"][0]["step"] == 6
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    _, plain = _fit("auto", make, ckpt_path=str(tmp_path / "one.ckpt"))
+    assert _equal(plain, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", sorted(ENTRIES))
+def test_zero_2_at_two_processes_shards_a_catalogued_class_as_ddp_ends(key, tmp_path):
+    entry = ENTRIES[key]
+    _class(entry)
+    for which in ("zero2", "ddp"):
+        run_script("tests/scripts/catalogue_run.py", entry.module, entry.name, which, tmp_path / f"{which}.pt",
+                   timeout=900)
+    ours, ddp = (torch.load(tmp_path / f"{w}.pt", weights_only=True) for w in ("zero2", "ddp"))
+    assert ours["runs"] == "own step" and _equal(ours["weights"], ddp["weights"])
