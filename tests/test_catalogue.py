@@ -120,7 +120,8 @@ def test_a_subclass_a_version_or_a_hyperparameter_outside_the_entry_runs_as_torc
     assert choose_runner(adan(params), shares="parameters").runs == "own step"
     clipped = choose_runner(adan(params, max_grad_norm=1.0), shares="parameters")
     assert clipped.runs == "torch" and clipped.why.startswith("max_grad_norm=1.0: it clips by the norm of every gradient")
-    assert choose_runner(adan(params, max_grad_norm=1.0), shares="parameters", named=("Adan",)).runs == "own step"
+    with pytest.raises(ValueError, match="Adan is named in per_parameter_optimizers .* combines parameters"):
+        choose_runner(adan(params, max_grad_norm=1.0), shares="parameters", named=("Adan",))  # the claim checked
     entry = ENTRIES["lion-pytorch:Lion"]
     monkeypatch.setattr(catalogue, "CATALOGUE", (catalogue.Entry(entry.module, entry.name, entry.package, "<0.1"),))
     old = choose_runner(lion(params), shares="parameters")
@@ -152,3 +153,42 @@ def test_zero_2_at_two_processes_shards_a_catalogued_class_as_ddp_ends(key, tmp_
                    timeout=900)
     ours, ddp = (torch.load(tmp_path / f"{w}.pt", weights_only=True) for w in ("zero2", "ddp"))
     assert ours["runs"] == "own step" and _equal(ours["weights"], ddp["weights"])
+
+
+# ---------------------------------------------------------------------------- the per-parameter claim checked
+def test_a_wrong_per_parameter_claim_is_refused_before_the_model_is_touched():
+    """Prodigy estimates its step size over every parameter: named in per_parameter_optimizers
+    it trained on with every weight differing from Trainer()'s; now the claim is checked when
+    the optimizers are set up (its step on synthetic tensors, whole and each alone) and
+    refused, naming the class and what differed, the model's weights untouched."""
+    prodigy = pytest.importorskip("prodigyopt").Prodigy
+    model = Net(lambda ps: prodigy(ps, lr=1.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = L.Trainer(strategy=FastOptStrategy(copy_on_cpu=True, per_parameter_optimizers=["Prodigy"]),
+                        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"Prodigy is named in per_parameter_optimizers as updating each parameter "
+                                         r"from its own gradient and state alone, but after \d step\(s\) on synthetic "
+                                         r"tensors .* differs from it stepped alone .* its step combines parameters"):
+        trainer.fit(model, _data())
+    assert _equal([p.detach() for p in model.parameters()], before)
+    _, plain = _fit("auto", lambda ps: prodigy(ps, lr=1.0), epochs=1)  # not named: it runs as torch, as Trainer()
+    _, ours = _fit(_ours(0.5), lambda ps: prodigy(ps, lr=1.0), epochs=1)
+    assert _equal(ours, plain)
+
+
+def test_the_check_passes_what_updates_each_parameter_alone_and_costs_milliseconds():
+    import time
+
+    from lightning_fastopt.plan.claim_check import combines_parameters
+    from tests.references import GlobalNorm, WholeTensorNorms
+
+    params = [nn.Parameter(torch.zeros(3))]
+    classes = [_class(e) for e in catalogue.CATALOGUE]
+    start = time.perf_counter()
+    for cls in classes:
+        assert combines_parameters(cls(params, lr=0.01)) is None, cls
+    assert time.perf_counter() - start < 5.0  # (each a few milliseconds; a loaded 2-core machine is slow)
+    assert combines_parameters(WholeTensorNorms(params, lr=0.1)) is None  # norms of one parameter: its own
+    assert combines_parameters(torch.optim.AdamW(params)) is None
+    assert "differs from it stepped alone" in combines_parameters(GlobalNorm(params, lr=0.1))

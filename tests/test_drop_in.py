@@ -446,8 +446,8 @@ def test_an_own_step_not_named_runs_as_torch_and_ends_where_trainer_ends(caplog,
     clips) runs as torch runs it, on the model's weights, not offloaded, one line saying
     so: bit for bit ``Trainer()``.  Until 2026-11-27 it ran once per share, silently off
     (8e-3 at fraction 0.5 after 8 steps); named in ``per_parameter_optimizers`` (the user's
-    word that it is per parameter) it still does, and ends elsewhere (checked at 0.2: the
-    device's share and host buckets)."""
+    word that it is per parameter) it ran on the shares and ended elsewhere until issue 74:
+    the claim is checked at set-up, and refused."""
     make = lambda ps: GlobalNorm(ps, lr=1e-2)  # noqa: E731
     ours, ref, named = Net(make), Net(make), Net(make)
     with _said(caplog, monkeypatch):
@@ -460,9 +460,11 @@ def test_an_own_step_not_named_runs_as_torch_and_ends_where_trainer_ends(caplog,
             "each parameter from its own gradient and state alone") in caplog.text
     assert "per_parameter_optimizers=['GlobalNorm'] steps it on them" in caplog.text
     if strategy == "part-offloaded-accelerator-path":  # shares: the device's and host buckets
-        _trainer(FastOptStrategy(**{**CLOSURE_STRATEGIES[strategy], "per_parameter_optimizers": ["GlobalNorm"]})).fit(
-            named, _data())
-        assert not torch.equal(named.head.weight, ref.head.weight)
+        before = named.head.weight.detach().clone()
+        with pytest.raises(ValueError, match="GlobalNorm is named in per_parameter_optimizers .* combines parameters"):
+            _trainer(FastOptStrategy(**{**CLOSURE_STRATEGIES[strategy], "per_parameter_optimizers": ["GlobalNorm"]})
+                     ).fit(named, _data())
+        assert torch.equal(named.head.weight, before)
 
 
 def test_lbfgs_with_fp16_loss_scaling_is_refused_by_name():
@@ -587,6 +589,12 @@ def test_an_own_step_gets_the_closure_and_its_loss_on_every_share(strategy):
     seen, PassesTheClosure.seen = PassesTheClosure.seen, []
     _trainer("auto").fit(ref, _data())
     assert_modules_equal(ours, ref)
+    # first the per-parameter claim's steps at set-up, on synthetic tensors without a closure (issue 74)
+    from lightning_fastopt.plan.claim_check import SHAPES, STEPS
+
+    checked = STEPS * (1 + len(SHAPES))
+    assert seen[:checked] == [None] * checked
+    seen = seen[checked:]
     assert len(seen) >= len(PassesTheClosure.seen) == 8 and all(isinstance(v, torch.Tensor) for v in seen)
     assert {float(v) for v in seen} == {float(v) for v in PassesTheClosure.seen}
 
@@ -663,11 +671,14 @@ ORDER_STRATEGIES = {**STRATEGIES,  # and through ZeroOptimizer, whose local offl
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("strategy", sorted(ORDER_STRATEGIES))
 def test_an_own_step_is_entered_before_the_closure_runs_as_torch_enters_it(strategy, accumulate):
+
     """Lightning's ``test_train_loop_system``: ``optimizer.step`` first, then, from the
     closure it calls, ``training_step``, ``zero_grad`` and ``backward``.  The share updated
     first runs the user's step from its top before the closure is evaluated (it once saw
     ``training_step`` before ``step``); the other shares' steps come after it.  The calls
     are ``Trainer()``'s, one share's exactly, and the weights bit for bit."""
+    from lightning_fastopt.plan.claim_check import SHAPES, STEPS
+
     def run(chosen):
         RecordedSGD.calls = []
         model = RecordedNet(lambda ps: RecordedSGD(ps, lr=0.05, momentum=0.9))
@@ -676,6 +687,10 @@ def test_an_own_step_is_entered_before_the_closure_runs_as_torch_enters_it(strat
 
     ours, ours_calls = run(ORDER_STRATEGIES[strategy]())
     ref, ref_calls = run("auto")
+    # the per-parameter claim checked at set-up steps the class on synthetic tensors first (issue 74)
+    checked = 2 * STEPS * (1 + len(SHAPES))
+    assert ours_calls[:checked] == ["step", "stepped"] * (checked // 2)
+    ours_calls = ours_calls[checked:]
     assert_modules_equal(ours, ref)
     assert ref_calls[:5] == (["step", "training_step", "zero_grad", "backward", "stepped"] if accumulate == 1 else
                              ["training_step", "zero_grad", "backward", "training_step", "backward"])

@@ -362,11 +362,12 @@ def test_closure_optimizers_run_as_torch_runs_them_as_with_fabrics_own(fraction)
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_an_own_step_not_named_runs_as_torch_and_named_is_stepped_on_the_shares(monkeypatch, fraction):
+def test_an_own_step_not_named_runs_as_torch_and_named_is_refused(monkeypatch, fraction):
     """A user's optimizer whose step scales every update by the norm of all gradients
     (``GlobalNorm``) is not known to update each parameter alone: not taken over, bit for
-    bit Fabric's own, one line saying so; named in ``per_parameter_optimizers`` it is
-    stepped on each share (the device's, each host bucket's), where its norm is one share's."""
+    bit Fabric's own, one line saying so; named in ``per_parameter_optimizers`` the claim is
+    checked when it is set up and refused (it was stepped on each share, where its norm was
+    one share's, and trained on with other numbers: issue 74)."""
     import lightning_fastopt.plan.run_plan as run_plan
     from tests.references import GlobalNorm
 
@@ -379,8 +380,10 @@ def test_an_own_step_not_named_runs_as_torch_and_named_is_stepped_on_the_shares(
     assert any("GlobalNorm runs as torch runs it, on the model's weights" in line for line in said), said
     named = FastOptFabricStrategy(offload_fraction=fraction, copy_on_cpu=True, bucket_size_mb=0.0002,
                                   per_parameter_optimizers=[GlobalNorm])
-    shares = _closure_loop(named, make)
-    assert len(named._wrappers) == 1 and not all(torch.equal(a, b) for a, b in zip(_weights(shares), ref))
+    with pytest.raises(ValueError, match="GlobalNorm is named in per_parameter_optimizers .* its step combines "
+                                         "parameters"):
+        _closure_loop(named, make)
+    assert named._wrappers == []
 
 
 @pytest.mark.parametrize("clip", [("norm", 0.05), ("value", 0.01)], ids=["norm", "value"])

@@ -23,6 +23,7 @@ from lightning_fastopt.optim.from_torch import engine_class, why_not_fused
 from lightning_fastopt.optim.known_steps import steps_per_parameter, steps_rows
 from lightning_fastopt.optim.wrapper import unwrapped
 from lightning_fastopt.plan.catalogue import catalogued
+from lightning_fastopt.plan.claim_check import combines_parameters
 
 __all__ = ["RUNNERS", "SHARES", "Runner", "choose_runner"]
 
@@ -94,8 +95,17 @@ def choose_runner(optimizer: Any, *, shares: str, closure_optimizers: tuple[str,
         return Runner(name, "torch", "its step is not known to work element by element, and on each rank's rows a "
                                      "norm or matrix function of a parameter would span only those rows "
                                      f"({argument}=[{name!r}] steps it on them)", on=on)
+    if shares == "parameters" and steps_per_parameter(optimizer, named) and not steps_per_parameter(optimizer):
+        differed = combines_parameters(optimizer)  # named in per_parameter_optimizers: the claim checked
+        if differed is not None:
+            raise ValueError(f"{name} is named in per_parameter_optimizers as updating each parameter from its own "
+                             f"gradient and state alone, but {differed}: its step combines parameters, and on the "
+                             "strategy's shares (the device's, each host bucket's, a rank's) it would give other numbers "
+                             f"than torch. Leave it out of per_parameter_optimizers: it then runs as torch runs it")
     if shares == "parameters" and not steps_per_parameter(optimizer, named):
         entry, version, why_not = catalogued(optimizer)
+        if entry is not None and why_not is None:
+            why_not = combines_parameters(optimizer)  # the catalogue's claim, checked with these settings
         if entry is not None and why_not is None:
             return Runner(name, "own step", f"catalogued ({entry.package} {version})", engine_class(optimizer),
                           catalogued=f"{entry.package} {version}")
