@@ -121,9 +121,9 @@ def test_fsdp_strategies_take_stage_3_only():
 
 
 def test_knobs_of_no_effect_are_taken_and_said_once(monkeypatch):
-    import lightning_fastopt.trainer.strategy as trainer_strategy
+    import lightning_fastopt.from_deepspeed.arguments as deepspeed_words
 
-    said = said_lines(monkeypatch, trainer_strategy)
+    said = said_lines(monkeypatch, deepspeed_words)
     FastOptStrategy(stage=2, overlap_comm=False, reduce_bucket_size=5e8, thread_count=1)  # thread_count: its default
     assert said == ["lightning_fastopt: from DeepSpeed's words: offload_fraction=0.0 (offload_optimizer (default)), "
                     "zero_stage=2 (stage)",

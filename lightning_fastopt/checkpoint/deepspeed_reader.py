@@ -35,6 +35,7 @@ import torch
 
 from lightning_fastopt.checkpoint.deepspeed_files import DeepSpeedObject, read_deepspeed_file
 from lightning_fastopt.checkpoint.errors import BrokenCheckpointError
+from lightning_fastopt.optim.base import hyperparameters
 
 __all__ = ["DeepSpeedCheckpoint", "LIGHTNINGS_PREFIX", "is_deepspeed_checkpoint", "read_deepspeed_checkpoint"]
 
@@ -258,16 +259,18 @@ def _stage_3(directory: Path) -> DeepSpeedCheckpoint:
         step = states[0].get("step")
         out.step = step if step is not None else out.step
     _fill_common(out, model, first)
-    out.module.update(_frozen_stage_3(model, models, directory))
+    out.module.update(_frozen_stage_3(model, models[1:], directory))
     return out
 
 
-def _frozen_stage_3(model: dict[str, Any], models: list[Path], directory: Path) -> dict[str, torch.Tensor]:
-    """Stage 3's frozen parameters, each rank holding a piece of each (``frozen_param_fragments``)."""
+def _frozen_stage_3(model: dict[str, Any], others: list[Path], directory: Path) -> dict[str, torch.Tensor]:
+    """Stage 3's frozen parameters, each rank holding a piece of each (``frozen_param_fragments``):
+    rank 0's in ``model`` (its model states, read already), the other ranks' in ``others``."""
     shapes = model.get("frozen_param_shapes") or {}
     if not shapes:
         return {}
-    pieces = [read_deepspeed_file(m, "DeepSpeed model states").get("frozen_param_fragments", {}) for m in models]
+    pieces = [model.get("frozen_param_fragments", {})]
+    pieces += [read_deepspeed_file(m, "DeepSpeed model states").get("frozen_param_fragments", {}) for m in others]
     frozen = {}
     for name, shape in shapes.items():
         if any(name not in p for p in pieces):
@@ -283,4 +286,4 @@ def _frozen_stage_3(model: dict[str, Any], models: list[Path], directory: Path) 
 
 
 def _hyperparameters(group: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    return {**{k: v for k, v in group.items() if k != "params"}, "names": names}
+    return {**hyperparameters(group), "names": names}

@@ -115,6 +115,14 @@ class StrategyOptions:
 
 
     @classmethod
+    def fsdp_from_arguments(cls, strategy: str, times_closure: bool, arguments: Mapping[str, Any]) -> StrategyOptions:
+        """:meth:`for_fsdp` on the entries of ``arguments`` it takes (an FSDP strategy's
+        ``locals()``: each takes its own subset, the others as off)."""
+        names = set(inspect.signature(cls.check).parameters) - {"cls", "zero_stage"}
+        names |= {"elementwise_optimizers", "offload_parameters"}
+        return cls.for_fsdp(strategy, times_closure, **{n: v for n, v in arguments.items() if n in names})
+
+    @classmethod
     def for_fsdp(cls, strategy: str, times_closure: bool, **arguments: Any) -> StrategyOptions:
         """:meth:`check` of the arguments the FSDP strategies take (``strategy``: the class
         name, for the message refusing ``offload_fraction="auto"`` where the strategy has no
@@ -132,15 +140,6 @@ class StrategyOptions:
         options.elementwise_optimizers = elementwise
         options.offload_parameters = offload_parameters
         return options
-
-
-FSDP_OPTION_NAMES = ("offload_fraction", "overlap", "pin_memory", "bucket_size_mb", "cpu_threads", "loss_scale",
-                     "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "at_min_loss_scale",
-                     "wall_clock_breakdown", "copy_on_cpu", "closure_optimizers", "keep_gradients",
-                     "stream_cpu_step", "delayed_update", "delayed_update_warmup", "gpu_memory_budget_gb",
-                     "host_state_dtype", "forward_waits", "elementwise_optimizers", "offload_parameters",
-                     "offload_optimizer_device", "nvme_path", "nvme_window_mb")
-"""The Trainer's FSDP strategy's arguments that :meth:`StrategyOptions.for_fsdp` checks."""
 
 
 def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, Any]) -> None:

@@ -16,7 +16,6 @@ the optimizer as torch would hold it.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,7 +35,7 @@ from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
-from lightning_fastopt.core.options import FSDP_OPTION_NAMES, StrategyOptions, offload_arguments
+from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
 from lightning_fastopt.from_deepspeed.trainer_settings import check_precision, refuse_the_trainers_settings
 from lightning_fastopt.fabric.deepspeed_state import load_deepspeed_directory
@@ -113,9 +112,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             raise TypeError(f"parallelize_fn must be a function (module, device_mesh) -> module, or None, got "
                             f"{parallelize_fn!r}")
         ops.check_environment()
-        arguments = deepspeed.arguments
-        self.options = StrategyOptions.for_fsdp(type(self).__name__, False, **{
-            name: arguments[name] for name in FSDP_OPTION_NAMES if name in arguments})
+        self.options = StrategyOptions.fsdp_from_arguments(type(self).__name__, False, deepspeed.arguments)
         if self.options.stream_cpu_step and self.options.keep_gradients:
             raise ValueError("stream_cpu_step=True starts host updates as the gradients leave during backward: it "
                              "needs keep_gradients=False (Fabric's default keeps them in p.grad until the step)")
@@ -132,8 +129,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                          tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        for line in deepspeed.lines():
-            rank_zero_info(f"lightning_fastopt: {line}")
+        deepspeed.say()
 
     @property
     def offload_fraction(self) -> float:
@@ -242,7 +238,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         so is a distributed one whose checksums do not match
         (:mod:`~lightning_fastopt.checkpoint.checksums`).  A directory DeepSpeed wrote is read
         whole on every rank (:mod:`~lightning_fastopt.fabric.deepspeed_state`)."""
-        deepspeeds = os.path.isdir(path) and is_deepspeed_checkpoint(path)  # read whole on every rank
+        deepspeeds = is_deepspeed_checkpoint(path)  # read whole on every rank
         if not deepspeeds:
             verify_distributed_once(self.broadcast(path), self)
             check_before_loading(self.broadcast(path), weights_only)

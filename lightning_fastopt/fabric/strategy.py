@@ -45,7 +45,6 @@ reach the model).
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -123,8 +122,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         self._deepspeed = deepspeed  # the half precision a DeepSpeed config asks for, checked at set-up
         super().__init__(**kwargs)
         self._backward_sync_control = _FastOptBackwardSync(self)
-        for line in deepspeed.lines():
-            rank_zero_info(f"lightning_fastopt: {line}")
+        deepspeed.say()
 
     # ------------------------------------------------------------------ checkpoint_io
     @property
@@ -289,22 +287,15 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
 
     @override
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
-        if isinstance(state, dict) and os.path.isdir(path) and is_deepspeed_checkpoint(path):
-            return load_deepspeed_directory(path, state, strict, self.precision, SCALER_KEY, self._load_whole)
+        if isinstance(state, dict) and is_deepspeed_checkpoint(path):
+            return load_deepspeed_directory(path, state, strict, self.precision, SCALER_KEY,
+                                            lambda module, checkpoint, optimizers: _load_whole(
+                                                module, optimizers, checkpoint, strict))
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         scaler = remainder.pop(SCALER_KEY, None) if isinstance(remainder, dict) and state else None
         if scaler is not None:
             self.precision.load_state_dict(scaler)
         return remainder
-
-    @staticmethod
-    def _load_whole(module: Module, checkpoint: dict[str, Any], optimizers: list) -> dict[str, Any]:
-        """A whole checkpoint in memory into the module and optimizers (ours load named state)."""
-        rest = dict(checkpoint)
-        module.load_state_dict(rest.pop("state_dict"))
-        for optimizer, saved in zip(optimizers, rest.get("optimizer_states", [])):
-            optimizer.load_state_dict(saved)
-        return rest
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -345,6 +336,16 @@ class _FastOptBackwardSync(_BackwardSyncControl):
         finally:
             for o in wrappers:
                 o.accumulating = False
+
+
+def _load_whole(module: Module, optimizers: list, checkpoint: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """A whole checkpoint in memory into the module and optimizers (ours load named state),
+    as :func:`~lightning_fastopt.fsdp.full_state.load_full_state` does into FSDP's shards."""
+    rest = dict(checkpoint)
+    module.load_state_dict(rest.pop("state_dict"), strict=strict)
+    for optimizer, saved in zip(optimizers, rest.get("optimizer_states", [])):
+        optimizer.load_state_dict(saved)
+    return rest
 
 
 _LOOP_READS = ("the loop's code (keep_gradients=True, Fabric's default)",)

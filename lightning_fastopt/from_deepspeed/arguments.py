@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
 from lightning_fastopt.from_deepspeed.config import DeepSpeedConfig, read_config
 
 __all__ = ["DEEPSPEED_WORDS", "NO_EFFECT", "REFUSED", "FromDeepSpeed", "from_deepspeed", "signature_defaults"]
@@ -89,6 +91,11 @@ class FromDeepSpeed:
         if self.no_effect:
             said.append(f"no effect here (DeepSpeed's own tuning, logging or I/O): {', '.join(self.no_effect)}")
         return said
+
+    def say(self) -> None:
+        """Each of :meth:`lines`, on rank 0."""
+        for line in self.lines():
+            rank_zero_info(f"lightning_fastopt: {line}")
 
 
 def from_deepspeed(arguments: Mapping[str, Any], defaults: Mapping[str, Any], extra: dict[str, Any], *,

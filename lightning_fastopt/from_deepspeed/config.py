@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_fastopt.from_deepspeed.sections import check_optimizer_section, check_scheduler_section
+from lightning_fastopt.from_deepspeed.sections import AUTO, check_optimizer_section, check_scheduler_section
 
 __all__ = ["DeepSpeedConfig", "read_config"]
-
-AUTO = "auto"
 
 # top-level keys DeepSpeed has that change nothing here (what Lightning's loggers, the
 # DataLoader or our own I/O do instead), each with the reason said in the log
@@ -64,6 +62,10 @@ _REFUSED_WHEN_ON = {
     "pipeline": "DeepSpeed's pipeline parallelism",
     "quantize_training": "DeepSpeed's quantized training",
 }
+
+# top-level keys read here (each by its branch of _Reader.top_level)
+_READ = ("zero_optimization", "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps", "wall_clock_breakdown",
+         "optimizer", "scheduler", "gradient_predivide_factor", "communication_data_type")
 
 # zero_optimization keys of no effect here, and those refused when on
 _ZERO_NO_EFFECT = {
@@ -229,10 +231,7 @@ class _Reader:
         elif key in _REFUSED_WHEN_ON:
             self._refuse_when_on(key, value, _REFUSED_WHEN_ON[key])
         else:
-            raise self._unknown("", key, {**_NO_EFFECT, **_REFUSED_WHEN_ON, "zero_optimization": 0, "fp16": 0,
-                                          "bf16": 0, "gradient_clipping": 0, "gradient_accumulation_steps": 0,
-                                          "wall_clock_breakdown": 0, "optimizer": 0, "scheduler": 0,
-                                          "gradient_predivide_factor": 0, "communication_data_type": 0})
+            raise self._unknown("", key, {*_READ, *_NO_EFFECT, *_REFUSED_WHEN_ON})
 
     def zero(self, section: Any) -> None:
         if not isinstance(section, Mapping):

@@ -31,9 +31,13 @@ def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list[
     return [float(value)] * len(optimizer.param_groups)
 
 
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _check_warmup(warmup_num_steps: Any, warmup_type: Any) -> None:
-    if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-        raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+    _check_positive("warmup_num_steps", warmup_num_steps)
     if warmup_type not in _WARMUP_TYPES:
         raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
 
@@ -92,8 +96,7 @@ class WarmupDecayLR(WarmupLR):
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
                  warmup_min_lr: float | Sequence[float] = 0.0, warmup_max_lr: float | Sequence[float] = 0.001,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_epoch: int = -1) -> None:
-        if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) or total_num_steps <= 0:
-            raise ValueError(f"total_num_steps must be a positive integer, got {total_num_steps!r}")
+        _check_positive("total_num_steps", total_num_steps)
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
 
@@ -112,8 +115,7 @@ class WarmupCosineLR(_Warmup):
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
                  last_epoch: int = -1) -> None:
-        if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) or total_num_steps <= 0:
-            raise ValueError(f"total_num_steps must be a positive integer, got {total_num_steps!r}")
+        _check_positive("total_num_steps", total_num_steps)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
@@ -227,9 +229,7 @@ class LRRangeTest(LRScheduler):
     def __init__(self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: float | Sequence[float] = 1e-3,
                  lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
                  lr_range_test_staircase: bool = False, last_epoch: int = -1) -> None:
-        if (isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int)
-                or lr_range_test_step_size <= 0):
-            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
+        _check_positive("lr_range_test_step_size", lr_range_test_step_size)
         self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
         self.staircase = lr_range_test_staircase

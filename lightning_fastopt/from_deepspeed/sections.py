@@ -22,9 +22,9 @@ import torch
 
 from lightning_fastopt.from_deepspeed.schedules import SCHEDULES
 
-__all__ = ["check_optimizer_section", "check_scheduler_section", "make_optimizer", "make_scheduler"]
+__all__ = ["AUTO", "check_optimizer_section", "check_scheduler_section", "make_optimizer", "make_scheduler"]
 
-AUTO = "auto"
+AUTO = "auto"  # Hugging Face's configs: a value its Trainer fills in
 
 # DeepSpeed's own algorithms, refused: the reason of each
 _NOT_TORCHS = {

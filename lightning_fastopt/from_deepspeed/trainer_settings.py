@@ -15,10 +15,14 @@ PRECISIONS = {"16": ("16-mixed",), "bf16": ("bf16-mixed", "bf16-true"), "32": ("
 """The Trainer's precision flags that honour each half precision a config enables."""
 
 
-def give_the_trainer(settings: FromDeepSpeed, trainer: Any, precision: str) -> None:
-    """Set ``trainer``'s ``gradient_clip_val`` and ``accumulate_grad_batches`` where the config
-    gives them and the Trainer was left at its default (an error where the two disagree),
-    and check that the Trainer's ``precision`` flag is the one the config enables."""
+def give_the_trainer(settings: FromDeepSpeed, model: Any, precision: str | None) -> None:
+    """Set the Trainer's (``model.trainer``'s, the LightningModule just connected)
+    ``gradient_clip_val`` and ``accumulate_grad_batches`` where the config gives them and the
+    Trainer was left at its default (an error where the two disagree), and check that its
+    ``precision`` flag is the one the config enables; nothing where no config asks."""
+    if not (settings.trainer or settings.precision):
+        return
+    trainer = model.trainer
     check_precision(settings, precision)
     clip = settings.trainer.get("gradient_clip_val")
     if "gradient_clip_val" in settings.trainer and clip is not None:

@@ -30,6 +30,7 @@ from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, na
 from lightning_fastopt.offload.delayed import SAVED_KEY, put_master
 from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import ParamSlot, remember_weights
+from lightning_fastopt.optim.base import hyperparameters
 from lightning_fastopt.optim.user_step import UserStepOptimizer
 
 # In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
@@ -176,12 +177,12 @@ def saved_dtype(value: Any) -> torch.dtype | None:
 def _steps_own_group_state(opt) -> list[dict[str, Any]]:
     """What an optimizer's own ``step`` (a :class:`UserStepOptimizer`'s, the user's class) keeps
     in its parameter groups beyond the user's settings (pytorch-optimizer's classes count their
-    steps there, ``group["step"]``): each
-    share's inner optimizer keeps its own copy of the groups, counted alike, so the first
-    share's is saved with the groups; loading gives it back to every share (not to the
-    user's groups, whose settings are copied into the shares at each step)."""
+    steps there, ``group["step"]``): each share's inner optimizer keeps its own copy of the
+    groups, counted alike, so the first share's is saved with the groups; loading gives it
+    back to every share (not to the user's groups, whose settings are copied into the shares
+    at each step)."""
     inners = opt._inners()
     if not inners or not isinstance(opt.optimizer, UserStepOptimizer):  # (our kernels' groups hold settings only)
         return [{} for _ in opt.param_groups]
-    return [{k: v for k, v in inner_group.items() if k not in group and k not in ("params", "param_names")}
+    return [{k: v for k, v in hyperparameters(inner_group).items() if k not in group}
             for group, inner_group in zip(opt.param_groups, inners[0].param_groups)]

@@ -75,7 +75,7 @@ class EngineCheckpoints:
         ``precision`` plugin (:mod:`~lightning_fastopt.checkpoint.deepspeed_to_lightning`); ``one_file(path,
         weights_only)`` reads a file, and a damaged file or directory is one message naming it
         (BrokenCheckpointError)."""
-        if model is not None and _is_local_dir(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
+        if model is not None and is_deepspeed_checkpoint(checkpoint_path):
             return deepspeed_as_lightning(checkpoint_path, model, precision)
         if _is_local_dir(checkpoint_path):
             return load_sharded(checkpoint_path, weights_only)

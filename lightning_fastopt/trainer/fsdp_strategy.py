@@ -25,7 +25,6 @@ project's ``configure_model`` applies ``fully_shard`` as it does under
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -43,7 +42,7 @@ from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
 from lightning_fastopt.checkpoint.safe_loading import SafeLoaderRefusedError, check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
-from lightning_fastopt.core.options import FSDP_OPTION_NAMES, StrategyOptions, offload_arguments
+from lightning_fastopt.core.options import StrategyOptions, offload_arguments
 from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
 from lightning_fastopt.from_deepspeed.trainer_optimizers import set_up_optimizers
 from lightning_fastopt.from_deepspeed.trainer_settings import give_the_trainer
@@ -169,8 +168,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                                    strategy=type(self).__name__, stage_three=True)
         check_passed_kwargs(kwargs, (), type(self), "ModelParallelStrategy's", FSDP_DOES_NOT_TAKE)
         ops.check_environment()
-        options = StrategyOptions.for_fsdp(type(self).__name__, True, **{
-            name: deepspeed.arguments[name] for name in FSDP_OPTION_NAMES})
+        options = StrategyOptions.fsdp_from_arguments(type(self).__name__, True, deepspeed.arguments)
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
@@ -183,8 +181,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        for line in deepspeed.lines():
-            rank_zero_info(f"lightning_fastopt: {line}")
+        deepspeed.say()
         self._auto_fraction = AutoFractionSteps(self._engines)  # (EngineHooks made self._engines)
 
     @property
@@ -206,8 +203,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         """As the DDP strategy's: a DeepSpeed config's clipping, accumulation and half precision
         given to the Trainer before Lightning checks the loop's configuration."""
         super().connect(model)
-        if self._deepspeed.trainer or self._deepspeed.precision:
-            give_the_trainer(self._deepspeed, model.trainer, getattr(self.precision_plugin, "precision", None))
+        give_the_trainer(self._deepspeed, model, getattr(self.precision_plugin, "precision", None))
 
     @override
     def setup_environment(self) -> None:
@@ -355,7 +351,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         views = [held_as_torch(o) if self._engines.engine_for(taken, o) else o for o in taken]
         self._optimizers = views
         try:
-            if os.path.isdir(path) and is_deepspeed_checkpoint(path):  # every rank reads it whole
+            if is_deepspeed_checkpoint(path):  # every rank reads it whole
                 checkpoint = load_full_state(self.model, views, deepspeed_as_lightning(
                     path, self.lightning_module, self.precision_plugin), self.lightning_module.strict_loading)
             else:

@@ -236,8 +236,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
         self._threads = TorchThreads()
         self._deepspeed = deepspeed  # what DeepSpeed's words ask of the Trainer, given it at connect()
         super().__init__(**kwargs)  # (EngineHooks makes self._engines: the engines, once set up)
-        for line in deepspeed.lines():
-            rank_zero_info(f"lightning_fastopt: {line}")
+        deepspeed.say()
         self._checkpoints = EngineCheckpoints(self._engines, self.zero_stage)
         self._auto_fraction = AutoFractionSteps(self._engines)
 
@@ -256,8 +255,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
         loop's configuration: a DeepSpeed config's clipping, accumulation and half precision
         are given to the Trainer here (:mod:`~lightning_fastopt.from_deepspeed.trainer_settings`)."""
         super().connect(model)
-        if self._deepspeed.trainer or self._deepspeed.precision:
-            give_the_trainer(self._deepspeed, model.trainer, getattr(self.precision_plugin, "precision", None))
+        give_the_trainer(self._deepspeed, model, getattr(self.precision_plugin, "precision", None))
 
     @override
     def set_world_ranks(self) -> None:
