@@ -7,7 +7,6 @@ runs them, saying why."""
 
 from __future__ import annotations
 
-
 import lightning as L
 import pytest
 import torch
@@ -38,8 +37,32 @@ class Net(L.LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.body(x).float(), y)
 
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.body(x).float(), y))
+
+    # schedule-free's recipe: the optimizer in train mode while training, in eval mode for
+    # validation and at the end of each epoch (checkpoints hold the averaged weights)
+    def on_train_epoch_start(self):
+        _call(self.optimizers(), "train")
+
+    def on_validation_epoch_start(self):
+        _call(self.optimizers(), "eval")
+
+    def on_validation_epoch_end(self):
+        _call(self.optimizers(), "train")
+
+    def on_train_epoch_end(self):
+        _call(self.optimizers(), "eval")
+
     def configure_optimizers(self):
         return self.make(self.parameters())
+
+
+def _call(optimizer, name):
+    method = getattr(optimizer, name, None)
+    if callable(method):
+        method()
 
 
 def _data():
@@ -48,11 +71,12 @@ def _data():
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).tanh()), batch_size=8)
 
 
-def _fit(strategy, make, tmp_path=None, epochs=2, ckpt_path=None, **kw):
+def _fit(strategy, make, tmp_path=None, epochs=2, ckpt_path=None, validate=False, **kw):
     model = Net(make)
+    kw.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
-    trainer.fit(model, _data(), ckpt_path=ckpt_path)
+                        enable_progress_bar=False, enable_model_summary=False, **kw)
+    trainer.fit(model, _data(), _data() if validate else None, ckpt_path=ckpt_path)
     return trainer, [p.detach().clone() for p in model.parameters()]
 
 
@@ -62,16 +86,24 @@ def _half_weights_reference(make, epochs=2):
     model = Net(make).bfloat16()
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
     optimizer = make(masters)
+
+    def weights_from_masters():
+        with torch.no_grad():
+            for master, p in zip(masters, model.parameters()):
+                p.copy_(master)
+
     for _ in range(epochs):
+        _call(optimizer, "train")
+        weights_from_masters()
         for x, y in _data():
             model.zero_grad()
             model.training_step((x.bfloat16(), y.bfloat16()), 0).backward()
             for master, p in zip(masters, model.parameters()):
                 master.grad = p.grad.float()
             optimizer.step()
-            with torch.no_grad():
-                for master, p in zip(masters, model.parameters()):
-                    p.copy_(master)
+            weights_from_masters()
+        _call(optimizer, "eval")
+        weights_from_masters()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -192,3 +224,123 @@ def test_the_check_passes_what_updates_each_parameter_alone_and_costs_millisecon
     assert combines_parameters(WholeTensorNorms(params, lr=0.1)) is None  # norms of one parameter: its own
     assert combines_parameters(torch.optim.AdamW(params)) is None
     assert "differs from it stepped alone" in combines_parameters(GlobalNorm(params, lr=0.1))
+
+
+# ---------------------------------------------------------------------------- methods and state beside the parameters
+def _schedule_free(ps):
+    schedulefree = pytest.importorskip("schedulefree")
+    return schedulefree.AdamWScheduleFree(ps, lr=0.01, warmup_steps=3)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_schedule_free_offloaded_through_a_validation_loop_and_resumed_ends_where_trainer_ends(fraction, tmp_path):
+    """The module calls ``train()`` and ``eval()`` on its optimizer (the schedule-free recipe)
+    around every validation loop: each reaches every share's instance, moves the masters
+    there and then the model's weights, which validation reads; the group's counters
+    (``k``, ``weight_sum``, ``lr_max``, ``train_mode``) count on every share as torch's run
+    counts them, are seen in the user's groups and are saved; a run resumed mid-epoch (train
+    mode) and at an epoch's end (eval mode) ends where Trainer() ends."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _, reference = _fit("auto", _schedule_free, epochs=3, validate=True)
+    trainer, ours = _fit(_ours(fraction), _schedule_free, epochs=3, validate=True)
+    assert trainer.strategy.engines[0].offloaded_numel > 0 and _equal(ours, reference)
+    group = trainer.optimizers[0].param_groups[0]
+    assert group["k"] == 18 and group["train_mode"] is False  # (given back: as torch's run leaves them)
+    assert set(trainer.optimizers[0].state[trainer.model.body[0].weight]) == {"z", "exp_avg_sq"}
+    # resumed at the end of an epoch (eval mode) and in the middle of one (train mode)
+    trainer, _ = _fit(_ours(fraction), _schedule_free, epochs=1, validate=True)
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    saved = torch.load(tmp_path / "end.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"][0]
+    assert saved["k"] == 6 and saved["train_mode"] is False
+    _, resumed = _fit(_ours(fraction), _schedule_free, epochs=3, validate=True, ckpt_path=str(tmp_path / "end.ckpt"))
+    assert _equal(resumed, reference)
+    every = ModelCheckpoint(dirpath=tmp_path / "mid", every_n_train_steps=4, save_top_k=-1, save_last=False)
+    _fit(_ours(fraction), _schedule_free, epochs=1, validate=True, enable_checkpointing=True, callbacks=[every])
+    mid = str(tmp_path / "mid" / "epoch=0-step=4.ckpt")
+    # (Lightning resumes a plain DataLoader mid-epoch from the epoch's start: compared with Trainer() resumed)
+    _, resumed = _fit(_ours(fraction), _schedule_free, epochs=3, validate=True, ckpt_path=mid)
+    _, plain = _fit("auto", _schedule_free, epochs=3, validate=True, ckpt_path=mid)  # plain Lightning resumes ours
+    assert _equal(resumed, plain)
+
+
+def test_schedule_free_streamed_and_redone_by_clipping_ends_where_trainer_ends():
+    """Streamed into backward and checked at the step (clipping), each host bucket's update is
+    speculated and redone where clipping changed its gradients: the counters its step wrote
+    in the groups are put back with its state before it is redone."""
+    _, reference = _fit("auto", _schedule_free, epochs=2, gradient_clip_val=0.01)
+    trainer, ours = _fit(FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True, bucket_size_mb=0.0002,
+                                         stream_cpu_step=True), _schedule_free, epochs=2, gradient_clip_val=0.01)
+    assert trainer.strategy.plan.optimizers[0].schedule.kind == "speculated"
+    assert _equal(ours, reference)
+
+
+def test_schedule_free_with_its_state_on_disk_ends_where_trainer_ends(tmp_path):
+    _, reference = _fit("auto", _schedule_free, epochs=2, validate=True)
+    _, ours = _fit(FastOptStrategy(offload_fraction=1.0, copy_on_cpu=True, bucket_size_mb=0.0002,
+                                   offload_optimizer_device="nvme", nvme_path=str(tmp_path)),
+                   _schedule_free, epochs=2, validate=True)
+    assert _equal(ours, reference)
+
+
+def test_schedule_free_under_fabric_ends_where_fabrics_own_ends():
+    """Fabric's optimizer wrapper reaches the methods too."""
+    from lightning.fabric import Fabric
+
+    from lightning_fastopt import FastOptFabricStrategy
+
+    def run(strategy):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        optimizer = _schedule_free(model.parameters())
+        model, optimizer = fabric.setup(model, optimizer)
+        for _ in range(2):
+            optimizer.train()
+            for x, y in _data():
+                optimizer.zero_grad()
+                fabric.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+            optimizer.eval()
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = run("auto")
+    assert _equal(run(FastOptFabricStrategy(offload_fraction=0.5, copy_on_cpu=True, bucket_size_mb=0.0002)), reference)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FastOptFabricStrategy(copy_on_cpu=True, offload_fraction=1))
+    model = nn.Linear(8, 1)
+    optimizer = fabric.setup_optimizers(_schedule_free(model.parameters()))  # before its model: refused
+    with pytest.raises(RuntimeError, match=r"AdamWScheduleFree's eval\(\) and train\(\) must run on every share .* "
+                                           r"set the model up first"):
+        fabric.setup_module(model)
+    assert isinstance(optimizer.optimizer, type(_schedule_free([nn.Parameter(torch.zeros(1))])))
+
+
+def test_state_kept_under_a_key_that_is_not_a_parameter_is_saved_and_resumed(tmp_path):
+    """pytorch-optimizer's MADGRAD counts its steps in ``self.state["k"]``: every share counts
+    alike, the state dict holds it under ``"k"`` as torch's does, and a run resumes from it
+    (ours from ours and from plain Trainer()'s, plain Trainer() from ours)."""
+    madgrad = _class(ENTRIES["pytorch-optimizer:MADGRAD"])
+    make = lambda ps: madgrad(ps, lr=0.01)  # noqa: E731
+    _, reference = _fit("auto", make)
+    trainer, _ = _fit(_ours(0.5), make, epochs=1)
+    assert torch.equal(trainer.strategy.engines[0].state_dict()["state"]["k"], torch.tensor([6]))
+    trainer.save_checkpoint(tmp_path / "ours.ckpt")
+    assert torch.equal(trainer.optimizers[0].state["k"], torch.tensor([6]))  # given back at the end of fit
+    plain, _ = _fit("auto", make, epochs=1)
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    for ckpt, strategy in (("ours", _ours(0.5)), ("ours", "auto"), ("plain", _ours(1.0))):
+        _, resumed = _fit(strategy, make, ckpt_path=str(tmp_path / f"{ckpt}.ckpt"))
+        assert _equal(resumed, reference), (ckpt, strategy)
+
+
+def test_the_methods_run_on_every_share_are_those_the_class_adds_that_take_no_argument():
+    from lightning_fastopt.optim.user_step import shared_methods
+
+    schedulefree = pytest.importorskip("schedulefree")
+    assert shared_methods(schedulefree.SGDScheduleFree) == ("eval", "train")
+    assert shared_methods(_class(ENTRIES["pytorch-optimizer:SOAP"])) == ()  # (its helpers take arguments)
+    assert shared_methods(torch.optim.RAdam) == ()
+    trainer, _ = _fit(_ours(0.5), _schedule_free, epochs=1)
+    with pytest.raises(AttributeError, match="'reset' is not a method that UserStepOptimizer runs on every share "
+                                             r"\(those: eval, train\)"):
+        trainer.strategy.engines[0].run_method("reset")

@@ -50,7 +50,7 @@ from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shar
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
 from lightning_fastopt.plan.fsdp_plan import FSDPRun, plan_fsdp_run
 from lightning_fastopt.plan.runner import choose_runner
-from lightning_fastopt.optim.takeover import engine_of, give_back, held_as_torch, take_over
+from lightning_fastopt.optim.takeover import engine_of, for_class_wrappers, give_back, held_as_torch, take_over
 
 __all__ = ["FastOptFabricFSDPStrategy"]
 
@@ -204,7 +204,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         rank_zero_info(f"lightning_fastopt: {engine!r}")
         self._engines[id(optimizer)] = engine
         self._users.append(optimizer)
-        return take_over(optimizer, engine)
+        return for_class_wrappers(take_over(optimizer, engine))  # (Fabric's wrapper derives its class)
 
     # ------------------------------------------------------------------ checkpoints
     def _as_torch_holds_them(self, state: dict[str, Any]) -> dict[str, Any]:

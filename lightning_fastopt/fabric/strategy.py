@@ -65,7 +65,7 @@ from lightning_fastopt.fabric.deepspeed_state import load_deepspeed_directory
 from lightning_fastopt.fabric.precision_slot import FabricPrecisionSlot
 from lightning_fastopt.from_deepspeed.arguments import from_deepspeed, signature_defaults
 from lightning_fastopt.from_deepspeed.trainer_settings import check_precision, refuse_the_trainers_settings
-from lightning_fastopt.optim.takeover import engine_of, give_back, take_over
+from lightning_fastopt.optim.takeover import engine_of, for_class_wrappers, give_back, take_over
 from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 from lightning_fastopt.core.engines import check_ddp_kwargs, fused_for, register_names, wrap_fused_optimizer
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
@@ -198,6 +198,13 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         for optimizer in [o for o in self._pending if self._holds(o)]:
             self._pending.remove(optimizer)
             self._take_over(optimizer)
+            methods = engine_of(optimizer).shared_methods
+            if methods:  # Fabric wrapped it already: its wrapper would find the class's own methods
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}'s {' and '.join(f'{m}()' for m in methods)} must run on every share "
+                    "of the parameters the strategy steps, which Fabric's wrapper of an optimizer set up before its "
+                    "model cannot reach: set the model up first (fabric.setup(model, optimizer), or "
+                    "fabric.setup_module(model) before fabric.setup_optimizers(optimizer))")
         return wrapped
 
     @override
@@ -234,7 +241,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._wrappers.append(wrapper)
         self._users.append(optimizer)
-        return take_over(optimizer, wrapper)
+        return for_class_wrappers(take_over(optimizer, wrapper))  # (Fabric's wrapper derives its class)
 
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:

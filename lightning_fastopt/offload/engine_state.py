@@ -14,6 +14,11 @@ inner optimizer that owns the parameter now, each saved master where the model's
 (loaded first) is still that master rounded, and a delayed update's pending masters:
 pending again for a delayed optimizer's offloaded parameters, into the model otherwise.
 
+An optimizer's own class (:class:`~lightning_fastopt.optim.user_step.UserStepOptimizer`)
+may keep more (:mod:`~lightning_fastopt.optim.beside_parameters`): the keys of its groups its
+code writes, saved with the groups and given back to every share; state under keys that are
+not parameters, saved in ``"state"`` under its key, as torch saves it.
+
 A parameter split into pieces (:mod:`~lightning_fastopt.offload.pieces`) is saved whole,
 its pieces' tensors put together, and each piece loads its range.
 """
@@ -26,11 +31,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
+from lightning_fastopt.checkpoint.named_state import (
+    CheckpointMismatchError,
+    named_state_dict,
+    read_named_state,
+)
 from lightning_fastopt.offload.delayed import SAVED_KEY, put_master
 from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import ParamSlot, remember_weights
-from lightning_fastopt.optim.base import hyperparameters
 from lightning_fastopt.optim.user_step import UserStepOptimizer
 
 # In the state dict, beside a half-precision parameter's optimizer state: its float32 master,
@@ -70,6 +78,14 @@ class EngineState:
         new.modules_wait_for(opt._in_flight.covered)
         return new
 
+    def beside_parameters(self) -> dict[Any, Any]:
+        """The user's class's state under keys that are not parameters, as the first share
+        that has any keeps it (every share that steps counts alike)."""
+        opt = self.opt
+        if not isinstance(opt.optimizer, UserStepOptimizer):
+            return {}
+        return next((own for own in (inner.own_state() for inner in opt._inners()) if own), {})
+
     def _names(self) -> list[list[str]]:
         return [[self.opt._slot_of[p].name for p in g["params"]] for g in self.opt.param_groups]
 
@@ -88,8 +104,15 @@ class EngineState:
                     if s.param.dtype != s.master.dtype:
                         state.add(s, MASTER_KEY, s.master)
         saved = named_state_dict(opt.param_groups, self._names(), state.by_name)
-        for group, counted in zip(saved["param_groups"], _steps_own_group_state(opt)):
-            group.update(counted)
+        if isinstance(opt.optimizer, UserStepOptimizer):  # what the user's class keeps beside its parameters
+            for group, written in zip(saved["param_groups"], opt.optimizer.group_keys.saved(opt.param_groups)):
+                group.update(written)
+            beside = self.beside_parameters()
+            clash = [k for k in beside if k in saved["state"] or k in state.by_name]
+            if clash:
+                raise ValueError(f"{opt.optimizer.user_class.__name__} keeps state under {clash[0]!r}, which is also "
+                                 "the name of a parameter: the state dict cannot hold both")
+            saved["state"].update(beside)
         if opt._delayed is not None:
             saved[SAVED_KEY] = opt._delayed.saved(opt.layout)
         return saved
@@ -100,17 +123,20 @@ class EngineState:
         opt = self.opt
         opt.schedule.wait()
         opt._in_flight.wait_all()  # pending weights may be written into the model below
+        user_step = isinstance(opt.optimizer, UserStepOptimizer)
+        state_dict, beside = split_beside_parameters(state_dict) if user_step else (state_dict, {})
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {s.name: s.param.shape for s in opt._slots}, opt.param_groups)
-        user_step = isinstance(opt.optimizer, UserStepOptimizer)
         for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-            own = {k: v for k, v in saved.items() if k not in group} if user_step else {}  # the step's own (below)
-            group.update({k: v for k, v in saved.items() if k not in own})  # in place: LR schedulers hold these dicts
+            group.update(saved)  # in place: LR schedulers hold these dicts
             opt.optimizer._validate_group(group)
-            for inner in opt._inners():
-                inner.param_groups[i].update(own)
+            if user_step:  # every share, also the keys the class's code writes (not copied at a step)
+                for inner in opt._inners():
+                    inner.param_groups[i].update(saved)
         for inner in opt._inners():
             inner.state.clear()
+            if user_step:
+                inner.put_own_state(beside)
         masters = {}
         for members in opt.layout.in_residence(opt._slots):
             for s in members:
@@ -174,15 +200,13 @@ def saved_dtype(value: Any) -> torch.dtype | None:
     return torch.float32 if isinstance(value, Tensor) and value.dtype == torch.bfloat16 else None
 
 
-def _steps_own_group_state(opt) -> list[dict[str, Any]]:
-    """What an optimizer's own ``step`` (a :class:`UserStepOptimizer`'s, the user's class) keeps
-    in its parameter groups beyond the user's settings (pytorch-optimizer's classes count their
-    steps there, ``group["step"]``): each share's inner optimizer keeps its own copy of the
-    groups, counted alike, so the first share's is saved with the groups; loading gives it
-    back to every share (not to the user's groups, whose settings are copied into the shares
-    at each step)."""
-    inners = opt._inners()
-    if not inners or not isinstance(opt.optimizer, UserStepOptimizer):  # (our kernels' groups hold settings only)
-        return [{} for _ in opt.param_groups]
-    return [{k: v for k, v in hyperparameters(inner_group).items() if k not in group}
-            for group, inner_group in zip(opt.param_groups, inners[0].param_groups)]
+def split_beside_parameters(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """``state_dict`` without the entries of its ``"state"`` that no group lists (a user's
+    class's state under keys that are not parameters, MADGRAD's ``"k"``, saved where torch
+    saves it), and those entries."""
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
+        return dict(state_dict) if isinstance(state_dict, Mapping) else state_dict, {}
+    listed = {k for g in state_dict.get("param_groups", ()) for k in g.get("params", ())}
+    beside = {k: v for k, v in state_dict["state"].items() if k not in listed}
+    rest = {k: v for k, v in state_dict["state"].items() if k in listed}
+    return dict(state_dict, state=rest), beside

@@ -54,3 +54,17 @@ class LocalOffloadWrapper(OptimizerWrapper):
 
     def step_skipped(self) -> None:
         self.local.step_skipped()
+
+    def state_beside_parameters(self):
+        return self.local.state_beside_parameters()
+
+    def run_method(self, name: str, *args, **kwargs):
+        """On the local optimizer's shares; then the weights it changed reach the others
+        (:meth:`_weights_changed`)."""
+        result = self.local.run_method(name, *args, **kwargs)
+        self._weights_changed()
+        return result
+
+    def _weights_changed(self) -> None:
+        """The local optimizer's weights were written outside a step: what a step does
+        after its update to share them (ZeRO's broadcast); nothing for FSDP's rows."""

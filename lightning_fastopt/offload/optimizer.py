@@ -78,6 +78,7 @@ from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_by_others,
                                              written_in_bucket)
+from lightning_fastopt.offload.shared_methods import run_on_shares
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.offload.state_tiers import check_offload_device, make_tier
 from lightning_fastopt.offload.streamed import StreamedStep
@@ -412,6 +413,14 @@ class OffloadOptimizer(OptimizerWrapper):
     def _delayed(self) -> DelayedUpdates | None:
         """The delayed updates' record (``delayed_update=True``), else None."""
         return self.schedule.updates if isinstance(self.schedule, DelayedStep) else None
+
+    def state_beside_parameters(self) -> dict[Any, Any]:
+        """(:class:`~lightning_fastopt.offload.engine_state.EngineState`)"""
+        return EngineState(self).beside_parameters()
+
+    def run_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The user's method ``name`` on every share (:mod:`~lightning_fastopt.offload.shared_methods`)."""
+        return run_on_shares(self, name, args, kwargs)
 
     # ------------------------------------------------------------------ masters
     def refresh_master_weights(self, only_changed: bool = False) -> int:

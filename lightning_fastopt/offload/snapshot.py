@@ -30,10 +30,12 @@ class BucketSnapshot:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, str], Tensor] = {}  # (slot index, state key or "") -> a copy
         self._saved: list[tuple[ParamSlot, dict[str, Any] | None]] = []
+        self._beside: Any = None  # what the inner optimizer keeps beside its parameters' state
 
     def take(self, inner: FusedOptimizer, slots: Sequence[ParamSlot]) -> None:
         """Copy the slots' masters and their state in ``inner`` (None where a slot has none yet)."""
         self._saved = []
+        self._beside = kept_beside(inner)
         for s in slots:
             self._copy(s.index, "", s.master)
             if written_in_place(s):
@@ -53,6 +55,7 @@ class BucketSnapshot:
                 if written_in_place(s):
                     s.weight().copy_(self._buffers[(s.index, WEIGHT)])
                 put_state_back(inner, s.master, kept, None if kept is None else set(kept))
+        put_beside_back(inner, self._beside)
         self._saved = []
 
     def commit(self) -> None:
@@ -70,6 +73,20 @@ class BucketSnapshot:
         with torch.no_grad():
             buffer.copy_(value)
         return buffer
+
+
+def kept_beside(inner: FusedOptimizer) -> Any:
+    """A copy of what ``inner`` keeps beside its parameters' state (a user's class: keys of
+    its groups, state under other keys; :mod:`~lightning_fastopt.optim.beside_parameters`),
+    None for the kernels' optimizers, which keep nothing there."""
+    beside = getattr(inner, "beside_parameters", None)
+    return None if beside is None else beside()
+
+
+def put_beside_back(inner: FusedOptimizer, kept: Any) -> None:
+    """What :func:`kept_beside` copied, put back."""
+    if kept is not None:
+        inner.put_beside_parameters(kept)
 
 
 def put_state_back(inner: FusedOptimizer, master: Tensor, kept: dict[str, Any] | None, keys: set[str] | None) -> None:

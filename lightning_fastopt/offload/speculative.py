@@ -148,6 +148,7 @@ class SpeculativeStep(CpuStepSchedule):
         opt.copies.wait_on_host(bucket.grads_ready)
         opt._refresh_written(written_in_bucket(bucket))
         tier = opt.layout.tier
+        bucket.inner.grads_read_again = True  # (by the update redone, where the check at the step changes them)
         with opt.updates.on_worker(), tier.resident(bucket, speculative=True):
             self.snapshots.setdefault(bucket, tier.snapshot(bucket)).take(bucket.inner, bucket.slots)
             return opt.updates.step_inner(bucket.inner, bucket.slots, spec.grad_scale, spec.context, spec.step_kwargs)

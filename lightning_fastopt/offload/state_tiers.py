@@ -48,7 +48,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, one_per_element, written_in_place
-from lightning_fastopt.offload.snapshot import BucketSnapshot, put_state_back
+from lightning_fastopt.offload.snapshot import BucketSnapshot, kept_beside, put_beside_back, put_state_back
 from lightning_fastopt.runtime.byte_sizes import readable_bytes
 from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
@@ -589,10 +589,12 @@ class DiskSnapshot:
         # each slot, what of it lives in host memory (its master or half weight where the
         # update writes it in place), its state in host memory and its state's keys
         self._saved: list[tuple[ParamSlot, Tensor | None, dict[str, Any] | None, set[str] | None]] = []
+        self._beside: Any = None
 
     def take(self, inner, slots: Sequence[ParamSlot]) -> None:
         """Inside the bucket's speculative residency, before the update."""
         self._saved = []
+        self._beside = kept_beside(inner)
         for s in slots:
             state = inner.state.get(s.master)
             kept = None if state is None else {
@@ -614,6 +616,7 @@ class DiskSnapshot:
                 if own is not None:
                     s.weight().copy_(own)  # (the master itself, or a half weight beside a master in the file)
                 put_state_back(inner, s.master, kept, keys)
+        put_beside_back(inner, self._beside)
         self._saved = []
 
     @property

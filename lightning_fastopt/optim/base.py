@@ -451,7 +451,13 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def copy_hyperparameters(into: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
     """Give each group of ``into`` the settings of the matching group of ``groups`` (an
-    inner optimizer follows the user's groups, where LR schedulers write)."""
+    inner optimizer follows the user's groups, where LR schedulers write); one that keeps
+    state in its groups takes them its own way (``take_settings``: a user's class,
+    :mod:`~lightning_fastopt.optim.beside_parameters`)."""
+    take = getattr(into, "take_settings", None)
+    if take is not None:
+        take(groups)
+        return
     for mine, theirs in zip(into.param_groups, groups):
         mine.update(hyperparameters(theirs))
 

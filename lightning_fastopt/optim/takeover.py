@@ -20,7 +20,11 @@ make, was False, and the callback silently skipped its work.)  What changes:
 - ``state_dict``/``load_state_dict`` are the engine's (keyed by parameter name, loadable
   by the user's class); ``state`` stays empty while the engine holds it (Lightning moves
   whatever ``state`` holds to the accelerator, which would undo the offload);
-- ``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back.
+- ``copy.deepcopy``, ``copy.copy`` and pickling see the optimizer as given back;
+- a method its class adds to torch's interface that changes its state (schedule-free's
+  ``train()`` and ``eval()``: :attr:`OptimizerWrapper.shared_methods
+  <lightning_fastopt.optim.wrapper.OptimizerWrapper.shared_methods>`) runs on every share the
+  engine steps, and the weights it moves reach the model.
 
 :func:`give_back` (at teardown) removes those, restores the attributes set aside, and
 hands the final optimizer state back, keyed by the model's parameters as torch keeps it.
@@ -39,6 +43,7 @@ from lightning_fastopt.optim.wrapper import OptimizerWrapper, unwrapped
 
 _ENGINE = "_fastopt_engine"
 _SAVED = "_fastopt_set_aside"  # the instance attributes the take-over shadows
+_FRONT = "_fastopt_in_front"  # the names of the methods the take-over put in front
 
 
 @torch.optim.Optimizer.profile_hook_step
@@ -87,17 +92,65 @@ _IN_FRONT = {"step": _step, "zero_grad": _zero_grad, "add_param_group": _add_par
              "state_dict": _state_dict, "load_state_dict": _load_state_dict, "__reduce_ex__": _reduce_ex}
 
 
+def _shared(name: str):
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        return engine_of(self).run_method(name, *args, **kwargs)
+
+    run.__name__ = name
+    return run
+
+
+def _in_front(engine: OptimizerWrapper) -> dict[str, Any]:
+    """The functions :func:`take_over` puts in front of the class's methods for ``engine``."""
+    return {**_IN_FRONT, **{name: _shared(name) for name in engine.shared_methods}}
+
+
 def take_over(optimizer: torch.optim.Optimizer, engine: OptimizerWrapper) -> torch.optim.Optimizer:
     """Let ``engine`` step ``optimizer`` (the user's object, returned) until :func:`give_back`;
     again with another engine (``offload_fraction="auto"`` rebuilds it) replaces the first."""
     if _ENGINE not in optimizer.__dict__:
-        optimizer.__dict__[_SAVED] = {k: optimizer.__dict__.pop(k) for k in (*_IN_FRONT, "param_groups")
+        in_front = _in_front(engine)
+        optimizer.__dict__[_SAVED] = {k: optimizer.__dict__.pop(k) for k in (*in_front, "param_groups")
                                       if k in optimizer.__dict__}
-        optimizer.__dict__.update({k: types.MethodType(f, optimizer) for k, f in _IN_FRONT.items()})
+        optimizer.__dict__[_FRONT] = tuple(in_front)
+        optimizer.__dict__.update({k: types.MethodType(f, optimizer) for k, f in in_front.items()})
         optimizer.state = defaultdict(dict)  # the engine took the state over
     optimizer.__dict__[_ENGINE] = engine
     optimizer.__dict__["param_groups"] = engine.param_groups
     return optimizer
+
+
+def for_class_wrappers(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """What to hand a wrapper that makes its class from the optimizer's (Fabric's
+    ``_FabricOptimizer``: its class derives from the optimizer's, so the class's own methods
+    come before anything it forwards): for an optimizer with methods that run on every
+    share (``train()``, ``eval()``), an object of a subclass of the user's class that routes
+    them to the engine, sharing every attribute with ``optimizer`` (the same ``__dict__``:
+    its groups, state, engine; :func:`give_back` reaches both); ``optimizer`` itself
+    otherwise.  The user's own object keeps its class."""
+    optimizer = unwrapped(optimizer)
+    names = engine_of(optimizer).shared_methods if _ENGINE in optimizer.__dict__ else ()
+    if not names:
+        return optimizer
+    cls = type(optimizer)
+    routed = _ROUTED.get((cls, names))
+    if routed is None:
+        routed = _ROUTED[(cls, names)] = type(cls.__name__, (cls,), {
+            **{name: _shared(name) for name in names}, _ROUTES: cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} with {', '.join(names)} run on every share (lightning_fastopt)"})
+    twin = routed.__new__(routed)
+    twin.__dict__ = optimizer.__dict__  # the very attributes: one optimizer, seen through another class
+    return twin
+
+
+_ROUTED: dict[tuple[type, tuple[str, ...]], type] = {}
+_ROUTES = "_fastopt_routes_for"  # on a routing class: the user's class it derives from
+
+
+def _user_class(optimizer: torch.optim.Optimizer) -> type:
+    """The user's class (not the routing one of :func:`for_class_wrappers`)."""
+    return getattr(type(optimizer), _ROUTES, type(optimizer))
 
 
 def show_through(wrapper) -> None:
@@ -106,8 +159,10 @@ def show_through(wrapper) -> None:
     from the optimizer's own, so it finds the class's ``zero_grad`` and ``state_dict``
     itself, and reaches the optimizer only for what its class lacks (``param_groups``,
     ``state``).  Its ``step`` stays Lightning's, which calls the optimizer's."""
-    if _ENGINE in unwrapped(wrapper).__dict__:
-        wrapper.__dict__.update({k: types.MethodType(f, wrapper) for k, f in _IN_FRONT.items() if k != "step"})
+    optimizer = unwrapped(wrapper)
+    if _ENGINE in optimizer.__dict__:
+        in_front = _in_front(engine_of(optimizer))
+        wrapper.__dict__.update({k: types.MethodType(f, wrapper) for k, f in in_front.items() if k != "step"})
 
 
 def give_back(optimizer: torch.optim.Optimizer) -> None:
@@ -125,7 +180,8 @@ def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]
     keeps its engine meanwhile)."""
     engine = engine_of(optimizer)
     shadowed = optimizer.__dict__[_SAVED]
-    attributes = {k: v for k, v in optimizer.__dict__.items() if k not in (_ENGINE, _SAVED, *_IN_FRONT)}
+    attributes = {k: v for k, v in optimizer.__dict__.items()
+                  if k not in (_ENGINE, _SAVED, _FRONT, *optimizer.__dict__[_FRONT])}
     attributes.update(shadowed)
     attributes["param_groups"] = engine.param_groups
     state: defaultdict[Tensor, dict[str, Any]] = defaultdict(dict)
@@ -135,8 +191,9 @@ def _given_back(optimizer: torch.optim.Optimizer) -> tuple[type, dict[str, Any]]
             held = engine.state_of(p) if engine.owns(p) else None
             if held:
                 state[p] = {k: _own(_as_torch_keeps(v, p), seen) for k, v in held.items()}
+    state.update(engine.state_beside_parameters())  # MADGRAD's state["k"]
     attributes["state"] = state
-    return type(optimizer), attributes
+    return _user_class(optimizer), attributes
 
 
 def _as_torch_keeps(value: Any, param: Tensor) -> Any:
@@ -172,7 +229,7 @@ def held_as_torch(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if _ENGINE in optimizer.__dict__:
         cls, attributes = _given_back(optimizer)
     else:  # given back already (a checkpoint saved after fit)
-        cls, attributes = type(optimizer), dict(vars(optimizer))
+        cls, attributes = _user_class(optimizer), dict(vars(optimizer))
     attributes.pop("step", None)
     copy = _instance_of(cls)
     copy.__dict__.update(attributes)

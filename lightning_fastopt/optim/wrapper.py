@@ -30,6 +30,8 @@ What a driver may use:
   backward uses it; a step given another one redoes them).
 - :meth:`state_of`, :meth:`owns`, :meth:`partition`, :attr:`last_step_times`, and
   :meth:`close` at teardown.
+- :meth:`run_method`: a method of the user's class beyond torch's interface
+  (:attr:`shared_methods`), run on every share.
 - :meth:`add_param_group` at any time (``BackboneFinetuning``): the group joins the
   wrapped optimizer's list (the user's, when it was mapped from a torch optimizer, so LR
   schedulers bound to that one see it) and the wrapper takes its parameters over.
@@ -113,6 +115,23 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def _adopt_group(self, group: dict[str, Any]) -> None:
         """Start stepping the parameters of a group added after construction."""
+        raise NotImplementedError
+
+    @property
+    def shared_methods(self) -> tuple[str, ...]:
+        """The methods beyond torch's interface that the user's optimizer has and that run on
+        every share (:func:`~lightning_fastopt.optim.user_step.shared_methods`: schedule-free's
+        ``train()`` and ``eval()``); none for an optimizer the kernels run."""
+        return getattr(self.optimizer, "shared_methods", ())
+
+    def state_beside_parameters(self) -> dict[Any, Any]:
+        """The user's class's state under keys that are not parameters (MADGRAD's
+        ``state["k"]``), as its shares keep it alike; none for the kernels' optimizers."""
+        return {}
+
+    def run_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The user's method ``name`` (one of :attr:`shared_methods`) run on every share's
+        instance of its class, and the weights it changed in the model (a subclass's)."""
         raise NotImplementedError
 
     @torch.no_grad()

@@ -6,8 +6,13 @@ on the master weights (:class:`~lightning_fastopt.optim.user_step.UserStepOptimi
 Each entry names the class by module and name, the package that ships it and the versions
 its test covers (tests/test_catalogue.py runs the real package offloaded at 0.5 and 1, under
 ``bf16-true`` and resumed from a checkpoint, bit for bit with Lightning's own strategy; ZeRO
-stage 2 at two processes in the slow tests), and the hyper-parameters under which the claim
-does not hold (a norm over every gradient).  A subclass that overrides ``step``, a version
+stage 2 at two processes in the slow tests), the hyper-parameters under which the claim
+does not hold (a norm over every gradient), and the methods a training loop calls before
+the class steps (``ready``: schedule-free's ``train()``; the claim check calls them too).
+What such a class keeps beside its parameters' state (its groups' counters, MADGRAD's
+``state["k"]``) and the methods its users call (``train()``, ``eval()``) are handled on
+every share (:mod:`~lightning_fastopt.optim.beside_parameters`,
+:mod:`~lightning_fastopt.offload.shared_methods`).  A subclass that overrides ``step``, a version
 outside the range, or such a hyper-parameter runs as torch runs it, as any other class does,
 and the set-up says why.  ``per_parameter_optimizers`` names a class the catalogue lacks.
 """
@@ -39,6 +44,7 @@ class Entry:
     package: str
     versions: str
     breaks: tuple[tuple[str, Callable[[Any], bool], str], ...] = field(default=())
+    ready: tuple[str, ...] = ()  # methods a training loop calls before stepping (schedule-free's train())
 
     @property
     def where(self) -> str:
@@ -50,6 +56,7 @@ def _positive(value: Any) -> bool:
 
 
 _PYTORCH_OPTIMIZER = ">=4.1,<4.2"
+_SCHEDULEFREE = ">=1.4,<1.5"
 
 CATALOGUE: tuple[Entry, ...] = (
     Entry("lion_pytorch.lion_pytorch", "Lion", "lion-pytorch", ">=0.2.5,<0.3"),
@@ -59,10 +66,12 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("pytorch_optimizer.optimizer.adamp", "AdamP", "pytorch-optimizer", _PYTORCH_OPTIMIZER),
     Entry("pytorch_optimizer.optimizer.ademamix", "AdEMAMix", "pytorch-optimizer", _PYTORCH_OPTIMIZER),
     Entry("pytorch_optimizer.optimizer.soap", "SOAP", "pytorch-optimizer", _PYTORCH_OPTIMIZER),
+    Entry("pytorch_optimizer.optimizer.madgrad", "MADGRAD", "pytorch-optimizer", _PYTORCH_OPTIMIZER),
+    Entry("schedulefree.adamw_schedulefree", "AdamWScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
+    Entry("schedulefree.sgd_schedulefree", "SGDScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
+    Entry("schedulefree.radam_schedulefree", "RAdamScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
 )
-"""The verified classes (docs/strategy.md has them as a table).  Not yet: schedule-free
-optimizers, whose ``train()`` and ``eval()`` must reach every share; classes that keep state
-outside their parameters' (pytorch-optimizer's MADGRAD, ``self.state["k"]``)."""
+"""The verified classes (docs/strategy.md has them as a table)."""
 
 
 def catalogued(optimizer: Any) -> tuple[Entry | None, str | None, str | None]:

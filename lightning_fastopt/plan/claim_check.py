@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lightning_fastopt.optim.base import hyperparameters
-from lightning_fastopt.optim.user_step import UserStepOptimizer
+from lightning_fastopt.optim.user_step import UserStepOptimizer, shared_methods
 
 __all__ = ["SHAPES", "STEPS", "combines_parameters"]
 
@@ -25,10 +25,14 @@ SHAPES = ((4, 3), (5,), (3, 2))
 STEPS = 4
 
 
-def combines_parameters(optimizer: torch.optim.Optimizer) -> str | None:
+def combines_parameters(optimizer: torch.optim.Optimizer, ready: tuple[str, ...] = ()) -> str | None:
     """What differed between ``optimizer``'s class stepping the synthetic tensors together and
-    each alone, or None where nothing did.  A class that cannot step them (its own
-    requirements on shapes) is not judged: None."""
+    each alone, or None where nothing did: after each step, and after each method its users
+    call beyond torch's (:func:`~lightning_fastopt.optim.user_step.shared_methods`:
+    schedule-free's ``eval()`` and ``train()``, which move the weights).  ``ready``: the
+    methods a training loop calls before stepping (schedule-free's ``train()``), called on
+    each instance first.  A class that cannot step them (its own requirements on shapes) is
+    not judged: None."""
     cls = type(optimizer)
     try:  # the class's own attributes, copied: its objects are not touched
         attributes = copy.deepcopy(UserStepOptimizer(optimizer)._attributes)
@@ -41,7 +45,7 @@ def combines_parameters(optimizer: torch.optim.Optimizer) -> str | None:
             continue
         seen.append(settings)
         try:
-            differed = _differs(cls, attributes, settings, dict(optimizer.defaults))
+            differed = _differs(cls, attributes, settings, dict(optimizer.defaults), ready)
         except Exception:  # noqa: BLE001 - a step that cannot run on these tensors is not judged here
             continue
         if differed is not None:
@@ -58,7 +62,7 @@ def _runner(cls: type, attributes: dict[str, Any], settings: dict[str, Any], def
 
 
 def _differs(cls: type, attributes: dict[str, Any], settings: dict[str, Any],
-             defaults: dict[str, Any]) -> str | None:
+             defaults: dict[str, Any], ready: tuple[str, ...]) -> str | None:
     generator = torch.Generator().manual_seed(0)
     together = [torch.randn(shape, generator=generator) for shape in SHAPES]
     alone = [t.clone() for t in together]
@@ -68,15 +72,31 @@ def _differs(cls: type, attributes: dict[str, Any], settings: dict[str, Any],
     grads = [[b + 0.1 * torch.randn(b.shape, generator=generator) for b in base] for _ in range(STEPS)]
     whole = _runner(cls, attributes, settings, defaults, together)
     each = [_runner(cls, attributes, settings, defaults, [t]) for t in alone]
+    runners = [whole, *each]
+    for name in ready:
+        for runner in runners:
+            getattr(runner, name)()
     for step, step_grads in enumerate(grads, 1):
         for t, a, g in zip(together, alone, step_grads):
             t.grad, a.grad = g.clone(), g.clone()
-        whole.step()
-        for runner in each:
+        for runner in runners:
             runner.step()
-        for shape, t, a in zip(SHAPES, together, alone):
-            if not torch.equal(t, a):
-                gap = (t - a).abs().max().item()
-                return (f"after {step} step(s) on synthetic tensors with its settings, a {tuple(shape)} tensor stepped "
-                        f"with others differs from it stepped alone (by up to {gap:.3g})")
+        differed = _compared(together, alone, f"after {step} step(s)")
+        if differed is not None:
+            return differed
+    for name in (*shared_methods(cls), *ready):  # (ready last: schedule-free ends in train mode again)
+        for runner in runners:
+            getattr(runner, name)()
+        differed = _compared(together, alone, f"after {STEPS} steps and {name}()")
+        if differed is not None:
+            return differed
+    return None
+
+
+def _compared(together: list[torch.Tensor], alone: list[torch.Tensor], when: str) -> str | None:
+    for shape, t, a in zip(SHAPES, together, alone):
+        if not torch.equal(t, a):
+            gap = (t - a).abs().max().item()
+            return (f"{when} on synthetic tensors with its settings, a {tuple(shape)} tensor stepped "
+                    f"with others differs from it stepped alone (by up to {gap:.3g})")
     return None

@@ -21,6 +21,7 @@ from lightning_fastopt.optim.base import FusedOptimizer
 from lightning_fastopt.optim.closure import evaluates_closure_again
 from lightning_fastopt.optim.from_torch import engine_class, why_not_fused
 from lightning_fastopt.optim.known_steps import steps_per_parameter, steps_rows
+from lightning_fastopt.optim.user_step import shared_methods
 from lightning_fastopt.optim.wrapper import unwrapped
 from lightning_fastopt.plan.catalogue import catalogued
 from lightning_fastopt.plan.claim_check import combines_parameters
@@ -51,6 +52,7 @@ class Runner:
     on: str = ""
     mapped: bool = False  # a torch optimizer run by our kernel class (said in one line)
     catalogued: str = ""  # the package and version of a class the catalogue verified
+    user_class: type | None = None  # the user's class, where its own step runs (its methods run on every share)
 
     @property
     def in_engine(self) -> bool:
@@ -62,12 +64,18 @@ class Runner:
             return f"running {self.name} as {self.engine.__name__} with the same hyperparameters"
         if self.runs == "own step" and self.catalogued:
             return (f"{self.name} ({self.catalogued}) runs its own step on the master weights, where they live: "
-                    "catalogued as updating each parameter alone (lightning_fastopt.plan.catalogue)")
+                    "catalogued as updating each parameter alone (lightning_fastopt.plan.catalogue)"
+                    + self._methods())
         if self.runs == "own step":
-            return f"{self.name} runs its own step on the master weights, where they live (not fused: {self.why})"
+            return (f"{self.name} runs its own step on the master weights, where they live (not fused: {self.why})"
+                    + self._methods())
         if self.runs == "torch":
             return f"{self.name} runs as torch runs it, on {self.on}, not offloaded: {self.why}"
         return None
+
+    def _methods(self) -> str:
+        names = shared_methods(self.user_class) if self.user_class is not None else ()
+        return f"; {' and '.join(f'{n}()' for n in names)} run on every share" if names else ""
 
     def describe(self) -> str:
         """Its cell in the plan's table."""
@@ -105,10 +113,10 @@ def choose_runner(optimizer: Any, *, shares: str, closure_optimizers: tuple[str,
     if shares == "parameters" and not steps_per_parameter(optimizer, named):
         entry, version, why_not = catalogued(optimizer)
         if entry is not None and why_not is None:
-            why_not = combines_parameters(optimizer)  # the catalogue's claim, checked with these settings
+            why_not = combines_parameters(optimizer, entry.ready)  # the catalogue's claim, checked with these settings
         if entry is not None and why_not is None:
             return Runner(name, "own step", f"catalogued ({entry.package} {version})", engine_class(optimizer),
-                          catalogued=f"{entry.package} {version}")
+                          catalogued=f"{entry.package} {version}", user_class=type(optimizer))
         return Runner(name, "torch", (f"{why_not}; " if why_not else "") +
                       "its step is not known to update each parameter from its own gradient and state alone, and the "
                       "strategy steps shares of the parameters apart (the device's, each host bucket's, a rank's), "
@@ -116,5 +124,5 @@ def choose_runner(optimizer: Any, *, shares: str, closure_optimizers: tuple[str,
                       "them)", on=on)
     why_not = why_not_fused(optimizer)
     if why_not is not None:
-        return Runner(name, "own step", why_not, engine_class(optimizer))
+        return Runner(name, "own step", why_not, engine_class(optimizer), user_class=type(optimizer))
     return Runner(name, "kernel", engine=engine_class(optimizer), mapped=not isinstance(optimizer, FusedOptimizer))

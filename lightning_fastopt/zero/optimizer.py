@@ -36,6 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from typing_extensions import override
 
 from lightning_fastopt.checkpoint.named_state import read_named_state
+from lightning_fastopt.offload.engine_state import split_beside_parameters
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.offload.grad_norms import by_device_and_dtype
 from lightning_fastopt.offload.local_wrapper import LocalOffloadWrapper
@@ -43,6 +44,7 @@ from lightning_fastopt.runtime.distributed import all_reduce_scalar, all_reduce_
 from lightning_fastopt.functional import grads_all_finite, square_sums
 from lightning_fastopt.optim.base import (COMPUTE, FusedOptimizer, copy_hyperparameters, hyperparameters,
                                           needs_step_context)
+from lightning_fastopt.optim.user_step import UserStepOptimizer
 from lightning_fastopt.zero.grad_reducer import GradReducer
 from lightning_fastopt.zero.partition import assign_owners, owner_buckets
 
@@ -256,6 +258,9 @@ class ZeroOptimizer(LocalOffloadWrapper):
         self._broadcast_params()
         return False
 
+    def _weights_changed(self) -> None:
+        self._broadcast_params()
+
     def _broadcast_params(self) -> None:
         if self.world_size == 1:
             return
@@ -284,12 +289,14 @@ class ZeroOptimizer(LocalOffloadWrapper):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer state (ours keyed by name, or torch's by position, from any
         world size once merged): this rank keeps the part it owns."""
+        state_dict, beside = split_beside_parameters(state_dict) if isinstance(self.optimizer, UserStepOptimizer) \
+            else (state_dict, {})
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {self.param_names[p]: p.shape for p in self._params},
                                                  self.param_groups)
         owned_names = [[self.param_names[p] for p in g["params"]] for g in self.local.param_groups]
         self.local.load_state_dict({
-            "state": {n: by_name[n] for names in owned_names for n in names if n in by_name},
+            "state": {**{n: by_name[n] for names in owned_names for n in names if n in by_name}, **beside},
             "param_groups": [dict(hp, params=names) for hp, names in zip(saved_groups, owned_names)],
         })
         for group, hp in zip(self.param_groups, saved_groups):
