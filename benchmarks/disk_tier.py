@@ -4,6 +4,7 @@ against the disk's own bandwidth and the same step in host memory, measured in o
     python benchmarks/disk_tier.py --dir /path/on/nvme            # 100M parameters (1.2 GB on disk)
     python benchmarks/disk_tier.py --dir /tmp --params 2e6 --quick  # a small run, to check the script
     python benchmarks/disk_tier.py --dir /path/on/nvme --tensors 1  # one tensor (an embedding), in pieces
+    python benchmarks/disk_tier.py --dir /path/on/nvme --host-shares 0.25,0.5,0.75,auto  # the state split
 
 First the disk: sequential direct-I/O reads, writes, and both at once (one half of the
 threads reading while the others write, as the step does), in the step's own transfers
@@ -69,11 +70,14 @@ def disk_rates(directory: str, nbytes: int, block: int) -> dict[str, float]:
 
 
 def step_times(params: int, directory: str | None, bucket_mb: float, window_mb: float, steps: int,
-               count: int = 8) -> tuple[float, int]:
-    """The median AdamW step (seconds) over ``count`` tensors and the bytes the disk tier's file holds."""
+               count: int = 8, host_state_gib: float | str | None = None) -> tuple[float, int]:
+    """The median AdamW step (seconds) over ``count`` tensors and the bytes the disk tier's file
+    holds (``host_state_gib``: that much of the state kept in host memory, the rest on disk)."""
     torch.manual_seed(0)
     tensors = [torch.randn(n).requires_grad_() for n in _split(params, count)]
     disk = dict(offload_optimizer_device="nvme", nvme_path=directory, nvme_window_mb=window_mb) if directory else {}
+    if host_state_gib is not None:
+        disk["host_state_gib"] = host_state_gib
     opt = OffloadOptimizer(FusedAdam(tensors, lr=1e-3, weight_decay=0.01), copy_on_cpu=True,
                            bucket_size_mb=bucket_mb, **disk)
     grads = [torch.randn_like(t) for t in tensors]
@@ -102,6 +106,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="small buckets and window, three steps")
     parser.add_argument("--tensors", type=int, default=8, help="how many tensors the parameters are")
+    parser.add_argument("--host-shares", default="",
+                        help="also the state split: shares of it in host memory (host_state_gib), comma-separated, "
+                             "'auto' among them, each beside its bound, e.g. 0.25,0.5,0.75,auto")
     args = parser.parse_args()
     params = int(args.params)
     bucket, window, steps = (0.5, 8.0, 3) if args.quick else (args.bucket_mb, args.window_mb, args.steps)
@@ -121,6 +128,21 @@ def main() -> None:
     print(f"step in host memory: {in_memory * 1e3:.0f} ms; on disk: {on_disk * 1e3:.0f} ms "
           f"({on_disk / in_memory:.2f}x); the disk tier moved {moved / 1e9:.2f} GB a step: {rate / 1e9:.2f} GB/s, "
           f"{rate / rates['read+write']:.0%} of the disk's rate reading and writing at once (target >= 80%)")
+    for share in [s for s in args.host_shares.split(",") if s]:
+        asked = "auto" if share == "auto" else float(share) * held / 2**30
+        split, on_disk_now = step_times(params, directory, bucket, window, steps, args.tensors, asked)
+        kept = 1.0 - on_disk_now / held if held else 1.0
+        # the bound: the host share's update at the speed measured in host memory and the disk share's
+        # regions read and written at the disk's rate, overlapped; the first read and the last write of
+        # a bucket cannot overlap an update
+        host_part = kept * in_memory
+        disk_part = 2 * on_disk_now / rates["read+write"]
+        edges = 2 * min(held, bucket * 2**20 * 3) / rates["read+write"] if on_disk_now else 0.0
+        bound = max(host_part, disk_part) + edges
+        print(f"host_state_gib={share if share == 'auto' else f'{asked:.3g}'} ({kept:.0%} of the state in host "
+              f"memory): step {split * 1e3:.0f} ms, {on_disk / split:.2f}x faster than all on disk; bound "
+              f"{bound * 1e3:.0f} ms (host update {host_part * 1e3:.0f}, disk {disk_part * 1e3:.0f}, edges "
+              f"{edges * 1e3:.0f}): {split / bound:.2f}x the bound (target <= 1.15x)")
 
 
 if __name__ == "__main__":

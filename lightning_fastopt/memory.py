@@ -30,6 +30,7 @@ from lightning_fastopt.zero.partition import assign_owners
 # float32 state tensors per parameter element, per optimizer
 _STATE_TENSORS = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "lion": 1, "adagrad": 1}
 _FIELDS = ("params", "grads", "master_weights", "optimizer_state", "speculation", "gathered")
+_DISK_FIELDS = ("master_weights", "optimizer_state", "speculation")
 
 
 @dataclass
@@ -46,8 +47,14 @@ class MemoryEstimate:
     rank: int = 0
     world_size: int = 1
     zero_stage: int = 0
-    disk: int = 0  # offload_optimizer_device="nvme": the masters and state in the rank's file
-    disk_window: int = 0  # and the host memory of its window (counted in cpu_total)
+    # offload_optimizer_device="nvme": the masters and state in the rank's file (a speculated
+    # update's copy beside them under "speculation"), and the host memory of its window (in cpu_total)
+    on_disk: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DISK_FIELDS, 0))
+    disk_window: int = 0
+
+    @property
+    def disk(self) -> int:
+        return sum(self.on_disk.values())
 
     @property
     def gpu_total(self) -> int:
@@ -65,14 +72,17 @@ class MemoryEstimate:
         return self.gpu_total <= gpu_memory and self.cpu_total <= host_memory
 
     def __str__(self) -> str:
-        rows = [f"{'':16s}{'GPU':>12s}{'CPU':>12s}"]
+        disk = bool(self.disk)
+        rows = [f"{'':16s}{'GPU':>12s}{'CPU':>12s}" + (f"{'disk':>12s}" if disk else "")]
         for k in _FIELDS:
-            rows.append(f"{k:16s}{_gib(self.gpu[k]):>12s}{_gib(self.cpu[k]):>12s}")
-        if self.disk:
-            rows.append(f"{'disk window':16s}{'':>12s}{_gib(self.disk_window):>12s}")
-        rows.append(f"{'total':16s}{_gib(self.gpu_total):>12s}{_gib(self.cpu_total):>12s}")
-        if self.disk:
-            rows.append(f"(on disk, nvme_path: {_gib(self.disk).strip()} of float32 masters and optimizer state)")
+            rows.append(f"{k:16s}{_gib(self.gpu[k]):>12s}{_gib(self.cpu[k]):>12s}"
+                        + (f"{_gib(self.on_disk.get(k, 0)):>12s}" if disk else ""))
+        if disk:
+            rows.append(f"{'disk window':16s}{'':>12s}{_gib(self.disk_window):>12s}{'':>12s}")
+        rows.append(f"{'total':16s}{_gib(self.gpu_total):>12s}{_gib(self.cpu_total):>12s}"
+                    + (f"{_gib(self.disk):>12s}" if disk else ""))
+        if disk:
+            rows.append("(disk: the float32 masters and optimizer state in nvme_path's file)")
         rows.append(f"({self.offloaded_params:,} of {self.total_params:,} parameters offloaded)")
         if self.zero_stage and self.world_size > 1:
             what = "rows of every parameter" if self.zero_stage == 3 else "parameters"
@@ -87,7 +97,8 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                     tensor_parallel_plan: Mapping[str, Any] | None = None,
                     offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
                     nvme_window_mb: float | None = None, auto_wrap_policy: Any = None,
-                    min_num_params: int | None = None, host_state_dtype: Any = None) -> MemoryEstimate:
+                    min_num_params: int | None = None, host_state_dtype: Any = None,
+                    host_state_gib: float | None = None) -> MemoryEstimate:
     """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
     parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
     rank.
@@ -154,8 +165,28 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
       bucket's region).  The half copies and gradient buffers stay in host memory; so do the host
       shards of ``offload_parameters`` (the masters), their state going to disk.  With
       ``speculate`` the file holds each bucket twice (a speculated update is written
-      beside the last state), and nothing more is in host memory.
+      beside the last state), and nothing more is in host memory.  ``host_state_gib``:
+      that many GiB of them in host memory instead (``offload/split_tier.py``; a number:
+      ``"auto"`` is what the machine has free when the run starts), the rest on disk; the
+      window stays while anything is on disk.
     """
+    if host_state_gib is not None:
+        if offload_optimizer_device != "nvme":
+            raise ValueError(f"host_state_gib splits the state on disk: it needs offload_optimizer_device='nvme', got "
+                             f"{offload_optimizer_device!r}")
+        if isinstance(host_state_gib, bool) or not isinstance(host_state_gib, (int, float)) or host_state_gib < 0:
+            raise ValueError(f"host_state_gib must be a number of GiB, 0 or more (the estimate cannot measure "
+                             f"'auto': that is what the machine has free when the run starts), got {host_state_gib!r}")
+    est = _estimate(model, offload_fraction, precision, optimizer, amsgrad, speculate, zero_stage, world_size, rank,
+                    tensor_parallel_size, tensor_parallel_plan, offload_parameters, offload_optimizer_device,
+                    nvme_window_mb, auto_wrap_policy, min_num_params, host_state_dtype)
+    return est if host_state_gib is None else _keep_in_host(est, host_state_gib)
+
+
+def _estimate(model, offload_fraction, precision, optimizer, amsgrad, speculate, zero_stage, world_size, rank,
+              tensor_parallel_size, tensor_parallel_plan, offload_parameters, offload_optimizer_device, nvme_window_mb,
+              auto_wrap_policy, min_num_params, host_state_dtype) -> MemoryEstimate:
+    """:func:`estimate_memory` but ``host_state_gib``."""
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"precision must be one of {SUPPORTED_PRECISIONS}, got {precision!r}")
     key = optimizer.lower()
@@ -228,7 +259,7 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
                 # a speculated update keeps the master and state aside, and a half row it writes in place
                 est.cpu["speculation"] += (m + hs * state_tensors) * n + (n * size if half else 0) if speculate else 0
             else:  # a speculated update's is written beside the last: the file twice over; the rows kept here
-                est.disk += (master + hs * n * state_tensors) * (2 if speculate else 1)
+                _on_disk(est, master, hs * n * state_tensors, speculate)
                 est.cpu["speculation"] += (n * size if half else m * n) if speculate else 0
             continue
         est.gpu["params"] += n * size
@@ -245,13 +276,33 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
                 est.cpu["optimizer_state"] += hs * n * state_tensors
                 est.cpu["speculation"] += (m + hs * state_tensors) * n if speculate else 0
             else:  # (a speculated update is written beside the masters and state: the file twice over)
-                est.disk += (m + hs * state_tensors) * n * (2 if speculate else 1)
+                _on_disk(est, m * n, hs * state_tensors * n, speculate)
         else:
             est.gpu["grads"] += n * size
             est.gpu["master_weights"] += m * n if half else 0
             est.gpu["optimizer_state"] += m * n * state_tensors
     if window is not None and est.disk:  # what the state needs (every bucket's region at most), within the limit
         est.disk_window = min(round(window * 2**20), est.disk // (2 if speculate else 1))
+    return est
+
+
+def _on_disk(est: MemoryEstimate, masters: int, state: int, speculate: bool) -> None:
+    est.on_disk["master_weights"] += masters
+    est.on_disk["optimizer_state"] += state
+    est.on_disk["speculation"] += masters + state if speculate else 0  # written beside the last: the file twice over
+
+
+def _keep_in_host(est: MemoryEstimate, host_state_gib: float) -> MemoryEstimate:
+    """``host_state_gib`` GiB of the masters and state on disk kept in host memory instead
+    (whole buckets, each with its masters and state: the same share of each), with the
+    speculated copy of what is kept (in host memory as a snapshot)."""
+    kept = est.on_disk["master_weights"] + est.on_disk["optimizer_state"]
+    share = min(1.0, host_state_gib * 2**30 / kept) if kept else 0.0
+    for k in ("master_weights", "optimizer_state", "speculation"):
+        moved = round(est.on_disk[k] * share)
+        est.on_disk[k] -= moved
+        est.cpu[k] += moved
+    est.disk_window = min(est.disk_window, est.disk - est.on_disk["speculation"])  # what the disk's share needs
     return est
 
 

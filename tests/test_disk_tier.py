@@ -395,8 +395,9 @@ def test_a_file_collected_inside_threadings_bookkeeping_closes_without_joining(t
 
 
 # ---------------------------------------------------------------------------- under the Trainer
+@pytest.mark.parametrize("host_state_gib", [None, 1e-6], ids=["all-on-disk", "split"])
 @pytest.mark.parametrize("zero_stage", [0, 2])
-def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(tmp_path, zero_stage):
+def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(tmp_path, zero_stage, host_state_gib):
     """``FastOptStrategy(offload_optimizer_device="nvme")`` on the accelerator's path (and
     with ZeRO, whose rank's share goes to disk the same way): two groups, a step-interval
     scheduler, accumulation and clipping, as plain Lightning with torch's AdamW ends; a
@@ -413,7 +414,8 @@ def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(t
 
     def ours():
         return FastOptStrategy(offload_optimizer_device="nvme", nvme_path=str(disk), nvme_window_mb=0.008,
-                               bucket_size_mb=0.0001, copy_on_cpu=True, zero_stage=zero_stage)
+                               bucket_size_mb=0.0001, copy_on_cpu=True, zero_stage=zero_stage,
+                               host_state_gib=host_state_gib)  # (split: issue 72, offload/split_tier.py)
     kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.1)
     model, ref = Model(make), Model(make)
     trainer = _fit(ours(), model, **kw)
@@ -421,6 +423,8 @@ def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(t
     engine = trainer.strategy.engines[0]
     engine = getattr(engine, "local", engine)  # ZeRO's rank's offload optimizer
     assert engine.layout.tier.on_disk and len(engine._buckets) >= 3
+    if host_state_gib is not None:
+        assert 0 < len(engine.layout.tier.in_host) < len(engine._buckets)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     first = Model(make)
     half = _fit(ours(), first, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path, **kw)
@@ -472,10 +476,13 @@ def test_the_benchmark_measures_the_disk_and_the_step_on_it(tmp_path, tensors):
     from tests.helpers import run_script
 
     proc = run_script("benchmarks/disk_tier.py", "--quick", "--params", "4e5", "--dir", tmp_path,
-                      "--tensors", tensors)
+                      "--tensors", tensors, *(("--host-shares", "0.5,auto") if tensors == "8" else ()))
     out = proc.stdout
     assert "disk, direct I/O, 8 MiB transfers, 4 in flight: write" in out and "read+write" in out
     assert "step in host memory:" in out and "of the disk's rate reading and writing at once (target >= 80%)" in out
+    if tensors == "8":  # the state split (issue 72): each share beside its bound
+        assert "% of the state in host memory): step" in out and "x the bound (target <= 1.15x)" in out
+        assert "host_state_gib=auto (100% of the state in host memory)" in out  # (a small state: all of it fits)
     assert os.listdir(tmp_path) == []
 
 

@@ -15,6 +15,7 @@ import torch
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
+from lightning_fastopt.offload.split_tier import check_host_state
 from lightning_fastopt.offload.state_tiers import check_offload_device, check_window_holds_two_buckets
 from lightning_fastopt.optim.adam import check_state_dtype
 from lightning_fastopt.optim.closure import check_closure_optimizers, check_optimizer_names
@@ -50,6 +51,8 @@ class StrategyOptions:
     offload_optimizer_device: str = "cpu"  # where the offloaded masters and state live: host memory, or "nvme"
     nvme_path: str | None = None
     nvme_window_mb: float | None = None  # None: sized to the state, 512 MiB at most
+    host_state_gib: float | str | None = None  # with "nvme": GiB of it kept in host memory, or "auto"
+    host_reserve_gib: float | None = None  # with host_state_gib="auto": GiB left free (None: a tenth)
     scale_knobs: dict[str, Any] = field(default_factory=dict)  # DynamicLossScaler's arguments
 
     @classmethod
@@ -60,9 +63,11 @@ class StrategyOptions:
               delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
               forward_waits: Any, closure_optimizers: Any, per_parameter_optimizers: Any = (),
               offload_optimizer_device: Any = "cpu", nvme_path: Any = None,
-              nvme_window_mb: Any = None) -> StrategyOptions:
+              nvme_window_mb: Any = None, host_state_gib: Any = None, host_reserve_gib: Any = None
+              ) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction)
+        check_host_state(host_state_gib, host_reserve_gib, offload_optimizer_device)
         check_range("bucket_size_mb", bucket_size_mb, 0.0, low_open=True)
         if offload_optimizer_device == "nvme" and nvme_window_mb is not None:
             check_window_holds_two_buckets(nvme_window_mb, bucket_size_mb)
@@ -104,6 +109,8 @@ class StrategyOptions:
                    offload_optimizer_device=offload_optimizer_device,
                    nvme_path=None if nvme_path is None else str(nvme_path),
                    nvme_window_mb=None if nvme_window_mb is None else float(nvme_window_mb),
+                   host_state_gib=host_state_gib if host_state_gib in (None, "auto") else float(host_state_gib),
+                   host_reserve_gib=None if host_reserve_gib is None else float(host_reserve_gib),
                    scale_knobs=knobs)
 
     @classmethod
@@ -163,14 +170,15 @@ def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, An
                          "the weights) cannot be used with it")
 
 
-def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, Any]:
+def offload_arguments(options: Any, params_on_host: bool = False, processes_per_host: int = 1) -> dict[str, Any]:
     """The arguments of the offload (or ZeRO) optimizer that come from the options (without
     ``device_grads`` and the schedule's, which the run's plan decides).  ``options``: a
     :class:`StrategyOptions`, or the Trainer's strategy, which keeps the same values as
     attributes (read at set-up, as Lightning strategies' attributes are).
     ``params_on_host``: the parameters are host tensors already (FSDP's ``CPUOffloadPolicy``
     shards), their own masters updated in place on every machine: nothing to copy
-    (the offload optimizer's ``host_shards``)."""
+    (the offload optimizer's ``host_shards``); ``processes_per_host``: the processes that
+    share this host's memory (``host_state_gib="auto"`` takes a share each)."""
     args = dict(offload_fraction=options.offload_fraction, bucket_size_mb=options.bucket_size_mb,
                 overlap=options.overlap, pin_memory=options.pin_memory,
                 wall_clock_breakdown=options.wall_clock_breakdown,
@@ -182,6 +190,9 @@ def offload_arguments(options: Any, params_on_host: bool = False) -> dict[str, A
     if options.offload_optimizer_device != "cpu":
         args.update(offload_optimizer_device=options.offload_optimizer_device, nvme_path=options.nvme_path,
                     nvme_window_mb=options.nvme_window_mb)
+    if options.host_state_gib is not None:
+        args.update(host_state_gib=options.host_state_gib, host_reserve_gib=options.host_reserve_gib,
+                    processes_per_host=processes_per_host)
     return args
 
 

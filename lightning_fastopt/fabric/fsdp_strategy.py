@@ -99,6 +99,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
                  offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
                  nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 host_state_gib: float | str | None = None, host_reserve_gib: float | None = None,
                  data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto", save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
@@ -196,7 +197,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         plan.say()
         fused = fused_for(optimizer, module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
-        arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
+        arguments = offload_arguments(self.options, params_on_host=on_host, processes_per_host=self.num_processes)  # fsdp/host_parameters.py
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads=plan.gradients.kind,
                                      host_gradients=HostGradientLandings(module) if on_host else None,

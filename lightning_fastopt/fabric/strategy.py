@@ -93,6 +93,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
                  forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
                  per_parameter_optimizers: Sequence[str] = (), offload_optimizer_device: str = "cpu",
                  nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 host_state_gib: float | str | None = None, host_reserve_gib: float | None = None,
                  zero_optimization: bool | None = None, stage: int | None = None,
                  offload_optimizer: bool | None = None, config: dict | str | None = None, **kwargs: Any) -> None:
         deepspeed = from_deepspeed(locals(), signature_defaults(FastOptFabricStrategy.__init__), kwargs,
@@ -237,7 +238,7 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0, pieces=fused.kernel_pieces())
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
-                                       **offload_arguments(self.options), **planned.schedule.engine_arguments())
+                                       **offload_arguments(self.options, processes_per_host=self.num_processes), **planned.schedule.engine_arguments())
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._wrappers.append(wrapper)
         self._users.append(optimizer)

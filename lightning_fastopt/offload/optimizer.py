@@ -80,7 +80,8 @@ from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_wei
                                              written_in_bucket)
 from lightning_fastopt.offload.shared_methods import run_on_shares
 from lightning_fastopt.offload.speculative import SpeculativeStep
-from lightning_fastopt.offload.state_tiers import check_offload_device, make_tier
+from lightning_fastopt.offload.split_tier import check_host_state, make_storage
+from lightning_fastopt.offload.state_tiers import check_offload_device
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
@@ -169,6 +170,11 @@ class OffloadOptimizer(OptimizerWrapper):
         nvme_window_mb: the most host memory for the buckets on their way to and from
             the disk (two buckets' masters and state at least); None: 512 MiB at most.
             The window takes what the state needs within it.
+        host_state_gib: with ``"nvme"``, up to this many GiB of whole buckets (masters with
+            their state) kept in host memory, the rest on disk; ``"auto"``: what the host
+            has available at set-up, less the window and ``host_reserve_gib`` (None: a
+            tenth of the machine), shared by ``processes_per_host``
+            (:mod:`~lightning_fastopt.offload.split_tier`).  None: all on disk.
     """
 
     def __init__(self, optimizer: FusedOptimizer, param_names: Mapping[Tensor, str] | None = None, *,
@@ -180,9 +186,11 @@ class OffloadOptimizer(OptimizerWrapper):
                  forward_waits: str = "step", reduced_by: Callable[[Tensor], bool] | None = None,
                  stays_on_device: Callable[[Tensor], bool] | None = None, host_shards: bool = False,
                  offload_optimizer_device: str = "cpu", nvme_path: str | None = None,
-                 nvme_window_mb: float | None = None) -> None:
+                 nvme_window_mb: float | None = None, host_state_gib: float | str | None = None,
+                 host_reserve_gib: float | None = None, processes_per_host: int = 1) -> None:
         super().__init__(optimizer)
         check_offload_device(offload_optimizer_device, nvme_path, nvme_window_mb)
+        check_host_state(host_state_gib, host_reserve_gib, offload_optimizer_device)
         _check_arguments(offload_fraction, bucket_size_mb, device_grads, stream_cpu_step, speculate, delayed_update,
                          delayed_update_warmup, forward_waits, reduced_by)
         # every argument but the fraction, for with_fraction()
@@ -193,7 +201,8 @@ class OffloadOptimizer(OptimizerWrapper):
                               host_state_dtype=host_state_dtype, forward_waits=forward_waits, reduced_by=reduced_by,
                               stays_on_device=stays_on_device, host_shards=host_shards,
                               offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path,
-                              nvme_window_mb=nvme_window_mb)
+                              nvme_window_mb=nvme_window_mb, host_state_gib=host_state_gib,
+                              host_reserve_gib=host_reserve_gib, processes_per_host=processes_per_host)
         self.stays_on_device = stays_on_device
         self._host_state_dtype = _host_state_dtype(optimizer, host_state_dtype)
         self.offload_fraction = float(offload_fraction)
@@ -221,8 +230,8 @@ class OffloadOptimizer(OptimizerWrapper):
         pin = pin_memory and self.copies.is_cuda
         self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20), pin,
                                   self._host_state_dtype,
-                                  make_tier(offload_optimizer_device, nvme_path, nvme_window_mb, pin, self.copies,
-                                            self._timer.now))
+                                  make_storage(offload_optimizer_device, nvme_path, nvme_window_mb, pin, self.copies,
+                                               self._timer.now, host_state_gib, host_reserve_gib, processes_per_host))
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False

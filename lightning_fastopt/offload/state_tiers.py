@@ -402,6 +402,11 @@ class DiskTier:
             self._copies = MappedCopies(self.directory)
         return self._copies
 
+    def holds(self, value: Tensor) -> bool:
+        """Whether ``value`` lives in a window slot (a resident bucket's master or state)."""
+        address = value.data_ptr()
+        return any(s.buffer.data_ptr() <= address < s.buffer.data_ptr() + s.buffer.numel() for s in self.window)
+
     def _in_file(self, value: Tensor) -> Tensor | None:
         """``value`` (a tensor of a resident bucket, in its window slot) mapped from the same
         bytes of the file (a slot holds its bucket's region byte for byte); None for a tensor
@@ -624,6 +629,15 @@ class DiskSnapshot:
         """Host bytes kept: the masters that are their own weights and the half weights written in
         place (none where every master is in the file and every weight goes to a device)."""
         return sum(own.numel() * own.element_size() for _, own, _, _ in self._saved if own is not None)
+
+
+def planned_bytes(bucket: HostBucket) -> int:
+    """The bytes a bucket's masters and state take once its state exists (its region's size
+    on disk, each tensor on a cache line): what keeping it in host memory costs."""
+    size = 0
+    for slot, _, dtype in _planned_entries(bucket):
+        size = round_up(size, _LINE) + slot.numel * torch.empty((), dtype=dtype).element_size()
+    return size
 
 
 def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:

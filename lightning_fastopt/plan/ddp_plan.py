@@ -79,7 +79,8 @@ def plan_ddp_run(optimizers: Sequence[Any], options: Any, run: DDPRun, stand_in:
         *in_place_refusals(options.offload_fraction, run.device, options.copy_on_cpu),
     ]
     state = state_home(offload_fraction=options.offload_fraction, auto_fraction=options.auto_fraction,
-                       device=options.offload_optimizer_device, zero_stage=stage, world_size=run.world_size)
+                       device=options.offload_optimizer_device, host_state_gib=options.host_state_gib,
+                       zero_stage=stage, world_size=run.world_size)
     plans = []
     for runner in runners:
         if not runner.in_engine:

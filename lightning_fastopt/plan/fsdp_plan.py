@@ -52,7 +52,8 @@ def plan_fsdp_run(optimizers: Sequence[Any], options: Any, run: FSDPRun, stand_i
         state = "in host memory: the parameter shards themselves, each rank's"
     else:
         state = state_home(offload_fraction=options.offload_fraction, auto_fraction=options.auto_fraction,
-                           device=options.offload_optimizer_device, zero_stage=3, world_size=run.world_size,
+                           device=options.offload_optimizer_device, host_state_gib=options.host_state_gib,
+                           zero_stage=3, world_size=run.world_size,
                            pieces="rows")
     plans = []
     for runner in runners:

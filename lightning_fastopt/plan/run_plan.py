@@ -80,11 +80,16 @@ class RunPlan:
 
 
 def state_home(*, offload_fraction: float, auto_fraction: bool, device: str, zero_stage: int, world_size: int,
-               pieces: str = "parameters") -> str:
+               pieces: str = "parameters", host_state_gib: float | str | None = None) -> str:
     """Where an optimizer's masters and state live, in words: on the device, in host
-    memory or on disk (``device``: the strategy's ``offload_optimizer_device``), each rank's
-    shard under ZeRO (``pieces``: what a share holds, ``"parameters"`` or FSDP's ``"rows"``)."""
+    memory or on disk (``device``: the strategy's ``offload_optimizer_device``; on disk but
+    ``host_state_gib`` of it), each rank's shard under ZeRO (``pieces``: what a share holds,
+    ``"parameters"`` or FSDP's ``"rows"``)."""
     tier = "on disk" if device == "nvme" else "in host memory"
+    if device == "nvme" and host_state_gib is not None:
+        kept = "what the host has available (host_state_gib='auto')" if host_state_gib == "auto" \
+            else f"{float(host_state_gib):g} GiB"
+        tier = f"on disk but {kept} of it in host memory"
     if auto_fraction:
         where = f"a share measured at the first steps {tier}, the rest on the device"
     elif offload_fraction == 0:

@@ -101,7 +101,8 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         host_state_dtype: as for ``FastOptStrategy``: ``"bfloat16"`` keeps the offloaded
             rows' Adam moments in bfloat16 (stochastic rounding; changes the math);
             checkpoints and the optimizer given back after fit hold them as float32.
-        offload_optimizer_device, nvme_path, nvme_window_mb: as for ``FastOptStrategy``:
+        offload_optimizer_device, nvme_path, nvme_window_mb, host_state_gib, host_reserve_gib: as for
+            ``FastOptStrategy``:
             ``"nvme"`` keeps the offloaded rows' masters (not the host shards of
             ``offload_parameters``, which are the masters) and state in a file per rank in
             ``nvme_path``.
@@ -158,6 +159,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                  min_num_params: int = 100_000_000, elementwise_optimizers: Sequence[str] = (),
                  offload_parameters: bool = False, offload_optimizer_device: str = "cpu",
                  nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 host_state_gib: float | str | None = None, host_reserve_gib: float | None = None,
                  data_parallel_size: int | str = "auto",
                  tensor_parallel_size: int | str = "auto",
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
@@ -260,7 +262,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                                          self.package.MockOptimizer)
         plan.say()
         names = {p: n for n, p in module.named_parameters()}
-        arguments = offload_arguments(self.options, params_on_host=on_host)  # fsdp/host_parameters.py
+        arguments = offload_arguments(self.options, params_on_host=on_host, processes_per_host=self.num_processes)  # fsdp/host_parameters.py
         if plan.weight_waits.by_module:
             arguments["forward_waits"] = "module"
 

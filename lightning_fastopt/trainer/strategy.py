@@ -187,6 +187,15 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
             memory.  None (default): what the state needs (two buckets' masters and state,
             about 3 x ``bucket_size_mb`` each with Adam, or all of them where fewer), 512
             MiB at most; a number is the most the window may take.
+        host_state_gib: with ``"nvme"``, up to this many GiB of the offloaded state (whole
+            buckets, masters with their moments) kept in host memory, the rest on disk,
+            buckets spread so that the disk's transfers overlap the host buckets' updates
+            (one log line gives each tier's bytes); ``"auto"``: what the host has available
+            at set-up, after the model and its buffers, less the window and
+            ``host_reserve_gib``, shared by the processes on the host.  None (default): all
+            on disk.  The same results, bit for bit; a checkpoint does not depend on it.
+        host_reserve_gib: with ``host_state_gib="auto"``, the GiB left free (None: a tenth of
+            the machine's memory).
         zero_optimization, stage, offload_optimizer, config: Lightning's ``DeepSpeedStrategy``
             arguments, with its meaning (``config``: a DeepSpeed config, a dict or a JSON
             file's path); where any is given, DeepSpeed's defaults hold (``stage`` 2, nothing
@@ -216,6 +225,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
                  forward_waits: str = "step", closure_optimizers: Sequence[str] = (),
                  per_parameter_optimizers: Sequence[str] = (), offload_optimizer_device: str = "cpu",
                  nvme_path: str | None = None, nvme_window_mb: float | None = None,
+                 host_state_gib: float | str | None = None, host_reserve_gib: float | None = None,
                  zero_optimization: bool | None = None, stage: int | None = None,
                  offload_optimizer: bool | None = None, config: dict | str | None = None, **kwargs: Any) -> None:
         deepspeed = from_deepspeed(locals(), signature_defaults(TrainerStrategy.__init__), kwargs,
@@ -312,7 +322,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
             if plan.weight_waits.by_module:
                 extra["forward_waits"] = "module"
             return wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
-                                        **offload_arguments(self), **extra)
+                                        **offload_arguments(self, processes_per_host=self.num_processes), **extra)
 
         self._engines.take_over(self.optimizers, plan.optimizers, make_engine)
         self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (EngineHooks)
