@@ -71,17 +71,18 @@ def test_sigkill_and_resume_is_bit_exact(fp16_run, tmp_path):
     assert resumed["loss_scale"] == ref["loss_scale"]
 
 
-def test_with_the_state_on_disk_a_killed_run_resumes_bit_exact_and_leaves_no_file(fp16_run, tmp_path):
+@pytest.mark.parametrize("split", [(), ("--host-state-gib", "0.000003")], ids=["all-on-disk", "split"])
+def test_with_the_state_on_disk_a_killed_run_resumes_bit_exact_and_leaves_no_file(fp16_run, tmp_path, split):
     """``offload_optimizer_device="nvme"``: killed (SIGKILL) mid-run, resumed from the last
     checkpoint (which holds the state read from the working file), it ends where the run
     with the state in host memory ends; the killed run's working file is gone (it never had
-    a name)."""
+    a name).  So with part of the state in host memory (``host_state_gib``, issue 72)."""
     _, ref = fp16_run
     disk = tmp_path / "nvme"
     disk.mkdir()
-    _run(tmp_path, "--fp16", "--nvme", str(disk), "--kill-at-step", "20", expect_kill=True)
+    _run(tmp_path, "--fp16", "--nvme", str(disk), *split, "--kill-at-step", "20", expect_kill=True)
     assert os.listdir(disk) == []
-    resumed = _run(tmp_path, "--fp16", "--nvme", str(disk), "--resume", str(tmp_path / "ckpt" / "last.ckpt"))
+    resumed = _run(tmp_path, "--fp16", "--nvme", str(disk), *split, "--resume", str(tmp_path / "ckpt" / "last.ckpt"))
     _assert_same(resumed, ref)
     assert resumed["loss_scale"] == ref["loss_scale"]
 

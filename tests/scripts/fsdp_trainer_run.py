@@ -50,7 +50,7 @@ CPU updates started during backward over the run (``stream_cpu_step``: streamed 
 speculated), and how many of them the steps kept (streamed, or speculated and committed).
 ``clip=none`` or ``clip=VALUE``: no clipping, or ``gradient_clip_val=VALUE`` (0.5 by default).
 ``nvme``: ``offload_optimizer_device="nvme"`` (the masters and state in a file in a new
-temporary directory, through a window of two buckets).  ``empty_init``: the resumed run's
+temporary directory, through a window of two buckets); ``host_state_gib=G``: G GiB of it in host memory.  ``empty_init``: the resumed run's
 model is built on the meta device (``trainer.init_module(empty_init=True)``), its weights
 read from the checkpoint.  ``activation_checkpointing``: :class:`Net`'s layers (and so
 :class:`ShardedNet`'s) each run under
@@ -394,6 +394,8 @@ def main():
     if "nvme" in extra:  # the offloaded masters and state in a file of a directory of this process's
         options.update(offload_optimizer_device="nvme", nvme_path=tempfile.mkdtemp(prefix="nvme-", dir=Path(out).parent),
                        nvme_window_mb=0.05 if WIDTH > 33 else 0.02)  # (wide: two pieces of 1024 elements' regions)
+        if "host_state_gib" in extra:  # part of it in host memory (issue 72)
+            options["host_state_gib"] = float(extra["host_state_gib"])
     if "elementwise" in extra:
         options["elementwise_optimizers"] = [extra["elementwise"]]
     if HOST_PARAMS:

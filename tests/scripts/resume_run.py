@@ -2,7 +2,7 @@
 of every epoch, optionally killed with SIGKILL at a given step, optionally resumed.
 
     python tests/scripts/resume_run.py OUT --strategy fastopt_offload --fraction 0.5
-        [--fp16] [--kill-at-step 20] [--resume CKPT] [--accelerator gpu] [--nvme DIR]
+        [--fp16] [--kill-at-step 20] [--resume CKPT] [--accelerator gpu] [--nvme DIR [--host-state-gib G]]
 
 Writes OUT/final.pt (the model's weights, the loss scale and the step) when it finishes.
 """
@@ -70,8 +70,11 @@ def main():
     ap.add_argument("--prefix", default="net")
     ap.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--nvme", help="a directory: the offloaded state on disk there (offload_optimizer_device='nvme')")
+    ap.add_argument("--host-state-gib", type=float, help="with --nvme: that much of the state in host memory")
     args = ap.parse_args()
     disk = dict(offload_optimizer_device="nvme", nvme_path=args.nvme, nvme_window_mb=0.01) if args.nvme else {}
+    if args.host_state_gib is not None:
+        disk["host_state_gib"] = args.host_state_gib
     strategy = (FastOptStrategy(offload_fraction=args.fraction, bucket_size_mb=0.0005, **disk)
                 if args.strategy == "fastopt_offload" else "auto")  # plain: Trainer()
     plugins = [FastOptPrecision("16-mixed", initial_scale_power=12, loss_scale_window=5)] if args.fp16 else None
