@@ -39,7 +39,6 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,17 +46,17 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_fastopt.offload.disk_window import DEFAULT_WINDOW_MB, DiskWindow, WindowSlot
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, one_per_element, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot, kept_beside, put_beside_back, put_state_back
 from lightning_fastopt.runtime.byte_sizes import readable_bytes
-from lightning_fastopt.runtime.direct_io import ALIGN, DirectFile, aligned_empty, check_directory, round_up
+from lightning_fastopt.runtime.direct_io import DirectFile, check_directory, round_up
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
 
 __all__ = ["DEFAULT_WINDOW_MB", "DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES",
            "check_device_and_window", "check_offload_device", "check_window_holds_two_buckets", "make_tier"]
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
-DEFAULT_WINDOW_MB = 512  # the most the disk tier's window takes where nvme_window_mb is None
 _LINE = 64  # bytes: every tensor of a region starts on a cache line
 
 
@@ -136,17 +135,6 @@ class _Region:
     entries: list[_Entry]
 
 
-@dataclass(eq=False)
-class _WindowSlot:
-    buffer: Tensor  # aligned uint8 host memory
-    bucket: HostBucket | None = None  # whose region the buffer holds (or is being read into)
-    read: Future | None = None  # the region read into it
-    written: Future | None = None  # the last write of it
-    sent: Any = None  # an event after which the device no longer reads it
-    in_use: bool = False
-    last_used: int = 0
-
-
 class DiskTier:
     """Masters and state in a working file in ``directory`` (see the module's documentation).
 
@@ -154,7 +142,7 @@ class DiskTier:
         directory: ``nvme_path``.
         window_mb: the most host memory the slots take (``nvme_window_mb``; None:
             :data:`DEFAULT_WINDOW_MB`): at least two buckets' regions.  The slots take what
-            the regions need within it (:meth:`_size_window`).
+            the regions need within it (:class:`~lightning_fastopt.offload.disk_window.DiskWindow`).
         pin: the window in page-locked memory (new weights are copied to the device from it).
         copies: the optimizer's copy streams (to wait for the copies that read a slot).
         clock: the step timer's clock (seconds; 0.0 while timing is off), for :meth:`breakdown`.
@@ -164,18 +152,11 @@ class DiskTier:
 
     def __init__(self, directory, window_mb: float, pin: bool, copies, clock=lambda: 0.0) -> None:
         self.directory = directory
-        self.window_mb = window_mb
-        self.window_bytes = round((DEFAULT_WINDOW_MB if window_mb is None else window_mb) * 2**20)
-        self.pin = pin
-        self.copies = copies
         self.file: DirectFile | None = None
         self.regions: dict[HostBucket, _Region] = {}
-        self.window: list[_WindowSlot] = []
+        self.slots = DiskWindow(window_mb, pin, copies, self._read_region, self._evict)  # the window, a part
         self._end = 0  # bytes of the file planned so far
-        self._uses = 0  # counts releases: which slot was used longest ago
-        self._lock = threading.RLock()
-        self._stager: ThreadPoolExecutor | None = None
-        self._failed: list[BaseException] = []
+        self._lock = threading.RLock()  # (held around every call of the window's)
         self._clock = clock
         self._counts = dict.fromkeys(("disk_wait", "disk_read_mb", "disk_written_mb"), 0.0)
         self.spares: dict[HostBucket, _Region] = {}  # where a bucket's next speculative update is written
@@ -198,7 +179,7 @@ class DiskTier:
             self.file = DirectFile(self.directory, self._end)
         else:
             self.file.grow(self._end)
-        self._size_window(max(self.regions.values(), key=lambda r: r.size))
+        self._fit_window(max(self.regions.values(), key=lambda r: r.size))
         if first:
             rank_zero_info(f"lightning_fastopt: {self.describe()}")
         for b in buckets:
@@ -215,73 +196,38 @@ class DiskTier:
         self._end += region.size
         return region
 
-    def _size_window(self, largest: _Region) -> None:
-        """Slots that each hold the largest region (and no more: the window takes what the
-        state needs), as many as the window allows (two at least, where there are two
-        buckets) and no more than there are buckets.  A region that grows later (see the
-        module's note) grows the slots within the window (:meth:`_grow_slots`)."""
-        region_bytes = largest.size
-        if self.window and self.window[0].buffer.numel() >= region_bytes \
-                and len(self.window) >= min(self.window_bytes // self.window[0].buffer.numel(), len(self.regions)):
-            return
-        count = min(self.window_bytes // region_bytes, len(self.regions))
-        if count < min(2, len(self.regions)):
-            need = f"nvme_window_mb={2 * region_bytes / 2**20:.4g} at least"
+    def _fit_window(self, largest: _Region) -> None:
+        """The window's slots sized to hold the largest region (:meth:`DiskWindow.fit
+        <lightning_fastopt.offload.disk_window.DiskWindow.fit>`); where two do not fit, the
+        advice says what to give."""
+        def advice(need: str) -> str:
             slots = {id(e.slot): e.slot for e in largest.entries}
             slot = next(iter(slots.values()), None)
             if len(slots) == 1 and slot.part is None:  # a tensor a bucket holds whole: a smaller bucket cannot help
-                advice = (f"the largest is one tensor, {slot.name} ({slot.numel:,} elements), whose masters and state "
-                          f"a bucket holds whole ({_whole_why(slot)}): give {need}")
-            else:
-                advice = f"give {need}, or a smaller bucket_size_mb"
-            given = f"nvme_window_mb={self.window_mb!r}" if self.window_mb is not None else \
-                f"the window's default most ({DEFAULT_WINDOW_MB} MiB)"
-            raise ValueError(f"{given} holds {count} of the host buckets' "
-                             f"regions on disk ({region_bytes / 2**20:.3g} MiB each: a bucket's masters and optimizer "
-                             f"state); it needs two at least (one updated while the next is read): {advice}")
-        for old in self.window:
-            self._settle(old)
-            if old.bucket is not None:
-                self._evict(old.bucket)
-        size = round_up(region_bytes, ALIGN)
-        self.window = [_WindowSlot(aligned_empty(size, self.pin)) for _ in range(count)]
+                return (f"the largest is one tensor, {slot.name} ({slot.numel:,} elements), whose masters and state "
+                        f"a bucket holds whole ({_whole_why(slot)}): give {need}")
+            return f"give {need}, or a smaller bucket_size_mb"
+        self.slots.fit(largest.size, len(self.regions), advice)
 
-    def _grow_slots(self, region_bytes: int, holding: _WindowSlot) -> None:
-        """Every slot made to hold ``region_bytes`` (a region that grew, in ``holding``,
-        which is in use: its tensors were copied out and point back in afterwards), where
-        the window allows as many slots of that size as there are now; else a RuntimeError
-        naming nvme_window_mb."""
-        size = round_up(region_bytes, ALIGN)
-        if size * len(self.window) > self.window_bytes or any(s.in_use for s in self.window if s is not holding):
-            raise RuntimeError(f"a host bucket's masters and state now take {region_bytes / 2**20:.3g} MiB (state its "
-                               f"optimizer does not keep was loaded): {len(self.window)} slots of the window would "
-                               f"take {size * len(self.window) / 2**20:.3g} MiB (or another bucket is in a slot "
-                               f"now): give a larger nvme_window_mb (now {self._limit()})")
-        for slot in self.window:
-            if slot is not holding:
-                if slot.read is not None:  # a read ahead into it: landed before the buffer goes
-                    with contextlib.suppress(BaseException):
-                        slot.read.result()
-                    slot.read = None
-                self._settle(slot)
-                if slot.bucket is not None:
-                    self._evict(slot.bucket)
-                slot.bucket = None
-            slot.buffer = aligned_empty(size, self.pin)
+    @property
+    def window(self) -> list[WindowSlot]:
+        """The window's slots."""
+        return self.slots.slots
+
+    @property
+    def window_mb(self) -> float | None:
+        return self.slots.window_mb
+
+    @property
+    def window_bytes(self) -> int:
+        """The most host memory the window may take."""
+        return self.slots.limit_bytes
 
     def describe(self) -> str:
         """Where the state is: the file's directory and size, and the window in host memory."""
-        slot = self.window[0].buffer.numel() if self.window else 0
         return (f"the offloaded masters and optimizer state on disk: a working file of "
                 f"{readable_bytes(self.disk_bytes())} in nvme_path={str(self.directory)!r} (unnamed: it goes with the "
-                f"process), read and written through a window of {len(self.window)} slot(s) of "
-                f"{readable_bytes(slot)} in host memory ({self._limit()})")
-
-    def _limit(self) -> str:
-        """The most the window may take, in the words of the argument that set it."""
-        if self.window_mb is not None:
-            return f"nvme_window_mb={self.window_mb!r}"
-        return f"nvme_window_mb=None: what the state needs, {DEFAULT_WINDOW_MB} MiB at most"
+                f"process), read and written through {self.slots.describe()}")
 
     def disk_bytes(self) -> int:
         return self.file.size if self.file is not None else self._end
@@ -298,13 +244,13 @@ class DiskTier:
         time.  ``fresh``: the region has never been written (the bucket was just made).
         Inside it again (a refresh inside an update), nothing more happens."""
         with self._lock:
-            held = self._holding(bucket)
+            held = self.slots.holding(bucket)
             if held is not None and held.in_use:
                 nested = True
             else:
                 nested = False
                 started = self._clock()
-                slot = self._bring_in(bucket, read=not fresh)
+                slot = self.slots.bring_in(bucket, read=not fresh)
                 self._counts["disk_wait"] += (self._clock() - started) * 1e3
                 slot.in_use = True
         if nested:
@@ -330,50 +276,19 @@ class DiskTier:
                     slot.sent = sent
                 finally:
                     self._evict(bucket)
-                    slot.in_use = False
-                    self._uses += 1
-                    slot.last_used = self._uses
+                    self.slots.release(slot)
 
     def prefetch(self, buckets: Sequence[HostBucket]) -> None:
-        """Start reading the buckets' regions, in this order (the one about to be used
-        first), each into the slot used longest ago that no bucket is using or being read
-        into and that holds none of the buckets before it in ``buckets`` (wanted sooner),
-        on the stager thread once that slot's last write has landed: with two slots, the
-        next bucket's read follows the last one's write while this one updates."""
+        """Start reading the buckets' regions, in this order (:meth:`DiskWindow.prefetch
+        <lightning_fastopt.offload.disk_window.DiskWindow.prefetch>`)."""
         with self._lock:
-            sooner: set[HostBucket] = set()
-            for bucket in buckets:
-                if bucket in sooner:
-                    continue
-                sooner.add(bucket)
-                if self._holding(bucket) is not None:
-                    continue
-                spare = [s for s in self.window if not s.in_use and s.read is None and s.bucket not in sooner]
-                if not spare:
-                    return
-                slot = min(spare, key=lambda s: s.last_used)
-                slot.bucket = bucket
-                slot.read = self._stage().submit(self._read_when_free, slot, bucket)
+            self.slots.prefetch(buckets)
 
-    def _bring_in(self, bucket: HostBucket, read: bool) -> _WindowSlot:
-        """The slot holding (or made to hold) ``bucket``'s region, read and settled."""
-        slot = self._holding(bucket)
-        if slot is None:
-            slot = min((s for s in self.window if not s.in_use), key=lambda s: s.last_used)
-            if slot.read is not None:  # another bucket's read ahead, into it: done before the slot changes hands
-                with contextlib.suppress(BaseException):
-                    slot.read.result()
-                slot.read = None
-            slot.bucket = bucket
-            if read:
-                self._read_when_free(slot, bucket)
-            else:
-                self._settle(slot)
-        if slot.read is not None:
-            slot.read.result()
-            slot.read = None
-        self._settle(slot)  # a write of this region still in flight: done before it changes
-        return slot
+    def _read_region(self, bucket: HostBucket, buffer: Tensor) -> None:
+        """Read ``bucket``'s region into ``buffer`` (a slot's), until it has landed."""
+        region = self.regions[bucket]
+        self.file.read_into(buffer[:region.size], region.offset).result()
+        self._counts["disk_read_mb"] += region.size / 2**20
 
     def hand_out(self, value: Any, dtype: torch.dtype | None = None, copy: bool = True) -> Any:
         """A master or state value of a resident bucket as it leaves the tier, never in host
@@ -404,8 +319,7 @@ class DiskTier:
 
     def holds(self, value: Tensor) -> bool:
         """Whether ``value`` lives in a window slot (a resident bucket's master or state)."""
-        address = value.data_ptr()
-        return any(s.buffer.data_ptr() <= address < s.buffer.data_ptr() + s.buffer.numel() for s in self.window)
+        return self.slots.holds(value)
 
     def _in_file(self, value: Tensor) -> Tensor | None:
         """``value`` (a tensor of a resident bucket, in its window slot) mapped from the same
@@ -466,47 +380,19 @@ class DiskTier:
             speculated, self.regions[bucket] = self.regions[bucket], before
             if speculated.size == before.size:
                 self.spares[bucket] = speculated
-            held = self._holding(bucket)
+            held = self.slots.holding(bucket)
             if held is not None:
                 held.bucket = None
 
-    def _holding(self, bucket: HostBucket) -> _WindowSlot | None:
-        return next((s for s in self.window if s.bucket is bucket), None)
-
-    def _read_when_free(self, slot: _WindowSlot, bucket: HostBucket) -> None:
-        """Once the slot's last write has landed and nothing reads it, read ``bucket``'s region into it."""
-        self._settle(slot)
-        region = self.regions[bucket]
-        self.file.read_into(slot.buffer[:region.size], region.offset).result()
-        self._counts["disk_read_mb"] += region.size / 2**20
-
-    def _settle(self, slot: _WindowSlot) -> None:
-        """Wait for the slot's last write and the copies that read it."""
-        if slot.written is not None:
-            written, slot.written = slot.written, None
-            try:
-                written.result()
-            except BaseException as e:
-                self._failed.append(e)
-                raise
-        if slot.sent is not None:
-            self.copies.wait_on_host(slot.sent)
-            slot.sent = None
-
-    def _stage(self) -> ThreadPoolExecutor:
-        if self._stager is None:
-            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-disk-stage")
-        return self._stager
-
     # ------------------------------------------------------------------ the tensors
-    def _point(self, bucket: HostBucket, slot: _WindowSlot) -> None:
+    def _point(self, bucket: HostBucket, slot: WindowSlot) -> None:
         """Point the bucket's masters and existing state at their places in the slot."""
         for e in self.regions[bucket].entries:
             tensor = _tensor_of(bucket, e.slot, e.key)
             if tensor is not None:
                 _point_into(tensor, slot.buffer, e, _shape(e))
 
-    def _take_in(self, bucket: HostBucket, slot: _WindowSlot) -> None:
+    def _take_in(self, bucket: HostBucket, slot: WindowSlot) -> None:
         """The masters and state made or replaced while resident (a first step's state, a
         loaded one) copied into their places in the slot; state the region has no place
         for moves the bucket to a larger region (see the module's note)."""
@@ -522,7 +408,7 @@ class DiskTier:
             if tensor is not None and tensor.data_ptr() != base + e.offset:
                 _point_into(tensor, slot.buffer, e, _shape(e), copy=True)
 
-    def _replan(self, bucket: HostBucket, slot: _WindowSlot, actual) -> None:
+    def _replan(self, bucket: HostBucket, slot: WindowSlot, actual) -> None:
         held = {(e.slot.index, e.key): e for e in self.regions[bucket].entries}
         kept = {}  # what the slot holds now, before a new plan moves the places
         for s, key, _ in actual:
@@ -533,7 +419,7 @@ class DiskTier:
         self.regions[bucket] = self._plan(bucket, actual)
         self.file.grow(self._end)
         if self.regions[bucket].size > slot.buffer.numel():
-            self._grow_slots(self.regions[bucket].size, slot)
+            self.slots.grow(self.regions[bucket].size, slot)
         for (index, key), value in kept.items():
             s = next(x for x in bucket.slots if x.index == index)
             _tensor_of(bucket, s, key).set_(value)
@@ -556,11 +442,7 @@ class DiskTier:
     def end_step(self) -> None:
         """Say a write that failed (it names the path); the others go on."""
         with self._lock:
-            for slot in self.window:
-                if slot.written is not None and slot.written.done() and slot.written.exception() is not None:
-                    self._settle(slot)
-            if self._failed:
-                raise self._failed[-1]
+            self.slots.say_failed_writes()
 
     def close(self) -> None:
         """Finish the reads and writes in flight; nothing writes the file after.  The file
@@ -569,15 +451,7 @@ class DiskTier:
         it (the Trainer gives the user's optimizer its state back after fit, and may save it)."""
         self._closed = True
         with self._lock:
-            for slot in self.window:
-                if slot.read is not None:
-                    with contextlib.suppress(BaseException):
-                        slot.read.result()
-                with contextlib.suppress(BaseException):
-                    self._settle(slot)
-            if self._stager is not None:
-                self._stager.shutdown(wait=True)
-                self._stager = None
+            self.slots.close()
 
 
 class DiskSnapshot:
