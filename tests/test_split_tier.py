@@ -262,3 +262,36 @@ def test_in_a_fabric_loop_the_split_ends_where_fabrics_own_ends(tmp_path):
     tier = optimizer.optimizer._fastopt_engine.layout.tier
     assert 0 < len(tier.in_host) < len(tier.in_host) + len(tier.disk.regions)
     assert all(torch.equal(a, b) for a, b in zip(ours, reference))
+
+
+def test_auto_fraction_and_auto_host_state_plan_the_three_places_in_one_table(tmp_path, caplog, monkeypatch):
+    """``offload_fraction="auto"`` with ``"nvme"`` and ``host_state_gib="auto"``: the fraction
+    is chosen first (the accelerator's share), then host memory takes what it has available,
+    the disk the rest; the choice's line ends with one table of the three places, and the run
+    ends where Trainer() ends."""
+    import logging
+
+    from lightning_fastopt.offload import auto_fraction
+
+    monkeypatch.setattr(logging.getLogger("lightning.pytorch"), "propagate", True)
+    monkeypatch.setattr(auto_fraction, "choose_fraction", lambda *a, **k: (0.5, "forced for the test"))
+    monkeypatch.setattr(split_tier, "host_memory_bytes", lambda: 100 * GIB)
+    # 20 kB left for the state once the reserve (10 GiB) and the window (0.5 MiB) are taken: about half of it
+    monkeypatch.setattr(split_tier, "available_host_bytes", lambda: 10 * GIB + 2**19 + 20_000)
+    strategy = FastOptStrategy(offload_fraction="auto", copy_on_cpu=True, bucket_size_mb=0.002,
+                               offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=512 / 1024,
+                               host_state_gib="auto")
+    with caplog.at_level(logging.INFO):
+        trainer, ours = _fit(strategy)
+    engine = trainer.strategy.engines[0]
+    tier = engine.layout.tier
+    assert engine.offload_fraction == 0.5 and 0 < len(tier.in_host) < len(engine._buckets)
+    table = caplog.text[caplog.text.index("where the masters and optimizer state are now:"):]
+    rows = {line.split()[0]: line for line in table.splitlines()[1:6]}
+    assert {"device", "host", "disk"} <= set(rows)
+    assert rows["device"].split()[2] == f"{sum(s.numel for s in engine._device_slots):,}"
+    host_tensors = sum(len(b.slots) for b in tier.in_host)
+    disk_tensors = sum(len(b.slots) for b in engine._buckets if b not in tier.in_host)
+    assert rows["host"].split()[2] == f"{host_tensors:,}" and rows["disk"].split()[1] == f"{disk_tensors:,}"
+    _, reference = _fit("auto")
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference))

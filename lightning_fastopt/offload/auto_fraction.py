@@ -44,6 +44,7 @@ from torch import Tensor
 from lightning_fastopt.offload.delayed import DelayedStep
 from lightning_fastopt.offload.partition import choose_offloaded
 from lightning_fastopt.offload.speculative import SpeculativeStep
+from lightning_fastopt.offload.state_places import state_places
 from lightning_fastopt.offload.streamed import StreamedStep
 
 PROBE_SKIP = 2  # steps not measured
@@ -211,7 +212,10 @@ class AutoFraction:
         if hide == "delayed":  # only the offloaded share is delayed: the fraction changes the results
             pin = (f"with delayed_update the fraction is part of the math (only the offloaded share is delayed) "
                    f"and timings differ between machines: to reproduce this run, {pin}")
-        return new, f"offload_fraction='auto' chose {fraction:g}: {why}. {pin[0].upper()}{pin[1:]}"
+        said = f"offload_fraction='auto' chose {fraction:g}: {why}. {pin[0].upper()}{pin[1:]}"
+        if new.layout.tier.on_disk:  # three places: the device, host memory (host_state_gib) and the disk
+            said += f"\nwhere the masters and optimizer state are now:\n{state_places(new)}"
+        return new, said
 
 
 def _device_bytes(optimizer, param: Tensor) -> int:
