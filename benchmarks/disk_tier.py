@@ -72,11 +72,13 @@ def disk_rates(directory: str, nbytes: int, block: int) -> dict[str, float]:
 
 def step_times(params: int, directory: str | None, bucket_mb: float, window_mb: float, steps: int,
                count: int = 8, host_state_gib: float | str | None = None,
-               host_reserve_gib: float | None = None) -> tuple[float, int]:
-    """The median AdamW step (seconds) over ``count`` tensors and the bytes the disk tier's file
-    holds (``host_state_gib``: that much of the state kept in host memory, the rest on disk)."""
+               host_reserve_gib: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+    """The median AdamW step (seconds) over ``count`` tensors of ``dtype`` (bfloat16: half
+    weights and gradients beside float32 masters, as ``bf16-true`` runs) and the bytes the disk
+    tier's file holds (``host_state_gib``: that much of the state kept in host memory, the rest
+    on disk)."""
     torch.manual_seed(0)
-    tensors = [torch.randn(n).requires_grad_() for n in _split(params, count)]
+    tensors = [torch.randn(n).to(dtype).requires_grad_() for n in _split(params, count)]
     disk = dict(offload_optimizer_device="nvme", nvme_path=directory, nvme_window_mb=window_mb) if directory else {}
     if host_state_gib is not None:
         disk["host_state_gib"] = host_state_gib
@@ -115,6 +117,11 @@ def main() -> None:
     parser.add_argument("--host-shares", default="",
                         help="also the state split: shares of it in host memory (host_state_gib), comma-separated, "
                              "'auto' among them, each beside its bound, e.g. 0.25,0.5,0.75,auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the parameters' and gradients' dtype (bfloat16: float32 masters apart, as bf16-true)")
+    parser.add_argument("--in-memory-share", type=float, default=1.0,
+                        help="measure the step in host memory on this share of the parameters and scale it (a "
+                             "state larger than host memory)")
     parser.add_argument("--host-reserve-gib", type=float, default=None,
                         help="with 'auto' among --host-shares: host_reserve_gib (a larger reserve leaves less "
                              "for the state: a split on a machine whose memory would hold all of it)")
@@ -123,24 +130,28 @@ def main() -> None:
     bucket, window, steps = (0.5, 8.0, 3) if args.quick else (args.bucket_mb, args.window_mb, args.steps)
     directory = args.dir or tempfile.mkdtemp()
     state = 12 * params
-    print(f"disk: {directory}; AdamW over {params / 1e6:.0f}M float32 parameters in {args.tensors} tensor(s), "
+    print(f"disk: {directory}; AdamW over {params / 1e6:.0f}M {args.dtype} parameters in {args.tensors} tensor(s), "
           f"{state / 1e9:.2f} GB of masters "
           f"and moments; bucket_size_mb={bucket:g}, nvme_window_mb={window:g}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     rates = disk_rates(directory, min(state, 4 * 2**30), 8 * 2**20)
     measured = ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in rates.items())
     print(f"disk, direct I/O, 8 MiB transfers, 4 in flight: {measured}")
-    in_memory, _ = step_times(params, None, bucket, window, steps, args.tensors)
-    on_disk, held = step_times(params, directory, bucket, window, steps, args.tensors)
+    dtype = getattr(torch, args.dtype)
+    measured = args.in_memory_share
+    in_memory, _ = step_times(max(1, round(params * measured)), None, bucket, window, steps, args.tensors, dtype=dtype)
+    in_memory /= measured  # (the update is linear in the parameters)
+    on_disk, held = step_times(params, directory, bucket, window, steps, args.tensors, dtype=dtype)
     moved = 2 * held  # every region read and written back
     rate = moved / on_disk
-    print(f"step in host memory: {in_memory * 1e3:.0f} ms; on disk: {on_disk * 1e3:.0f} ms "
+    scaled = f" (measured on {measured:g} of the parameters, scaled)" if measured != 1 else ""
+    print(f"step in host memory: {in_memory * 1e3:.0f} ms{scaled}; on disk: {on_disk * 1e3:.0f} ms "
           f"({on_disk / in_memory:.2f}x); the disk tier moved {moved / 1e9:.2f} GB a step: {rate / 1e9:.2f} GB/s, "
           f"{rate / rates['read+write']:.0%} of the disk's rate reading and writing at once (target >= 80%)")
     for share in [s for s in args.host_shares.split(",") if s]:
         asked = "auto" if share == "auto" else float(share) * held / 2**30
         split, on_disk_now = step_times(params, directory, bucket, window, steps, args.tensors, asked,
-                                        args.host_reserve_gib)
+                                        args.host_reserve_gib, dtype)
         kept = 1.0 - on_disk_now / held if held else 1.0
         # the bound: the host share's update at the speed measured in host memory and the disk share's
         # regions read and written at the disk's rate (the faster of the disk's own measured above and

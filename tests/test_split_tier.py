@@ -106,18 +106,19 @@ def test_a_state_dict_loads_across_splits_and_the_line_says_each_tiers_bytes(tmp
 def test_auto_takes_what_is_available_less_the_window_and_the_reserve(tmp_path, monkeypatch):
     make = ALGORITHMS["adamw"]
     params = _params()
-    sizing = _optimizer(params, make, tmp_path, offload_fraction=1.0)
+    sizing = _optimizer(params, make, tmp_path, offload_fraction=1.0, copy_on_cpu=True)
     region = max(planned_bytes(b) for b in sizing._buckets)
+    made = 4 * sum(p.numel() for p in params)  # the masters, made in host memory before they are placed
     window = sizing.layout.tier.window_bytes
     buckets = len(sizing._buckets)
     sizing.close()
     monkeypatch.setattr(split_tier, "host_memory_bytes", lambda: 100 * GIB)
-    # available: the window, a reserve of 1 GiB and 2.5 buckets' regions, for two processes
-    monkeypatch.setattr(split_tier, "available_host_bytes", lambda: window + GIB + 5 * region)
+    # available besides the masters made: the window, a reserve of 1 GiB and 2.5 buckets' regions, for two processes
+    monkeypatch.setattr(split_tier, "available_host_bytes", lambda: window + GIB + 5 * region - made)
     opt = OffloadOptimizer(make(split_groups(params, GROUPS)), {p: f"p{i}" for i, p in enumerate(params)},
                            bucket_size_mb=0.004, offload_fraction=1.0, offload_optimizer_device="nvme",
                            nvme_path=str(tmp_path), nvme_window_mb=sizing.layout.tier.window_mb,
-                           host_state_gib="auto", host_reserve_gib=1.0, processes_per_host=2)
+                           host_state_gib="auto", host_reserve_gib=1.0, processes_per_host=2, copy_on_cpu=True)
     tier = opt.layout.tier
     assert tier.budget == int(5 * region // 2) and len(tier.in_host) == 2 < buckets
     assert "available after the model, its buffers, the window and host_reserve_gib=1" in tier.describe()
