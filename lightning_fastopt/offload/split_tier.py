@@ -73,7 +73,7 @@ class SplitTier:
         sizes = [planned_bytes(b) for b in new]
         first = self.budget is None
         if first:
-            self.budget = self._budget(_masters_bytes(new))
+            self.budget = self._budget(_masters_bytes(new), _buffer_bytes(new))
         kept = spread(sizes, self.budget - sum(self.in_host.values()))
         for b, size, keep in zip(new, sizes, kept):
             if keep:
@@ -83,10 +83,12 @@ class SplitTier:
         if first:
             rank_zero_info(f"lightning_fastopt: {self.describe()}")
 
-    def _budget(self, made: int) -> int:
+    def _budget(self, made: int, untouched: int) -> int:
         """The bytes host memory keeps: ``host_state_gib``'s, or with ``"auto"`` what is
         available now, and ``made`` (the new buckets' masters, made in host memory for the
-        tier to place: those on disk are freed, those kept are counted in their sizes)."""
+        tier to place: those on disk are freed, those kept are counted in their sizes), less
+        ``untouched`` (the buckets' gradient and half-copy buffers: made, but not in memory
+        until the first step writes them, so not yet missing from what is available)."""
         asked = self.host_state_gib
         if asked != "auto":
             return int(float(asked) * 2**30)
@@ -96,7 +98,7 @@ class SplitTier:
             raise RuntimeError("host_state_gib='auto' measures the host's available memory, which this system does "
                                "not say (/proc/meminfo): give host_state_gib in GiB")
         reserve = RESERVE_SHARE * total if self.host_reserve_gib is None else self.host_reserve_gib * 2**30
-        left = available + made - reserve - self.disk.window_bytes
+        left = available + made - untouched - reserve - self.disk.window_bytes
         return max(0, int(left // self.processes_per_host))
 
     def _keep_in_host(self, bucket: HostBucket) -> None:
@@ -171,6 +173,11 @@ class SplitTier:
 def _masters_bytes(buckets: Sequence[HostBucket]) -> int:
     """Host bytes of the buckets' masters made apart from their weights."""
     return sum(s.master.numel() * s.master.element_size() for b in buckets for s in b.slots if s.separate_master)
+
+
+def _buffer_bytes(buckets: Sequence[HostBucket]) -> int:
+    """Host bytes of the buckets' own buffers (gradients, spare gradients, half copies)."""
+    return sum(b.numel() * b.element_size() for bucket in buckets for b in bucket.buffers)
 
 
 def spread(sizes: Sequence[int], budget: int) -> list[bool]:
