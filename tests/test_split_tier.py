@@ -117,14 +117,16 @@ def test_auto_takes_what_is_available_less_the_window_and_the_reserve(tmp_path, 
     sizing.close()
     monkeypatch.setattr(split_tier, "host_memory_bytes", lambda: 100 * GIB)
     # available besides the masters made: the window, a reserve of 1 GiB and 2.5 buckets' regions, for two processes
-    monkeypatch.setattr(split_tier, "available_host_bytes", lambda: window + GIB + 5 * region - made + untouched)
+    to_come = 4 * sum(p.numel() for p in params)  # the gradients backward will make in host memory
+    monkeypatch.setattr(split_tier, "available_host_bytes",
+                        lambda: window + GIB + 5 * region - made + untouched + to_come)
     opt = OffloadOptimizer(make(split_groups(params, GROUPS)), {p: f"p{i}" for i, p in enumerate(params)},
                            bucket_size_mb=0.004, offload_fraction=1.0, offload_optimizer_device="nvme",
                            nvme_path=str(tmp_path), nvme_window_mb=sizing.layout.tier.window_mb,
                            host_state_gib="auto", host_reserve_gib=1.0, processes_per_host=2, copy_on_cpu=True)
     tier = opt.layout.tier
     assert tier.budget == int(5 * region // 2) and len(tier.in_host) == 2 < buckets
-    assert "available after the model, its buffers, the window and host_reserve_gib=1" in tier.describe()
+    assert "available after the model, its gradients and buffers, the window and host_reserve_gib=1" in tier.describe()
     assert "shared by 2 processes" in tier.describe()
     opt.close()
     monkeypatch.setattr(split_tier, "available_host_bytes", lambda: 9 * GIB)  # less than the 10% reserve: none
@@ -281,8 +283,10 @@ def test_auto_fraction_and_auto_host_state_plan_the_three_places_in_one_table(tm
     monkeypatch.setattr(auto_fraction, "choose_fraction", lambda *a, **k: (0.5, "forced for the test"))
     monkeypatch.setattr(split_tier, "host_memory_bytes", lambda: 100 * GIB)
     # 20 kB left for the state once the reserve (10 GiB) and the window (0.5 MiB) are taken: about half of it
-    # (the masters made, 4 bytes an offloaded element, and the gradient buffers yet untouched, as many, cancel)
-    monkeypatch.setattr(split_tier, "available_host_bytes", lambda: 10 * GIB + 2**19 + 20_000)
+    # (the masters made, 4 bytes an offloaded element, and the gradient buffers yet untouched, as many, cancel;
+    # the model's gradients backward will make, 4 bytes an element, are taken)
+    to_come = 4 * sum(p.numel() for p in _Net().parameters())
+    monkeypatch.setattr(split_tier, "available_host_bytes", lambda: 10 * GIB + 2**19 + 20_000 + to_come)
     strategy = FastOptStrategy(offload_fraction="auto", copy_on_cpu=True, bucket_size_mb=0.002,
                                offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=512 / 1024,
                                host_state_gib="auto")

@@ -231,7 +231,8 @@ class OffloadOptimizer(OptimizerWrapper):
         self.layout = ShareLayout(self, optimizer, self._param_names, int(bucket_size_mb * 2**20), pin,
                                   self._host_state_dtype,
                                   make_storage(offload_optimizer_device, nvme_path, nvme_window_mb, pin, self.copies,
-                                               self._timer.now, host_state_gib, host_reserve_gib, processes_per_host))
+                                               self._timer.now, host_state_gib, host_reserve_gib, processes_per_host,
+                                               params))
         self._intake = GradIntake(self, device_grads, reduced_by)
         self._compute_done = self.copies.new_event()
         self._said_refreshed = False

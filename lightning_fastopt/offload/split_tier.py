@@ -52,13 +52,14 @@ class SplitTier:
     on_disk = True  # (for the layout: masters made apart until placed, pieces sized to the window)
 
     def __init__(self, disk: DiskTier, host_state_gib: float | str, host_reserve_gib: float | None = None,
-                 processes_per_host: int = 1, pin: bool = False) -> None:
+                 processes_per_host: int = 1, pin: bool = False, gradients_to_come: int = 0) -> None:
         self.disk = disk
         self.host = HostMemoryTier()
         self.host_state_gib = host_state_gib
         self.host_reserve_gib = host_reserve_gib
         self.processes_per_host = max(1, int(processes_per_host))
         self.pin = pin
+        self.gradients_to_come = gradients_to_come  # host bytes of the model's gradients backward will make
         self.in_host: dict[HostBucket, int] = {}  # each bucket host memory keeps, with its bytes
         self.budget: int | None = None  # bytes, fixed when the first buckets are placed
         self._buffers: list[Tensor] = []
@@ -88,7 +89,8 @@ class SplitTier:
         available now, and ``made`` (the new buckets' masters, made in host memory for the
         tier to place: those on disk are freed, those kept are counted in their sizes), less
         ``untouched`` (the buckets' gradient and half-copy buffers: made, but not in memory
-        until the first step writes them, so not yet missing from what is available)."""
+        until the first step writes them, so not yet missing from what is available) and the
+        model's gradients in host memory that backward has not made yet."""
         asked = self.host_state_gib
         if asked != "auto":
             return int(float(asked) * 2**30)
@@ -98,7 +100,7 @@ class SplitTier:
             raise RuntimeError("host_state_gib='auto' measures the host's available memory, which this system does "
                                "not say (/proc/meminfo): give host_state_gib in GiB")
         reserve = RESERVE_SHARE * total if self.host_reserve_gib is None else self.host_reserve_gib * 2**30
-        left = available + made - untouched - reserve - self.disk.window_bytes
+        left = available + made - untouched - self.gradients_to_come - reserve - self.disk.window_bytes
         return max(0, int(left // self.processes_per_host))
 
     def _keep_in_host(self, bucket: HostBucket) -> None:
@@ -119,7 +121,8 @@ class SplitTier:
         if self.host_state_gib == "auto":
             reserve = (f"host_reserve_gib={self.host_reserve_gib:g}" if self.host_reserve_gib is not None
                        else f"a reserve of {RESERVE_SHARE:.0%} of the machine's memory")
-            asked += f": {readable_bytes(self.budget)} available after the model, its buffers, the window and {reserve}"
+            asked += (f": {readable_bytes(self.budget)} available after the model, its gradients and buffers, the window "
+                      f"and {reserve}")
             if self.processes_per_host > 1:
                 asked += f", shared by {self.processes_per_host} processes"
         return (f"the offloaded masters and optimizer state split by host_state_gib={asked}: "
@@ -230,10 +233,12 @@ def _check_gib(name: str, value: Any, memory: int | None, alternatives: str) -> 
 
 def make_storage(device: str, nvme_path, nvme_window_mb: float | None, pin: bool, copies, clock,
                  host_state_gib: float | str | None = None, host_reserve_gib: float | None = None,
-                 processes_per_host: int = 1) -> HostMemoryTier | DiskTier | SplitTier:
+                 processes_per_host: int = 1, params: Sequence[Tensor] = ()) -> HostMemoryTier | DiskTier | SplitTier:
     """The storage tier an offload optimizer's arguments ask for: host memory, the disk, or
-    the disk with ``host_state_gib`` of it in host memory."""
+    the disk with ``host_state_gib`` of it in host memory (``params``: the optimizer's, whose
+    gradients in host memory backward has still to make count as taken)."""
     tier = make_tier(device, nvme_path, nvme_window_mb, pin, copies, clock)
     if host_state_gib is None:
         return tier
-    return SplitTier(tier, host_state_gib, host_reserve_gib, processes_per_host, pin)
+    to_come = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu" and p.grad is None)
+    return SplitTier(tier, host_state_gib, host_reserve_gib, processes_per_host, pin, to_come)
