@@ -31,11 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fastopt.checkpoint.named_state import (
-    CheckpointMismatchError,
-    named_state_dict,
-    read_named_state,
-)
+from lightning_fastopt.checkpoint.named_state import CheckpointMismatchError, named_state_dict, read_named_state
 from lightning_fastopt.offload.delayed import SAVED_KEY, put_master
 from lightning_fastopt.offload.pieces import WholeValues
 from lightning_fastopt.offload.slots import ParamSlot, remember_weights
