@@ -174,7 +174,8 @@ def test_a_config_file_as_deepspeed_reads_it(tmp_path):
                                      "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients"}
     s = FastOptStrategy(config=str(path))
     assert (s.zero_stage, s.offload_fraction) == (2, 0.4)
-    assert s._scale_knobs["initial_scale_power"] == 12 and s._scale_knobs["hysteresis"] == 3
+    knobs = s._precisions.scale_knobs
+    assert knobs["initial_scale_power"] == 12 and knobs["hysteresis"] == 3
     assert FastOptStrategy(config={"zero_optimization": {"stage": 1}}).zero_stage == 1  # a dict as well
     off = {"zero_hpz_partition_size": 1, "mics_shard_size": -1, "zero_quantized_weights": False}  # DeepSpeed's defaults
     assert FastOptStrategy(config={"zero_optimization": off, "prescale_gradients": False}).zero_stage == 2

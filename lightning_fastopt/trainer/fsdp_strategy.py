@@ -61,7 +61,7 @@ from lightning_fastopt.plan.run_plan import OptimizerPlan, RunPlan
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_hooks import EngineHooks
 from lightning_fastopt.trainer.package import TrainerPackage
-from lightning_fastopt.trainer.precision_slot import PrecisionSlot
+from lightning_fastopt.trainer.precision_slot import PrecisionAdoption, PrecisionSlot
 from lightning_fastopt.trainer.run_facts import fsdp_run
 
 __all__ = ["FSDPTrainerStrategy"]
@@ -174,8 +174,8 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         self.options = options
         self._auto_wrap_classes = check_auto_wrap_policy(auto_wrap_policy, min_num_params)
         self._min_num_params = min_num_params
-        self._scale_knobs = options.scale_knobs  # before Lightning's __init__, which sets the precision plugin
-        self._foreign_precision = None
+        # before Lightning's __init__, which sets the precision plugin (a plugin we cannot step with is kept)
+        self._precisions = PrecisionAdoption(self.precision_type, options.scale_knobs)
         self._threads = TorchThreads()
         self._unit_waits: UnitWaits | None = None  # the FSDP units' forward pre-hooks (forward_waits="module")
         self.plan: RunPlan | None = None  # the plan of the run's optimizers, made at set-up
@@ -251,7 +251,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
     # ------------------------------------------------------------------ optimizers
     @override
     def setup_optimizers(self, trainer) -> None:
-        self._refuse_foreign_precision()
+        self._precisions.refuse_foreign()
         on_host = check_host_shards(self.lightning_module, self.options.offload_parameters)
         set_up_optimizers(self, trainer, self._deepspeed,
                           lambda: super(FSDPTrainerStrategy, self).setup_optimizers(trainer))

@@ -68,7 +68,7 @@ from lightning_fastopt.trainer.grad_readers import gradient_readers
 from lightning_fastopt.trainer.one_process import take_twin_class, without_twin
 from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_other_package
 from lightning_fastopt.trainer.precision import TrainerPrecision
-from lightning_fastopt.trainer.precision_slot import PrecisionSlot
+from lightning_fastopt.trainer.precision_slot import PrecisionAdoption, PrecisionSlot
 from lightning_fastopt.trainer.run_facts import ddp_run
 
 __all__ = ["TrainerStrategy"]
@@ -241,8 +241,8 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
         self._forward_waits: ForwardWaits | None = None  # the modules' forward pre-hooks (forward_waits="module")
         self._stepping = False  # in optimizer_step (a backward outside it, automatic optimization: accumulating)
         self._ddp_reductions: DDPReductions | None = None  # DDP's buckets handed over as reduced (stream_cpu_step)
-        self._scale_knobs = options.scale_knobs  # set before super().__init__, which calls the precision setter
-        self._foreign_precision = None  # a plugin we cannot step with, kept for evaluation (PrecisionSlot)
+        # before Lightning's __init__, which sets the precision plugin (a plugin we cannot step with is kept)
+        self._precisions = PrecisionAdoption(self.precision_type, options.scale_knobs)
         self._threads = TorchThreads()
         self._deepspeed = deepspeed  # what DeepSpeed's words ask of the Trainer, given it at connect()
         super().__init__(**kwargs)  # (EngineHooks makes self._engines: the engines, once set up)
@@ -304,7 +304,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
     # ------------------------------------------------------------------ optimizers
     @override
     def setup_optimizers(self, trainer) -> None:
-        self._refuse_foreign_precision()
+        self._precisions.refuse_foreign()
         set_up_optimizers(self, trainer, self._deepspeed, lambda: super(TrainerStrategy, self).setup_optimizers(trainer))
         plan = self.plan = plan_ddp_run(self.optimizers, self, ddp_run(self, trainer), self.package.MockOptimizer)
         plan.say()
