@@ -19,6 +19,15 @@ from lightning_fastopt.plan.runner import choose_runner
 from tests.helpers import run_script
 
 ENTRIES = {f"{e.package}:{e.name}": e for e in catalogue.CATALOGUE}
+# how each entry is made in the tests (lr=0.01 where not said): transformers' Adafactor with its own
+# recipe, the step size relative to each parameter's scale (no lr)
+SETTINGS = {"transformers:Adafactor": dict(lr=None, relative_step=True, scale_parameter=True, warmup_init=True)}
+
+
+def make_entry(key):
+    """A function making the entry's optimizer over some parameters, as the tests use it."""
+    cls, settings = _class(ENTRIES[key]), SETTINGS.get(key, dict(lr=0.01))
+    return lambda ps: cls(ps, **settings)
 
 
 def _class(entry):
@@ -117,9 +126,7 @@ def _ours(fraction):
 
 @pytest.mark.parametrize("key", sorted(ENTRIES))
 def test_each_catalogued_class_is_offloaded_with_no_argument_and_ends_where_trainer_ends(key, tmp_path):
-    entry = ENTRIES[key]
-    cls = _class(entry)
-    make = lambda ps: cls(ps, lr=0.01)  # noqa: E731
+    make = make_entry(key)
     _, reference = _fit("auto", make)
     for fraction in (0.5, 1.0):
         trainer, ours = _fit(_ours(fraction), make)
@@ -178,11 +185,9 @@ def test_a_steps_count_kept_in_its_groups_is_saved_and_resumed(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(ENTRIES))
 def test_zero_2_at_two_processes_shards_a_catalogued_class_as_ddp_ends(key, tmp_path):
-    entry = ENTRIES[key]
-    _class(entry)
+    _class(ENTRIES[key])
     for which in ("zero2", "ddp"):
-        run_script("tests/scripts/catalogue_run.py", entry.module, entry.name, which, tmp_path / f"{which}.pt",
-                   timeout=900)
+        run_script("tests/scripts/catalogue_run.py", key, which, tmp_path / f"{which}.pt", timeout=900)
     ours, ddp = (torch.load(tmp_path / f"{w}.pt", weights_only=True) for w in ("zero2", "ddp"))
     assert ours["runs"] == "own step" and _equal(ours["weights"], ddp["weights"])
 
@@ -216,10 +221,9 @@ def test_the_check_passes_what_updates_each_parameter_alone_and_costs_millisecon
     from tests.references import GlobalNorm, WholeTensorNorms
 
     params = [nn.Parameter(torch.zeros(3))]
-    classes = [_class(e) for e in catalogue.CATALOGUE]
     start = time.perf_counter()
-    for cls in classes:
-        assert combines_parameters(cls(params, lr=0.01)) is None, cls
+    for key in ENTRIES:
+        assert combines_parameters(make_entry(key)(params), ENTRIES[key].ready) is None, key
     assert time.perf_counter() - start < 5.0  # (each a few milliseconds; a loaded 2-core machine is slow)
     assert combines_parameters(WholeTensorNorms(params, lr=0.1)) is None  # norms of one parameter: its own
     assert combines_parameters(torch.optim.AdamW(params)) is None

@@ -104,8 +104,8 @@ def read_named_state(saved: Mapping[str, Any], names: Sequence[Sequence[str]],
         if key not in key_to_name:
             raise CheckpointMismatchError(f"the checkpoint has optimizer state for {key!r}, which no group lists")
         name = key_to_name[key]
-        for k, v in st.items():
-            if isinstance(v, Tensor) and v.dim() > 0 and v.shape != shapes[name]:
+        for k, v in st.items():  # a moment is shaped as its parameter (a factored one, Adafactor's rows, is not)
+            if isinstance(v, Tensor) and v.dim() == len(shapes[name]) > 0 and v.shape != shapes[name]:
                 raise CheckpointMismatchError(
                     f"optimizer state {k!r} of parameter {name!r} has shape {tuple(v.shape)} in the checkpoint, "
                     f"the parameter has shape {tuple(shapes[name])}: the checkpoint is from a different model")

@@ -70,6 +70,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("schedulefree.adamw_schedulefree", "AdamWScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
     Entry("schedulefree.sgd_schedulefree", "SGDScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
     Entry("schedulefree.radam_schedulefree", "RAdamScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
+    Entry("transformers.optimization", "Adafactor", "transformers", ">=5.25,<5.26"),
 )
 """The verified classes (docs/strategy.md has them as a table)."""
 

@@ -1,12 +1,11 @@
-"""tests/test_catalogue.py's model trained on two processes with MODULE.NAME (a catalogued
-third-party optimizer) under STRATEGY ("zero2": FastOptStrategy at ZeRO stage 2, half
-offloaded, no argument naming the class; "ddp": Lightning's own); rank 0 writes the weights
-and what ran the optimizer to OUT.
+"""tests/test_catalogue.py's model trained on two processes with the catalogue's ENTRY
+("package:Class", made as that test makes it) under STRATEGY ("zero2": FastOptStrategy at ZeRO
+stage 2, half offloaded, no argument naming the class; "ddp": Lightning's own); rank 0 writes
+the weights and what ran the optimizer to OUT.
 
-    python tests/scripts/catalogue_run.py MODULE NAME STRATEGY OUT
+    python tests/scripts/catalogue_run.py ENTRY STRATEGY OUT
 """
 
-import importlib
 import os
 import sys
 
@@ -15,13 +14,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lightning_fastopt import FastOptStrategy  # noqa: E402
-from tests.test_catalogue import Net, _data  # noqa: E402
+from tests.test_catalogue import Net, _data, make_entry  # noqa: E402
 
-module, name, which, out = sys.argv[1:5]
-cls = getattr(importlib.import_module(module), name)
+key, which, out = sys.argv[1:4]
 strategy = (FastOptStrategy(zero_stage=2, offload_fraction=0.5, copy_on_cpu=True, bucket_size_mb=0.0002)
             if which == "zero2" else "ddp")
-model = Net(lambda ps: cls(ps, lr=0.01))
+model = Net(make_entry(key))
 trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(model, _data())
