@@ -20,8 +20,10 @@ from tests.helpers import run_script
 
 ENTRIES = {f"{e.package}:{e.name}": e for e in catalogue.CATALOGUE}
 # how each entry is made in the tests (lr=0.01 where not said): transformers' Adafactor with its own
-# recipe, the step size relative to each parameter's scale (no lr)
-SETTINGS = {"transformers:Adafactor": dict(lr=None, relative_step=True, scale_parameter=True, warmup_init=True)}
+# recipe, the step size relative to each parameter's scale (no lr); bitsandbytes' with its 8-bit state
+SETTINGS = {"transformers:Adafactor": dict(lr=None, relative_step=True, scale_parameter=True, warmup_init=True),
+            # 8-bit state (quantized in blocks) from 64 elements, as a large model's parameters get it
+            "bitsandbytes:AdamW8bit": dict(lr=0.01, min_8bit_size=64)}
 
 
 def make_entry(key):

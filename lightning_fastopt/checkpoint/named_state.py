@@ -58,8 +58,8 @@ def named_state_dict(groups: Sequence[dict[str, Any]], names: Sequence[Sequence[
 
 
 def read_named_state(saved: Mapping[str, Any], names: Sequence[Sequence[str]],
-                     shapes: Mapping[str, torch.Size], groups: Sequence[Mapping[str, Any]] = ()
-                     ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+                     shapes: Mapping[str, torch.Size], groups: Sequence[Mapping[str, Any]] = (),
+                     moments_shaped: bool = True) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Check a saved optimizer state against this model and key it by parameter name.
 
     Returns (state by name, hyperparameters of each group).  Parameters are matched by
@@ -67,6 +67,10 @@ def read_named_state(saved: Mapping[str, Any], names: Sequence[Sequence[str]],
     within each group otherwise (a plain torch.optim state dict).  Raises
     :class:`CheckpointMismatchError` when groups, names or shapes differ, or when the
     saved groups are those of another update rule than ``groups`` (the live ones).
+    ``moments_shaped``: every state tensor but a scalar is shaped as its parameter (torch's
+    and our kernels' optimizers), so one shaped otherwise is another model's; False for a
+    class whose own step keeps state of other shapes (Adafactor's factored moments,
+    bitsandbytes' quantization blocks), whose shapes are its own business.
     """
     if not isinstance(saved, Mapping) or "state" not in saved or "param_groups" not in saved:
         raise CheckpointMismatchError("not an optimizer state dict (expected the keys 'state' and 'param_groups')")
@@ -104,8 +108,8 @@ def read_named_state(saved: Mapping[str, Any], names: Sequence[Sequence[str]],
         if key not in key_to_name:
             raise CheckpointMismatchError(f"the checkpoint has optimizer state for {key!r}, which no group lists")
         name = key_to_name[key]
-        for k, v in st.items():  # a moment is shaped as its parameter (a factored one, Adafactor's rows, is not)
-            if isinstance(v, Tensor) and v.dim() == len(shapes[name]) > 0 and v.shape != shapes[name]:
+        for k, v in st.items():
+            if moments_shaped and isinstance(v, Tensor) and v.dim() > 0 and v.shape != shapes[name]:
                 raise CheckpointMismatchError(
                     f"optimizer state {k!r} of parameter {name!r} has shape {tuple(v.shape)} in the checkpoint, "
                     f"the parameter has shape {tuple(shapes[name])}: the checkpoint is from a different model")

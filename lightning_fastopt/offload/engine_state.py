@@ -122,7 +122,8 @@ class EngineState:
         user_step = isinstance(opt.optimizer, UserStepOptimizer)
         state_dict, beside = split_beside_parameters(state_dict) if user_step else (state_dict, {})
         by_name, saved_groups = read_named_state(state_dict, self._names(),
-                                                 {s.name: s.param.shape for s in opt._slots}, opt.param_groups)
+                                                 {s.name: s.param.shape for s in opt._slots}, opt.param_groups,
+                                                 moments_shaped=not user_step)
         for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
             group.update(saved)  # in place: LR schedulers hold these dicts
             opt.optimizer._validate_group(group)

@@ -218,10 +218,13 @@ class ShareLayout:
 
 
 def _to_like(value: Any, master: Tensor) -> Any:
-    """A saved state value ready for a master tensor: tensors of the master's dtype on its
-    device (a ``step`` stays a float32 scalar on the CPU), anything else as it is."""
+    """A saved state value ready for a master tensor: floating tensors of the master's dtype
+    on its device (a ``step`` stays a float32 scalar on the CPU), others in their own dtype
+    there (bitsandbytes' quantized moments, uint8: as its own ``load_state_dict`` keeps them),
+    anything else as it is."""
     if not isinstance(value, Tensor):
         return value
-    if value.dim() == 0:
+    if value.dim() == 0 and value.is_floating_point():
         return value.detach().to("cpu", torch.float32).clone()
-    return value.detach().to(master.device, master.dtype, copy=True).contiguous()
+    dtype = master.dtype if value.is_floating_point() else value.dtype
+    return value.detach().to(master.device, dtype, copy=True).contiguous()

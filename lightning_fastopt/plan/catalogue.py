@@ -71,6 +71,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry("schedulefree.sgd_schedulefree", "SGDScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
     Entry("schedulefree.radam_schedulefree", "RAdamScheduleFree", "schedulefree", _SCHEDULEFREE, ready=("train",)),
     Entry("transformers.optimization", "Adafactor", "transformers", ">=5.25,<5.26"),
+    Entry("bitsandbytes.optim.adamw", "AdamW8bit", "bitsandbytes", ">=0.50,<0.51"),
 )
 """The verified classes (docs/strategy.md has them as a table)."""
 

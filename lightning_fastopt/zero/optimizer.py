@@ -297,7 +297,8 @@ class ZeroOptimizer(LocalOffloadWrapper):
             else (state_dict, {})
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {self.param_names[p]: p.shape for p in self._params},
-                                                 self.param_groups)
+                                                 self.param_groups,
+                                                 moments_shaped=not isinstance(self.optimizer, UserStepOptimizer))
         owned_names = [[self.param_names[p] for p in g["params"]] for g in self.local.param_groups]
         self.local.load_state_dict({
             "state": {**{n: by_name[n] for names in owned_names for n in names if n in by_name}, **beside},
