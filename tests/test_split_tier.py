@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fastopt import FastOptStrategy, FusedAdam, FusedLAMB
+from lightning_fastopt import FastOptStrategy, FusedAdam
 from lightning_fastopt.offload import OffloadOptimizer, split_tier
 from lightning_fastopt.offload.split_tier import SplitTier, spread
 from lightning_fastopt.offload.state_tiers import planned_bytes

@@ -62,7 +62,6 @@ class SplitTier:
         self.gradients_to_come = gradients_to_come  # host bytes of the model's gradients backward will make
         self.in_host: dict[HostBucket, int] = {}  # each bucket host memory keeps, with its bytes
         self.budget: int | None = None  # bytes, fixed when the first buckets are placed
-        self._buffers: list[Tensor] = []
 
     # ------------------------------------------------------------------ placing the buckets
     def add(self, buckets: Sequence[HostBucket]) -> None:
