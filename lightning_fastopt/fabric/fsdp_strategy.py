@@ -197,7 +197,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         plan.say()
         fused = fused_for(optimizer, module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
-        arguments = offload_arguments(self.options, params_on_host=on_host, processes_per_host=self.num_processes)  # fsdp/host_parameters.py
+        arguments = offload_arguments(self.options, params_on_host=on_host,  # fsdp/host_parameters.py
+                                      processes_per_host=self.num_processes)
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads=plan.gradients.kind,
                                      host_gradients=HostGradientLandings(module) if on_host else None,

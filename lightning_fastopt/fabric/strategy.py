@@ -238,7 +238,8 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0, pieces=fused.kernel_pieces())
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
-                                       **offload_arguments(self.options, processes_per_host=self.num_processes), **planned.schedule.engine_arguments())
+                                       **offload_arguments(self.options, processes_per_host=self.num_processes),
+                                       **planned.schedule.engine_arguments())
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._wrappers.append(wrapper)
         self._users.append(optimizer)

@@ -120,14 +120,14 @@ class SplitTier:
         if self.host_state_gib == "auto":
             reserve = (f"host_reserve_gib={self.host_reserve_gib:g}" if self.host_reserve_gib is not None
                        else f"a reserve of {RESERVE_SHARE:.0%} of the machine's memory")
-            asked += (f": {readable_bytes(self.budget)} available after the model, its gradients and buffers, the window "
-                      f"and {reserve}")
+            asked += (f": {readable_bytes(self.budget)} available after the model, its gradients and buffers, "
+                      f"the window and {reserve}")
             if self.processes_per_host > 1:
                 asked += f", shared by {self.processes_per_host} processes"
         return (f"the offloaded masters and optimizer state split by host_state_gib={asked}: "
                 f"{len(self.in_host)} bucket(s), {readable_bytes(kept)}, in host memory and "
-                f"{len(self.disk.regions)} bucket(s), {readable_bytes(self.disk.disk_bytes())}, on disk, spread over the "
-                "step so that each disk transfer overlaps a host bucket's update")
+                f"{len(self.disk.regions)} bucket(s), {readable_bytes(self.disk.disk_bytes())}, on disk, spread over "
+                "the step so that each disk transfer overlaps a host bucket's update")
 
     # ------------------------------------------------------------------ each bucket by the tier that holds it
     def _tier_of(self, bucket: HostBucket) -> HostMemoryTier | DiskTier:
@@ -206,8 +206,8 @@ def check_host_state(host_state_gib: Any, host_reserve_gib: Any, device: Any) ->
     machine's memory, without the disk tier, or a reserve without ``"auto"``."""
     if host_state_gib is None:
         if host_reserve_gib is not None:
-            raise ValueError(f"host_reserve_gib is for host_state_gib='auto', got host_reserve_gib={host_reserve_gib!r} "
-                             "without it")
+            raise ValueError(f"host_reserve_gib is for host_state_gib='auto', got "
+                             f"host_reserve_gib={host_reserve_gib!r} without it")
         return
     if device != "nvme":
         raise ValueError(f"host_state_gib splits the offloaded state between host memory and the disk: it needs "

@@ -187,11 +187,7 @@ class DiskTier:
                 pass  # the release takes the masters in and writes the region
 
     def _plan(self, bucket: HostBucket, entries: list[tuple[ParamSlot, str, torch.dtype]]) -> _Region:
-        planned, size = [], 0
-        for slot, key, dtype in entries:
-            size = round_up(size, _LINE)
-            planned.append(_Entry(slot, key, dtype, size))
-            size += slot.numel * torch.empty((), dtype=dtype).element_size()
+        planned, size = _lay_out(entries)
         region = _Region(self._end, round_up(max(size, 1)), planned)
         self._end += region.size
         return region
@@ -508,10 +504,17 @@ class DiskSnapshot:
 def planned_bytes(bucket: HostBucket) -> int:
     """The bytes a bucket's masters and state take once its state exists (its region's size
     on disk, each tensor on a cache line): what keeping it in host memory costs."""
-    size = 0
-    for slot, _, dtype in _planned_entries(bucket):
-        size = round_up(size, _LINE) + slot.numel * torch.empty((), dtype=dtype).element_size()
-    return size
+    return _lay_out(_planned_entries(bucket))[1]
+
+
+def _lay_out(entries: list[tuple[ParamSlot, str, torch.dtype]]) -> tuple[list[_Entry], int]:
+    """Each entry's place in a region, one after the other, each on a cache line, and the bytes they take."""
+    planned, size = [], 0
+    for slot, key, dtype in entries:
+        size = round_up(size, _LINE)
+        planned.append(_Entry(slot, key, dtype, size))
+        size += slot.numel * torch.empty((), dtype=dtype).element_size()
+    return planned, size
 
 
 def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:

@@ -262,7 +262,8 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                                          self.package.MockOptimizer)
         plan.say()
         names = {p: n for n, p in module.named_parameters()}
-        arguments = offload_arguments(self.options, params_on_host=on_host, processes_per_host=self.num_processes)  # fsdp/host_parameters.py
+        arguments = offload_arguments(self.options, params_on_host=on_host,  # fsdp/host_parameters.py
+                                      processes_per_host=self.num_processes)
         if plan.weight_waits.by_module:
             arguments["forward_waits"] = "module"
 

@@ -191,9 +191,10 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
             buckets, masters with their moments) kept in host memory, the rest on disk,
             buckets spread so that the disk's transfers overlap the host buckets' updates
             (one log line gives each tier's bytes); ``"auto"``: what the host has available
-            at set-up, after the model and its buffers, less the window and
-            ``host_reserve_gib``, shared by the processes on the host.  None (default): all
-            on disk.  The same results, bit for bit; a checkpoint does not depend on it.
+            at set-up, less what the first steps will still take (the gradients' and
+            copies' buffers), the window and ``host_reserve_gib``, shared by the processes
+            on the host.  None (default): all on disk.  The same results, bit for bit; a
+            checkpoint does not depend on it.
         host_reserve_gib: with ``host_state_gib="auto"``, the GiB left free (None: a tenth of
             the machine's memory).
         zero_optimization, stage, offload_optimizer, config: Lightning's ``DeepSpeedStrategy``

@@ -293,12 +293,11 @@ class ZeroOptimizer(LocalOffloadWrapper):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer state (ours keyed by name, or torch's by position, from any
         world size once merged): this rank keeps the part it owns."""
-        state_dict, beside = split_beside_parameters(state_dict) if isinstance(self.optimizer, UserStepOptimizer) \
-            else (state_dict, {})
+        own_step = isinstance(self.optimizer, UserStepOptimizer)  # (state beside its parameters, of its shapes)
+        state_dict, beside = split_beside_parameters(state_dict) if own_step else (state_dict, {})
         by_name, saved_groups = read_named_state(state_dict, self._names(),
                                                  {self.param_names[p]: p.shape for p in self._params},
-                                                 self.param_groups,
-                                                 moments_shaped=not isinstance(self.optimizer, UserStepOptimizer))
+                                                 self.param_groups, moments_shaped=not own_step)
         owned_names = [[self.param_names[p] for p in g["params"]] for g in self.local.param_groups]
         self.local.load_state_dict({
             "state": {**{n: by_name[n] for names in owned_names for n in names if n in by_name}, **beside},
