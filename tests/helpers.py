@@ -242,14 +242,14 @@ def allocated_bytes(opt):
     """Bytes of every master, host buffer and state tensor an OffloadOptimizer holds, and
     the most the cache-line padding of its host views may add (< 64 bytes per view)."""
     seen, total = set(), 0
-    tensors = [t for b in opt._buckets for t in b.buffers]
-    tensors += [s.master for s in opt._slots if s.separate_master and s.bucket is None]
-    tensors += [v for inner in opt._inners() for st in inner.state.values() for k, v in st.items() if k != "step"]
+    tensors = [t for b in opt.layout.buckets for t in b.buffers]
+    tensors += [s.master for s in opt.layout.slots if s.separate_master and s.bucket is None]
+    tensors += [v for inner in opt.layout.inners() for st in inner.state.values() for k, v in st.items() if k != "step"]
     for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    return total, 3 * 64 * sum(len(b.slots) for b in opt._buckets)
+    return total, 3 * 64 * sum(len(b.slots) for b in opt.layout.buckets)
 
 
 def memory_model(dtype=torch.float32, layers=None, rows=()):

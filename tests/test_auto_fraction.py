@@ -131,7 +131,7 @@ def _run(fractions, dtype=torch.float32, steps=10, switch_at=4, **kw):
         opt.optimizer._opt_called = True
         sched.step()
     states = [{k: v.clone() for k, v in opt.state_of(p).items()} for p in model.parameters()]
-    masters = [opt._slot_of[p].master.clone() for p in model.parameters()]
+    masters = [opt.layout.slot_of[p].master.clone() for p in model.parameters()]
     opt.close()
     return model, states, masters, opt
 

@@ -144,7 +144,7 @@ def test_auto_fraction_and_the_delayed_update_from_the_command_line(tmp_path):
     strategy = cli.trainer.strategy
     assert strategy.auto_fraction and strategy.delayed_update and strategy.delayed_update_warmup == 3
     opt = strategy.engines[0]
-    assert isinstance(opt, OffloadOptimizer) and opt._delayed is not None
+    assert isinstance(opt, OffloadOptimizer) and opt.schedule.delayed is not None
     assert strategy._auto_fraction._auto._probes[id(opt)].done  # the rebuilt optimizer, after the 5 probe steps
     # Lightning steps the user's optimizer, and the rebuilt optimizer stepped it to the end
     assert strategy._engines.engine_for(strategy.optimizers, strategy._lightning_optimizers[0]) is opt

@@ -115,7 +115,7 @@ class Ours:
         return torch.load(buffer, weights_only=True)
 
     def offloaded(self):
-        return [self.opt._slot_of[p].offloaded for p in self.model.parameters()]
+        return [self.opt.layout.slot_of[p].offloaded for p in self.model.parameters()]
 
 
 def run_ours(name, fraction, steps=50, resume_at=None):
@@ -200,7 +200,7 @@ def test_no_delay_during_the_warm_up_equals_the_synchronous_step_bit_for_bit(com
         plain.step(t, batches[t])
     for a, b in zip(delayed.model.parameters(), plain.model.parameters()):
         assert torch.equal(a, b)
-    assert not delayed.opt._delayed.pending
+    assert not delayed.opt.schedule.delayed.pending
     for o in (delayed, plain):
         o.opt.close()
 
@@ -216,7 +216,7 @@ def test_the_update_runs_while_the_next_backward_computes(compiled):
     def timed(inner, *args):
         started = time.perf_counter()
         out = run(inner, *args)
-        if inner is not opt._device_inner:
+        if inner is not opt.layout.device_inner:
             spans.append((started, time.perf_counter()))
         return out
 
@@ -228,8 +228,8 @@ def test_the_update_runs_while_the_next_backward_computes(compiled):
         model(x).square().mean().backward()
         backward_ends.append(time.perf_counter())
         opt.step()
-    first_update = spans[:len(opt._buckets)]  # launched by the first step
-    assert len(opt._buckets) >= 4 and len(first_update) == len(opt._buckets)
+    first_update = spans[:len(opt.layout.buckets)]  # launched by the first step
+    assert len(opt.layout.buckets) >= 4 and len(first_update) == len(opt.layout.buckets)
     assert min(start for start, _ in first_update) < backward_ends[1], (first_update, backward_ends)
     opt.close()
 
@@ -256,7 +256,7 @@ def test_a_weight_written_between_steps_keeps_the_write():
     with torch.no_grad():
         w.data.fill_(0.25)  # a write through .data while the update of that weight is pending
     _train_step(model, opt, x)  # sends the pending update, but not to w; w's next update starts from the write
-    slot = opt._slot_of[w]
+    slot = opt.layout.slot_of[w]
     opt.schedule.wait()
     grad = slot.spare_grad  # the gradient that update read (the buffers swapped when it was launched)
     expected = torch.full_like(w, 0.25).add(grad, alpha=-0.1)  # torch's SGD step
@@ -273,7 +273,7 @@ def test_training_ends_with_the_last_update_in_the_model():
     before = [p.detach().clone() for p in model.parameters()]
     _train_step(model, opt, torch.randn(8, 24))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the first update is pending"
-    masters = [opt._slot_of[p].master for p in model.parameters()]
+    masters = [opt.layout.slot_of[p].master for p in model.parameters()]
     assert opt.apply_pending_update() == len(masters)
     assert all(torch.equal(p, m) for p, m in zip(model.parameters(), masters))
     assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -344,7 +344,7 @@ def test_under_the_trainer_it_equals_trainer_with_torchs_update_delayed(caplog, 
         ours = _trainer_fit(strategy, _model())
     assert "after 3 synchronous step(s), each CPU update runs during the next forward and backward" in caplog.text
     opt = ours.trainer.strategy.engines[0]
-    offloaded = [opt.owns(p) and opt._slot_of[p].offloaded for p in ours.parameters()]
+    offloaded = [opt.owns(p) and opt.layout.slot_of[p].offloaded for p in ours.parameters()]
     assert any(offloaded) and all(offloaded) == (fraction == 1.0)
     # only the offloaded share is delayed: the reference delays those parameters
     reference = _trainer_fit("auto", _model(), callbacks=[DelayedTorchUpdate(3, offloaded)])

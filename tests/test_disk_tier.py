@@ -100,7 +100,7 @@ def test_the_disk_tier_ends_where_host_memory_ends(tmp_path, reads, algorithm, f
     ref_params, params = _params(), _params()
     ref = _optimizer(ref_params, make, offload_fraction=fraction, copy_on_cpu=copy_on_cpu)
     opt = _optimizer(params, make, tmp_path, offload_fraction=fraction, copy_on_cpu=copy_on_cpu)
-    assert len(opt._buckets) >= (3 if fraction == 1.0 else 2) and len(opt.layout.tier.window) == 2
+    assert len(opt.layout.buckets) >= (3 if fraction == 1.0 else 2) and len(opt.layout.tier.window) == 2
     _train(ref, ref_params, 12)
     _train(opt, params, 12)
     assert reads[0] >= (12 if fraction == 1.0 else 0)  # (each step read buckets back from the file)
@@ -143,14 +143,14 @@ def test_between_steps_only_the_window_is_in_host_memory(tmp_path):
     opt = _optimizer(params, ALGORITHMS["adamw"], tmp_path, copy_on_cpu=True)
     _train(opt, params, 3)
     tier = opt.layout.tier
-    for b in opt._buckets:
+    for b in opt.layout.buckets:
         assert all(s.master.numel() == 0 for s in b.slots)
         for s in b.slots:
             state = b.inner.state.get(s.master, {})
             assert state and all(v.numel() <= 1 for v in state.values()), s.name  # (the step count)
     window = sum(slot.buffer.numel() for slot in tier.window)
     assert window <= tier.window_bytes and len(tier.window) == 2
-    held = sum(s.numel for s in opt._slots if s.offloaded)
+    held = sum(s.numel for s in opt.layout.slots if s.offloaded)
     assert tier.disk_bytes() >= 12 * held  # the masters and two moments of every offloaded parameter
     assert os.listdir(tmp_path) == []  # the working file has no name: a killed run leaves nothing
     opt.close()
@@ -249,7 +249,7 @@ def test_the_update_streamed_into_backward_reads_each_bucket_from_disk_as_it_lan
     the run ends where the step at the step ends, with the state in host memory."""
     streamed, opt = _backward_steps(stream_cpu_step=True, offload_optimizer_device="nvme", nvme_path=str(tmp_path),
                                     nvme_window_mb=0.12)
-    assert len(opt._buckets) == 6 and len(opt.layout.tier.window) == 2
+    assert len(opt.layout.buckets) == 6 and len(opt.layout.tier.window) == 2
     assert opt.schedule.started == 6 * 6 and reads[0] >= 6 * 5  # (most buckets read back each step)
     plain, _ = _backward_steps()
     assert all(torch.equal(a, b) for a, b in zip(streamed.parameters(), plain.parameters()))
@@ -266,7 +266,7 @@ def test_the_delayed_update_reads_and_writes_the_file_during_the_next_forward(tm
     delayed = dict(delayed_update=True, delayed_update_warmup=2)
     ours, opt = _backward_steps(**delayed, **disk)
     ref_model, ref = _backward_steps(**delayed)
-    assert opt.schedule.name == ref.schedule.name == "delayed by one step" and opt._delayed.pending
+    assert opt.schedule.name == ref.schedule.name == "delayed by one step" and opt.schedule.delayed.pending
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref_model.parameters()))
     saved, ref_saved = opt.state_dict(), ref.state_dict()
     _assert_same_state(saved, ref_saved)
@@ -302,7 +302,7 @@ def test_a_speculated_update_is_written_beside_the_last_state_until_the_step_kee
     assert totals["dropped"] == 6
     assert all(torch.equal(a, b) for a, b in zip(speculated.parameters(), plain.parameters()))
     tier = opt.layout.tier
-    assert len(tier.spares) == len(opt._buckets) and all(snap.nbytes == 0 for snap in opt.schedule.snapshots.values())
+    assert len(tier.spares) == len(opt.layout.buckets) and all(snap.nbytes == 0 for snap in opt.schedule.snapshots.values())
     _assert_same_state(opt.state_dict(), ref.state_dict())
     opt.close()
 
@@ -422,9 +422,9 @@ def test_under_the_trainer_the_run_ends_where_plain_lightning_ends_and_resumes(t
     _fit("auto", ref, **kw)
     engine = trainer.strategy.engines[0]
     engine = getattr(engine, "local", engine)  # ZeRO's rank's offload optimizer
-    assert engine.layout.tier.on_disk and len(engine._buckets) >= 3
+    assert engine.layout.tier.on_disk and len(engine.layout.buckets) >= 3
     if host_state_gib is not None:
-        assert 0 < len(engine.layout.tier.in_host) < len(engine._buckets)
+        assert 0 < len(engine.layout.tier.in_host) < len(engine.layout.buckets)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     first = Model(make)
     half = _fit(ours(), first, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path, **kw)
@@ -511,7 +511,7 @@ def test_the_memory_estimate_gives_the_disk_and_the_window(tmp_path):
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), copy_on_cpu=True, bucket_size_mb=0.01,
                            offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.2)
     tier = opt.layout.tier
-    padding = len(opt._buckets) * ALIGN + 3 * len(opt._slots) * 64
+    padding = len(opt.layout.buckets) * ALIGN + 3 * len(opt.layout.slots) * 64
     assert est.disk <= tier.disk_bytes() <= est.disk + padding
     largest = max(r.size for r in tier.regions.values())  # each slot holds the largest bucket's region
     assert sum(slot.buffer.numel() for slot in tier.window) == len(tier.window) * largest <= round(0.2 * 2**20)
@@ -645,7 +645,7 @@ def test_a_state_dict_of_the_state_on_disk_is_held_in_files_not_in_host_memory(t
     _assert_same_state(torch.load(tmp_path.parent / "state.pt"), ref.state_dict())
     st = opt.state_of(params[0])
     assert st["exp_avg"].dtype == torch.float32 and mapped_file_of(st["exp_avg"]).startswith(str(tmp_path))
-    assert torch.equal(st["exp_avg_sq"], ref.state_of(ref._slots[0].param)["exp_avg_sq"].float())
+    assert torch.equal(st["exp_avg_sq"], ref.state_of(ref.layout.slots[0].param)["exp_avg_sq"].float())
     assert os.listdir(tmp_path) == []  # (each copy's file has no name)
     assert _held_in(tmp_path)
     del saved, big, st, v

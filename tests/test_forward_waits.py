@@ -100,7 +100,7 @@ def _step(model, opt, x):
 def _named(entries, opt, model):
     """("wait", event) as ("wait", the name of the module whose bucket it is)."""
     module_of = {p: name for name, m in model.named_children() for p in m.parameters()}
-    bucket_of = {b.params_sent: module_of[b.slots[0].param] for b in opt._buckets}
+    bucket_of = {b.params_sent: module_of[b.slots[0].param] for b in opt.layout.buckets}
     return [(kind, bucket_of.get(what, "?") if kind == "wait" else what) for kind, what in entries]
 
 
@@ -108,7 +108,7 @@ def test_half_offloaded_the_device_share_runs_before_any_wait(monkeypatch):
     log = _Log(monkeypatch)
     model = _net()
     opt, _ = _optimizer(model, "module", 0.5)
-    assert [len(b.slots) for b in opt._buckets] == [2, 2]  # layers 3 then 2 (the order backward produces them)
+    assert [len(b.slots) for b in opt.layout.buckets] == [2, 2]  # layers 3 then 2 (the order backward produces them)
     log.watch(model)
     x = torch.randn(8, 16)
     _step(model, opt, x)
@@ -170,8 +170,8 @@ def test_a_bucket_with_a_parameter_no_module_waits_for_is_waited_for_at_the_step
     model = _WithRootParameter()
     opt, waits = _optimizer(model, "module", 1.0)
     assert model.scale not in waits.covered
-    root_bucket = opt._slot_of[model.scale].bucket
-    assert root_bucket is opt._buckets[-1]  # registered first: its gradient comes last
+    root_bucket = opt.layout.slot_of[model.scale].bucket
+    assert root_bucket is opt.layout.buckets[-1]  # registered first: its gradient comes last
     x = torch.randn(8, 16)
     _step(model, opt, x)
     assert ("wait", root_bucket.params_sent) in log.entries  # at the step's end (its update first)
@@ -242,8 +242,8 @@ class _CopyStreamLog(_Log):
         """Each fingerprint that read a weight whose copy was recorded and not yet waited
         for (waiting for a copy waits for those recorded before it: one copy stream): (the
         entry's index, the bucket's index)."""
-        bucket_of_event = {b.params_sent: i for i, b in enumerate(opt._buckets)}
-        weights = {i: {s.weight().data_ptr() for s in b.slots} for i, b in enumerate(opt._buckets)}
+        bucket_of_event = {b.params_sent: i for i, b in enumerate(opt.layout.buckets)}
+        weights = {i: {s.weight().data_ptr() for s in b.slots} for i, b in enumerate(opt.layout.buckets)}
         on_way, found = [], []  # buckets in the order their copies were recorded
         for at, (kind, what) in enumerate(self.entries):
             if kind == "record" and what in bucket_of_event:
@@ -276,7 +276,7 @@ def test_a_weight_is_fingerprinted_behind_its_copy_never_while_on_its_way(monkey
     model(x)
     assert sum(kind == "record" for kind, _ in log.entries) >= 8  # the stream branch ran: weights went out
     assert log.fingerprints_of_weights_on_their_way(opt) == []
-    assert not opt._said_refreshed  # no weight of ours taken for another's write
+    assert not opt.masters._said  # no weight of ours taken for another's write
     opt.close()
 
 
@@ -322,7 +322,7 @@ class _HeldWorker:
         layer = {alias(p): i for i, m in enumerate(model) for p in m.parameters()}
 
         def recorded(inner, plan, *args):
-            if inner is not engine._device_inner:
+            if inner is not engine.layout.device_inner:
                 self.order.append(layer[plan[0][0].param])
             return run(inner, plan, *args)
 
@@ -404,8 +404,8 @@ def test_a_step_ends_before_its_updates_and_each_forward_waits_for_its_own(strea
     forward_waits_for_the_held_updates(model, opt, held, x)
     assert held.order == [0, 1, 2, 3]  # the next forward's first layer first
     if disk:  # each region read at most once, in the worker's order (some may be in the window already)
-        regions = {b: opt.layout.tier.regions[b].offset for b in opt._buckets}
-        order = [regions[b] for b in reversed(opt._buckets)]
+        regions = {b: opt.layout.tier.regions[b].offset for b in opt.layout.buckets}
+        order = [regions[b] for b in reversed(opt.layout.buckets)]
         assert reads == [r for r in order if r in reads] and len(reads) >= 2, (reads, order)
     for _ in range(2):
         _step(model, opt, x)
@@ -514,7 +514,7 @@ def test_under_the_trainer_it_ends_where_the_step_waiting_run_ends(info, tmp_pat
 
     ours, trainer = _fit(strategy("module"), checkpoints=tmp_path)
     assert "each module's forward waits only for its own new weights" in info.text
-    assert trainer.strategy.engines[0].forward_waits == "module"
+    assert trainer.strategy.engines[0].settings.forward_waits == "module"
     ref, _ = _fit(strategy("step") if kw else "auto")
     for a, b in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(a, b)
@@ -532,7 +532,7 @@ def test_with_the_fraction_chosen_for_the_user_the_rebuilt_optimizer_keeps_waiti
     ours, trainer = _fit(strategy)
     opt = trainer.strategy.engines[0]
     assert "offload_fraction='auto' chose" in info.text
-    assert opt.forward_waits == "module" and opt._in_flight.covered == set(ours.parameters())
+    assert opt.settings.forward_waits == "module" and opt._in_flight.covered == set(ours.parameters())
     ref, _ = _fit("auto")
     for a, b in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(a, b)
@@ -544,7 +544,7 @@ def test_the_strategy_falls_back_to_waiting_at_the_step_where_weights_can_be_rea
     _, trainer = _fit(strategy, [callback])
     said = "forward_waits='module' not used: _ReadsWeights.on_train_batch_end can read the weights between steps"
     assert (said in info.text) == (mode == "step")
-    assert trainer.strategy.engines[0].forward_waits == mode
+    assert trainer.strategy.engines[0].settings.forward_waits == mode
 
 
 class _EpochEnd(_Validated):
@@ -566,7 +566,7 @@ def test_a_lightning_module_whose_hooks_read_no_weights_can_say_so(info, cls, mo
     trainer.fit(cls(lambda ps: torch.optim.AdamW(ps, lr=1e-2), sched=False), _data())
     said = f"forward_waits='module' not used: {cls.__name__}.on_train_epoch_end can read the weights between steps"
     assert (said in info.text) == (mode == "step")
-    assert trainer.strategy.engines[0].forward_waits == mode
+    assert trainer.strategy.engines[0].settings.forward_waits == mode
 
 
 @pytest.mark.parametrize("what", ["submodule", "lightning_module"])
@@ -582,7 +582,7 @@ def test_a_compiled_model_waits_at_the_step(info, what):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model if what == "submodule" else torch.compile(model, backend="eager"), _data())
     assert "forward_waits='module' not used: the model is compiled (torch.compile)" in info.text
-    assert trainer.strategy.engines[0].forward_waits == "step"
+    assert trainer.strategy.engines[0].settings.forward_waits == "step"
 
 
 def test_checkpoints_and_validation_wait_for_every_weight(monkeypatch, tmp_path):
@@ -633,7 +633,7 @@ def test_on_gpu_the_forward_reads_only_weights_that_have_arrived(kw, dtype):
         g = torch.Generator(device="cuda").manual_seed(1)
         for _ in range(6):
             _step(model, opt, torch.randn(64, 2048, device="cuda", generator=g, dtype=dtype))
-        assert not opt._said_refreshed
+        assert not opt.masters._said
         opt.close()
         return [p.detach().clone() for p in model.parameters()]
 

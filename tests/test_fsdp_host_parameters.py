@@ -457,12 +457,12 @@ def test_in_place_updates_start_in_backward_once_fsdps_gradient_copies_have_land
     from lightning_fastopt.fsdp.host_parameters import host_param_groups
 
     streamed, opt, log = _host_sharded_steps(one_process, stream=True)
-    assert opt.local.schedule.started >= 4 * 2 and len(opt.local._buckets) >= 2
+    assert opt.local.schedule.started >= 4 * 2 and len(opt.local.layout.buckets) >= 2
     announced = [(p, t) for what, p, t in log if what == "announced"]
     assert len(announced) == 4 * 4 and all(t is threading.main_thread() for _, t in announced)  # 4 tensors, 4 steps
     worker_waits = [p for what, p, t in log if what == "waited" and t is not threading.main_thread()]
     assert len(worker_waits) >= 4 * 4 and {id(p) for p in worker_waits} == {id(p) for p, _ in announced}
-    assert not any(s.separate_master or s.host_grad is not None for s in opt.local._slots)
+    assert not any(s.separate_master or s.host_grad is not None for s in opt.local.layout.slots)
     plain, plain_opt, _ = _host_sharded_steps(one_process, stream=False)
     assert plain_opt.local.schedule.name == "at the step"
     rows = lambda t: t.to_local() if isinstance(t, DTensor) else torch.as_tensor(t)  # noqa: E731
@@ -571,7 +571,7 @@ def _train_over_host_shards(mesh, waits, prefetch, clip, **kw):
         before, left = rows(), opt.local.schedule.updates_left_running
         opt.step()  # with the worker held: returns, every update left to it
         if held is not None:
-            buckets = len(opt.local._buckets)
+            buckets = len(opt.local.layout.buckets)
             assert opt.local.schedule.updates_left_running - left == buckets >= 3
             assert speculated or all(torch.equal(a, b) for a, b in zip(before, rows()))  # (not written yet)
         return held
@@ -645,7 +645,7 @@ def test_fsdps_host_gradients_are_clipped_in_place_as_torch_leaves_them(one_proc
     opt = LocalShardOptimizer(FusedAdam(model.parameters(), lr=1e-2), {p: n for n, p in model.named_parameters()},
                               device_grads="copy_when_reduced", host_shards=True, bucket_size_mb=0.0002)
     given = []
-    for b in opt.local._buckets:
+    for b in opt.local.layout.buckets:
         take = b.inner._take_step
         b.inner._take_step = lambda *a, _take=take, _inner=b.inner: (given.append(_inner.grad_factors), _take(*a))[1]
     model(torch.randn(8, 6)).square().mean().backward()
@@ -653,7 +653,7 @@ def test_fsdps_host_gradients_are_clipped_in_place_as_torch_leaves_them(one_proc
     coef = torch.tensor(0.37)
     opt.scale_gradients(coef)
     opt.step()
-    assert len(given) == len(opt.local._buckets) >= 3 and not any(given)
+    assert len(given) == len(opt.local.layout.buckets) >= 3 and not any(given)
     after = [p.grad.to_local() for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(after, torch._foreach_mul(before, coef)))
     opt.close()
@@ -831,7 +831,7 @@ def test_a_half_host_shard_others_wrote_gives_its_master_the_write(one_process, 
         opt.step()
     step()
     step()
-    slots = opt.local._slots
+    slots = opt.local.layout.slots
     assert all(s.separate_master for s in slots)
     kept = [s.master.clone() for s in slots]
     assert any(not torch.equal(m, s.param.float()) for m, s in zip(kept, slots))  # low bits the shard lacks
@@ -866,11 +866,11 @@ def test_the_estimate_of_half_host_shards_is_what_the_rows_optimizer_holds(one_p
         opt.step()
     local = opt.local
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    assert est.cpu["params"] == nbytes(s.param for s in local._slots) and est.cpu["grads"] == grads
-    assert est.cpu["master_weights"] == nbytes(s.master for s in local._slots if s.separate_master) > 0
-    state = [v for b in local._buckets for st in b.inner.state.values() for k, v in st.items() if k != "step"]
+    assert est.cpu["params"] == nbytes(s.param for s in local.layout.slots) and est.cpu["grads"] == grads
+    assert est.cpu["master_weights"] == nbytes(s.master for s in local.layout.slots if s.separate_master) > 0
+    state = [v for b in local.layout.buckets for st in b.inner.state.values() for k, v in st.items() if k != "step"]
     assert est.cpu["optimizer_state"] == nbytes(state) and est.cpu_total == 16 * est.total_params
     snapshots = local.schedule.snapshots.values()
     kept = sum(s.nbytes for s in snapshots)  # (and each slot's step count, a float32 scalar, not estimated)
-    assert spec.cpu["speculation"] > 0 and kept - spec.cpu["speculation"] == 4 * len(local._slots)
+    assert spec.cpu["speculation"] > 0 and kept - spec.cpu["speculation"] == 4 * len(local.layout.slots)
     opt.close()

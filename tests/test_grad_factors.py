@@ -147,7 +147,7 @@ def _clipped_step(copy_on_cpu: bool, fraction: float, fused: bool, monkeypatch, 
         opt = OffloadOptimizer(make(model.parameters(), lr=1e-2, weight_decay=0.01),
                                {p: n for n, p in model.named_parameters()}, offload_fraction=fraction,
                                bucket_size_mb=0.005, copy_on_cpu=copy_on_cpu)
-        for b in opt._buckets:
+        for b in opt.layout.buckets:
             real = b.inner._take_step
             b.inner._take_step = lambda *a, _real=real, _inner=b.inner: (given.append(_inner.grad_factors),
                                                                         _real(*a))[1]

@@ -60,7 +60,7 @@ def test_offloaded_gradients_are_normed_on_the_device_before_they_leave(monkeypa
     normed = NormedTensors(monkeypatch)
     _backward(ours)
     assert torch.equal(opt.gradient_norm(), expected)
-    host_buffers = {s.host_grad.data_ptr() for s in opt._slots if s.host_grad is not None}
+    host_buffers = {s.host_grad.data_ptr() for s in opt.layout.slots if s.host_grad is not None}
     assert host_buffers and not host_buffers & set(normed.addresses)
     assert set(device_grads_seen.values()) <= set(normed.addresses)
     opt.close()
@@ -80,7 +80,7 @@ def test_a_parameter_listed_twice_counts_twice_and_a_second_backward_is_normed_w
     normed = NormedTensors(monkeypatch)
     assert torch.equal(opt.gradient_norm(), expected)
     # after the second backward every offloaded gradient is a host sum: normed there, at the step
-    assert set(normed.addresses) == {s.host_grad.data_ptr() for s in opt._slots}
+    assert set(normed.addresses) == {s.host_grad.data_ptr() for s in opt.layout.slots}
     opt.close()
 
 

@@ -213,13 +213,13 @@ def test_the_speculation_estimate_matches_the_snapshots(fraction):
     opt = OffloadOptimizer(FusedAdam(model.parameters(), amsgrad=True), offload_fraction=fraction,
                            bucket_size_mb=0.001, copy_on_cpu=True, stream_cpu_step=True, speculate=True)
     from lightning_fastopt.offload.speculative import snapshot_bytes
-    promised = snapshot_bytes(opt._buckets)
+    promised = snapshot_bytes(opt.layout.buckets)
     for _ in range(2):  # the first step creates the state: the second keeps it aside too
         opt.zero_grad()
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
     kept = sum(s.nbytes for s in opt.schedule.snapshots.values())
-    slots = sum(len(b.slots) for b in opt._buckets)
+    slots = sum(len(b.slots) for b in opt.layout.buckets)
     assert promised == est.cpu["speculation"] and 0 <= kept - promised <= 4 * slots
     opt.close()
 

@@ -56,7 +56,7 @@ def test_offloaded_training_matches_the_reference(fraction, overlap):
                            {p: n for n, p in model.named_parameters()}, offload_fraction=fraction,
                            bucket_size_mb=2, overlap=overlap)
     assert opt.offloaded_numel >= fraction * sum(p.numel() for p in model.parameters())
-    for b in opt._buckets:
+    for b in opt.layout.buckets:
         assert all(t.is_pinned() for t in b.buffers)
     _train(model, opt, accumulate=2)
     for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
@@ -81,7 +81,7 @@ def test_bf16_weights_with_float32_masters_on_the_host():
     model = _model(layers=3, dtype=torch.bfloat16)
     opt = OffloadOptimizer(FusedAdam(model.parameters(), lr=1e-3), offload_fraction=0.5, bucket_size_mb=1)
     _train(model, opt, steps=10)
-    for s in opt._slots:
+    for s in opt.layout.slots:
         assert s.separate_master and s.master.dtype == torch.float32
         assert s.master.device.type == ("cpu" if s.offloaded else "cuda")
         assert torch.equal(s.param, s.master.to("cuda", torch.bfloat16)), s.name

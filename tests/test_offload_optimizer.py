@@ -251,6 +251,34 @@ def test_bad_arguments():
         opt.step()
 
 
+def test_settings_are_one_checked_value_given_whole_or_as_keywords():
+    """OffloadSettings: an argument the engine does not take named, settings and keywords not
+    both, and another fraction a copy with every other setting kept."""
+    from lightning_fastopt.offload.settings import OffloadSettings
+
+    p = [torch.zeros(3, requires_grad=True)]
+    with pytest.raises(TypeError, match=r"OffloadOptimizer got unexpected keyword argument\(s\) 'stream': it takes "
+                                        r"those of OffloadSettings \(.*stream_cpu_step"):
+        OffloadOptimizer(FusedAdam(p), stream=True)
+    settings = OffloadSettings(offload_fraction=0.5, bucket_size_mb=1.0, copy_on_cpu=True)
+    with pytest.raises(TypeError, match="settings or their keyword arguments, not both: got settings and overlap"):
+        OffloadOptimizer(FusedAdam(p), None, settings, overlap=False)
+    with pytest.raises(ValueError, match=r"speculate=True .* needs stream_cpu_step=True"):
+        OffloadSettings(speculate=True)
+    with pytest.raises(TypeError, match="host_shards must be True or False, got 1"):
+        OffloadSettings(host_shards=1)
+    with pytest.raises(ValueError, match="delayed_update=True needs host masters apart"):
+        OffloadOptimizer(FusedAdam(p), delayed_update=True)  # a CPU run without copy_on_cpu
+    opt = OffloadOptimizer(FusedAdam(p), None, settings)
+    assert opt.settings is settings and opt.offload_fraction == 0.5 and opt.copies.needed
+    again = opt.with_fraction(1.0)
+    assert again.settings == OffloadSettings(offload_fraction=1.0, bucket_size_mb=1.0, copy_on_cpu=True)
+    with pytest.raises(ValueError, match=r"offload_fraction must be in \[0.0, 1.0\], got 2"):
+        again.with_fraction(2)
+    assert again.settings.offload_fraction == 1.0  # refused before anything was closed or moved
+    again.close()
+
+
 def test_check_finite_skips_everything(backend):
     params = _params((5, 6))
     opt = OffloadOptimizer(FusedAdam(params, lr=0.1), _names(params), offload_fraction=0.5, copy_on_cpu=True)

@@ -76,7 +76,7 @@ def _offload(model, make_opt, speculate, fraction=1.0, always=True, **kw):
                            stream_cpu_step=speculate, speculate=speculate, **kw)
     if speculate and always:
         opt.schedule.misses_allowed = opt.schedule.history
-    if opt.forward_waits == "module":
+    if opt.settings.forward_waits == "module":
         opt.modules_wait_for(ForwardWaits(model, lambda: [opt]).covered)
     return opt
 
@@ -375,7 +375,7 @@ def test_the_memory_kept_aside_is_said_and_speculation_falls_back_without_it(cap
 def test_the_breakdown_counts_the_buckets_and_the_redo_time(backend):
     model = _net()
     opt = _offload(model, ADAMW, True, wall_clock_breakdown=True)
-    buckets = len(opt._buckets)
+    buckets = len(opt.layout.buckets)
     for scale in (4.0, 8.0):  # the second step is given another scale than announced: every bucket is redone
         opt.expected_grad_scale = 4.0
         opt.zero_grad()
@@ -485,7 +485,7 @@ def test_the_updates_a_step_leaves_run_the_next_forwards_first_layer_first(specu
         order = None
         if waits == "module":
             order = _step_ending_early(model, opt, driver, x, 1e-4, lambda: _HeldWorker(opt, model))
-            assert opt.schedule.totals["left_running"] == 2 * len(opt._buckets)
+            assert opt.schedule.totals["left_running"] == 2 * len(opt.layout.buckets)
         else:
             driver.train_step(opt, model, x, 1e-4)
         driver.train_step(opt, model, x, 1e-4)
@@ -495,7 +495,7 @@ def test_the_updates_a_step_leaves_run_the_next_forwards_first_layer_first(specu
     order, model = run(True, "module")
     opt = _offload(model, ADAMW, False)
     layer = {p: i for i, m in enumerate(model) for p in m.parameters()}
-    landed = [layer[b.slots[0].param] for b in opt._buckets]  # (buckets in the order backward lands them)
+    landed = [layer[b.slots[0].param] for b in opt.layout.buckets]  # (buckets in the order backward lands them)
     opt.close()
     assert landed[0] > landed[-1] and order == landed[::-1]  # forward order: the first layers first
     assert_modules_equal(model, run(False, "step")[1])
@@ -536,10 +536,10 @@ def test_what_reads_the_gradients_after_clipping_reads_them_clipped(backend):
     before = [g.clone() for g in opt.gradients()]
     coef = torch.tensor(0.37)
     opt.scale_gradients(coef)
-    host = [s.host_grad for b in opt._buckets for s in b.slots]
-    assert host and all(b.scales for b in opt._buckets)  # the host buckets' multiplications left for later
+    host = [s.host_grad for b in opt.layout.buckets for s in b.slots]
+    assert host and all(b.scales for b in opt.layout.buckets)  # the host buckets' multiplications left for later
     assert all(torch.equal(g, b) for g, b in zip(opt.gradients(), torch._foreach_mul(before, coef)))
-    assert not any(b.scales for b in opt._buckets)
+    assert not any(b.scales for b in opt.layout.buckets)
     opt.close()
 
 
@@ -576,10 +576,10 @@ def test_clipping_multiplies_a_host_buckets_gradients_in_its_update_on_the_threa
         driver.announce_grad_scale(opt)
         opt.zero_grad()
         model(x).square().mean().backward()
-        landed = [s.host_grad.clone() for b in opt._buckets for s in b.slots]
+        landed = [s.host_grad.clone() for b in opt.layout.buckets for s in b.slots]
         driver.clip_scaled_gradients(opt, 1e-4)
         driver._step(opt)
-        now = [s.host_grad for b in opt._buckets for s in b.slots]
+        now = [s.host_grad for b in opt.layout.buckets for s in b.slots]
         if held is not None:
             assert all(torch.equal(a, b) for a, b in zip(landed, now))  # none updated yet
             held.release()
@@ -589,7 +589,7 @@ def test_clipping_multiplies_a_host_buckets_gradients_in_its_update_on_the_threa
         multiplied_on = [thread for thread, _ in calls]
         driver.train_step(opt, model, x, 1e-4)
         opt.close()
-        return model, multiplied_on, len(opt._buckets)
+        return model, multiplied_on, len(opt.layout.buckets)
 
     ours, multiplied_on, buckets = run(True, "module")
     assert len(multiplied_on) == buckets and all(t.startswith("fastopt-cpu-step") for t in multiplied_on)

@@ -35,7 +35,7 @@ def _optimizer(params, make, tmp_path=None, host_share=None, **kw):
     if host_share is None:
         return build(**disk)
     sizing = build(**disk)
-    total = sum(planned_bytes(b) for b in sizing._buckets)
+    total = sum(planned_bytes(b) for b in sizing.layout.buckets)
     sizing.close()
     return build(**disk, host_state_gib=host_share * total / GIB)
 
@@ -53,8 +53,8 @@ def test_split_ends_where_host_memory_and_the_disk_end(tmp_path, algorithm, copy
                          copy_on_cpu=copy_on_cpu)
         if name == "split":
             tier = opt.layout.tier
-            assert isinstance(tier, SplitTier) and 0 < len(tier.in_host) < len(opt._buckets)
-            assert len(tier.disk.regions) == len(opt._buckets) - len(tier.in_host)
+            assert isinstance(tier, SplitTier) and 0 < len(tier.in_host) < len(opt.layout.buckets)
+            assert len(tier.disk.regions) == len(opt.layout.buckets) - len(tier.in_host)
         _train(opt, params, 12)
         runs[name] = (params, opt.state_dict(), opt.skipped_steps)
         opt.close()
@@ -107,13 +107,13 @@ def test_auto_takes_what_is_available_less_the_window_and_the_reserve(tmp_path, 
     make = ALGORITHMS["adamw"]
     params = _params()
     sizing = _optimizer(params, make, tmp_path, offload_fraction=1.0, copy_on_cpu=True)
-    region = max(planned_bytes(b) for b in sizing._buckets)
+    region = max(planned_bytes(b) for b in sizing.layout.buckets)
     made = 4 * sum(p.numel() for p in params)  # the masters, made in host memory before they are placed
     # the gradient buffers, made but not yet written (not yet missing from what the system says is available)
-    untouched = sum(b.numel() * b.element_size() for bucket in sizing._buckets for b in bucket.buffers)
+    untouched = sum(b.numel() * b.element_size() for bucket in sizing.layout.buckets for b in bucket.buffers)
     assert untouched >= 4 * sum(p.numel() for p in params)
     window = sizing.layout.tier.window_bytes
-    buckets = len(sizing._buckets)
+    buckets = len(sizing.layout.buckets)
     sizing.close()
     monkeypatch.setattr(split_tier, "host_memory_bytes", lambda: 100 * GIB)
     # available besides the masters made: the window, a reserve of 1 GiB and 2.5 buckets' regions, for two processes
@@ -198,7 +198,7 @@ def test_under_the_trainer_the_split_ends_where_trainer_ends_and_resumes_under_a
     _, reference = _fit("auto", **settings)
     trainer, split = _fit(ours(0.00001, "split"), **settings)
     tier = trainer.strategy.engines[0].layout.tier
-    assert 0 < len(tier.in_host) < len(trainer.strategy.engines[0]._buckets)
+    assert 0 < len(tier.in_host) < len(trainer.strategy.engines[0].layout.buckets)
     if settings.get("precision") == "bf16-true":  # half weights beside float32 masters: against the all-disk run
         _, reference = _fit(ours(None, "disk"), **settings)
     assert all(torch.equal(a, b) for a, b in zip(split, reference))
@@ -234,7 +234,7 @@ def test_the_memory_estimate_splits_the_state_and_gives_the_disk_a_column(tmp_pa
                            offload_optimizer_device="nvme", nvme_path=str(tmp_path), nvme_window_mb=0.2,
                            host_state_gib=6 * n / GIB)
     tier = opt.layout.tier
-    kept, largest = sum(tier.in_host.values()), max(planned_bytes(b) for b in opt._buckets)
+    kept, largest = sum(tier.in_host.values()), max(planned_bytes(b) for b in opt.layout.buckets)
     assert half.cpu["master_weights"] + half.cpu["optimizer_state"] - largest <= kept <= 6 * n
     opt.close()
     with pytest.raises(ValueError, match="host_state_gib must be a number of GiB, 0 or more \\(the estimate cannot "
@@ -294,13 +294,13 @@ def test_auto_fraction_and_auto_host_state_plan_the_three_places_in_one_table(tm
         trainer, ours = _fit(strategy)
     engine = trainer.strategy.engines[0]
     tier = engine.layout.tier
-    assert engine.offload_fraction == 0.5 and 0 < len(tier.in_host) < len(engine._buckets)
+    assert engine.offload_fraction == 0.5 and 0 < len(tier.in_host) < len(engine.layout.buckets)
     table = caplog.text[caplog.text.index("where the masters and optimizer state are now:"):]
     rows = {line.split()[0]: line for line in table.splitlines()[1:6]}
     assert {"device", "host", "disk"} <= set(rows)
-    assert rows["device"].split()[2] == f"{sum(s.numel for s in engine._device_slots):,}"
+    assert rows["device"].split()[2] == f"{sum(s.numel for s in engine.layout.device_slots):,}"
     host_tensors = sum(len(b.slots) for b in tier.in_host)
-    disk_tensors = sum(len(b.slots) for b in engine._buckets if b not in tier.in_host)
+    disk_tensors = sum(len(b.slots) for b in engine.layout.buckets if b not in tier.in_host)
     assert rows["host"].split()[2] == f"{host_tensors:,}" and rows["disk"].split()[1] == f"{disk_tensors:,}"
     _, reference = _fit("auto")
     assert all(torch.equal(a, b) for a, b in zip(ours, reference))

@@ -75,7 +75,7 @@ def test_a_step_that_waits_leaves_nothing_running_where_the_worker_ends_its_upda
     schedule.join = late_join
     model(x).square().mean().backward()
     opt.step()
-    assert len(held.order) == len(opt._buckets) >= 3 and schedule.updates_left_running == 0
+    assert len(held.order) == len(opt.layout.buckets) >= 3 and schedule.updates_left_running == 0
     assert not opt._in_flight
     ref, ref_opt = make(False)
     ref(x).square().mean().backward()
@@ -92,7 +92,7 @@ def test_a_step_that_waits_leaves_nothing_running_where_the_worker_ends_its_upda
                                       lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9)], ids=["adamw", "sgd"])
 def test_the_streamed_step_ends_where_the_unstreamed_one_ends_bit_for_bit(backend, make_opt, fraction):
     streamed, streamed_states, opt = _train(True, make_opt, fraction)
-    assert len(opt._buckets) >= 3  # several buckets, each started on its own
+    assert len(opt.layout.buckets) >= 3  # several buckets, each started on its own
     plain, plain_states, _ = _train(False, make_opt, fraction)
     for a, b in zip(streamed.parameters(), plain.parameters()):
         assert torch.equal(a, b)
@@ -112,7 +112,7 @@ def cpu_updates_and_backward_end(after_backward, **kw):
     run = opt.updates.run  # (every update goes through it)
 
     def timed(inner, plan, *args):
-        if inner is not opt._device_inner:
+        if inner is not opt.layout.device_inner:
             started.append(time.perf_counter())
         return run(inner, plan, *args)
 
@@ -131,7 +131,7 @@ def test_a_buckets_cpu_update_starts_before_backward_ends(compiled):
     """The last layer's gradients land first, and its bucket's update starts while the
     earlier layers' backward still runs."""
     started, backward_ended, opt = cpu_updates_and_backward_end(lambda o: o.step())
-    assert len(started) == len(opt._buckets) >= 4
+    assert len(started) == len(opt.layout.buckets) >= 4
     assert min(started) < backward_ended, (min(started) - backward_ended)
     opt.close()
 

@@ -38,8 +38,8 @@ def test_each_buckets_cpu_update_is_a_profiler_range():
     model(torch.randn(8, 32)).sum().backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.step()
-    assert len(opt._buckets) >= 3
-    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
+    assert len(opt.layout.buckets) >= 3
+    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt.layout.buckets)
     lanes = lanes_from_events(prof.events())
     # (no clipping, no worker thread nor forward waiting for it, no disk)
     assert set(lanes) == set(LANES) - {"grad scale", "worker task", "forward wait", "disk read", "disk write"}
@@ -56,8 +56,8 @@ def test_a_streamed_steps_updates_on_the_worker_thread_are_recorded():
     with profile(gpu=False) as prof:
         model(torch.randn(8, 32)).sum().backward()
         opt.step()
-    assert len(opt._buckets) >= 3
-    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
+    assert len(opt.layout.buckets) >= 3
+    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt.layout.buckets)
     opt.close()
 
 
@@ -73,7 +73,7 @@ def test_the_worker_threads_tasks_are_a_lane_around_its_updates():
     events = prof.events()
     tasks = [e for e in events if e.name == "fastopt::worker_task"]
     updates = [e for e in events if e.name == CPU_UPDATE]
-    assert len(tasks) == len(updates) == len(opt._buckets) >= 3
+    assert len(tasks) == len(updates) == len(opt.layout.buckets) >= 3
     for u in updates:  # each update inside a task of its thread
         assert any(t.thread == u.thread and t.time_range.start <= u.time_range.start
                    and u.time_range.end <= t.time_range.end for t in tasks)
@@ -119,9 +119,9 @@ def test_clippings_multiply_of_a_buckets_gradients_is_a_lane_where_it_is_a_pass_
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.scale_gradients(torch.tensor(0.5))
         opt.step()
-    assert len(opt._buckets) >= 3
-    assert sum(e.name == "fastopt::grad_scale" for e in prof.events()) == (len(opt._buckets) if own_step else 0)
-    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt._buckets)
+    assert len(opt.layout.buckets) >= 3
+    assert sum(e.name == "fastopt::grad_scale" for e in prof.events()) == (len(opt.layout.buckets) if own_step else 0)
+    assert sum(e.name == CPU_UPDATE for e in prof.events()) == len(opt.layout.buckets)
     lanes = lanes_from_events(prof.events())
     assert bool(lanes.get("grad scale")) == own_step and lanes["CPU update"]
     opt.close()

@@ -343,9 +343,9 @@ class LocalShardOptimizer(LocalOffloadWrapper):
         """The local optimizer's ``before_updates``: each parameter's squared norms that
         LAMB's or LARS's update reads, over this rank's rows, summed over every rank's, given
         to the updates (so that the trust ratios are the whole parameter's)."""
-        local = self.local.norm_sums(grad_scale, context)
+        local = self.local.updates.step_norm_sums(grad_scale, context)
         totals = self._over_every_rank(local, 2)
-        self.local.give_norms({self._alias[p]: totals[p] for p in self._params if self._alias[p] in local})
+        self.local.updates.give_norms({self._alias[p]: totals[p] for p in self._params if self._alias[p] in local})
 
     def _over_every_rank(self, local: Mapping[Tensor, Tensor], width: int) -> dict[Tensor, Tensor]:
         """Each parameter's ``width`` sums over this rank's rows (``local``, keyed by alias;

@@ -109,7 +109,7 @@ class DelayedStep(CpuStepSchedule):
 
     def __init__(self, optimizer, warmup: int) -> None:
         super().__init__(optimizer)
-        self.updates = DelayedUpdates(warmup)
+        self.updates = self.delayed = DelayedUpdates(warmup)
         self._delays = False  # this step's update is delayed
 
     def before_step(self) -> Sent:
@@ -123,7 +123,7 @@ class DelayedStep(CpuStepSchedule):
 
     def host_step(self, grad_scale, context) -> Sent:
         if not self._delays:
-            return self.in_line(self.opt._buckets, grad_scale, context)
+            return self.in_line(self.opt.layout.buckets, grad_scale, context)
         self._launch(grad_scale, context)
         return [], []
 
@@ -137,7 +137,7 @@ class DelayedStep(CpuStepSchedule):
         opt = self.opt
         if isinstance(grad_scale, Tensor):
             grad_scale = grad_scale.clone()
-        for b in reversed(opt._buckets):  # forward order: the first layers' weights are ready first
+        for b in reversed(opt.layout.buckets):  # forward order: the first layers' weights are ready first
             plan = opt.updates.plan(b.inner, b.slots)
             if plan is None:
                 continue
@@ -157,14 +157,14 @@ class DelayedStep(CpuStepSchedule):
         master whose parameter something else wrote meanwhile takes the write instead."""
         opt = self.opt
         timer, sent, buckets = opt._timer, [], []
-        for b in reversed(opt._buckets):
+        for b in reversed(opt.layout.buckets):
             with timer.phase("grad_d2h"):
                 opt.copies.wait_on_host(b.grads_ready)  # the written flags land with the gradients
             with timer.phase("cpu_step"):
                 updated = self.updates.take(b)
             written = written_in_bucket(b)
             b.written_flags.zero_()  # answered: a step in line after this one must not refresh again
-            opt._refresh_written(written)
+            opt.masters.written(written)
             keep = [s for s in updated if s not in written]
             if keep:
                 with timer.phase("param_h2d"), opt.layout.tier.resident(b, sent=b.params_sent, writes=False):
@@ -181,11 +181,11 @@ class DelayedStep(CpuStepSchedule):
         opt._in_flight.wait_all()  # the checks below read the weights
         updated = self.updates.take_all()
         written = written_by_others(updated)
-        opt._refresh_written(written)
+        opt.masters.written(written)
         keep = [s for s in updated if s not in written]
         opt.copies.mark_compute_done(opt._compute_done)
         last = None
-        for b in opt._buckets:
+        for b in opt.layout.buckets:
             mine = [s for s in keep if s.bucket is b]
             if mine:
                 with opt.layout.tier.resident(b, sent=b.params_sent, writes=False):

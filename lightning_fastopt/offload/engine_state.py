@@ -57,14 +57,14 @@ class EngineState:
         saved = self.saved()  # the state and a delayed update's pending masters, by name
         tier = opt.layout.tier
         whole = WholeValues(tier.hand_out, tier.blank)
-        for members in opt.layout.in_residence([s for s in opt._slots if s.separate_master], writes=False):
+        for members in opt.layout.in_residence([s for s in opt.layout.slots if s.separate_master], writes=False):
             for s in members:
                 whole.add(s, "", s.master)
         masters = whole.under("")
         opt.close(apply_pending=False)
         new.load_state_dict(saved)
         pending = set(saved.get(SAVED_KEY, {}).get("weights", {}))
-        kept = [s for s in new._slots if s.separate_master and s.name in masters and s.name not in pending]
+        kept = [s for s in new.layout.slots if s.separate_master and s.name in masters and s.name not in pending]
         for members in new.layout.in_residence(kept):
             for s in members:  # a half-precision weight's master has more bits than the weight
                 put_master(s, s.of(masters[s.name]))
@@ -74,16 +74,34 @@ class EngineState:
         new.modules_wait_for(opt._in_flight.covered)
         return new
 
+    def state_of(self, param: Tensor) -> dict[str, Any]:
+        """One model parameter's state, where its share keeps it; with the state on disk, a
+        copy as a checkpoint keeps it, in files of its own
+        (:meth:`DiskTier.hand_out <lightning_fastopt.offload.state_tiers.DiskTier.hand_out>`),
+        a parameter split into pieces put together."""
+        opt = self.opt
+        opt.schedule.wait()
+        slot = opt.layout.slot_of[param]
+        tier = opt.layout.tier
+        if slot.bucket is None or not tier.on_disk:
+            return opt.layout.inner_of(slot).state.get(slot.master, {})
+        whole = WholeValues(tier.hand_out, tier.blank, saved_dtype)
+        for members in opt.layout.in_residence(opt.layout.pieces_of[param], writes=False):
+            for s in members:  # (the tensors point at nothing after)
+                for k, v in opt.layout.inner_of(s).state.get(s.master, {}).items():
+                    whole.add(s, k, v)
+        return whole.by_name.get(slot.name, {})
+
     def beside_parameters(self) -> dict[Any, Any]:
         """The user's class's state under keys that are not parameters, as the first share
         that has any keeps it (every share that steps counts alike)."""
         opt = self.opt
         if not isinstance(opt.optimizer, UserStepOptimizer):
             return {}
-        return next((own for own in (inner.own_state() for inner in opt._inners()) if own), {})
+        return next((own for own in (inner.own_state() for inner in opt.layout.inners()) if own), {})
 
     def _names(self) -> list[list[str]]:
-        return [[self.opt._slot_of[p].name for p in g["params"]] for g in self.opt.param_groups]
+        return [[self.opt.layout.slot_of[p].name for p in g["params"]] for g in self.opt.param_groups]
 
     def saved(self) -> dict[str, Any]:
         """The state dict, once every update under way has finished."""
@@ -91,9 +109,9 @@ class EngineState:
         opt.schedule.wait()
         tier = opt.layout.tier  # (on disk: copies, in files of their own)
         state = WholeValues(tier.hand_out, tier.blank, saved_dtype)
-        for members in opt.layout.in_residence(opt._slots, writes=False):
+        for members in opt.layout.in_residence(opt.layout.slots, writes=False):
             for s in members:
-                st = opt._inner_of(s).state.get(s.master)
+                st = opt.layout.inner_of(s).state.get(s.master)
                 if st:
                     for k, v in st.items():
                         state.add(s, k, v)
@@ -109,8 +127,8 @@ class EngineState:
                 raise ValueError(f"{opt.optimizer.user_class.__name__} keeps state under {clash[0]!r}, which is also "
                                  "the name of a parameter: the state dict cannot hold both")
             saved["state"].update(beside)
-        if opt._delayed is not None:
-            saved[SAVED_KEY] = opt._delayed.saved(opt.layout)
+        if opt.schedule.delayed is not None:
+            saved[SAVED_KEY] = opt.schedule.delayed.saved(opt.layout)
         return saved
 
     def load(self, state_dict: dict[str, Any]) -> None:
@@ -122,26 +140,26 @@ class EngineState:
         user_step = isinstance(opt.optimizer, UserStepOptimizer)
         state_dict, beside = split_beside_parameters(state_dict) if user_step else (state_dict, {})
         by_name, saved_groups = read_named_state(state_dict, self._names(),
-                                                 {s.name: s.param.shape for s in opt._slots}, opt.param_groups,
+                                                 {s.name: s.param.shape for s in opt.layout.slots}, opt.param_groups,
                                                  moments_shaped=not user_step)
         for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
             group.update(saved)  # in place: LR schedulers hold these dicts
             opt.optimizer._validate_group(group)
             if user_step:  # every share, also the keys the class's code writes (not copied at a step)
-                for inner in opt._inners():
+                for inner in opt.layout.inners():
                     inner.param_groups[i].update(saved)
-        for inner in opt._inners():
+        for inner in opt.layout.inners():
             inner.state.clear()
             if user_step:
                 inner.put_own_state(beside)
         masters = {}
-        for members in opt.layout.in_residence(opt._slots):
+        for members in opt.layout.in_residence(opt.layout.slots):
             for s in members:
                 st = dict(by_name.get(s.name) or {})
                 if MASTER_KEY in st:
                     masters[s] = st.pop(MASTER_KEY)
                 if st:
-                    opt._set_state(s, st)
+                    opt.layout.set_state(s, st)
         self._load_masters(masters)
         self._load_pending(state_dict.get(SAVED_KEY))
 
@@ -164,10 +182,10 @@ class EngineState:
     def _load_pending(self, saved: Mapping[str, Any] | None) -> None:
         """A delayed update's pending masters from a checkpoint: pending again for the
         offloaded parameters of a delayed optimizer, into the model for any other."""
-        delayed = self.opt._delayed
+        delayed = self.opt.schedule.delayed
         weights = dict((saved or {}).get("weights", {}))
         by_name: dict[str, list[ParamSlot]] = {}
-        for s in self.opt._slots:
+        for s in self.opt.layout.slots:
             by_name.setdefault(s.name, []).append(s)
         for name, w in weights.items():
             slots = by_name.get(name)

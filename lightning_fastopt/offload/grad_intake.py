@@ -109,7 +109,7 @@ class GradIntake:
         ``landing`` (FSDP's host shards): an event its copy into host memory recorded, still
         on its way: the bucket's readers wait for it (``grads_ready``, :class:`CopiesElsewhere
         <lightning_fastopt.offload.copies.CopiesElsewhere>`), not the thread handing it over."""
-        slot = self.opt._slot_of[param]
+        slot = self.opt.layout.slot_of[param]
         if landing is not None and (slot.bucket is None or not isinstance(slot.bucket.grads_ready, CopiesElsewhere)):
             raise ValueError(f"a gradient copy still on its way (landing) is awaited only for FSDP's host shards "
                              f"(host_shards=True), got one for {slot.name}")
@@ -182,7 +182,7 @@ class GradIntake:
         if not self.opt.copies.needed:
             return
         sent: dict[Tensor, Tensor | None] = {}  # the parameters whose gradients go now (freed after every piece)
-        for b in self.opt._buckets:
+        for b in self.opt.layout.buckets:
             for s in b.slots:
                 if not s.grad_sent:
                     g = sent.setdefault(s.param, s.param.grad)
@@ -224,13 +224,13 @@ class GradIntake:
         opt = self.opt
         opt._in_flight.wait_all()
         if self.mode == "keep":
-            return [(s.param, s.param.grad) for s in opt._slots if s.leads and s.param.grad is not None]
+            return [(s.param, s.param.grad) for s in opt.layout.slots if s.leads and s.param.grad is not None]
         opt.schedule.before_gradients_read()
         self.send_pending()
-        for b in opt._buckets:
+        for b in opt.layout.buckets:
             opt.copies.wait_on_host(b.grads_ready)
             self.apply_scales(b)
-        return [(s.param, g) for s, g in ((s, self.grad_of(s)) for s in opt._slots) if g is not None]
+        return [(s.param, g) for s, g in ((s, self.grad_of(s)) for s in opt.layout.slots) if g is not None]
 
     def scale(self, coef: Tensor) -> None:
         """Multiply every gradient :meth:`read` gives by ``coef`` (a float32 tensor: clipping
@@ -248,7 +248,7 @@ class GradIntake:
             return
         now: list[Tensor] = []
         later: dict[HostBucket, None] = {}
-        for s in self.opt._slots:
+        for s in self.opt.layout.slots:
             g = self.grad_of(s)
             if g is not None:
                 if s.bucket is None:
@@ -283,14 +283,14 @@ class GradIntake:
         by ``grad_scale``, as torch computes it (:mod:`~lightning_fastopt.offload.grad_norms`)."""
         grads = dict(self.read())  # (a split parameter's: one of its pieces')
         opt = self.opt
-        return self.norms.total(opt.param_groups, opt._slot_of, lambda s: s.param in grads, self._whole(grads),
+        return self.norms.total(opt.param_groups, opt.layout.slot_of, lambda s: s.param in grads, self._whole(grads),
                                 self.key_of, grad_scale)
 
     def gradient_norms_by_param(self, grad_scale: float = 1.0) -> dict[Tensor, Tensor]:
         """The norm of each gradient the next step reads, taken as :meth:`gradient_norm`
         takes it (for optimizers that combine the norms over ranks)."""
         grads = dict(self.read())
-        slots = [self.opt._slot_of[p] for p in grads]
+        slots = [self.opt.layout.slot_of[p] for p in grads]
         norms = self.norms.of(slots, self._whole(grads), self.key_of, grad_scale)
         return {s.param: norms[s] for s in slots}
 
@@ -299,7 +299,7 @@ class GradIntake:
         together: a copy)."""
         grads = dict(self.read())
         whole = self._whole(grads)
-        return {p: whole(self.opt._slot_of[p]) for p in grads}
+        return {p: whole(self.opt.layout.slot_of[p]) for p in grads}
 
     # ------------------------------------------------------------------ between steps
     def renew(self) -> None:
@@ -307,7 +307,7 @@ class GradIntake:
         self.opt.schedule.end()
         self.norms.clear()
         self.hooks.refresh()  # parameters unfrozen since the last step get their hook
-        for b in self.opt._buckets:
+        for b in self.opt.layout.buckets:
             self.reset(b)
 
     def reset(self, bucket: HostBucket) -> None:

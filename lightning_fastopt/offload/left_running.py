@@ -41,7 +41,7 @@ def ends_early(opt) -> bool:
     wrapper gives the updates norms at the step (``before_updates``: LAMB's and LARS's
     whole-tensor norms on FSDP's rows).  Wherever the state lives: a disk tier reads
     ahead the buckets in the order the worker takes them (:meth:`UpdateQueue._run_next`)."""
-    return (opt.forward_waits == "module" and (opt.copies.needed or opt.host_shards)
+    return (opt.settings.forward_waits == "module" and (opt.copies.needed or opt.settings.host_shards)
             and opt.before_updates is None)
 
 
@@ -124,7 +124,7 @@ class UpdateQueue:
         ``early``: :func:`ends_early`)."""
         if not early:
             return list(self._queued)
-        position = {b: i for i, b in enumerate(self.opt._buckets)}
+        position = {b: i for i, b in enumerate(self.opt.layout.buckets)}
         return sorted(self._queued, key=position.__getitem__, reverse=True)
 
     def _run_next(self) -> None:
@@ -153,7 +153,7 @@ class UpdateQueue:
         queued ones (``ahead``, in its order: the next forward's first), then what lands
         next (during backward, the buckets after this one; after a step that left this one
         running, ``left``, the next backward's first)."""
-        buckets = self.opt._buckets
+        buckets = self.opt.layout.buckets
         lands_next = buckets if left else buckets[buckets.index(bucket) + 1:]
         self.opt.layout.tier.prefetch([bucket, *ahead, *lands_next])
 

@@ -35,6 +35,7 @@ class CpuStepSchedule:
     _queue = None  # the schedules that may leave updates running hand them to the worker through an UpdateQueue
     ends_early = False  # whether step() may return before its host updates end (those schedules say when)
     starts_in_backward = False  # whether host updates start as their gradients land during backward
+    delayed = None  # the delayed updates' record (DelayedStep's), whose update a step leaves to the next
 
     def __init__(self, optimizer) -> None:
         self.opt = optimizer  # the OffloadOptimizer whose host buckets it updates (it imports this module)
@@ -64,7 +65,7 @@ class CpuStepSchedule:
 
     def host_step(self, grad_scale, context) -> Sent:
         """The offloaded share's update of this step."""
-        return self.in_line(self.opt._buckets, grad_scale, context)
+        return self.in_line(self.opt.layout.buckets, grad_scale, context)
 
     def skipped(self) -> None:
         """The step changes nothing (an inf/NaN gradient)."""
@@ -91,7 +92,7 @@ class CpuStepSchedule:
             opt.layout.tier.prefetch(buckets[i:])  # a disk tier reads the next buckets (as slots allow) meanwhile
             if not opt.copies.needed:  # a CPU run: nothing to wait for or copy
                 with opt._timer.phase("cpu_step"), opt.layout.tier.resident(b):
-                    opt._refresh_written(written_in_bucket(b))
+                    opt.masters.written(written_in_bucket(b))
                     written += opt.updates.step_inner(b.inner, b.slots, grad_scale, context)
                 continue
             updated = opt.updates.bucket_step(b, grad_scale, context, opt._compute_done, timed=True)

@@ -86,7 +86,7 @@ class ShareLayout:
         """Take over parameters (at construction, or those of a group added later):
         ``offload_fraction`` of them go to new host buckets, the rest to the device share."""
         unique = list(dict.fromkeys(params))  # torch warns about a parameter listed twice in a group
-        new = self._make_slots(unique, choose_offloaded(unique, self.opt.offload_fraction, self.opt.stays_on_device))
+        new = self._make_slots(unique, choose_offloaded(unique, self.opt.offload_fraction, self.opt.settings.stays_on_device))
         if len(unique) < len(params):
             listed = Counter(params)
             for s in new:
@@ -161,7 +161,7 @@ class ShareLayout:
         if copies.needed:
             bucket.written_flags = torch.zeros(len(slots), dtype=torch.bool, pin_memory=self.pin)
         # (FSDP's host shards: FSDP copies the gradients into host memory, we wait for its copies)
-        bucket.grads_ready = CopiesElsewhere() if self.opt.host_shards else copies.new_event()
+        bucket.grads_ready = CopiesElsewhere() if self.opt.settings.host_shards else copies.new_event()
         bucket.params_sent = copies.new_event()
         bucket.backward_done = copies.new_event()
         for s in slots:

@@ -99,7 +99,7 @@ class ShareUpdates:
             inner.step_kwargs = step_kwargs
         if closure is not None:
             inner.step_closure = closure
-        label = "fastopt::device_update" if inner is self.opt._device_inner else "fastopt::cpu_update"
+        label = "fastopt::device_update" if inner is self.opt.layout.device_inner else "fastopt::cpu_update"
         try:
             with torch.profiler.record_function(label):
                 inner.step(grad_scale=grad_scale, step_context=context)
@@ -127,6 +127,30 @@ class ShareUpdates:
             inner.grad_source = None
         return {s.param: sums[s.master] for s in updated}
 
+    def step_norm_sums(self, grad_scale, context) -> dict[Tensor, Tensor]:
+        """For an optimizer with ``whole_tensor_norms`` (LAMB, LARS): each parameter's
+        squared norms that its update in the step now under way reads, over every share of
+        it this engine holds (nothing written:
+        :meth:`~lightning_fastopt.optim.base.FusedOptimizer.norm_sums`).  For the engine's
+        ``before_updates`` hook, where the gradients are in place."""
+        opt, layout = self.opt, self.opt.layout
+        out = self.norm_sums(layout.device_inner, layout.device_slots, grad_scale, context)
+        for i, bucket in enumerate(layout.buckets):
+            opt.copies.wait_on_host(bucket.grads_ready)
+            opt.masters.written(written_in_bucket(bucket))  # (as its update would first)
+            layout.tier.prefetch(layout.buckets[i:])
+            with layout.tier.resident(bucket, writes=False):
+                out.update(self.norm_sums(bucket.inner, bucket.slots, grad_scale, context))
+        return out
+
+    def give_norms(self, norms: dict[Tensor, Tensor] | None) -> None:
+        """Each parameter's squared norms over its whole tensor (the pieces'
+        :meth:`step_norm_sums` summed), for this step's updates; None: each takes its own again."""
+        slots = self.opt.layout.slots
+        given = None if norms is None else {s.master: norms[s.param] for s in slots if s.param in norms}
+        for inner in self.opt.layout.inners():
+            inner.given_norms = given
+
     def bucket_step(self, bucket: HostBucket, grad_scale, context, after, timed: bool = False,
                     plan: Any = UNPLANNED) -> list[ParamSlot]:
         """One bucket's share of a step, once its gradients have landed: refresh masters
@@ -138,7 +162,7 @@ class ShareUpdates:
         with phase("grad_d2h"):
             opt.copies.wait_on_host(bucket.grads_ready)
         with opt.layout.tier.resident(bucket, sent=bucket.params_sent):
-            opt._refresh_written(written_in_bucket(bucket))
+            opt.masters.written(written_in_bucket(bucket))
             with phase("cpu_step"), (contextlib.nullcontext() if timed else self.on_worker()):
                 if plan is UNPLANNED:
                     plan = self.plan(bucket.inner, bucket.slots)

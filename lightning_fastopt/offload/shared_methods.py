@@ -35,15 +35,15 @@ def run_on_shares(opt, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
     opt.apply_pending_update()
     opt.refresh_master_weights(only_changed=True)
     results, ran = [], set()
-    for members in opt.layout.in_residence(opt._slots):
-        inner = opt._inner_of(members[0])
+    for members in opt.layout.in_residence(opt.layout.slots):
+        inner = opt.layout.inner_of(members[0])
         results.append(inner.run_method(name, args, kwargs))
         ran.add(id(inner))
         for s in members:
             if s.separate_master:
                 s.weight().copy_(s.master)
         remember_weights(members)
-    for inner in opt._inners():  # shares with no parameters now: their flags alike
+    for inner in opt.layout.inners():  # shares with no parameters now: their flags alike
         if id(inner) not in ran:
             results.append(inner.run_method(name, args, kwargs))
     return results[0] if results else None

@@ -146,7 +146,7 @@ class SpeculativeStep(CpuStepSchedule):
         others wrote, keep masters and state aside, update (the weights stay on the host)."""
         opt = self.opt
         opt.copies.wait_on_host(bucket.grads_ready)
-        opt._refresh_written(written_in_bucket(bucket))
+        opt.masters.written(written_in_bucket(bucket))
         tier = opt.layout.tier
         bucket.inner.grads_read_again = True  # (by the update redone, where the check at the step changes them)
         with opt.updates.on_worker(), tier.resident(bucket, speculative=True):
@@ -201,7 +201,7 @@ class SpeculativeStep(CpuStepSchedule):
         later = self.ends_early
         leaving: list[HostBucket] = []  # updates left to the worker (ends_early), in the buckets' order
         redo: set[HostBucket] = set()  # of those, the redone ones (their snapshot put back first)
-        for b in opt._buckets:
+        for b in opt.layout.buckets:
             if b not in done:
                 if later and b in watched:
                     leaving.append(b)

@@ -21,9 +21,9 @@ def state_places(opt) -> str:
     tier = opt.layout.tier
     in_host = getattr(tier, "in_host", None)
     on_disk = getattr(tier, "disk", tier if tier.on_disk else None)
-    places = {"device": [SimpleNamespace(inner=opt.layout.device_inner, slots=opt._device_slots)],
+    places = {"device": [SimpleNamespace(inner=opt.layout.device_inner, slots=opt.layout.device_slots)],
               "host memory": [], "disk": []}
-    for bucket in opt._buckets:
+    for bucket in opt.layout.buckets:
         kept = bucket in in_host if in_host is not None else on_disk is None
         places["host memory" if kept else "disk"].append(bucket)
     rows = [f"{'':14s}{'tensors':>9s}{'elements':>15s}{'bytes':>12s}"]

@@ -70,7 +70,7 @@ class StreamedStep(CpuStepSchedule):
         early the queue has them read in the order the worker takes them)."""
         opt = self.opt
         if not self.ends_early:
-            opt.layout.tier.prefetch(opt._buckets[opt._buckets.index(bucket):])
+            opt.layout.tier.prefetch(opt.layout.buckets[opt.layout.buckets.index(bucket):])
         updated = opt.updates.bucket_step(bucket, None, None, bucket.backward_done, plan=plan)
         with self._queue.lock:
             if bucket in self.running:  # (not one a step left running: that step has ended, and the next
@@ -131,12 +131,12 @@ class StreamedStep(CpuStepSchedule):
             updated = futures[b].result()
             written += updated
             sent += [b] if updated else []
-        for b in opt._buckets:
+        for b in opt.layout.buckets:
             if b not in futures:
                 w, s = self.in_line([b], grad_scale, context)
                 written, sent = written + w, sent + s
         self._queue.leave(left)
-        return written, sent + [b for b in opt._buckets if b in left]
+        return written, sent + [b for b in opt.layout.buckets if b in left]
 
     def wait(self) -> None:
         """The updates the last step left running (ends_early) have ended."""

@@ -44,11 +44,11 @@ class SynchronousStep(CpuStepSchedule):
     def host_step(self, grad_scale, context) -> Sent:
         opt = self.opt
         if not self.ends_early:
-            return self.in_line(opt._buckets, grad_scale, context)
+            return self.in_line(opt.layout.buckets, grad_scale, context)
         with opt._timer.phase("grad_d2h"):
-            for b in opt._buckets:  # (off the device before step() returns: p.grad may be written then)
+            for b in opt.layout.buckets:  # (off the device before step() returns: p.grad may be written then)
                 opt.copies.wait_on_host(b.grads_ready)
-        left = self._queue.put_after_step(opt._buckets, grad_scale, context)
+        left = self._queue.put_after_step(opt.layout.buckets, grad_scale, context)
         self._queue.leave(left)
         return [], list(left)
 

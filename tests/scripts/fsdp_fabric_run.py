@@ -159,8 +159,8 @@ def main():
         result.update({f"state/{names[p]}/{k}": torch.as_tensor(_full(v)) for k, v in held.items()})
     torch.save(result, f"{out}.rank{fabric.global_rank}")
     for engine in getattr(fabric.strategy, "_engines", {}).values():  # float32 masters kept apart from the weights
-        apart = sum(s.separate_master for s in engine.local._slots)
-        Path(f"{out}.masters_apart.rank{fabric.global_rank}").write_text(f"{apart} {len(engine.local._slots)}")
+        apart = sum(s.separate_master for s in engine.local.layout.slots)
+        Path(f"{out}.masters_apart.rank{fabric.global_rank}").write_text(f"{apart} {len(engine.local.layout.slots)}")
     finish_process()  # results written: leave without the interpreter's finalization (tests.helpers)
 
 

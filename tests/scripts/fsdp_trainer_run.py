@@ -434,11 +434,11 @@ def main():
         local = getattr(engine, "local", engine)  # FastOptStrategy's engine is the offload optimizer itself
         Path(f"{out}.fraction.rank{trainer.global_rank}").write_text(str(local.offload_fraction))
         # the float32 masters kept apart from the model's weights (none where the host shards are the masters)
-        apart = sum(s.separate_master for s in local._slots if s.leads)
+        apart = sum(s.separate_master for s in local.layout.slots if s.leads)
         params = len(local.layout.pieces_of)
         Path(f"{out}.masters_apart.rank{trainer.global_rank}").write_text(f"{apart} {params}")
         # slots, of parameters: more where a parameter is split into pieces (the state on disk)
-        Path(f"{out}.pieces.rank{trainer.global_rank}").write_text(f"{len(local._slots)} {params}")
+        Path(f"{out}.pieces.rank{trainer.global_rank}").write_text(f"{len(local.layout.slots)} {params}")
         # host buckets whose CPU update started during backward (streamed, or speculated), over the run
         schedule = local.schedule
         totals = getattr(schedule, "totals", {})  # the speculative schedule's

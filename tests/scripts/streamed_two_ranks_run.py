@@ -77,7 +77,7 @@ def _train(rank, speculate, make_opt, fraction, clip, precision, overflow_at, mi
     out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
            "state": {n: {k: v.clone() for k, v in opt.state_of(p).items()} for n, p in model.named_parameters()},
            "loss_scale": driver.loss_scale, "skipped_steps": driver.skipped_steps,
-           "host_buckets": len(opt.local._buckets),
+           "host_buckets": len(opt.local.layout.buckets),
            "totals": dict(schedule.totals) if isinstance(schedule, SpeculativeStep) else {}}
     opt.close()
     return out
@@ -97,7 +97,7 @@ def _timing():
     started, run = [], opt.local.updates.run  # (every update goes through it)
 
     def timed(inner, plan, *args):
-        if inner is not opt.local._device_inner:
+        if inner is not opt.local.layout.device_inner:
             started.append(time.perf_counter())
         return run(inner, plan, *args)
 
@@ -111,7 +111,7 @@ def _timing():
         driver.clip_scaled_gradients(opt, 1e9)
         driver._step(opt)
     out = {"started": list(started), "backward_ended": ended, "totals": dict(Counter(opt.local.schedule.totals)),
-           "host_buckets": len(opt.local._buckets)}
+           "host_buckets": len(opt.local.layout.buckets)}
     opt.close()
     return out
 
@@ -158,7 +158,7 @@ def _ddp(rank, speculate, fraction, clip, precision, overflow_at, bucket_views, 
     out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
            "state": {n: {k: v.clone() for k, v in opt.state_of(p).items()} for n, p in model.named_parameters()},
            "loss_scale": driver.loss_scale, "skipped_steps": driver.skipped_steps, "handed_over_in_backward": early,
-           "host_buckets": len(offload._buckets),
+           "host_buckets": len(offload.layout.buckets),
            "totals": dict(offload.schedule.totals) if isinstance(offload.schedule, SpeculativeStep) else {}}
     opt.close()
     if speculate:
