@@ -57,6 +57,9 @@ sys.path.insert(0, str(REPO / "examples"))
 # (delayed from the third step on, well before the timed steps), a ":bf16-true" suffix trains with half
 # weights (precision="bf16-true") instead of bf16-mixed, a ":module" suffix adds forward_waits="module";
 # a final ":clip" (any configuration) trains with gradient_clip_val=1.0 (streamed, the step is speculative);
+# a final ":aN" (after any other suffix) accumulates N micro-batches a step (accumulate_grad_batches=N: N times
+# the tokens a step, plain's compute N times longer while the update stays the same; issue 66's tokens-per-step
+# sweep compares each row with plain at the same N and clipping);
 # a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default the
 # process's cores, less two where it has 8 or more: lightning_fastopt.core.cpu_threads)
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
@@ -82,6 +85,19 @@ FSDP_CONFIGS = ["fsdp", "fsdp:cpu_offload", "fastopt_fsdp:1:params", "fastopt_fs
                 "fastopt_fsdp:1:params:stream:module", "fastopt_fsdp:1", "fastopt_fsdp:1:stream"]
 CONFIGS += FSDP_CONFIGS
 CLIP = ":clip"
+ACCUMULATE = re.compile(r":a([1-9][0-9]*)$")
+
+
+def split_accumulation(config: str) -> tuple[str, int]:
+    """``config`` without its final ``:aN``, and N (1 without one)."""
+    found = ACCUMULATE.search(config)
+    return (config[:found.start()], int(found.group(1))) if found else (config, 1)
+
+
+def reference_of(config: str) -> str:
+    """The plain row a row is compared with: plain at the same accumulation, with clipping where it clips."""
+    base, n = split_accumulation(config)
+    return "plain" + (CLIP if base.endswith(CLIP) else "") + (f":a{n}" if n > 1 else "")
 DELAYED_WARMUP = 2
 
 
@@ -222,6 +238,9 @@ def child(config: str, args, deliver) -> None:
             self.prof = None
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx % accumulate:  # (a step's later micro-batches)
+                return
+            batch_idx //= accumulate  # the optimizer step this micro-batch starts
             if batch_idx == 0:
                 phases.mark("setup")  # fit's set-up: the model to the device, the strategy's buffers
             if batch_idx == max(0, args.warmup - PROFILED_STEPS):  # the last warm-up steps
@@ -234,6 +253,9 @@ def child(config: str, args, deliver) -> None:
                 self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % accumulate:  # (not a step's last micro-batch)
+                return
+            batch_idx //= accumulate  # the optimizer step this micro-batch ends
             if self.prof is not None and batch_idx == args.warmup - 1:
                 if gpu:
                     torch.cuda.synchronize()
@@ -259,6 +281,7 @@ def child(config: str, args, deliver) -> None:
     phases.mark("imports")
     torch.manual_seed(0)
     sharded = config.startswith(("fsdp", "fastopt_fsdp"))
+    unaccumulated, accumulate = split_accumulation(config)
     # built where it trains: initializing 1B parameters on the CPU took 12 s (one thread draws the
     # random numbers), on the GPU it takes milliseconds; the timings do not depend on the values
     with torch.device("cuda" if gpu else "cpu"):
@@ -267,12 +290,12 @@ def child(config: str, args, deliver) -> None:
     phases.mark("model built")
     n_params = sum(p.numel() for p in model.parameters())
     text = torch.tensor(list((REPO / "examples/data/workshop_notes.txt").read_bytes()), dtype=torch.long)
-    while len(text) < (args.warmup + args.steps) * args.batch * 16 + args.seq + 2:
+    while len(text) < (args.warmup + args.steps) * accumulate * args.batch * 16 + args.seq + 2:
         text = torch.cat([text, text])
     loader = torch.utils.data.DataLoader(ByteWindows(text, args.seq, 16), batch_size=args.batch, shuffle=True,
                                          drop_last=True)
-    clip = config.endswith(CLIP)
-    base = config[:-len(CLIP)] if clip else config
+    clip = unaccumulated.endswith(CLIP)
+    base = unaccumulated[:-len(CLIP)] if clip else unaccumulated
     if base == "plain":
         strategy = "auto"
     elif sharded:
@@ -287,7 +310,8 @@ def child(config: str, args, deliver) -> None:
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=1, strategy=strategy,
                         precision=precision, max_steps=args.warmup + args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[measure], gradient_clip_val=1.0 if clip else None)
+                        enable_model_summary=False, callbacks=[measure], gradient_clip_val=1.0 if clip else None,
+                        accumulate_grad_batches=accumulate)
 
     def row_of(trainer, seconds: float, profiled: dict | None) -> dict:
         """The row, read as the last timed step ends (the speculative counts: each step adds its own at its end)."""
@@ -299,7 +323,8 @@ def child(config: str, args, deliver) -> None:
         # the engine's (the fraction "auto" chose), else the FSDP strategy's (its engines are per rank)
         fraction = getattr(opt, "offload_fraction", getattr(trainer.strategy, "offload_fraction", None))
         return dict(configuration=config, fraction=fraction, params=n_params,
-                    tokens_per_s=args.steps * args.batch * args.seq / seconds, speculated=speculated,
+                    tokens_per_s=args.steps * accumulate * args.batch * args.seq / seconds, speculated=speculated,
+                    tokens_per_step=accumulate * args.batch * args.seq,
                     left_running=left_running,
                     step_ms=seconds / args.steps * 1e3, copy_bytes_per_param=copy_bytes,
                     # weights in host memory: each block's gathered for forward and again for backward
@@ -480,10 +505,9 @@ def main() -> None:
         return "n/a" if x is None else f"{x:.0%}"
 
     by = {r["configuration"]: r for r in rows}
-    for r in rows:  # a configuration with clipping against plain with clipping (else plain, marked)
-        clipped = r["configuration"].endswith(CLIP) and r["configuration"] != "plain:clip"
-        ref = by.get("plain:clip", plain) if clipped else plain
-        mark = " (vs plain)" if clipped and ref is plain and ref is not None else ""
+    for r in rows:  # against plain at the same accumulation and clipping (else plain, marked)
+        ref = by.get(reference_of(r["configuration"]), plain)
+        mark = " (vs plain)" if ref is plain and reference_of(r["configuration"]) != "plain" and ref is not None else ""
         rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x{mark}" if ref else "n/a"
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         saved = (f"{plain['peak_gib'] - r['peak_gib']:.1f}" if plain and r["peak_gib"] is not None else "n/a")
@@ -512,6 +536,13 @@ def main() -> None:
     if plain and "fastopt:1" in by:
         print(f"slowdown at offload_fraction=1: {plain['tokens_per_s'] / by['fastopt:1']['tokens_per_s']:.2f}x "
               "(Megatron-style hybrid offload: 1.9x to 4.2x)")
+    swept = tokens_table(rows)
+    if swept:
+        print(swept)
+        if args.timeline:
+            args.timeline.mkdir(parents=True, exist_ok=True)
+            draw_tokens(rows, args.timeline / "tokens_per_step.png", f"tokens per step, {name}")
+            print(f"tokens per step: {args.timeline / 'tokens_per_step.png'}")
     for r in rows:
         lanes = r.get("lanes")
         if not lanes or not any(lanes.values()):
@@ -524,6 +555,60 @@ def main() -> None:
             print(f"timeline: {path}")
     if args.out:
         args.out.write_text(json.dumps(dict(device=name, terms=terms and asdict(terms), rows=rows), indent=2))
+
+
+def tokens_table(rows: list[dict]) -> str:
+    """Issue 66's sweep: for each configuration run at more than one ``:aN``, its throughput
+    against plain's at the same tokens per step (and clipping), and its bound's."""
+    by = {r["configuration"]: r for r in rows}
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        families.setdefault(split_accumulation(r["configuration"])[0], []).append(r)
+    lines = []
+    for family, members in families.items():
+        if family.startswith("plain") or len(members) < 2:
+            continue
+        lines += [f"\n{family}, by tokens per step:", "| tokens a step | tokens/s | plain's | vs plain | "
+                  "bound's tokens/s | x bound | fraction |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(members, key=lambda r: r["tokens_per_step"]):
+            ref = by.get(reference_of(r["configuration"]))
+            rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.1%}" if ref else "n/a"
+            bound = r.get("bound_ms")
+            at_bound = f"{r['tokens_per_step'] / bound * 1e3:,.0f} | {r['step_ms'] / bound:.2f}x" if bound else "n/a | n/a"
+            lines.append(f"| {r['tokens_per_step']:,} | {r['tokens_per_s']:,.0f} | "
+                         f"{ref['tokens_per_s'] if ref else float('nan'):,.0f} | {rel} | {at_bound} | "
+                         f"{r['fraction'] if r.get('fraction') is not None else 'n/a'} |")
+    return "\n".join(lines)
+
+
+def draw_tokens(rows: list[dict], path: Path, title: str) -> None:
+    """Tokens per second against tokens per step, a line per configuration (accumulations
+    joined) and, dashed, each offloading one's bound (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        families.setdefault(split_accumulation(r["configuration"])[0], []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for family, members in families.items():
+        members = sorted(members, key=lambda r: r["tokens_per_step"])
+        xs = [r["tokens_per_step"] for r in members]
+        ax.plot(xs, [r["tokens_per_s"] for r in members], marker="o", label=family)
+        bounded = [(r["tokens_per_step"], r["tokens_per_step"] / r["bound_ms"] * 1e3) for r in members
+                   if r.get("bound_ms")]
+        if bounded:
+            ax.plot(*zip(*bounded), linestyle="--", label=f"{family}: its bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens a step")
+    ax.set_ylabel("tokens a second")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _phases(row: dict) -> str:

@@ -6,10 +6,11 @@
 # everything printed, and PART.tar.gz, each step's files (tables, JSON, pictures, test logs).
 #
 #   bash benchmarks/gpu_session.sh first     # FIRST, whenever a GPU is lent: at most 8 minutes on an
-#                                            # H100 (FIRST_S=470 s of budget): the build (timed), the
-#                                            # headline rows of the ~1B GPT table, then the CUDA
-#                                            # bit-exactness tests against torch and the Trainer-level
-#                                            # comparisons that matter most, in the time left
+#                                            # H100 (FIRST_S=470 s of budget): the build (timed), issue
+#                                            # 66's targets 1 and 2 (the ~1B GPT's exact full offload
+#                                            # beside plain, clipped, at 8K to 64K tokens a step) and 4
+#                                            # (the largest GPT at 24 GiB, float32 moments, one try),
+#                                            # then the CUDA bit-exactness tests in the time left
 #   bash benchmarks/gpu_session.sh rest [S]  # what did not fit in `first`, most telling first, within S
 #                                            # seconds (default 540: one 10-minute call)
 #   bash benchmarks/gpu_session.sh first --tiny   # the same plan on any machine: a tiny GPT, the tests
@@ -54,7 +55,14 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # first (the CPU update's rate, the pinned copies), about 20 s. A row took 38-51 s (start and
 # imports 16-22 s of it, Lightning's teardown up to 13 s), before rows were forked from one
 # process that imported them and ended at their last timed step: GPT_S=300 reached five rows.
-HEADLINE="plain,fastopt:1:stream:module,fastopt:1:stream:module:clip,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:clip,fastopt:1:stream"
+# Issue 66's targets 1 and 2, first: the exact full offload streamed beside plain, unclipped and clipped,
+# then clipped at 16K, 32K and 64K tokens a step (":aN": N micro-batches of 8 x 1024 tokens accumulated;
+# each row against plain at the same N), and "auto" at the two ends; gpt_offload.py prints the sweep's
+# table and draws tokens/s against tokens a step (tokens_per_step.png)
+FIRST_ROWS="plain,fastopt:1:stream:module,plain:clip,fastopt:1:stream:module:clip,plain:clip:a8,fastopt:1:stream:module:clip:a8,plain:clip:a2,fastopt:1:stream:module:clip:a2,plain:clip:a4,fastopt:1:stream:module:clip:a4,fastopt:auto:stream:clip,fastopt:auto:stream:clip:a8"
+FIRST_STEPS="--warmup 6 --steps 5"
+# then, in rest: the headline rows first left out
+HEADLINE="plain,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:clip,fastopt:1:stream"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, the host
 # shards updated at the step and streamed into backward, and fastopt_fsdp at fraction 1 (exact,
@@ -149,12 +157,21 @@ gpt() {  # gpt() CONFIGS NAME BUDGET_S EXTRA...
     pack
 }
 
+largest_try() {  # largest_try STATE LAYERS SECONDS: the deepest of LAYERS (and shallower) estimated to fit, one try
+    # shellcheck disable=SC2086
+    timeout $(($3 + 60)) python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 --state "$1" \
+        --layers "$2" --tries 1 --timeout-s "$3" --out "$WORK/largest_$1.json" 2>&1 | tee "$WORK/largest_$1.md"
+    pack
+}
+
 main() {  # everything printed goes to $OUT/$part.log too (the pipeline at the end waits for it)
 case "$part" in
     first)
         # 8 minutes on an H100 at most: the build (86 s on the H200 host, 2026-11-28, before Adam's
-        # CUDA source was split and the two builds ran side by side), the GPT rows (GPT_S, 240 s
-        # by default: 38-51 s a configuration), the tests in what is left of FIRST_S
+        # CUDA source was split and the two builds ran side by side), the GPT rows (GPT_S, 200 s
+        # by default: 38-51 s a configuration before rows were forked, 16-22 s less since), the
+        # largest GPT at 24 GiB with float32 moments (LARGEST_S, 120 s: one try, the deepest
+        # estimated to fit), the tests in what is left of FIRST_S
         FIRST_S="${FIRST_S:-470}"
         record_commit
         say "build"
@@ -162,8 +179,10 @@ case "$part" in
         say "the rounding of each ATen operation of torch's CUDA Adam steps (a few seconds)"
         timeout 60 python3 benchmarks/rounding_probe.py 2>&1 | tee "$WORK/rounding_probe.md"
         pack
-        say "GPT headline rows"
-        gpt "$HEADLINE" gpt_headline "${GPT_S:-240}" $HEADLINE_STEPS
+        say "GPT rows: the exact full offload beside plain, clipped, at 8K to 64K tokens a step"
+        gpt "$FIRST_ROWS" gpt_first "${GPT_S:-200}" $FIRST_STEPS
+        say "the largest GPT at 24 GiB of GPU, AdamW moments float32 (one try)"
+        largest_try float32 32 "${LARGEST_S:-120}"
         say "bit-exactness tests and Trainer-level comparisons"
         run_tests $((FIRST_S - SECONDS)) first_tests.txt "${FIRST_TESTS[@]}"
         say "done"
@@ -178,6 +197,8 @@ case "$part" in
         build rest_build.txt
         say "tests first left out"
         run_tests $(((until - SECONDS) / 2)) rest_tests.txt "${REST_TESTS[@]}"
+        say "the headline rows first left out"
+        gpt "$HEADLINE" gpt_headline $(((until - SECONDS) / 3)) $HEADLINE_STEPS
         say "the other GPT rows"
         gpt "$OTHERS" gpt_others $(((until - SECONDS) * 2 / 3)) $HEADLINE_STEPS
         say "the CPU step with the state on this machine's disk, beside it in host memory (issue 53)"
@@ -225,11 +246,7 @@ case "$part" in
             say "the largest GPT at 24 GiB of GPU, AdamW moments $state"
             layers=32
             [ "$state" = bfloat16 ] && layers=40
-            # shellcheck disable=SC2086
-            timeout $((${LARGEST_S:-280} + 60)) python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 \
-                --state $state --layers $layers --tries 1 --timeout-s "${LARGEST_S:-280}" \
-                --out "$WORK/largest_$state.json" 2>&1 | tee "$WORK/largest_$state.md"
-            pack
+            largest_try "$state" "$layers" "${LARGEST_S:-280}"
         done
         say "done"
         ;;

@@ -62,21 +62,29 @@ def _configs_done(files, name, shell_variable):
     return wanted
 
 
-def test_first_builds_runs_the_headline_rows_and_collects_the_exactness_tests(tmp_path):
+def test_first_measures_targets_1_2_and_4_then_collects_the_exactness_tests(tmp_path):
+    """Issue 66's first call: the exact full offload beside plain, clipped, at 1 to 8 micro-batches
+    a step (its sweep's table and picture), the largest GPT at 24 GiB (one try), then the tests."""
     log, files = _session(tmp_path, "first")
     assert "cpu[" in files["first_build.txt"] and "build: " in files["first_build.txt"]
-    configs = _configs_done(files, "gpt_headline", "HEADLINE")
-    assert {"plain", "fastopt:1", "fastopt:1:stream:clip", "fastopt:auto:stream"} <= set(configs)
+    configs = _configs_done(files, "gpt_first", "FIRST_ROWS")
+    assert {"plain", "fastopt:1:stream:module:clip", "fastopt:1:stream:module:clip:a8",
+            "fastopt:auto:stream:clip"} <= set(configs)
+    rows = {r["configuration"]: r for r in json.loads(files["gpt_first.json"])["rows"]}
+    assert rows["plain:clip:a8"]["tokens_per_step"] == 8 * rows["plain:clip"]["tokens_per_step"]
+    sweep = re.search(r"fastopt:1:stream:module:clip, by tokens per step:\n(.+?)\n\n", files["gpt_first.md"], re.S)
+    assert sweep and len(sweep.group(1).splitlines()) == 2 + 4, files["gpt_first.md"]  # 1, 2, 4 and 8 micro-batches
+    got = json.loads(files["largest_float32.json"])
+    assert got["tries"] and got["tries"][0]["trained"], got
     selections = _selections_collected(files["first_tests.txt"])
     assert any("offload1-" in s and "offload0-" in s for s in selections)
-    rows = {r["configuration"]: r for r in json.loads(files["gpt_headline.json"])["rows"]}
-    # its steps ended before their CPU updates (nothing in the GPT reads weights between steps), on a CPU too
-    assert rows["fastopt_fsdp:1:params:stream:module:bf16-true"]["left_running"] > 0
     # the log says when each step started: how the 8 minutes were spent
     steps = re.findall(r"\[gpu_session first, (\d+) s\] (\w[^\n]*)", log)
-    assert [name for _, name in steps][:4] == [
+    assert [name for _, name in steps][:5] == [
         "build", "the rounding of each ATen operation of torch's CUDA Adam steps (a few seconds)",
-        "GPT headline rows", "bit-exactness tests and Trainer-level comparisons"]
+        "GPT rows: the exact full offload beside plain, clipped, at 8K to 64K tokens a step",
+        "the largest GPT at 24 GiB of GPU, AdamW moments float32 (one try)",
+        "bit-exactness tests and Trainer-level comparisons"]
     assert "| `v.sqrt() / bc2s` |" in files["rounding_probe.md"]  # the probe's table
     assert steps[-1][1] == "done"
 
@@ -85,9 +93,14 @@ def test_rest_holds_what_first_leaves_out(tmp_path):
     _, files = _session(tmp_path, "rest")
     _selections_collected(files["rest_tests.txt"] + files["rest_trainer_on_gpu.txt"])
     others = _configs_done(files, "gpt_others", "OTHERS")
-    headline = re.search(r'^HEADLINE="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
-                         re.M).group(1).split(",")
-    assert set(others) & set(headline) == {"plain"}  # plain again: the bound's GPU step, on rest's machine
+    headline = _configs_done(files, "gpt_headline", "HEADLINE")
+    first = re.search(r'^FIRST_ROWS="([^"]+)"', (REPO / "benchmarks" / "gpu_session.sh").read_text(),
+                      re.M).group(1).split(",")
+    # plain again in each table: the bound's GPU step, on rest's machine
+    assert set(others) & set(headline) == set(first) & set(headline) == {"plain"}
+    rows = {r["configuration"]: r for r in json.loads(files["gpt_headline.json"])["rows"]}
+    # its steps ended before their CPU updates (nothing in the GPT reads weights between steps), on a CPU too
+    assert rows["fastopt_fsdp:1:params:stream:module:bf16-true"]["left_running"] > 0
     assert "of the disk's rate reading and writing at once" in files["disk_tier.md"]  # the disk row (issue 53)
 
 
