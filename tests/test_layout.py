@@ -144,3 +144,20 @@ def test_every_subpackage_ships_in_the_wheel():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {_module_name(p) for p in PACKAGE.rglob("__init__.py")}
     assert found - listed == set()
+
+
+def test_the_architecture_pages_run_plan_is_what_the_code_prints():
+    """docs/architecture.md's five-minute section shows a run plan's table: its code, run
+    here, prints that table today (a change to the plan shows up on the page)."""
+    import contextlib
+    import io
+    import re
+
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## A step in five minutes", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"```text\n(.*?)\n```", section, re.S).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/architecture.md", "exec"), {"__name__": "architecture_example"})
+    assert printed.getvalue().rstrip("\n") == shown

@@ -79,7 +79,6 @@ from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_wei
 from lightning_fastopt.offload.shared_methods import run_on_shares
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.offload.settings import OffloadSettings
-from lightning_fastopt.offload.split_tier import make_storage
 from lightning_fastopt.offload.streamed import StreamedStep
 from lightning_fastopt.offload.synchronous import SynchronousStep
 from lightning_fastopt.offload.timing import StepTimer
@@ -129,7 +128,7 @@ class OffloadOptimizer(OptimizerWrapper):
         self._param_names = param_names if param_names is not None else {}
         pin = settings.pin_memory and self.copies.is_cuda
         self.layout = ShareLayout(self, optimizer, self._param_names, settings.bucket_bytes, pin,
-                                  self._host_state_dtype, make_storage(settings, pin, self.copies, self._timer.now, params))
+                                  self._host_state_dtype, settings.storage(pin, self.copies, self._timer.now, params))
         self._intake = GradIntake(self, settings.device_grads, settings.reduced_by)
         self.masters = MasterRefresh(self.layout, self._in_flight)
         self._compute_done = self.copies.new_event()

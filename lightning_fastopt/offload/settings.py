@@ -15,7 +15,7 @@ from torch import Tensor
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
 from lightning_fastopt.offload.grad_intake import check_device_grads
-from lightning_fastopt.offload.split_tier import check_host_state
+from lightning_fastopt.offload.split_tier import check_host_state, make_storage
 from lightning_fastopt.offload.state_tiers import check_offload_device
 from lightning_fastopt.optim.adam import FusedAdam, check_state_dtype
 from lightning_fastopt.optim.base import FusedOptimizer, check_range
@@ -164,6 +164,11 @@ class OffloadSettings:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_size_mb * 2**20)
+
+    def storage(self, pin: bool, copies, clock, params):
+        """The storage tier asked for (:func:`~lightning_fastopt.offload.split_tier.make_storage`)."""
+        return make_storage(self.offload_optimizer_device, self.nvme_path, self.nvme_window_mb, pin, copies, clock,
+                            self.host_state_gib, self.host_reserve_gib, self.processes_per_host, params)
 
     def check_device(self, device: torch.device) -> None:
         """Refuse what the parameters' ``device`` rules out: host shards off the CPU or copied,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -32,9 +32,6 @@ from lightning_fastopt.offload.speculative import afford_speculation, available_
 from lightning_fastopt.offload.state_tiers import (DiskSnapshot, DiskTier, HostMemoryTier, host_memory_bytes,
                                                    make_tier, planned_bytes)
 from lightning_fastopt.runtime.byte_sizes import readable_bytes
-
-if TYPE_CHECKING:
-    from lightning_fastopt.offload.settings import OffloadSettings
 
 __all__ = ["RESERVE_SHARE", "SplitTier", "check_host_state", "make_storage", "spread"]
 
@@ -233,15 +230,14 @@ def _check_gib(name: str, value: Any, memory: int | None, alternatives: str) -> 
         raise ValueError(f"{name}={value!r} is more than this machine's memory ({memory / 2**30:.1f} GiB)")
 
 
-def make_storage(settings: OffloadSettings, pin: bool, copies, clock,
-                 params: Sequence[Tensor] = ()) -> HostMemoryTier | DiskTier | SplitTier:
-    """The storage tier an offload optimizer's ``settings`` ask for: host memory, the disk,
-    or the disk with ``host_state_gib`` of it in host memory (``params``: the optimizer's,
-    whose gradients in host memory backward has still to make count as taken)."""
-    tier = make_tier(settings.offload_optimizer_device, settings.nvme_path, settings.nvme_window_mb, pin, copies,
-                     clock)
-    if settings.host_state_gib is None:
+def make_storage(device: str, nvme_path, nvme_window_mb: float | None, pin: bool, copies, clock,
+                 host_state_gib: float | str | None = None, host_reserve_gib: float | None = None,
+                 processes_per_host: int = 1, params: Sequence[Tensor] = ()) -> HostMemoryTier | DiskTier | SplitTier:
+    """The storage tier an offload optimizer's arguments ask for: host memory, the disk, or
+    the disk with ``host_state_gib`` of it in host memory (``params``: the optimizer's, whose
+    gradients in host memory backward has still to make count as taken)."""
+    tier = make_tier(device, nvme_path, nvme_window_mb, pin, copies, clock)
+    if host_state_gib is None:
         return tier
     to_come = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu" and p.grad is None)
-    return SplitTier(tier, settings.host_state_gib, settings.host_reserve_gib, settings.processes_per_host, pin,
-                     to_come)
+    return SplitTier(tier, host_state_gib, host_reserve_gib, processes_per_host, pin, to_come)
