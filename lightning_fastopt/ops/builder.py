@@ -245,6 +245,35 @@ def _say(message: str) -> None:
     print(f"lightning_fastopt: {message}", file=sys.stderr, flush=True)
 
 
+def _fresh_staging(directory: str) -> str:
+    """An empty staging directory for a build of ``directory``, the old build and the
+    staging directories of killed builds removed (their compilers may still run)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    for stale in glob.glob(glob.escape(directory) + ".staging-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = f"{directory}.staging-{os.getpid()}-{secrets.token_hex(4)}"
+    os.makedirs(staging)
+    return staging
+
+
+def _install(spec: ExtensionSpec, staging: str, directory: str) -> str:
+    """Move the library built in ``staging`` into ``directory`` (the loaded module keeps its
+    mapping), then write the record that marks the build whole (fsynced, atomic); returns
+    the library's path."""
+    os.makedirs(directory)
+    library = _library(spec, directory)
+    os.replace(_library(spec, staging), library)
+    record = {"key": build_key(spec), "size": os.path.getsize(library), "sha256": _sha256(library)}
+    marker = os.path.join(directory, _OK_MARKER)
+    with open(marker + ".tmp", "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker + ".tmp", marker)
+    shutil.rmtree(staging, ignore_errors=True)
+    return library
+
+
 def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -261,11 +290,7 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     predicted = build_time.predicted_seconds(spec.core_seconds, len(spec.sources))  # under the load now
     _say(f"building {what} for this machine ({why}{about}, once)")
     start = time.perf_counter()
-    shutil.rmtree(directory, ignore_errors=True)
-    for stale in glob.glob(glob.escape(directory) + ".staging-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # killed builds (their compilers may still run)
-    staging = f"{directory}.staging-{os.getpid()}-{secrets.token_hex(4)}"
-    os.makedirs(staging)
+    staging = _fresh_staging(directory)
     # torch renames a module built again in one process (NAME_v1: its staging directory is new
     # each time), and the library would not be where this build expects it, nor import under
     # its name in the next process: each build of ours has a directory of its own, so the
@@ -289,18 +314,7 @@ def _build_locked(spec: ExtensionSpec, directory: str, problem: str) -> ModuleTy
     except Exception as err:  # torch raises RuntimeError with the captured compiler output
         shutil.rmtree(staging, ignore_errors=True)
         raise ExtensionBuildError(str(err).strip()) from err
-    os.makedirs(directory)
-    library = _library(spec, directory)
-    os.replace(_library(spec, staging), library)  # the loaded module keeps its mapping
-    module.__file__ = library
-    record = {"key": build_key(spec), "size": os.path.getsize(library), "sha256": _sha256(library)}
-    marker = os.path.join(directory, _OK_MARKER)
-    with open(marker + ".tmp", "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(marker + ".tmp", marker)
-    shutil.rmtree(staging, ignore_errors=True)
+    module.__file__ = _install(spec, staging, directory)
     took = time.perf_counter() - start
     if spec.core_seconds:
         build_time.record(spec.speed_key or spec.name, predicted, took, root)
