@@ -243,6 +243,19 @@ def test_wall_clock_breakdown_and_cpu_threads(backend):
     assert probe.threads == 1 and torch.get_num_threads() == before  # restored at teardown
 
 
+def test_wall_clock_breakdown_is_logged_under_fastopt_fsdp_too():
+    """The FSDP strategy logs each step's phases as the DDP one does (it timed them and
+    logged nothing before)."""
+    from lightning_fastopt import FastOptFSDPStrategy
+
+    logger = _Recorder()
+    _fit(FastOptFSDPStrategy(offload_fraction=0.5, wall_clock_breakdown=True), Model(lambda g: torch.optim.AdamW(g)),
+         logger=logger, accelerator="cpu")
+    steps = [m for _, m in logger.metrics if "fastopt/loss_scale" in m]
+    assert len(steps) == 16 and all(m["fastopt/loss_scale"] == 1.0 for m in steps)
+    assert sum(m.get("fastopt/cpu_step_ms", 0.0) for m in steps) > 0
+
+
 def test_a_model_on_the_cpu_keeps_torchs_thread_count_unless_cpu_threads_is_given(backend):
     """The count is torch's for the whole process: the model's too on the CPU, where the
     bits of a reduction can depend on it (a LayerNorm's gradient under sequence parallelism

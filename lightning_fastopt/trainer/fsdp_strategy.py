@@ -58,11 +58,13 @@ from lightning_fastopt.fsdp.unit_waits import UnitWaits
 from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.plan.fsdp_plan import plan_fsdp_run
 from lightning_fastopt.plan.run_plan import OptimizerPlan, RunPlan
+from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_hooks import EngineHooks
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionAdoption, PrecisionSlot
 from lightning_fastopt.trainer.run_facts import fsdp_run
+from lightning_fastopt.trainer.step_times import log_step_times
 
 __all__ = ["FSDPTrainerStrategy"]
 
@@ -290,10 +292,13 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        return self._auto_fraction.step(
+        out = self._auto_fraction.step(
             optimizer, self.optimizers, closure,
             lambda timed: super(FSDPTrainerStrategy, self).optimizer_step(optimizer, timed, model, **kwargs),
             lambda: self.precision_plugin.last_step_skipped)
+        if self.options.wall_clock_breakdown:
+            log_step_times(self.lightning_module.trainer, self.precision_plugin, engine_of(optimizer))
+        return out
 
     @override
     def on_train_start(self) -> None:

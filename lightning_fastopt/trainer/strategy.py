@@ -70,6 +70,7 @@ from lightning_fastopt.trainer.package import TrainerPackage, refuse_in_the_othe
 from lightning_fastopt.trainer.precision import TrainerPrecision
 from lightning_fastopt.trainer.precision_slot import PrecisionAdoption, PrecisionSlot
 from lightning_fastopt.trainer.run_facts import ddp_run
+from lightning_fastopt.trainer.step_times import log_step_times
 
 __all__ = ["TrainerStrategy"]
 
@@ -352,21 +353,9 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
                 lambda: self.precision_plugin.last_step_skipped)
         finally:
             self._stepping = False
-        if self.wall_clock_breakdown and isinstance(raw, OptimizerWrapper):
-            self._log_step_times(raw.last_step_times)
+        if self.wall_clock_breakdown:
+            log_step_times(self.lightning_module.trainer, self.precision_plugin, raw)
         return out
-
-    def _log_step_times(self, step_times: dict[str, float]) -> None:
-        trainer = self.lightning_module.trainer
-        metrics = {"fastopt/loss_scale": float(self.precision_plugin.loss_scale)}
-        skipped = self.precision_plugin.last_step_skipped
-        for k, v in step_times.items():  # milliseconds, and the speculative step's bucket counts
-            if k.startswith("buckets_"):
-                metrics[f"fastopt/{k}"] = v
-            elif not skipped:
-                metrics[f"fastopt/{k}_ms"] = v
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ checkpoints (EngineCheckpoints)
     @property
