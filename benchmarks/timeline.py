@@ -22,6 +22,10 @@ From a ``torch.profiler`` trace (CPU and CUDA activities):
   outside it, it had nothing to do;
 - ``forward wait``: the forward waiting on the host for an update a step left running
   (``forward_waits="module"``; ``fastopt::forward_wait``);
+- ``copy in line``: on the accelerator's code path without an accelerator
+  (``copy_on_cpu=True``), the new weights copied in line on the CPU, with the note of each
+  weight as the copy left it (``fastopt::copy_in_line``: what the copy engines and the
+  device do on a GPU, in the CPU lane's gaps here);
 - ``disk read``, ``disk write``: with the masters and state on disk
   (``offload_optimizer_device="nvme"``), the transfers of their file (``fastopt::disk_read``,
   ``fastopt::disk_write``, on the I/O threads).
@@ -35,14 +39,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-LANES = ("GPU compute", "D2H", "H2D", "CPU update", "grad scale", "worker task", "forward wait", "disk read",
-         "disk write")
+LANES = ("GPU compute", "D2H", "H2D", "CPU update", "grad scale", "copy in line", "worker task", "forward wait",
+         "disk read", "disk write")
 CPU_UPDATE = "fastopt::cpu_update"  # the record_function name of a bucket's CPU update
 RANGE_LANES = {CPU_UPDATE: "CPU update", "fastopt::grad_scale": "grad scale", "fastopt::worker_task": "worker task",
-               "fastopt::forward_wait": "forward wait", "fastopt::disk_read": "disk read",
+               "fastopt::forward_wait": "forward wait", "fastopt::copy_in_line": "copy in line",
+               "fastopt::disk_read": "disk read",
                "fastopt::disk_write": "disk write"}
 # lanes drawn only where they ran (clipping's own pass, a worker thread, the forward's waits, state on disk)
-SOMETIMES = ("grad scale", "worker task", "forward wait", "disk read", "disk write")
+SOMETIMES = ("grad scale", "copy in line", "worker task", "forward wait", "disk read", "disk write")
 
 Intervals = list[tuple[float, float]]
 
@@ -116,6 +121,26 @@ def hidden_exposed(lanes: dict[str, Intervals]) -> dict[str, tuple[float, float,
         hidden = _overlap(spans, compute)
         out[lane] = (busy, hidden, busy - hidden)
     return out
+
+
+# what the CPU does for the offloaded share between its first update and its last: the updates, clipping's own
+# pass, the weights copied in line (the accelerator's path without one); the rest of that span is a gap
+CPU_WORK = ("CPU update", "grad scale", "copy in line")
+
+
+def cpu_lane_coverage(lanes: dict[str, Intervals]) -> float | None:
+    """The share of the span from the first CPU update's start to the last's end during
+    which the CPU worked for the offloaded share (:data:`CPU_WORK`), in a trace of one step;
+    None without an update.  Issue 66: the CPU lane busy from the first update to the last,
+    with no gap the timeline cannot explain."""
+    updates = lanes.get("CPU update", [])
+    if not updates:
+        return None
+    start, end = updates[0][0], max(e for _, e in updates)
+    if end <= start:
+        return None
+    work = merge((max(s, start), min(e, end)) for lane in CPU_WORK for s, e in lanes.get(lane, []) if e > start and s < end)
+    return sum(e - s for s, e in work) / (end - start)
 
 
 def table(lanes: dict[str, Intervals]) -> str:
