@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_fastopt import FastOptStrategy, FusedAdam
 from lightning_fastopt.offload import OffloadOptimizer, split_tier
 from lightning_fastopt.offload.split_tier import SplitTier, spread
-from lightning_fastopt.offload.state_tiers import planned_bytes
+from lightning_fastopt.offload.file_regions import planned_bytes
 from tests.helpers import on_disk_through_two_buckets, split_groups
 from tests.test_disk_tier import ALGORITHMS, GROUPS, _assert_same_state, _params, _train
 

@@ -29,8 +29,8 @@ from torch import Tensor
 from lightning_fastopt.offload.slots import HostBucket, carve
 from lightning_fastopt.offload.snapshot import BucketSnapshot
 from lightning_fastopt.offload.speculative import afford_speculation, available_host_bytes
-from lightning_fastopt.offload.state_tiers import (DiskSnapshot, DiskTier, HostMemoryTier, host_memory_bytes,
-                                                   make_tier, planned_bytes)
+from lightning_fastopt.offload.file_regions import planned_bytes
+from lightning_fastopt.offload.state_tiers import DiskSnapshot, DiskTier, HostMemoryTier, host_memory_bytes, make_tier
 from lightning_fastopt.runtime.byte_sizes import readable_bytes
 
 __all__ = ["RESERVE_SHARE", "SplitTier", "check_host_state", "make_storage", "spread"]

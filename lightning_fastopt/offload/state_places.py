@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from lightning_fastopt.offload.state_tiers import planned_bytes
+from lightning_fastopt.offload.file_regions import planned_bytes
 from lightning_fastopt.runtime.byte_sizes import readable_bytes
 
 __all__ = ["state_places"]

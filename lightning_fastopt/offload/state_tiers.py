@@ -39,7 +39,6 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,17 +46,17 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fastopt.offload.disk_window import DEFAULT_WINDOW_MB, DiskWindow, WindowSlot
+from lightning_fastopt.offload.file_regions import Entry, FileRegions, Region, actual_entries, planned_entries
 from lightning_fastopt.offload.slots import HostBucket, ParamSlot, one_per_element, written_in_place
 from lightning_fastopt.offload.snapshot import BucketSnapshot, kept_beside, put_beside_back, put_state_back
 from lightning_fastopt.runtime.byte_sizes import readable_bytes
-from lightning_fastopt.runtime.direct_io import DirectFile, check_directory, round_up
+from lightning_fastopt.runtime.direct_io import DirectFile, check_directory
 from lightning_fastopt.runtime.mapped_copies import MappedCopies
 
 __all__ = ["DEFAULT_WINDOW_MB", "DiskSnapshot", "DiskTier", "HostMemoryTier", "OFFLOAD_DEVICES",
            "check_device_and_window", "check_offload_device", "check_window_holds_two_buckets", "make_tier"]
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
-_LINE = 64  # bytes: every tensor of a region starts on a cache line
 
 
 class HostMemoryTier:
@@ -120,21 +119,6 @@ class HostMemoryTier:
         pass
 
 
-@dataclass(eq=False)
-class _Entry:
-    slot: ParamSlot
-    key: str  # "" for the master, else the state key
-    dtype: torch.dtype
-    offset: int  # bytes into the region
-
-
-@dataclass(eq=False)
-class _Region:
-    offset: int  # bytes into the file
-    size: int
-    entries: list[_Entry]
-
-
 class DiskTier:
     """Masters and state in a working file in ``directory`` (see the module's documentation).
 
@@ -153,14 +137,13 @@ class DiskTier:
     def __init__(self, directory, window_mb: float, pin: bool, copies, clock=lambda: 0.0) -> None:
         self.directory = directory
         self.file: DirectFile | None = None
-        self.regions: dict[HostBucket, _Region] = {}
+        self._regions = FileRegions()  # where each bucket lives in the file, a part
+        self.regions = self._regions.of
+        self.spares = self._regions.spares
         self.slots = DiskWindow(window_mb, pin, copies, self._read_region, self._evict)  # the window, a part
-        self._end = 0  # bytes of the file planned so far
         self._lock = threading.RLock()  # (held around every call of the window's)
         self._clock = clock
         self._counts = dict.fromkeys(("disk_wait", "disk_read_mb", "disk_written_mb"), 0.0)
-        self.spares: dict[HostBucket, _Region] = {}  # where a bucket's next speculative update is written
-        self._undo: dict[HostBucket, _Region] = {}  # a bucket's region before its speculative update
         self._copies: MappedCopies | None = None  # what hand_out gives (made at its first use)
         self._closed = False  # (close: nothing writes the file any more)
 
@@ -173,12 +156,12 @@ class DiskTier:
         if not buckets:
             return
         for b in buckets:
-            self.regions[b] = self._plan(b, _planned_entries(b))
+            self._regions.plan(b, planned_entries(b))
         first = self.file is None
         if first:
-            self.file = DirectFile(self.directory, self._end)
+            self.file = DirectFile(self.directory, self._regions.end)
         else:
-            self.file.grow(self._end)
+            self.file.grow(self._regions.end)
         self._fit_window(max(self.regions.values(), key=lambda r: r.size))
         if first:
             rank_zero_info(f"lightning_fastopt: {self.describe()}")
@@ -186,13 +169,7 @@ class DiskTier:
             with self.resident(b, fresh=True):
                 pass  # the release takes the masters in and writes the region
 
-    def _plan(self, bucket: HostBucket, entries: list[tuple[ParamSlot, str, torch.dtype]]) -> _Region:
-        planned, size = _lay_out(entries)
-        region = _Region(self._end, round_up(max(size, 1)), planned)
-        self._end += region.size
-        return region
-
-    def _fit_window(self, largest: _Region) -> None:
+    def _fit_window(self, largest: Region) -> None:
         """The window's slots sized to hold the largest region (:meth:`DiskWindow.fit
         <lightning_fastopt.offload.disk_window.DiskWindow.fit>`); where two do not fit, the
         advice says what to give."""
@@ -226,7 +203,7 @@ class DiskTier:
                 f"process), read and written through {self.slots.describe()}")
 
     def disk_bytes(self) -> int:
-        return self.file.size if self.file is not None else self._end
+        return self.file.size if self.file is not None else self._regions.end
 
     # ------------------------------------------------------------------ residency
     @contextlib.contextmanager
@@ -262,10 +239,9 @@ class DiskTier:
                     if writes:
                         before = self.regions[bucket]
                         self._take_in(bucket, slot)
-                        if speculative:
-                            if self.regions[bucket] is before:  # (not moved to a larger region)
-                                self.regions[bucket] = self._spare(bucket, before)
-                            self._undo[bucket] = before
+                        if speculative:  # into its spare region, the last state kept
+                            self._regions.speculated(bucket, before)
+                            self.file.grow(self._regions.end)
                         slot.written = self.file.write_from(slot.buffer[:self.regions[bucket].size],
                                                             self.regions[bucket].offset)
                         self._counts["disk_written_mb"] += self.regions[bucket].size / 2**20
@@ -341,41 +317,23 @@ class DiskTier:
         old state staying where it was until the step commits or discards it): the
         file's space reserved now, said in one line."""
         with self._lock:
-            for b in buckets:
-                if b not in self.spares:
-                    self.spares[b] = self._spare(b, self.regions[b])
-            self.file.grow(self._end)
+            self._regions.reserve_spares(buckets)
+            self.file.grow(self._regions.end)
         rank_zero_info(f"lightning_fastopt: speculate=True writes each speculated bucket beside its last state in "
-                       f"nvme_path, until the step keeps one: the file takes {self._end / 2**30:.2f} GiB")
+                       f"nvme_path, until the step keeps one: the file takes {self._regions.end / 2**30:.2f} GiB")
         return True
-
-    def _spare(self, bucket: HostBucket, like: _Region) -> _Region:
-        """The bucket's spare region, laid out as ``like`` (a new one at the file's end where
-        it has none of that size yet)."""
-        spare = self.spares.pop(bucket, None)
-        if spare is None or spare.size != like.size:
-            spare = _Region(self._end, like.size, like.entries)
-            self._end += like.size
-            self.file.grow(self._end)
-        return _Region(spare.offset, spare.size, like.entries)
 
     def commit(self, bucket: HostBucket) -> None:
         """The speculative update of ``bucket`` holds: its region before becomes the spare."""
         with self._lock:
-            before = self._undo.pop(bucket, None)
-            if before is not None and before.size == self.regions[bucket].size:
-                self.spares[bucket] = before
+            self._regions.commit(bucket)
 
     def discard(self, bucket: HostBucket) -> None:
         """Undo the speculative update of ``bucket``: its region before is its region again
         (the slot holding the update's bytes gives them up once their write has landed)."""
         with self._lock:
-            before = self._undo.pop(bucket, None)
-            if before is None:
+            if not self._regions.discard(bucket):
                 return
-            speculated, self.regions[bucket] = self.regions[bucket], before
-            if speculated.size == before.size:
-                self.spares[bucket] = speculated
             held = self.slots.holding(bucket)
             if held is not None:
                 held.bucket = None
@@ -394,7 +352,7 @@ class DiskTier:
         for moves the bucket to a larger region (see the module's note)."""
         region = self.regions[bucket]
         planned = {(e.slot.index, e.key): e.dtype for e in region.entries}
-        actual = _actual_entries(bucket)
+        actual = actual_entries(bucket)
         if any(planned.get((s.index, k)) != dtype for s, k, dtype in actual):
             self._replan(bucket, slot, actual)
             region = self.regions[bucket]
@@ -412,8 +370,8 @@ class DiskTier:
             t = _tensor_of(bucket, s, key)
             if e is not None and t is not None and t.data_ptr() == slot.buffer.data_ptr() + e.offset:
                 kept[(s.index, key)] = t.clone()
-        self.regions[bucket] = self._plan(bucket, actual)
-        self.file.grow(self._end)
+        self._regions.plan(bucket, actual)
+        self.file.grow(self._regions.end)
         if self.regions[bucket].size > slot.buffer.numel():
             self.slots.grow(self.regions[bucket].size, slot)
         for (index, key), value in kept.items():
@@ -474,7 +432,7 @@ class DiskSnapshot:
             state = inner.state.get(s.master)
             kept = None if state is None else {
                 k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in state.items()
-                if not _in_region(v, s)}
+                if not one_per_element(v, s.numel)}
             own = s.weight().clone() if not s.separate_master or written_in_place(s) else None
             self._saved.append((s, own, kept, None if state is None else set(state)))
 
@@ -501,49 +459,6 @@ class DiskSnapshot:
         return sum(own.numel() * own.element_size() for _, own, _, _ in self._saved if own is not None)
 
 
-def planned_bytes(bucket: HostBucket) -> int:
-    """The bytes a bucket's masters and state take once its state exists (its region's size
-    on disk, each tensor on a cache line): what keeping it in host memory costs."""
-    return _lay_out(_planned_entries(bucket))[1]
-
-
-def _lay_out(entries: list[tuple[ParamSlot, str, torch.dtype]]) -> tuple[list[_Entry], int]:
-    """Each entry's place in a region, one after the other, each on a cache line, and the bytes they take."""
-    planned, size = [], 0
-    for slot, key, dtype in entries:
-        size = round_up(size, _LINE)
-        planned.append(_Entry(slot, key, dtype, size))
-        size += slot.numel * torch.empty((), dtype=dtype).element_size()
-    return planned, size
-
-
-def _planned_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:
-    """What a bucket's region holds (see the module's note): each slot's master where apart
-    from its weight, then the state its inner optimizer keeps for it, in that state's dtype."""
-    inner = bucket.inner
-    moments, moment_dtype = getattr(inner, "state_keys", ()), getattr(inner, "state_dtype", torch.float32)
-    out = []
-    for s in bucket.slots:
-        if s.separate_master:
-            out.append((s, "", s.master.dtype))
-        for key in inner._bucket_state_keys(inner.param_groups[s.group]):
-            out.append((s, key, moment_dtype if key in moments else torch.float32))
-    return out
-
-
-def _actual_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype]]:
-    """What a bucket holds now: each slot's master where apart, and each of its state
-    tensors of the master's shape (a scalar, such as the step count, stays in host memory)."""
-    out = []
-    for s in bucket.slots:
-        if s.separate_master:
-            out.append((s, "", s.master.dtype))
-        for key, value in (bucket.inner.state.get(s.master) or {}).items():
-            if _in_region(value, s):
-                out.append((s, key, value.dtype))
-    return out
-
-
 def _tensor_of(bucket: HostBucket, slot: ParamSlot, key: str) -> Tensor | None:
     """The tensor of ``slot`` a region holds under ``key`` ("": the master), where it has one."""
     if key == "":
@@ -552,13 +467,7 @@ def _tensor_of(bucket: HostBucket, slot: ParamSlot, key: str) -> Tensor | None:
     return value if isinstance(value, Tensor) and value.dim() > 0 else None
 
 
-def _in_region(value: Any, slot: ParamSlot) -> bool:
-    """Whether a state value of ``slot`` is one a region holds: a tensor of the master's size
-    (a scalar, such as the step count, stays in host memory)."""
-    return one_per_element(value, slot.numel)
-
-
-def _shape(e: _Entry) -> torch.Size:
+def _shape(e: Entry) -> torch.Size:
     return e.slot.shape
 
 
@@ -569,7 +478,7 @@ def _whole_why(slot: ParamSlot) -> str:
     return "its optimizer steps whole tensors"
 
 
-def _point_into(tensor: Tensor, buffer: Tensor, e: _Entry, shape: torch.Size, copy: bool = False) -> None:
+def _point_into(tensor: Tensor, buffer: Tensor, e: Entry, shape: torch.Size, copy: bool = False) -> None:
     """``tensor`` made a view of its place in ``buffer`` (``copy``: its values moved there first)."""
     size = torch.empty((), dtype=e.dtype).element_size()
     start = buffer.storage_offset() + e.offset
