@@ -35,7 +35,7 @@ Every parameter given to the optimizer is handled as torch does: one that does n
 require gradients, or has no gradient at a step, is not stepped; a frozen one that
 becomes trainable (``requires_grad_(True)``) is stepped from then on,
 :meth:`add_param_group` works at any time, and one listed several times in a group is
-updated once per listing, as by torch (see ``FusedOptimizer._repeat_buckets``).
+updated once per listing, as by torch (see :func:`~lightning_fastopt.optim.bucketing.repeat_buckets`).
 
 One source of truth: the model's parameters.  A master copy is refreshed from its
 parameter whenever the parameter was written by anything but this optimizer

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_fastopt import ops
 from lightning_fastopt.functional import grads_all_finite
-from lightning_fastopt.optim.bucketing import Bucket, kernel_buckets, split_buckets
+from lightning_fastopt.optim.bucketing import Bucket, kernel_buckets, repeat_buckets
 from lightning_fastopt.optim.closure import LeadingStep, StepClosure
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -292,7 +292,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for bucket in buckets:
                 self._run_bucket(group, bucket, grad_scale, context, found_inf)
         for group, buckets in plans:
-            for bucket in self._repeat_buckets(group, buckets):
+            for bucket in repeat_buckets(self, group, buckets):
                 self._run_bucket(group, bucket, grad_scale, context, found_inf)
         return False
 
@@ -311,29 +311,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             bucket.step = 1 if bucket.first else 2
         bucket.found_inf = found_inf
         self._update(group, bucket, grad_scale, context)
-
-    def _repeat_buckets(self, group: dict[str, Any], done: list[Bucket]):
-        """The further updates of parameters listed more than once in a group, after the
-        step's first pass.  torch warns about such a list, and its per-parameter loop (the
-        default on the CPU) updates the parameter once per listing with the same gradient,
-        one update after the other.  So here: a parameter listed n times gets n - 1 more
-        updates, each advancing its own step count (it no longer shares one with the rest
-        of its group).  For optimizers that count no steps the repeats start as the first
-        update did (torch's SGD initialises the momentum buffer from the gradient at every
-        listing of the first step).  torch's foreach implementation (its default for CUDA
-        tensors) does something else again; this follows the loop."""
-        params = group["params"]
-        if len(set(params)) == len(params):
-            return
-        times: dict[Tensor, int] = {}
-        for p in params:
-            times[p] = times.get(p, 0) + 1
-        stepped = {p: (g, b.first) for b in done for p, g in zip(b.params, b.grads)}
-        keys = self._bucket_state_keys(group)
-        for round_ in range(1, max(times.values())):
-            again = [p for p, n in times.items() if n > round_ and p in stepped]
-            first = {id(self.state[p]) for p in again if stepped[p][1]}
-            yield from split_buckets(self, again, [stepped[p][0] for p in again], keys, first)
 
     # ------------------------------------------------------------------ whole-tensor norms
     def norm_sums(self, grad_scale, context: Any) -> dict[Tensor, Tensor]:

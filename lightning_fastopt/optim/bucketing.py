@@ -10,6 +10,7 @@ returns the buckets; step counts are not advanced here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +140,30 @@ def split_buckets(opt, params, grads, keys, fresh_ids=frozenset()) -> list[Bucke
     for b in out:
         b.copies = _copies(opt, b.params)
     return out
+
+
+def repeat_buckets(opt, group: dict[str, Any], done: list[Bucket]) -> Iterator[Bucket]:
+    """The further kernel calls of ``opt``'s parameters listed more than once in a group,
+    after the step's first pass (``done``: its buckets).  torch warns about such a list,
+    and its per-parameter loop (the default on the CPU) updates the parameter once per
+    listing with the same gradient, one update after the other.  So here: a parameter listed n times gets n - 1 more
+    updates, each advancing its own step count (it no longer shares one with the rest
+    of its group).  For optimizers that count no steps the repeats start as the first
+    update did (torch's SGD initialises the momentum buffer from the gradient at every
+    listing of the first step).  torch's foreach implementation (its default for CUDA
+    tensors) does something else again; this follows the loop."""
+    params = group["params"]
+    if len(set(params)) == len(params):
+        return
+    times: dict[Tensor, int] = {}
+    for p in params:
+        times[p] = times.get(p, 0) + 1
+    stepped = {p: (g, b.first) for b in done for p, g in zip(b.params, b.grads)}
+    keys = opt._bucket_state_keys(group)
+    for round_ in range(1, max(times.values())):
+        again = [p for p, n in times.items() if n > round_ and p in stepped]
+        first = {id(opt.state[p]) for p in again if stepped[p][1]}
+        yield from split_buckets(opt, again, [stepped[p][0] for p in again], keys, first)
 
 
 def _copy_kind(opt, param: Tensor) -> torch.dtype | None:
