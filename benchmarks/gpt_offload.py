@@ -60,7 +60,8 @@ sys.path.insert(0, str(REPO / "examples"))
 # a final ":aN" (after any other suffix) accumulates N micro-batches a step (accumulate_grad_batches=N: N times
 # the tokens a step, plain's compute N times longer while the update stays the same; issue 66's tokens-per-step
 # sweep compares each row with plain at the same N and clipping);
-# a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default the
+# a ":bind" suffix binds the CPU step's threads to cores apart from the thread that launches the GPU's work
+# (bind_cpu_threads=True, issue 66's target 6); a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default the
 # process's cores, less two where it has 8 or more: lightning_fastopt.core.cpu_threads)
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
            "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
@@ -108,16 +109,18 @@ def fastopt_arguments(config: str) -> tuple[dict, bool]:
     with half weights."""
     _, fraction, *mode = config.split(":")
     threads = [m for m in mode if re.fullmatch(r"t[1-9][0-9]*", m)]
-    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module", "clip"} - set(threads)  # clip: see child
+    unknown = set(mode) - {"stream", "delayed", "bf16-true", "module", "clip", "bind"} - set(threads)  # clip: see child
     if unknown or len(threads) > 1:
         raise ValueError(f"{config!r}: unknown suffix {sorted(unknown) or threads}; expected ':stream' or ':delayed', "
-                         "and/or ':bf16-true', ':module', one ':tN' (N CPU threads), ':clip'")
+                         "and/or ':bf16-true', ':module', ':bind', one ':tN' (N CPU threads), ':clip'")
     arguments = dict(offload_fraction=fraction if fraction == "auto" else float(fraction),
                      stream_cpu_step="stream" in mode)
     if threads:
         arguments["cpu_threads"] = int(threads[0][1:])
     if "module" in mode:
         arguments["forward_waits"] = "module"
+    if "bind" in mode:
+        arguments["bind_cpu_threads"] = True
     if "delayed" in mode:
         arguments.update(delayed_update=True, delayed_update_warmup=DELAYED_WARMUP)
     return arguments, "bf16-true" in mode

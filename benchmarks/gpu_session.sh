@@ -61,8 +61,10 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 
 # table and draws tokens/s against tokens a step (tokens_per_step.png)
 FIRST_ROWS="plain,fastopt:1:stream:module,plain:clip,fastopt:1:stream:module:clip,plain:clip:a8,fastopt:1:stream:module:clip:a8,plain:clip:a2,fastopt:1:stream:module:clip:a2,plain:clip:a4,fastopt:1:stream:module:clip:a4,fastopt:auto:stream:clip,fastopt:auto:stream:clip:a8"
 FIRST_STEPS="--warmup 6 --steps 5"
-# then, in rest: the headline rows first left out
-HEADLINE="plain,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:clip,fastopt:1:stream"
+# then, in rest: the CPU step's threads bound apart from the launching thread (issue 66's target 6: on the
+# H200, 2026-11-28, the GPU's own work stretched from 110 to ~300 ms while the update ran beside it), each
+# beside the same row unbound in `first`, and the headline rows first left out
+HEADLINE="plain,fastopt:1:stream:module:bind,fastopt:1:stream:module:clip:bind,fastopt:1,fastopt_fsdp:1:params:stream:module:bf16-true,fsdp:cpu_offload:bf16-true,fastopt:1:stream:module:t16,fastopt_fsdp:1:params:stream:module:bf16-true:prefetch,fastopt_fsdp:1:params:bf16-true,fastopt:0.5:stream:module,fastopt:auto:stream,fastopt:1:stream:module:bf16-true,fastopt:1:stream:module:t12,fastopt:1:delayed,fastopt:1:stream:clip,fastopt:1:stream"
 # then (plain again: each row's bound needs the GPU's own step of the same machine, and `rest` may
 # run on another) ZeRO-3 on one rank (issue 41): ModelParallelStrategy with fused AdamW, the host
 # shards updated at the step and streamed into backward, and fastopt_fsdp at fraction 1 (exact,

@@ -265,6 +265,8 @@ def test_settings_are_one_checked_value_given_whole_or_as_keywords():
         OffloadOptimizer(FusedAdam(p), None, settings, overlap=False)
     with pytest.raises(ValueError, match=r"speculate=True .* needs stream_cpu_step=True"):
         OffloadSettings(speculate=True)
+    with pytest.raises(ValueError, match=r"step_cores must be None or core numbers \(integers, 0 or more\), got \(\)"):
+        OffloadSettings(step_cores=())
     with pytest.raises(TypeError, match="host_shards must be True or False, got 1"):
         OffloadSettings(host_shards=1)
     with pytest.raises(ValueError, match="delayed_update=True needs host masters apart"):

@@ -91,6 +91,8 @@ def test_the_gpt_benchmark_reads_its_configurations():
     finally:
         sys.path.pop(0)
     assert fastopt_arguments("fastopt:0.5") == (dict(offload_fraction=0.5, stream_cpu_step=False), False)
+    assert fastopt_arguments("fastopt:1:stream:bind") == (dict(offload_fraction=1.0, stream_cpu_step=True,
+                                                               bind_cpu_threads=True), False)
     assert fastopt_arguments("fastopt:1:stream:bf16-true") == (dict(offload_fraction=1.0, stream_cpu_step=True), True)
     with pytest.raises(ValueError, match=r"unknown suffix \['fast'\]"):
         fastopt_arguments("fastopt:1:fast")

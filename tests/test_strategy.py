@@ -243,6 +243,55 @@ def test_wall_clock_breakdown_and_cpu_threads(backend):
     assert probe.threads == 1 and torch.get_num_threads() == before  # restored at teardown
 
 
+def test_split_cores_gives_the_step_the_first_cores_of_each_share_and_the_launcher_the_rest():
+    from lightning_fastopt.core.cpu_threads import split_cores
+
+    sixteen = list(range(16))
+    assert split_cores(sixteen, 1, 0, 14) == (list(range(14)), [14, 15])
+    assert split_cores(sixteen, 2, 1, 6) == (list(range(8, 14)), [14, 15])  # the second process's eight
+    assert split_cores(sixteen, 1, 0, 16) == (list(range(15)), [15])  # one core left at least
+    assert split_cores([0, 1], 1, 0, 2) == ([0], [1])
+    assert split_cores([2, 5, 7], 1, 0, 1) == ([2], [5, 7])
+
+
+class _Placement(L.Callback):
+    """Where the main thread and the engine's worker thread run during training."""
+
+    def on_train_batch_start(self, trainer, *args):
+        import os
+
+        self.main = os.sched_getaffinity(0)
+        engine = trainer.strategy.engines[0]
+        engine = getattr(engine, "local", engine)  # (FSDP's rank's offload optimizer)
+        self.worker = engine.updates.submit(lambda: os.sched_getaffinity(0)).result()
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="binding needs two cores")
+@pytest.mark.parametrize("kind", ["fastopt", "fastopt_fsdp"])
+def test_bound_threads_run_apart_and_end_on_the_same_bits(kind):
+    """bind_cpu_threads=True (issue 66): the main thread, which launches an accelerator's work,
+    on the last core of the process's share, the worker thread of the streamed updates on the
+    others; the cores given back at teardown, and the bits those of the same run unbound."""
+    import os
+
+    from lightning_fastopt import FastOptFSDPStrategy
+
+    strategy = FastOptStrategy if kind == "fastopt" else FastOptFSDPStrategy
+    with pytest.raises(ValueError, match="bind_cpu_threads=True puts the worker thread .* give one of them"):
+        strategy(bind_cpu_threads=True)  # nothing runs on the worker at the step
+    before = os.sched_getaffinity(0)
+    cores = sorted(before)
+    placement = _Placement()
+    bound = Model(lambda g: torch.optim.AdamW(g, lr=1e-2))
+    _fit(strategy(bind_cpu_threads=True, cpu_threads=1, copy_on_cpu=True, stream_cpu_step=True), bound,
+         callbacks=[placement], accelerator="cpu")
+    assert placement.worker == {cores[0]} and placement.main == set(cores[1:])
+    assert os.sched_getaffinity(0) == before  # given back
+    free = Model(lambda g: torch.optim.AdamW(g, lr=1e-2))
+    _fit(strategy(cpu_threads=1, copy_on_cpu=True, stream_cpu_step=True), free, accelerator="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(bound.parameters(), free.parameters()))
+
+
 def test_wall_clock_breakdown_is_logged_under_fastopt_fsdp_too():
     """The FSDP strategy logs each step's phases as the DDP one does (it timed them and
     logged nothing before)."""

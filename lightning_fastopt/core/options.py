@@ -35,6 +35,7 @@ class StrategyOptions:
     pin_memory: bool = True
     bucket_size_mb: float = 64.0
     cpu_threads: int | None = None
+    bind_cpu_threads: bool = False  # the CPU step's threads on cores apart from the launching thread's
     wall_clock_breakdown: bool = False
     zero_stage: int = 0
     copy_on_cpu: bool = False
@@ -63,8 +64,8 @@ class StrategyOptions:
               delayed_update_warmup: Any, gpu_memory_budget_gb: Any, host_state_dtype: Any,
               forward_waits: Any, closure_optimizers: Any, per_parameter_optimizers: Any = (),
               offload_optimizer_device: Any = "cpu", nvme_path: Any = None,
-              nvme_window_mb: Any = None, host_state_gib: Any = None, host_reserve_gib: Any = None
-              ) -> StrategyOptions:
+              nvme_window_mb: Any = None, host_state_gib: Any = None, host_reserve_gib: Any = None,
+              bind_cpu_threads: Any = False) -> StrategyOptions:
         auto = check_fraction(offload_fraction, gpu_memory_budget_gb, zero_stage)
         check_disk_tier(offload_optimizer_device, nvme_path, nvme_window_mb, offload_fraction=offload_fraction)
         check_host_state(host_state_gib, host_reserve_gib, offload_optimizer_device)
@@ -73,13 +74,18 @@ class StrategyOptions:
             check_window_holds_two_buckets(nvme_window_mb, bucket_size_mb)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
-                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step)):
+                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step),
+                           ("bind_cpu_threads", bind_cpu_threads)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
                                         or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
                              f"got {cpu_threads!r}")
+        if bind_cpu_threads and not (stream_cpu_step or delayed_update):
+            raise ValueError("bind_cpu_threads=True puts the worker thread that runs the updates of stream_cpu_step "
+                             "or delayed_update on cores apart from the thread that launches the accelerator's work: "
+                             "give one of them, or leave it False")
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
@@ -99,7 +105,7 @@ class StrategyOptions:
         DynamicLossScaler(**knobs)  # bad knobs fail here, with the argument's name
         return cls(offload_fraction=1.0 if auto else float(offload_fraction), auto_fraction=auto,
                    gpu_memory_budget_gb=gpu_memory_budget_gb, overlap=overlap, pin_memory=pin_memory,
-                   bucket_size_mb=float(bucket_size_mb), cpu_threads=cpu_threads,
+                   bucket_size_mb=float(bucket_size_mb), cpu_threads=cpu_threads, bind_cpu_threads=bind_cpu_threads,
                    wall_clock_breakdown=wall_clock_breakdown, zero_stage=int(zero_stage), copy_on_cpu=copy_on_cpu,
                    keep_gradients=keep_gradients, stream_cpu_step=stream_cpu_step, delayed_update=delayed_update,
                    delayed_update_warmup=delayed_update_warmup, host_state_dtype=state_dtype,
@@ -170,7 +176,8 @@ def check_offload_parameters(offload_parameters: Any, arguments: Mapping[str, An
                          "the weights) cannot be used with it")
 
 
-def offload_arguments(options: Any, params_on_host: bool = False, processes_per_host: int = 1) -> dict[str, Any]:
+def offload_arguments(options: Any, params_on_host: bool = False, processes_per_host: int = 1,
+                      step_cores: tuple[int, ...] | None = None) -> dict[str, Any]:
     """The arguments of the offload (or ZeRO) optimizer that come from the options (without
     ``device_grads`` and the schedule's, which the run's plan decides).  ``options``: a
     :class:`StrategyOptions`, or the Trainer's strategy, which keeps the same values as
@@ -178,7 +185,8 @@ def offload_arguments(options: Any, params_on_host: bool = False, processes_per_
     ``params_on_host``: the parameters are host tensors already (FSDP's ``CPUOffloadPolicy``
     shards), their own masters updated in place on every machine: nothing to copy
     (the offload optimizer's ``host_shards``); ``processes_per_host``: the processes that
-    share this host's memory (``host_state_gib="auto"`` takes a share each)."""
+    share this host's memory (``host_state_gib="auto"`` takes a share each); ``step_cores``:
+    the cores ``bind_cpu_threads`` gave the CPU step (:class:`~lightning_fastopt.core.cpu_threads.TorchThreads`)."""
     args = dict(offload_fraction=options.offload_fraction, bucket_size_mb=options.bucket_size_mb,
                 overlap=options.overlap, pin_memory=options.pin_memory,
                 wall_clock_breakdown=options.wall_clock_breakdown,
@@ -193,6 +201,8 @@ def offload_arguments(options: Any, params_on_host: bool = False, processes_per_
     if options.host_state_gib is not None:
         args.update(host_state_gib=options.host_state_gib, host_reserve_gib=options.host_reserve_gib,
                     processes_per_host=processes_per_host)
+    if step_cores is not None:
+        args["step_cores"] = step_cores
     return args
 
 

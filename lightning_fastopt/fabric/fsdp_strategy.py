@@ -90,7 +90,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
 
     def __init__(self, parallelize_fn: Callable[[Module, Any], Module] | None = None, offload_fraction: float = 1.0,
                  overlap: bool = True, pin_memory: bool = True, bucket_size_mb: float = 64.0,
-                 cpu_threads: int | None = None, loss_scale: float = 0.0, initial_scale_power: int = 16,
+                 cpu_threads: int | None = None, bind_cpu_threads: bool = False,
+                 loss_scale: float = 0.0, initial_scale_power: int = 16,
                  loss_scale_window: int = 1000, hysteresis: int = 2, min_loss_scale: float = 1.0,
                  at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False, copy_on_cpu: bool = False,
                  closure_optimizers: Sequence[str] = (), keep_gradients: bool = True,
@@ -142,7 +143,8 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
             self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         super().setup_environment()
         say_if_nothing_is_sharded(self._data_parallel_size, self.world_size)
-        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
+        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device,
+                          bind=self.options.bind_cpu_threads, local_rank=self.local_rank)
         check_precision(self._deepspeed, self.precision.precision, "Fabric")
 
     def _parallelize(self, module: Module, mesh) -> Module:
@@ -198,7 +200,7 @@ class FastOptFabricFSDPStrategy(FabricPrecisionSlot, ModelParallelStrategy):
         fused = fused_for(optimizer, module, self.precision.precision)
         ops.prepare(self.root_device.type, cpu_work=self.offload_fraction > 0 or on_host, pieces=fused.kernel_pieces())
         arguments = offload_arguments(self.options, params_on_host=on_host,  # fsdp/host_parameters.py
-                                      processes_per_host=self.num_processes)
+                                      processes_per_host=self.num_processes, step_cores=self._threads.step_cores)
         engine = LocalShardOptimizer(fused, {p: n for n, p in module.named_parameters()},
                                      device_grads=plan.gradients.kind,
                                      host_gradients=HostGradientLandings(module) if on_host else None,

@@ -84,7 +84,8 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
     to Fabric's ``DDPStrategy``."""
 
     def __init__(self, offload_fraction: float = 1.0, overlap: bool = True, pin_memory: bool = True,
-                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
+                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, bind_cpu_threads: bool = False,
+                 loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  zero_stage: int = 0, copy_on_cpu: bool = False, keep_gradients: bool = True,
@@ -162,7 +163,8 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._environment_ready = True
-        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
+        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device,
+                          bind=self.options.bind_cpu_threads, local_rank=self.local_rank)
         if self._one_process:  # as Fabric's single-device strategy: no process group
             self.accelerator.setup_device(self.root_device)
             self._set_world_ranks()
@@ -238,7 +240,8 @@ class FastOptFabricStrategy(FabricPrecisionSlot, DDPStrategy):
         ops.prepare(self.root_device.type, cpu_work=self.options.offload_fraction > 0, pieces=fused.kernel_pieces())
         names = {p: n for n, p in self._module.named_parameters()}
         wrapper = wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
-                                       **offload_arguments(self.options, processes_per_host=self.num_processes),
+                                       **offload_arguments(self.options, processes_per_host=self.num_processes,
+                                                         step_cores=self._threads.step_cores),
                                        **planned.schedule.engine_arguments())
         rank_zero_info(f"lightning_fastopt: {wrapper!r}")
         self._wrappers.append(wrapper)

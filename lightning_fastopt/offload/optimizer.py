@@ -75,7 +75,7 @@ from lightning_fastopt.offload.share_updates import ShareUpdates
 from lightning_fastopt.offload.forward_waits import WeightsInFlight
 from lightning_fastopt.offload.schedule import CpuStepSchedule
 from lightning_fastopt.offload.master_refresh import MasterRefresh
-from lightning_fastopt.offload.slots import (HostBucket, ParamSlot, remember_weights, written_by_others)
+from lightning_fastopt.offload.slots import HostBucket, ParamSlot, remember_weights, written_by_others
 from lightning_fastopt.offload.shared_methods import run_on_shares
 from lightning_fastopt.offload.speculative import SpeculativeStep
 from lightning_fastopt.offload.settings import OffloadSettings

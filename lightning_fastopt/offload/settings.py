@@ -105,6 +105,9 @@ class OffloadSettings:
             (:mod:`~lightning_fastopt.offload.split_tier`).  None: all on disk.
         processes_per_host: the processes of the run on this machine (``"auto"`` shares
             the host's memory among them).
+        step_cores: the cores the worker thread of the streamed, speculated and delayed
+            updates binds itself to (and so the threads of its updates): the strategies'
+            ``bind_cpu_threads``; None: wherever the system runs it.
     """
 
     offload_fraction: float = 1.0
@@ -129,6 +132,7 @@ class OffloadSettings:
     host_state_gib: float | str | None = None
     host_reserve_gib: float | None = None
     processes_per_host: int = 1
+    step_cores: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Refuse, by name, an argument or a combination that cannot work."""
@@ -143,6 +147,9 @@ class OffloadSettings:
                              f"needs stream_cpu_step=True, got speculate={self.speculate!r}, "
                              f"stream_cpu_step={self.stream_cpu_step!r}")
         check_forward_waits(self.forward_waits)
+        if self.step_cores is not None and (not self.step_cores or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.step_cores)):
+            raise ValueError(f"step_cores must be None or core numbers (integers, 0 or more), got {self.step_cores!r}")
         if not isinstance(self.host_shards, bool):
             raise TypeError(f"host_shards must be True or False, got {self.host_shards!r}")
         object.__setattr__(self, "offload_fraction", float(self.offload_fraction))

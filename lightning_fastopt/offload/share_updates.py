@@ -10,6 +10,7 @@ When each share's update runs is the step schedules' business
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -189,8 +190,9 @@ class ShareUpdates:
     # ------------------------------------------------------------------ the worker thread
     def pool(self) -> ThreadPoolExecutor:
         """The worker thread of the streamed and delayed CPU updates (one: buckets in order)."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step")
+        if self._worker is None:  # on the step's cores where the strategy bound the threads (bind_cpu_threads)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastopt-cpu-step",
+                                              initializer=_bind_to, initargs=(self.opt.settings.step_cores,))
         return self._worker
 
     def submit(self, task: Callable[..., Any], *args: Any) -> Future:
@@ -216,6 +218,12 @@ class ShareUpdates:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _bind_to(cores: tuple[int, ...] | None) -> None:
+    """The worker thread (and the threads its updates start) on ``cores`` only (None: as it is)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def _as_worker_task(task: Callable[..., Any], args: tuple) -> Any:

@@ -78,7 +78,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
             for ``FastOptStrategy``, chosen after the first steps from their timings (on
             each rank's shards; every rank takes rank 0's choice).
         gpu_memory_budget_gb: with ``offload_fraction="auto"``, as for ``FastOptStrategy``.
-        overlap, pin_memory, bucket_size_mb, cpu_threads, wall_clock_breakdown,
+        overlap, pin_memory, bucket_size_mb, cpu_threads, bind_cpu_threads, wall_clock_breakdown,
                 copy_on_cpu, closure_optimizers, loss_scale, initial_scale_power,
             loss_scale_window, hysteresis, min_loss_scale, at_min_loss_scale: as for
             ``FastOptStrategy``.
@@ -151,7 +151,8 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
     package: TrainerPackage
 
     def __init__(self, offload_fraction: float | str = 1.0, overlap: bool = True, pin_memory: bool = True,
-                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
+                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, bind_cpu_threads: bool = False,
+                 loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  copy_on_cpu: bool = False, closure_optimizers: Sequence[str] = (), keep_gradients: bool = False,
@@ -215,7 +216,8 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
             self._data_parallel_size, self._tensor_parallel_size, self.num_nodes * self.num_processes)
         super().setup_environment()
         say_if_nothing_is_sharded(self._data_parallel_size, self.world_size)
-        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device)
+        self._threads.set(self.options.cpu_threads, self.num_processes, self.root_device,
+                          bind=self.options.bind_cpu_threads, local_rank=self.local_rank)
 
     @override
     def setup(self, trainer) -> None:
@@ -265,7 +267,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         plan.say()
         names = {p: n for n, p in module.named_parameters()}
         arguments = offload_arguments(self.options, params_on_host=on_host,  # fsdp/host_parameters.py
-                                      processes_per_host=self.num_processes)
+                                      processes_per_host=self.num_processes, step_cores=self._threads.step_cores)
         if plan.weight_waits.by_module:
             arguments["forward_waits"] = "module"
 

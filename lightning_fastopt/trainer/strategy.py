@@ -99,6 +99,11 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
             default: on an accelerator, the cores available to this process divided by the
             processes per node; where the model computes on the CPU, torch's count as
             Lightning leaves it (:class:`~lightning_fastopt.core.cpu_threads.TorchThreads`).
+        bind_cpu_threads: share the process's cores out: the CPU step's threads on the
+            first ``cpu_threads`` of them, the thread that launches the accelerator's work
+            and the copies on the rest (the last two where the process has eight cores or
+            more, else one); one log line says which.  For an accelerator (on a CPU run the
+            model then computes on the step's threads); the bits do not change.
         loss_scale: 0 for dynamic loss scaling (fp16), or a fixed scale.
         initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
         loss_scale_window: clean steps before the scale doubles.
@@ -217,7 +222,8 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
     precision_type: type[TrainerPrecision]
 
     def __init__(self, offload_fraction: float | str = 1.0, overlap: bool = True, pin_memory: bool = True,
-                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, loss_scale: float = 0.0,
+                 bucket_size_mb: float = 64.0, cpu_threads: int | None = None, bind_cpu_threads: bool = False,
+                 loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, at_min_loss_scale: str = "raise", wall_clock_breakdown: bool = False,
                  zero_stage: int = 0,
@@ -281,7 +287,8 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._threads.set(self.cpu_threads, self.num_processes, self.root_device)
+        self._threads.set(self.cpu_threads, self.num_processes, self.root_device,
+                          bind=self.bind_cpu_threads, local_rank=self.local_rank)
         note = without_twin(self)
         if note:
             rank_zero_info(note)
@@ -324,7 +331,8 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
             if plan.weight_waits.by_module:
                 extra["forward_waits"] = "module"
             return wrap_fused_optimizer(fused, names, zero_stage=plan.zero_stage, device_grads=plan.gradients.kind,
-                                        **offload_arguments(self, processes_per_host=self.num_processes), **extra)
+                                        **offload_arguments(self, processes_per_host=self.num_processes,
+                                                          step_cores=self._threads.step_cores), **extra)
 
         self._engines.take_over(self.optimizers, plan.optimizers, make_engine)
         self.optimizers = self.optimizers  # Lightning's LightningOptimizer wrappers, made anew (EngineHooks)

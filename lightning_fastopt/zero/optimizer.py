@@ -62,7 +62,7 @@ class ZeroOptimizer(LocalOffloadWrapper):
         offload_fraction, bucket_size_mb, overlap, pin_memory, device_grads,
         wall_clock_breakdown, copy_on_cpu, stream_cpu_step, speculate, reduced_by,
         offload_optimizer_device, nvme_path, nvme_window_mb, host_state_gib, host_reserve_gib,
-        processes_per_host: for this rank's
+        processes_per_host, step_cores: for this rank's
         :class:`~lightning_fastopt.offload.OffloadOptimizer`.  At stage 2 across ranks,
         ``device_grads="copy_in_backward"`` copies the owned gradients as their
         reductions land (``"copy_when_reduced"``), ``"copy_at_step"`` when the step starts,
@@ -83,7 +83,8 @@ class ZeroOptimizer(LocalOffloadWrapper):
                  speculate: bool = False, reduced_by: Callable[[Tensor], bool] | None = None,
                  offload_optimizer_device: str = "cpu", nvme_path: str | None = None,
                  nvme_window_mb: float | None = None, host_state_gib: float | str | None = None,
-                 host_reserve_gib: float | None = None, processes_per_host: int = 1) -> None:
+                 host_reserve_gib: float | None = None, processes_per_host: int = 1,
+                 step_cores: tuple[int, ...] | None = None) -> None:
         super().__init__(optimizer)
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
@@ -131,7 +132,7 @@ class ZeroOptimizer(LocalOffloadWrapper):
                                       reduced_by=reduced_by, offload_optimizer_device=offload_optimizer_device,
                                       nvme_path=nvme_path, nvme_window_mb=nvme_window_mb,
                                       host_state_gib=host_state_gib, host_reserve_gib=host_reserve_gib,
-                                      processes_per_host=processes_per_host)
+                                      processes_per_host=processes_per_host, step_cores=step_cores)
         self._broadcast_buckets = owner_buckets(self._params, self.owners, self._bucket_bytes)
         self._ready = True
 
