@@ -34,12 +34,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_fastopt import ops
-from lightning_fastopt.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
-from lightning_fastopt.checkpoint.deepspeed_to_lightning import deepspeed_as_lightning
-from lightning_fastopt.checkpoint.atomic import DISTRIBUTED_CHECKPOINT_FILES, save_staged
-from lightning_fastopt.checkpoint.checksums import checksum_staged, verify_distributed_once
-from lightning_fastopt.checkpoint.replacing import refuse_to_replace_a_directory
-from lightning_fastopt.checkpoint.safe_loading import SafeLoaderRefusedError, check_before_loading
 from lightning_fastopt.core.cpu_threads import TorchThreads
 from lightning_fastopt.core.engines import FSDP_DOES_NOT_TAKE, check_passed_kwargs, fused_for, register_fsdp_names
 from lightning_fastopt.core.options import StrategyOptions, offload_arguments
@@ -53,14 +47,13 @@ from lightning_fastopt.fsdp.host_parameters import (check_host_shards, host_shar
                                                     materialize_on_the_host, move_all_but_fsdp_parameters,
                                                     say_host_shards)
 from lightning_fastopt.fsdp.mesh_sizes import resolved_mesh_sizes, say_if_nothing_is_sharded
-from lightning_fastopt.fsdp.full_state import load_full_state
 from lightning_fastopt.fsdp.unit_waits import UnitWaits
-from lightning_fastopt.optim.takeover import held_as_torch
 from lightning_fastopt.plan.fsdp_plan import plan_fsdp_run
 from lightning_fastopt.plan.run_plan import OptimizerPlan, RunPlan
 from lightning_fastopt.optim.takeover import engine_of
 from lightning_fastopt.trainer.auto_fraction_steps import AutoFractionSteps
 from lightning_fastopt.trainer.engine_hooks import EngineHooks
+from lightning_fastopt.trainer.fsdp_checkpoints import FSDPCheckpoints
 from lightning_fastopt.trainer.package import TrainerPackage
 from lightning_fastopt.trainer.precision_slot import PrecisionAdoption, PrecisionSlot
 from lightning_fastopt.trainer.run_facts import fsdp_run
@@ -188,6 +181,7 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
                          process_group_backend=process_group_backend, timeout=timeout)
         deepspeed.say()
         self._auto_fraction = AutoFractionSteps(self._engines)  # (EngineHooks made self._engines)
+        self._checkpoints = FSDPCheckpoints(self._engines)
 
     @property
     def offload_fraction(self) -> float:
@@ -308,71 +302,31 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
         for engine in self.engines:  # resumed: the delayed update's warm-up was done before the save
             engine.local.count_steps_from(self.lightning_module.trainer.global_step)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (FSDPCheckpoints)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """``ModelParallelStrategy``'s, once a delayed update still pending is in the model:
-        torch's layout has no place for it, so a checkpoint is the end of a synchronous step
-        for the delayed update (the run that saves goes on from there, as the resumed one)."""
-        for engine in self.engines:
-            engine.local.apply_pending_update()
-        return super().lightning_module_state_dict()
+        return self._checkpoints.module_state_dict(self.engines, super().lightning_module_state_dict)
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        """``ModelParallelStrategy``'s (torch's distributed state dict, in torch's layout) of
-        the optimizer as torch would hold it: the user's class with the engine's state,
-        DTensors over this rank's rows."""
-        held = self._engines.engine_for(self.optimizers, optimizer) is not None
-        return super().optimizer_state(held_as_torch(optimizer) if held else optimizer)
+        return self._checkpoints.optimizer_state(self.optimizers, optimizer, super().optimizer_state)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """``ModelParallelStrategy``'s (a directory of shards, or one full file), written
-        whole or not at all: into a staging path, moved over ``filepath`` once every rank
-        has written (:func:`~lightning_fastopt.checkpoint.atomic.save_staged`); a process
-        killed mid-save leaves the previous checkpoint.  Saved into a directory, the files
-        there that are not a distributed checkpoint's stay, as under Lightning.  A full checkpoint does not replace a
-        directory that is not a checkpoint, as ``ModelParallelStrategy`` refuses it."""
-        if not self._save_distributed_checkpoint:
-            refuse_to_replace_a_directory(self.broadcast(filepath))
-        save_staged(filepath, lambda staging: super(FSDPTrainerStrategy, self).save_checkpoint(
-            checkpoint, staging, storage_options), self, DISTRIBUTED_CHECKPOINT_FILES,
-                    before_move=checksum_staged)
+        self._checkpoints.save(filepath, self, self._save_distributed_checkpoint, lambda staging: super(
+            FSDPTrainerStrategy, self).save_checkpoint(checkpoint, staging, storage_options))
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """``ModelParallelStrategy`` loads the weights and optimizer states here (a
-        distributed or full checkpoint): each engine's optimizer state is loaded into the
-        optimizer as torch would hold it, then taken over by the engine.  A checkpoint that
-        torch's safe loader refuses is refused before anything is loaded
-        (:func:`~lightning_fastopt.checkpoint.safe_loading.check_before_loading`), and so is
-        a distributed one whose checksums do not match
-        (:mod:`~lightning_fastopt.checkpoint.checksums`).  A directory DeepSpeed wrote is read
-        whole on every rank and loaded as a full checkpoint
-        (:mod:`~lightning_fastopt.checkpoint.deepspeed_to_lightning`)."""
-        path = self.broadcast(checkpoint_path)
-        verify_distributed_once(path, self)
-        try:
-            check_before_loading(path, weights_only)
-        except SafeLoaderRefusedError as refused:
-            raise refused.with_ways(_FIT_DROPS_WEIGHTS_ONLY) from refused
-        taken = list(self._optimizers)
-        views = [held_as_torch(o) if self._engines.engine_for(taken, o) else o for o in taken]
-        self._optimizers = views
-        try:
-            if is_deepspeed_checkpoint(path):  # every rank reads it whole
-                checkpoint = load_full_state(self.model, views, deepspeed_as_lightning(
-                    path, self.lightning_module, self.precision_plugin), self.lightning_module.strict_loading)
-            else:
-                checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        finally:
-            self._optimizers = taken
-        for opt, view in zip(taken, views):
-            engine = self._engines.engine_for(taken, opt)
-            if engine is not None:
-                engine.load_param_state(view.state, view.param_groups)
-        return checkpoint
+        def lightnings(views: list[Any]) -> dict[str, Any]:  # Lightning's load, into the optimizers as torch's
+            taken, self._optimizers = self._optimizers, views
+            try:
+                return super(FSDPTrainerStrategy, self).load_checkpoint(checkpoint_path, weights_only)
+            finally:
+                self._optimizers = taken
+
+        return self._checkpoints.load(self.broadcast(checkpoint_path), weights_only, self, self._optimizers,
+                                      lightnings)
 
     # ------------------------------------------------------------------ teardown
     @override
@@ -388,15 +342,6 @@ class FSDPTrainerStrategy(EngineHooks, PrecisionSlot):
     @override
     def register_strategies(cls, strategy_registry) -> None:
         register_fsdp_names(cls, strategy_registry)
-
-
-# NOTE [fit's weights_only under FSDP]: Lightning 2.6's Trainer restores a strategy that loads
-# after its set-up (``restore_checkpoint_after_setup``: FSDP, DeepSpeed) without the
-# ``weights_only`` that ``fit`` was given, so ``fit(..., weights_only=False)`` never reaches
-# this strategy (nor ``ModelParallelStrategy``): a refusal names the ways that do.
-_FIT_DROPS_WEIGHTS_ONLY = ("python -m lightning_fastopt.checkpoint consolidate --no-weights-only, for one file of the "
-                           "weights and state (Lightning's Trainer does not pass fit's weights_only to an FSDP "
-                           "strategy: to resume, allow them instead)")
 
 
 def _say_if_its_steps_wait(engine: LocalShardOptimizer) -> None:
