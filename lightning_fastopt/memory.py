@@ -236,60 +236,110 @@ def _rank_estimate(params: list[torch.Tensor], owned: list[bool], offload_fracti
     at stage 3 ``params`` are the rank's rows, ``total`` the model's elements; ``on_host``:
     the rows themselves in host memory, their own masters; ``window``: ``nvme_window_mb``,
     the offloaded masters and state on disk; ``host_state``: bytes an element of an
-    offloaded state tensor, where not the master's)."""
+    offloaded state tensor, where not the master's): each parameter's place decided, then
+    what each tier holds of it (:func:`_on_device`, :func:`_in_host`, :func:`_on_disk`) summed."""
     mine = [p for p, o in zip(params, owned) if o]
     chosen = iter(choose_offloaded(mine, offload_fraction))
     est = MemoryEstimate(total_params=sum(p.numel() for p in params) if total is None else total,
                          owned_params=sum(p.numel() for p in mine), rank=rank, world_size=world_size,
                          zero_stage=zero_stage)
-    sharded = zero_stage > 0 and world_size > 1
+    run = _Run(state_tensors, speculate, zero_stage, sharded=zero_stage > 0 and world_size > 1,
+               disk=window is not None)
     for p, own in zip(params, owned):
-        n, size = p.numel(), p.element_size()
-        m = 8 if p.dtype == torch.float64 else 4  # the master's (and the state's) bytes per element
-        hs = host_state or m  # an offloaded state tensor's
-        half = size < 4
-        if on_host:  # the rows, their gradients and state in host memory; float32 rows are the masters
-            est.offloaded_params += n
-            est.cpu["params"] += n * size
-            est.cpu["grads"] += n * size
-            master = m * n if half else 0  # a half row's float32 master apart
-            if window is None:
-                est.cpu["master_weights"] += master
-                est.cpu["optimizer_state"] += hs * n * state_tensors
-                # a speculated update keeps the master and state aside, and a half row it writes in place
-                est.cpu["speculation"] += (m + hs * state_tensors) * n + (n * size if half else 0) if speculate else 0
-            else:  # a speculated update's is written beside the last: the file twice over; the rows kept here
-                _on_disk(est, master, hs * n * state_tensors, speculate)
-                est.cpu["speculation"] += (n * size if half else m * n) if speculate else 0
-            continue
-        est.gpu["params"] += n * size
-        if not own:  # another rank's: stage 1 keeps its gradient (DDP's) until the step, stage 2 frees it
-            est.gpu["grads"] += n * size if zero_stage == 1 else 0
-        elif next(chosen):
-            est.offloaded_params += n
-            # copied at the step: stage 1's (DDP's) and stage 3's (FSDP's p.grad) stay until zero_grad
-            est.gpu["grads"] += n * size if sharded and zero_stage in (1, 3) else 0
-            est.cpu["grads"] += n * size
-            est.cpu["master_weights"] += n * size if half else 0  # the half copy sent to the device
-            if window is None:
-                est.cpu["master_weights"] += m * n
-                est.cpu["optimizer_state"] += hs * n * state_tensors
-                est.cpu["speculation"] += (m + hs * state_tensors) * n if speculate else 0
-            else:  # (a speculated update is written beside the masters and state: the file twice over)
-                _on_disk(est, m * n, hs * state_tensors * n, speculate)
-        else:
-            est.gpu["grads"] += n * size
-            est.gpu["master_weights"] += m * n if half else 0
-            est.gpu["optimizer_state"] += m * n * state_tensors
+        place = HOST_ROWS if on_host else ANOTHER_RANKS if not own else OFFLOADED if next(chosen) else ON_DEVICE
+        facts = _Param(p.numel(), p.element_size(), 8 if p.dtype == torch.float64 else 4, host_state)
+        est.offloaded_params += facts.n if place in (HOST_ROWS, OFFLOADED) else 0
+        for tier, held in ((est.gpu, _on_device(place, facts, run)), (est.cpu, _in_host(place, facts, run)),
+                           (est.on_disk, _on_disk(place, facts, run))):
+            for k, v in held.items():
+                tier[k] += v
     if window is not None and est.disk:  # what the state needs (every bucket's region at most), within the limit
         est.disk_window = min(round(window * 2**20), est.disk // (2 if speculate else 1))
     return est
 
 
-def _on_disk(est: MemoryEstimate, masters: int, state: int, speculate: bool) -> None:
-    est.on_disk["master_weights"] += masters
-    est.on_disk["optimizer_state"] += state
-    est.on_disk["speculation"] += masters + state if speculate else 0  # written beside the last: the file twice over
+# where a parameter's masters and state are, as :func:`_rank_estimate` decides it
+HOST_ROWS = "host rows"  # FSDP's rows in host memory (offload_parameters), their own masters
+ANOTHER_RANKS = "another rank's"  # ZeRO: another rank keeps its masters and state
+OFFLOADED = "offloaded"  # this rank's, in host memory (or on disk)
+ON_DEVICE = "on the device"  # this rank's, updated where it lives
+
+
+@dataclass(frozen=True)
+class _Run:
+    state_tensors: int
+    speculate: bool
+    zero_stage: int
+    sharded: bool  # ZeRO across several ranks
+    disk: bool  # offload_optimizer_device="nvme"
+
+
+@dataclass(frozen=True)
+class _Param:
+    n: int  # elements
+    size: int  # bytes an element of the weight
+    master: int  # bytes an element of the master (and of the state: 8 for float64 weights, else 4)
+    host_state: int | None  # bytes an element of an offloaded state tensor, where not the master's
+
+    @property
+    def half(self) -> bool:
+        return self.size < 4
+
+    @property
+    def state(self) -> int:
+        """Bytes of one offloaded state tensor."""
+        return (self.host_state or self.master) * self.n
+
+
+def _on_device(place: str, p: _Param, run: _Run) -> dict[str, int]:
+    """What the accelerator holds of a parameter: its weight, a gradient where it stays (the
+    device's share; ZeRO stage 1 keeps every one until the step, DDP's; stages 1 and 3 copy
+    an offloaded one at the step, so it stays until ``zero_grad``), the device share's
+    master (a half weight's) and state."""
+    if place == HOST_ROWS:
+        return {}
+    grads = {ANOTHER_RANKS: run.zero_stage == 1, OFFLOADED: run.sharded and run.zero_stage in (1, 3),
+             ON_DEVICE: True}[place]
+    held = {"params": p.n * p.size, "grads": p.n * p.size if grads else 0}
+    if place == ON_DEVICE:
+        held.update(master_weights=p.master * p.n if p.half else 0, optimizer_state=p.master * p.n * run.state_tensors)
+    return held
+
+
+def _in_host(place: str, p: _Param, run: _Run) -> dict[str, int]:
+    """What host memory holds of a parameter: FSDP's host rows with their gradients, an
+    offloaded one's gradient buffer and half copy, and, where the state is not on disk, the
+    masters and state, with what a speculated update keeps aside; on disk, the speculation
+    of what stays in host memory (a host row's weight, written in place)."""
+    if place == HOST_ROWS:
+        held = {"params": p.n * p.size, "grads": p.n * p.size}
+        if run.disk:
+            held["speculation"] = (p.n * p.size if p.half else p.master * p.n) if run.speculate else 0
+            return held
+        held.update(master_weights=p.master * p.n if p.half else 0, optimizer_state=p.state * run.state_tensors,
+                    speculation=(p.master * p.n + p.state * run.state_tensors + (p.n * p.size if p.half else 0))
+                    if run.speculate else 0)
+        return held
+    if place != OFFLOADED:
+        return {}
+    held = {"grads": p.n * p.size, "master_weights": p.n * p.size if p.half else 0}  # the half copy sent back
+    if not run.disk:
+        held["master_weights"] += p.master * p.n
+        held.update(optimizer_state=p.state * run.state_tensors,
+                    speculation=(p.master * p.n + p.state * run.state_tensors) if run.speculate else 0)
+    return held
+
+
+def _on_disk(place: str, p: _Param, run: _Run) -> dict[str, int]:
+    """What the disk's file holds of a parameter (``offload_optimizer_device="nvme"``): an
+    offloaded one's master (a host row's only where it is half) and state, twice over with
+    ``speculate`` (a speculated update is written beside the last)."""
+    if not run.disk or place not in (HOST_ROWS, OFFLOADED):
+        return {}
+    masters = p.master * p.n if place == OFFLOADED or p.half else 0
+    state = p.state * run.state_tensors
+    return {"master_weights": masters, "optimizer_state": state,
+            "speculation": masters + state if run.speculate else 0}
 
 
 def _keep_in_host(est: MemoryEstimate, host_state_gib: float) -> MemoryEstimate:
