@@ -21,7 +21,8 @@
 #   bash benchmarks/gpu_session.sh kernels   # benchmarks/cuda_optimizers.py, offload_step.py, weight_watch.py
 #   bash benchmarks/gpu_session.sh e2e [CONFIGS NAME]   # benchmarks/gpt_offload.py, every (or CONFIGS) configuration
 #   bash benchmarks/gpu_session.sh largest   # the largest GPT that trains with the GPU capped at 24 GiB, its
-#                                            # weights in host memory (issue 52): float32, then bfloat16 moments
+#                                            # weights in host memory (issue 52): float32, then bfloat16 moments,
+#                                            # then on the whole GPU with the state on disk (issue 66's >= 12B)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_results}"
@@ -159,10 +160,13 @@ gpt() {  # gpt() CONFIGS NAME BUDGET_S EXTRA...
     pack
 }
 
-largest_try() {  # largest_try STATE LAYERS SECONDS: the deepest of LAYERS (and shallower) estimated to fit, one try
+largest_try() {  # largest_try STATE LAYERS SECONDS [NAME EXTRA...]: the deepest of LAYERS estimated to fit, one try
+    local state="$1" layers="$2" seconds="$3" name="${4:-largest_$1}"
+    shift 3
+    [ $# -gt 0 ] && shift
     # shellcheck disable=SC2086
-    timeout $(($3 + 60)) python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 --state "$1" \
-        --layers "$2" --tries 1 --timeout-s "$3" --out "$WORK/largest_$1.json" 2>&1 | tee "$WORK/largest_$1.md"
+    timeout $((seconds + 60)) python3 benchmarks/largest_model.py ${tiny:+--tiny} --gpu-gib 24 --state "$state" \
+        --layers "$layers" --tries 1 --timeout-s "$seconds" --out "$WORK/$name.json" "$@" 2>&1 | tee "$WORK/$name.md"
     pack
 }
 
@@ -250,6 +254,13 @@ case "$part" in
             [ "$state" = bfloat16 ] && layers=40
             largest_try "$state" "$layers" "${LARGEST_S:-280}"
         done
+        # then the whole GPU with the state on this machine's disk and what host memory has free of it
+        # (issues 66 and 72: the goal is 12B or more; width 4096: 60 layers are 12.1B parameters)
+        say "the largest GPT on the whole GPU, AdamW moments bfloat16 on disk and in host memory"
+        mkdir -p "$WORK/nvme"
+        largest_try bfloat16 "${LARGEST_DISK_LAYERS:-48,52,56,60,64,68,72}" "${LARGEST_S:-280}" largest_disk \
+            --gpu-gib 0 --nvme-path "$WORK/nvme"
+        rm -rf "$WORK/nvme"
         say "done"
         ;;
     e2e)

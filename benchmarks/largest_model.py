@@ -3,6 +3,8 @@
     python benchmarks/largest_model.py --gpu-gib 24                 # float32 Adam moments
     python benchmarks/largest_model.py --gpu-gib 24 --state bfloat16  # host_state_dtype="bfloat16"
     python benchmarks/largest_model.py --tiny                       # a tiny GPT on any machine: the script runs
+    python benchmarks/largest_model.py --gpu-gib 0 --nvme-path DIR --state bfloat16   # the whole GPU, the
+                                             # state on DIR's disk and what host memory has free (issue 66, 72)
 
 The GPU is capped at ``--gpu-gib`` (``torch.cuda.set_per_process_memory_fraction``), the
 host is what the kernel says is available (``MemAvailable``, or ``--host-gib``).  First
@@ -18,6 +20,12 @@ context), built on the meta device and materialized in host memory, bf16-mixed,
 memory), the next shallower one.  Printed and written to ``--out`` (JSON): each try's
 parameters, whether it trained, its last steps' time, the GPU's peak allocation and the
 process's peak resident host memory.
+
+With ``--nvme-path`` the optimizer state goes to a file on that directory's disk
+(``offload_optimizer_device="nvme"``) and host memory keeps what it has free of it
+(``host_state_gib="auto"``): a depth fits where the GPU, host memory (the rows, their
+gradients and the disk window) and the disk (the state host memory cannot keep) each hold
+their share.  ``--gpu-gib 0``: the whole GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +52,13 @@ def _gpt(layers: int, width: int, tokens: int):
     return TinyGPT(n_layer=layers, n_head=max(width // 128, 1), n_embd=width, block_size=tokens)
 
 
+def _whole_gpu_bytes() -> float:
+    """The GPU's memory (``--gpu-gib 0``); without one (``--tiny``), 1 GiB."""
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else float(2**30)
+
+
 def available_host_bytes() -> int | None:
     from lightning_fastopt.offload.speculative import available_host_bytes as available
 
@@ -55,12 +71,21 @@ def plan(args) -> list[dict]:
 
     from lightning_fastopt import sizes_that_fit
 
-    rows = sizes_that_fit(lambda n: _gpt(n, args.width, args.tokens), args.layers, args.gpu_gib * 2**30,
-                          args.host_bytes * (1 - args.headroom), zero_stage=3, offload_parameters=True,
-                          auto_wrap_policy={Block}, precision="bf16-mixed",
-                          host_state_dtype=None if args.state == "float32" else args.state)
-    return [dict(layers=n, params=e.total_params, gpu_gib=e.gpu_total / 2**30, host_gib=e.cpu_total / 2**30,
-                 fits=fits) for n, e, fits in rows]
+    host = args.host_bytes * (1 - args.headroom)
+    disk = {} if args.nvme_path is None else dict(offload_optimizer_device="nvme")
+    rows = sizes_that_fit(lambda n: _gpt(n, args.width, args.tokens), args.layers, args.gpu_bytes, host,
+                          zero_stage=3, offload_parameters=True, auto_wrap_policy={Block}, precision="bf16-mixed",
+                          host_state_dtype=None if args.state == "float32" else args.state, **disk)
+    out = []
+    for n, e, fits in rows:
+        row = dict(layers=n, params=e.total_params, gpu_gib=e.gpu_total / 2**30, host_gib=e.cpu_total / 2**30,
+                   fits=fits)
+        if args.nvme_path is not None:  # host memory keeps what it has free of the state, the disk the rest
+            kept = max(0.0, min(host - e.cpu_total, e.disk))
+            row.update(host_gib=(e.cpu_total + kept) / 2**30, disk_gib=(e.disk - kept) / 2**30,
+                       fits=fits and e.disk - kept <= args.disk_bytes)
+        out.append(row)
+    return out
 
 
 def child(args) -> None:
@@ -72,7 +97,7 @@ def child(args) -> None:
     from lightning_fastopt import FastOptFSDPStrategy
 
     cuda = torch.cuda.is_available() and not args.tiny
-    if cuda:
+    if cuda and args.gpu_gib:  # (0: the whole GPU)
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(args.gpu_gib * 2**30 / total, 1.0))
 
@@ -119,8 +144,10 @@ def child(args) -> None:
     data = torch.randint(0, 256, (args.steps, args.tokens + 1), generator=g)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=1)
     timed = Timed()
+    disk = {} if args.nvme_path is None else dict(offload_optimizer_device="nvme", nvme_path=args.nvme_path,
+                                                  host_state_gib="auto")
     strategy = FastOptFSDPStrategy(offload_parameters=True, auto_wrap_policy={Block}, stream_cpu_step=True,
-                                   host_state_dtype=args.state)
+                                   host_state_dtype=args.state, **disk)
     _say_set_up_phases(strategy, progress)
     trainer = L.Trainer(accelerator="cuda" if cuda else "cpu", devices=1, max_steps=args.steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -163,6 +190,7 @@ def _say_set_up_phases(strategy, progress) -> None:
 def run_child(args, layers: int) -> dict:
     command = [sys.executable, __file__, "--child", str(layers), "--width", str(args.width), "--tokens",
                str(args.tokens), "--steps", str(args.steps), "--state", args.state, "--gpu-gib", str(args.gpu_gib)]
+    command += [] if getattr(args, "nvme_path", None) is None else ["--nvme-path", str(args.nvme_path)]
     command += ["--tiny"] if args.tiny else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     try:
@@ -204,7 +232,9 @@ def failure(returncode: int, printed: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gpu-gib", type=float, default=24.0)
+    parser.add_argument("--gpu-gib", type=float, default=24.0, help="the GPU's cap; 0: the whole GPU")
+    parser.add_argument("--nvme-path", default=None, help="the optimizer state on this directory's disk "
+                                                          "(offload_optimizer_device='nvme', host_state_gib='auto')")
     parser.add_argument("--host-gib", type=float, default=None, help="default: MemAvailable")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of the host left to what is not estimated")
     parser.add_argument("--state", choices=["float32", "bfloat16"], default="float32")
@@ -229,14 +259,22 @@ def main() -> None:
     args.host_bytes = args.host_gib * 2**30 if args.host_gib else available_host_bytes()
     if args.host_bytes is None:
         parser.error("this system does not say how much host memory is available: give --host-gib")
+    args.gpu_bytes = args.gpu_gib * 2**30 if args.gpu_gib else _whole_gpu_bytes()
+    if args.nvme_path is not None:
+        Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+        args.disk_bytes = shutil.disk_usage(args.nvme_path).free * (1 - args.headroom)
     rows = plan(args)
-    print(f"GPU capped at {args.gpu_gib:g} GiB, host {args.host_bytes / 2**30:.3g} GiB ({args.headroom:.0%} left "
-          f"aside), width {args.width}, AdamW moments {args.state}")
-    print("| layers | parameters | GPU GiB (units in flight) | host GiB | fits |")
-    print("|---:|---:|---:|---:|:---:|")
+    disk = "" if args.nvme_path is None else f", disk {args.disk_bytes / 2**30:.3g} GiB free in {args.nvme_path}"
+    gpu = f"capped at {args.gpu_gib:g}" if args.gpu_gib else f"whole, {args.gpu_bytes / 2**30:.3g}"
+    print(f"GPU {gpu} GiB, host {args.host_bytes / 2**30:.3g} GiB{disk} ({args.headroom:.0%} left aside), width "
+          f"{args.width}, AdamW moments {args.state}")
+    on_disk = args.nvme_path is not None
+    print("| layers | parameters | GPU GiB (units in flight) | host GiB |" + (" disk GiB |" if on_disk else "")
+          + " fits |")
+    print("|---:|---:|---:|---:|" + ("---:|" if on_disk else "") + ":---:|")
     for r in rows:
         print(f"| {r['layers']} | {r['params'] / 1e9:.3g}B | {r['gpu_gib']:.3g} | {r['host_gib']:.3g} | "
-              f"{'yes' if r['fits'] else 'no'} |")
+              + (f"{r['disk_gib']:.3g} | " if on_disk else "") + f"{'yes' if r['fits'] else 'no'} |")
     tries = []
 
     def save() -> None:  # the plan, then again after each try: a run cut off keeps the ones before

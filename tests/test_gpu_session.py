@@ -115,3 +115,7 @@ def test_largest_estimates_the_depths_and_trains_the_deepest_that_fits(tmp_path)
         assert fits and len(fits) < len(got["plan"])  # the host cap leaves the deeper ones out
         assert got["tries"][0]["layers"] == max(fits) and got["tries"][0]["trained"], got["tries"]
         assert f"trained: {max(fits)} layers" in files[f"largest_{state}.md"]
+    # then the whole GPU with the state on disk (the host cap leaves depths that only the disk lets fit)
+    disk = json.loads(files["largest_disk.json"])
+    assert all("disk_gib" in r for r in disk["plan"]) and disk["tries"][0]["trained"], disk
+    assert "| disk GiB |" in files["largest_disk.md"]
