@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -30,6 +31,21 @@ def default_cpu_threads(processes_per_node: int, accelerator: bool = False, core
     if accelerator and share >= SPARED_FROM:
         return share - LEFT_TO_THE_ACCELERATOR
     return share
+
+
+def check_threads(cpu_threads: Any, bind_cpu_threads: Any, worker: bool) -> None:
+    """``cpu_threads`` and ``bind_cpu_threads`` refused by name where they cannot be;
+    ``worker``: whether some update runs on the worker thread (``stream_cpu_step``,
+    ``delayed_update``), which is what binding keeps apart."""
+    if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                    or cpu_threads < 1):
+        raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), got {cpu_threads!r}")
+    if not isinstance(bind_cpu_threads, bool):
+        raise TypeError(f"bind_cpu_threads must be True or False, got {bind_cpu_threads!r}")
+    if bind_cpu_threads and not worker:
+        raise ValueError("bind_cpu_threads=True puts the worker thread that runs the updates of stream_cpu_step or "
+                         "delayed_update on cores apart from the thread that launches the accelerator's work: give "
+                         "one of them, or leave it False")
 
 
 def split_cores(cores: list[int], processes_per_node: int, local_rank: int, threads: int) -> tuple[list[int], list[int]]:

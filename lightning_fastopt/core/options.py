@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lightning_fastopt.core.cpu_threads import check_threads
 from lightning_fastopt.core.loss_scaler import DynamicLossScaler
 from lightning_fastopt.offload.delayed import check_delayed_update
 from lightning_fastopt.offload.forward_waits import check_forward_waits
@@ -74,18 +75,10 @@ class StrategyOptions:
             check_window_holds_two_buckets(nvme_window_mb, bucket_size_mb)
         for name, flag in (("overlap", overlap), ("pin_memory", pin_memory),
                            ("wall_clock_breakdown", wall_clock_breakdown), ("copy_on_cpu", copy_on_cpu),
-                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step),
-                           ("bind_cpu_threads", bind_cpu_threads)):
+                           ("keep_gradients", keep_gradients), ("stream_cpu_step", stream_cpu_step)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
-        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
-                                        or cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
-                             f"got {cpu_threads!r}")
-        if bind_cpu_threads and not (stream_cpu_step or delayed_update):
-            raise ValueError("bind_cpu_threads=True puts the worker thread that runs the updates of stream_cpu_step "
-                             "or delayed_update on cores apart from the thread that launches the accelerator's work: "
-                             "give one of them, or leave it False")
+        check_threads(cpu_threads, bind_cpu_threads, worker=stream_cpu_step or delayed_update)
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         check_delayed_update(delayed_update, delayed_update_warmup, stream_cpu_step)
