@@ -124,23 +124,36 @@ def hidden_exposed(lanes: dict[str, Intervals]) -> dict[str, tuple[float, float,
 
 
 # what the CPU does for the offloaded share between its first update and its last: the updates, clipping's own
-# pass, the weights copied in line (the accelerator's path without one); the rest of that span is a gap
+# pass, the weights copied in line (the accelerator's path without one)
 CPU_WORK = ("CPU update", "grad scale", "copy in line")
 
 
 def cpu_lane_coverage(lanes: dict[str, Intervals]) -> float | None:
-    """The share of the span from the first CPU update's start to the last's end during
-    which the CPU worked for the offloaded share (:data:`CPU_WORK`), in a trace of one step;
-    None without an update.  Issue 66: the CPU lane busy from the first update to the last,
-    with no gap the timeline cannot explain."""
+    """The share of the span from the first CPU update's start to the last's end that the
+    timeline explains, in a trace of one step: the CPU working for the offloaded share
+    (:data:`CPU_WORK`), or, where updates run on the worker thread (streamed into backward),
+    the worker with nothing queued (outside its ``worker task`` lane: no bucket's gradients
+    had landed yet, backward was still making them).  What is left is time between buckets
+    that nothing but the engine's own bookkeeping can have taken.  None without an update.
+    Issue 66: the CPU lane busy from the first update to the last, with no gap the timeline
+    cannot explain."""
     updates = lanes.get("CPU update", [])
     if not updates:
         return None
     start, end = updates[0][0], max(e for _, e in updates)
     if end <= start:
         return None
-    work = merge((max(s, start), min(e, end)) for lane in CPU_WORK for s, e in lanes.get(lane, []) if e > start and s < end)
-    return sum(e - s for s, e in work) / (end - start)
+    explained = [(s, e) for lane in CPU_WORK for s, e in lanes.get(lane, [])]
+    tasks = merge(lanes.get("worker task", []))
+    if tasks:  # the worker's idle time between tasks: nothing to update yet
+        cursor = start
+        for s, e in tasks:
+            if s > cursor:
+                explained.append((cursor, s))
+            cursor = max(cursor, e)
+        explained.append((cursor, end))
+    clipped = merge((max(s, start), min(e, end)) for s, e in explained if e > start and s < end)
+    return sum(e - s for s, e in clipped) / (end - start)
 
 
 def table(lanes: dict[str, Intervals]) -> str:

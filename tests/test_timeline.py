@@ -181,10 +181,12 @@ def test_with_the_state_on_disk_the_files_reads_and_writes_are_lanes(tmp_path):
 @pytest.mark.slow  # 1.3 GB of masters, state and buffers, 21 steps of 67M parameters: 20 s on 2 cores
 @pytest.mark.parametrize("schedule", ["synchronous", "streamed", "clipped"])
 def test_the_cpu_lane_is_busy_from_the_first_update_to_the_last(schedule):
-    """Issue 66: on the accelerator's code path (``copy_on_cpu=True``), the CPU works for the
-    offloaded share (its bucket updates, clipping's pass, the weights copied in line) at
-    least 95% of the span from a step's first update to its last, at the step, streamed
-    into backward, and clipped (speculated, then redone or updated at the step): no wait or
+    """Issue 66: on the accelerator's code path (``copy_on_cpu=True``), the timeline explains
+    at least 95% of the span from a step's first update to its last, at the step, streamed
+    into backward, and clipped (speculated, then redone or updated at the step): the CPU
+    working for the offloaded share (its bucket updates, clipping's pass, the weights copied
+    in line), or, streamed, the worker with nothing queued while backward makes the next
+    gradients (here on the same 2 cores; on a GPU backward is the GPU's).  No wait or
     bookkeeping between buckets that the timeline cannot explain.  Buckets of 32 MiB (half
     the default): what happens between two updates (about 120 us of Python a bucket on the
     2-core dev VM, 2026-12-07, against 4 ms for the update of a 16 MiB bucket) must be small

@@ -145,7 +145,8 @@ def main():
     if inject:
         state["skipped_steps"] = torch.tensor(trainer.precision_plugin.skipped_steps)
     opt = (getattr(trainer.strategy, "engines", None) or trainer.optimizers)[0]
-    if getattr(opt, "forward_waits", None) == "module":  # the strategy did not fall back to waiting at the step
+    settings = getattr(opt, "settings", None)  # an offload optimizer's (OffloadSettings)
+    if getattr(settings, "forward_waits", None) == "module":  # the strategy did not fall back to waiting at the step
         state["waits_by_module"] = torch.tensor(True)
         if hasattr(getattr(opt, "schedule", None), "ends_early"):  # the streamed and speculative steps'
             state["steps_ended_early"] = torch.tensor(opt.schedule.ends_early)
