@@ -185,13 +185,30 @@ def test_a_steps_count_kept_in_its_groups_is_saved_and_resumed(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", sorted(ENTRIES))
-def test_zero_2_at_two_processes_shards_a_catalogued_class_as_ddp_ends(key, tmp_path):
-    _class(ENTRIES[key])
+def test_zero_2_at_two_processes_shards_each_catalogued_class_as_ddp_ends(tmp_path):
+    """Every catalogued class whose package is installed, each trained under ZeRO stage 2 and
+    under Lightning's DDP at two processes, one after another in the same two processes (24
+    two-process launches took about 190 s on 2 cores, two take a third of it); each class's
+    weights compared, the ones that differ named."""
+    installed = []
+    for key in sorted(ENTRIES):
+        try:
+            __import__(ENTRIES[key].module)
+            installed.append(key)
+        except ImportError:
+            pass
+    if not installed:
+        pytest.skip("no catalogued package is installed")
     for which in ("zero2", "ddp"):
-        run_script("tests/scripts/catalogue_run.py", key, which, tmp_path / f"{which}.pt", timeout=900)
-    ours, ddp = (torch.load(tmp_path / f"{w}.pt", weights_only=True) for w in ("zero2", "ddp"))
-    assert ours["runs"] == "own step" and _equal(ours["weights"], ddp["weights"])
+        (tmp_path / which).mkdir()
+        run_script("tests/scripts/catalogue_run.py", ",".join(installed), which, tmp_path / which, timeout=1800)
+    differ = []
+    for key in installed:
+        name = key.replace(":", "_") + ".pt"
+        ours, ddp = (torch.load(tmp_path / w / name, weights_only=True) for w in ("zero2", "ddp"))
+        if ours["runs"] != "own step" or not _equal(ours["weights"], ddp["weights"]):
+            differ.append(f"{key} ({ours['runs']})")
+    assert not differ, f"not as DDP ends: {differ}"
 
 
 # ---------------------------------------------------------------------------- the per-parameter claim checked
