@@ -61,8 +61,8 @@ sys.path.insert(0, str(REPO / "examples"))
 # the tokens a step, plain's compute N times longer while the update stays the same; issue 66's tokens-per-step
 # sweep compares each row with plain at the same N and clipping);
 # a ":bind" suffix binds the CPU step's threads to cores apart from the thread that launches the GPU's work
-# (bind_cpu_threads=True, issue 66's target 6); a ":tN" suffix gives the CPU step N threads (cpu_threads=N; by default the
-# process's cores, less two where it has 8 or more: lightning_fastopt.core.cpu_threads)
+# (bind_cpu_threads=True, issue 66's target 6); a ":tN" suffix gives the CPU step N threads (cpu_threads=N;
+# by default the process's cores, less two where it has 8 or more: lightning_fastopt.core.cpu_threads)
 CONFIGS = ["plain", "fastopt:0", "fastopt:0.25:stream", "fastopt:0.5", "fastopt:0.5:stream", "fastopt:1",
            "fastopt:1:stream", "fastopt:1:delayed", "fastopt:auto:stream", "fastopt:auto:delayed",
            "fastopt:1:stream:bf16-true", "fastopt:1:delayed:bf16-true", "fastopt:0.5:module",
@@ -577,7 +577,8 @@ def tokens_table(rows: list[dict]) -> str:
             ref = by.get(reference_of(r["configuration"]))
             rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.1%}" if ref else "n/a"
             bound = r.get("bound_ms")
-            at_bound = f"{r['tokens_per_step'] / bound * 1e3:,.0f} | {r['step_ms'] / bound:.2f}x" if bound else "n/a | n/a"
+            at_bound = (f"{r['tokens_per_step'] / bound * 1e3:,.0f} | {r['step_ms'] / bound:.2f}x" if bound
+                        else "n/a | n/a")
             lines.append(f"| {r['tokens_per_step']:,} | {r['tokens_per_s']:,.0f} | "
                          f"{ref['tokens_per_s'] if ref else float('nan'):,.0f} | {rel} | {at_bound} | "
                          f"{r['fraction'] if r.get('fraction') is not None else 'n/a'} |")

@@ -39,7 +39,8 @@ def check_threads(cpu_threads: Any, bind_cpu_threads: Any, worker: bool) -> None
     ``delayed_update``), which is what binding keeps apart."""
     if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
                                     or cpu_threads < 1):
-        raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), got {cpu_threads!r}")
+        raise ValueError(f"cpu_threads must be a positive integer or None (cores per local rank), "
+                         f"got {cpu_threads!r}")
     if not isinstance(bind_cpu_threads, bool):
         raise TypeError(f"bind_cpu_threads must be True or False, got {bind_cpu_threads!r}")
     if bind_cpu_threads and not worker:
@@ -48,7 +49,8 @@ def check_threads(cpu_threads: Any, bind_cpu_threads: Any, worker: bool) -> None
                          "one of them, or leave it False")
 
 
-def split_cores(cores: list[int], processes_per_node: int, local_rank: int, threads: int) -> tuple[list[int], list[int]]:
+def split_cores(cores: list[int], processes_per_node: int, local_rank: int,
+                threads: int) -> tuple[list[int], list[int]]:
     """This process's share of ``cores`` (the node's, sorted; contiguous shares by local
     rank) cut in two: the first ``threads`` for the CPU step, the rest (at least one) for
     the thread that launches the accelerator's work and the copies."""
@@ -75,7 +77,8 @@ class TorchThreads:
     (:func:`split_cores`): the thread that launches the accelerator's work (this one, the
     process's main thread) runs on the share's last cores only, and :attr:`step_cores`, the
     others, are given to the engines, whose worker thread binds itself (and so the threads
-    of its updates) to them (:mod:`~lightning_fastopt.offload.share_updates`).  The bits do not depend on where threads run."""
+    of its updates) to them (:mod:`~lightning_fastopt.offload.share_updates`).  The bits do
+    not depend on where threads run."""
 
     def __init__(self) -> None:
         self._before: int | None = None
