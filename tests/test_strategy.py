@@ -279,6 +279,11 @@ def test_bound_threads_run_apart_and_end_on_the_same_bits(kind):
     strategy = FastOptStrategy if kind == "fastopt" else FastOptFSDPStrategy
     with pytest.raises(ValueError, match="bind_cpu_threads=True puts the worker thread .* give one of them"):
         strategy(bind_cpu_threads=True)  # nothing runs on the worker at the step
+    with pytest.MonkeyPatch.context() as patch:  # a system without sched_setaffinity (not Linux)
+        patch.delattr(os, "sched_setaffinity")
+        with pytest.raises(ValueError, match="bind_cpu_threads=True binds threads to cores through the system's "
+                                             "sched_setaffinity"):
+            strategy(bind_cpu_threads=True, stream_cpu_step=True)
     before = os.sched_getaffinity(0)
     cores = sorted(before)
     placement = _Placement()

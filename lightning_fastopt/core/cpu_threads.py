@@ -43,6 +43,9 @@ def check_threads(cpu_threads: Any, bind_cpu_threads: Any, worker: bool) -> None
                          f"got {cpu_threads!r}")
     if not isinstance(bind_cpu_threads, bool):
         raise TypeError(f"bind_cpu_threads must be True or False, got {bind_cpu_threads!r}")
+    if bind_cpu_threads and not hasattr(os, "sched_setaffinity"):
+        raise ValueError("bind_cpu_threads=True binds threads to cores through the system's sched_setaffinity "
+                         "(Linux), which this system does not have: leave it False")
     if bind_cpu_threads and not worker:
         raise ValueError("bind_cpu_threads=True puts the worker thread that runs the updates of stream_cpu_step or "
                          "delayed_update on cores apart from the thread that launches the accelerator's work: give "
