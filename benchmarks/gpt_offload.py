@@ -560,13 +560,19 @@ def main() -> None:
         args.out.write_text(json.dumps(dict(device=name, terms=terms and asdict(terms), rows=rows), indent=2))
 
 
+def by_family(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows by configuration without its ``:aN`` (one family a configuration, its accumulations)."""
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        families.setdefault(split_accumulation(r["configuration"])[0], []).append(r)
+    return families
+
+
 def tokens_table(rows: list[dict]) -> str:
     """Issue 66's sweep: for each configuration run at more than one ``:aN``, its throughput
     against plain's at the same tokens per step (and clipping), and its bound's."""
     by = {r["configuration"]: r for r in rows}
-    families: dict[str, list[dict]] = {}
-    for r in rows:
-        families.setdefault(split_accumulation(r["configuration"])[0], []).append(r)
+    families = by_family(rows)
     lines = []
     for family, members in families.items():
         if family.startswith("plain") or len(members) < 2:
@@ -593,9 +599,7 @@ def draw_tokens(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families: dict[str, list[dict]] = {}
-    for r in rows:
-        families.setdefault(split_accumulation(r["configuration"])[0], []).append(r)
+    families = by_family(rows)
     fig, ax = plt.subplots(figsize=(8, 5))
     for family, members in families.items():
         members = sorted(members, key=lambda r: r["tokens_per_step"])

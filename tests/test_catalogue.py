@@ -188,7 +188,7 @@ def test_a_steps_count_kept_in_its_groups_is_saved_and_resumed(tmp_path):
 def test_zero_2_at_two_processes_shards_each_catalogued_class_as_ddp_ends(tmp_path):
     """Every catalogued class whose package is installed, each trained under ZeRO stage 2 and
     under Lightning's DDP at two processes, one after another in the same two processes (24
-    two-process launches took about 190 s on 2 cores, two take a third of it); each class's
+    two-process launches took about 190 s on 2 cores, these two about 26 s); each class's
     weights compared, the ones that differ named."""
     installed = []
     for key in sorted(ENTRIES):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -137,11 +136,6 @@ def actual_entries(bucket: HostBucket) -> list[tuple[ParamSlot, str, torch.dtype
         if s.separate_master:
             out.append((s, "", s.master.dtype))
         for key, value in (bucket.inner.state.get(s.master) or {}).items():
-            if _in_region(value, s):
+            if one_per_element(value, s.numel):
                 out.append((s, key, value.dtype))
     return out
-
-
-def _in_region(value: Any, slot: ParamSlot) -> bool:
-    """Whether a state value of ``slot`` is one a region holds: a tensor of the master's size."""
-    return one_per_element(value, slot.numel)
