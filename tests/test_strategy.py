@@ -2,6 +2,8 @@
 optimizer mapping, LR schedulers, clipping, accumulation, param groups, and clear errors."""
 
 import re
+import subprocess
+import sys
 import warnings
 
 import lightning as L
@@ -295,6 +297,16 @@ def test_bound_threads_run_apart_and_end_on_the_same_bits(kind):
     free = Model(lambda g: torch.optim.AdamW(g, lr=1e-2))
     _fit(strategy(cpu_threads=1, copy_on_cpu=True, stream_cpu_step=True), free, accelerator="cpu")
     assert all(torch.equal(a, b) for a, b in zip(bound.parameters(), free.parameters()))
+    # the same bound run again with another process keeping a core busy: the same bits
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        again = Model(lambda g: torch.optim.AdamW(g, lr=1e-2))
+        _fit(strategy(bind_cpu_threads=True, cpu_threads=1, copy_on_cpu=True, stream_cpu_step=True), again,
+             accelerator="cpu")
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert all(torch.equal(a, b) for a, b in zip(bound.parameters(), again.parameters()))
 
 
 def test_wall_clock_breakdown_is_logged_under_fastopt_fsdp_too():
