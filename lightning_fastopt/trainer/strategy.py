@@ -77,146 +77,89 @@ __all__ = ["TrainerStrategy"]
 
 class TrainerStrategy(EngineHooks, PrecisionSlot):
     """DDP with fused optimizer steps, CPU offload of the optimizer and DeepSpeed-style
-    fp16 loss scaling.
+    fp16 loss scaling.  Each argument is described at length in docs/strategy.md.
 
     Args:
-        offload_fraction: share of the parameters (by element count) whose fp32 master
-            weights and optimizer state live in CPU memory and are updated by the CPU
-            kernels, in [0, 1]; the rest are updated on the accelerator.  ``"auto"``:
-            chosen after the first steps (run with everything offloaded) from their
-            measured timings, the largest fraction whose CPU update hides behind the
-            accelerator's work, or more to fit ``gpu_memory_budget_gb``; one log line
-            says which and why (:mod:`lightning_fastopt.offload.auto_fraction`).
-        gpu_memory_budget_gb: with ``offload_fraction="auto"``, the accelerator memory
-            the run may use at its peak (CUDA); None: no budget.
-        overlap: copy gradients to the host and parameters back on side streams,
-            overlapping compute (CUDA).
-        pin_memory: page-locked host buffers (faster, asynchronous copies; CUDA).
+        offload_fraction: share of the parameters (by element count) whose fp32 masters
+            and optimizer state live in host memory, updated by the CPU kernels, in [0, 1].
+            ``"auto"``: chosen after the first steps from their timings, the largest
+            fraction whose CPU update hides behind the accelerator's work (or more, to fit
+            ``gpu_memory_budget_gb``); one log line says which and why.
+        gpu_memory_budget_gb: with ``"auto"``, the accelerator memory the run may use at
+            its peak (CUDA); None: no budget.
+        overlap: copy gradients down and weights back on side streams (CUDA).
+        pin_memory: page-locked host buffers (CUDA).
         bucket_size_mb: offloaded parameters are handled in buckets of about this many
-            MiB (fp32): constant-size host buffers, and the CPU starts on a bucket as
-            soon as its gradients have landed.
-        cpu_threads: threads of the CPU optimizer step (and of torch on this process);
-            default: on an accelerator, the cores available to this process divided by the
-            processes per node; where the model computes on the CPU, torch's count as
-            Lightning leaves it (:class:`~lightning_fastopt.core.cpu_threads.TorchThreads`).
-        bind_cpu_threads: share the process's cores out: the CPU step's threads on the
-            first ``cpu_threads`` of them, the thread that launches the accelerator's work
-            and the copies on the rest (the last two where the process has eight cores or
-            more, else one); one log line says which.  For an accelerator (on a CPU run the
-            model then computes on the step's threads); the bits do not change.
+            MiB (fp32); the CPU starts on a bucket once its gradients have landed.
+        cpu_threads: threads of the CPU step (and of torch on this process); default: on an
+            accelerator, this process's cores over the processes per node, else torch's.
+        bind_cpu_threads: the CPU step's threads on the first ``cpu_threads`` cores, the
+            thread that launches the accelerator's work on the rest (one log line says
+            which); with ``stream_cpu_step`` or ``delayed_update``; the bits do not change.
         loss_scale: 0 for dynamic loss scaling (fp16), or a fixed scale.
         initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
         loss_scale_window: clean steps before the scale doubles.
         hysteresis: overflows tolerated before the scale halves.
         min_loss_scale: the scale never goes below this.
-        at_min_loss_scale: when an fp16 step overflows with the scale at its minimum (the
-            loss is not finite whatever the scale): ``"raise"`` (default, as DeepSpeed),
-            ``"warn"`` or ``"skip"``.
-        wall_clock_breakdown: log the time of each phase of every optimizer step (grad
-            D2H, GPU step, CPU step, param H2D, in ms) and the loss scale to the Trainer's
-            loggers.  Timing synchronizes the device, so use it to diagnose, not to train.
-        zero_stage: 0 (every rank keeps all optimizer state), 1 (ZeRO stage 1: the fp32
-            masters and optimizer state are sharded across the data-parallel ranks; each
-            rank's shard is offloaded by ``offload_fraction``) or 2 (stage 2: gradients too,
-            reduced to their owner during backward, without a DDP wrapper; buffers such
-            as BatchNorm statistics are synchronized once at the start, not every step).
-            When user code reads gradients (see ``gradient_readers``) stage 2 reduces them
-            as stage 1 does, so that every rank sees the averaged ``p.grad``.
-        copy_on_cpu: on a CPU run, keep separate host masters and copy gradients and
-            weights as on an accelerator (the accelerator code path without one; for tests).
-        keep_gradients: keep gradients in ``p.grad`` until the next ``zero_grad``, as torch
-            does, even when no overridden hook is seen to read them: for code the detection
-            cannot see (``p.grad`` read after the step, in ``on_train_batch_end``, or from
-            outside Lightning's hooks).  Costs the device memory the early copy saves.
-        stream_cpu_step: start each host bucket's CPU update during backward, as soon as
-            its gradients have landed (same results, bit for bit).  Where the step needs
-            every gradient first (fp16 loss scaling, gradient clipping, LAMB's global norm)
-            the update is speculative: kept apart until the step has checked the gradients,
-            then committed, or redone when clipping scaled them or the loss scale moved, or
-            dropped on an overflow (:mod:`~lightning_fastopt.offload.speculative`; it keeps
-            the offloaded masters and state twice in host memory).  With several
-            processes a bucket's update starts once its gradients are reduced: DDP's
-            buckets (also ZeRO stage 1's) are handed over as each all-reduce completes (a communication hook
-            that reduces as DDP does without one,
-            :mod:`~lightning_fastopt.core.ddp_reductions`), ZeRO stage 2's once its
-            reduction has landed on its owner; the checks span the ranks.  Not with a
-            hook that reads gradients, a DDP communication hook of the run's own, or DDP's
-            ``find_unused_parameters=True``; one log line says
-            which schedule runs, or why none.  Off by default until it has been measured
-            on a GPU.
-        delayed_update: after ``delayed_update_warmup`` synchronous steps, each step's CPU
-            update runs while the next forward and backward compute, so forward and
-            backward use weights one update old (ZeRO-Offload's delayed parameter update;
-            this changes the math: see :mod:`lightning_fastopt.offload.delayed`).  Between
-            steps, validation and callbacks see the weights of before the last update;
-            when training ends the model gets the last one.  Only the offloaded share is
-            delayed.  Not with ZeRO or ``stream_cpu_step``; on a CPU run it keeps host
-            masters apart from the weights, as ``copy_on_cpu`` does.
-        delayed_update_warmup: optimizer steps taken synchronously before the update is
-            delayed (default 40: the first steps move the weights the most).
-        host_state_dtype: ``"float32"`` (default) or ``"bfloat16"``: the dtype of the
-            offloaded share's Adam moments in host memory.  bfloat16 (stochastic rounding)
-            cuts the CPU step's memory traffic from 28 to 20 bytes per parameter and the
-            host state by half, and changes the math (docs/strategy.md); Adam/AdamW only, not
-            with ZeRO.  Checkpoints hold the moments as float32 either way.
+        at_min_loss_scale: an fp16 step that overflows at the minimum scale: ``"raise"``
+            (default, as DeepSpeed), ``"warn"`` or ``"skip"``.
+        wall_clock_breakdown: log each step's phases (grad copy, GPU step, CPU step, weight
+            copy, in ms) and the loss scale to the loggers; it synchronizes the device.
+        zero_stage: 0 (all state on every rank), 1 (masters and state sharded across the
+            data-parallel ranks, each shard offloaded by ``offload_fraction``) or 2 (the
+            gradients too, reduced to their owner during backward, without a DDP wrapper);
+            stage 2 reduces as stage 1 where user code reads gradients.
+        copy_on_cpu: on a CPU run, separate host masters and copies, as on an accelerator
+            (that code path without one; for tests).
+        keep_gradients: keep gradients in ``p.grad`` until the next ``zero_grad`` even where
+            no overridden hook is seen to read them (costs the device memory the early
+            copy saves).
+        stream_cpu_step: start each host bucket's CPU update during backward, once its
+            gradients have landed (bit for bit); where the step checks every gradient first
+            (fp16, clipping, LAMB) the update is speculative and kept apart until then
+            (the offloaded state twice in host memory).  One log line says which schedule
+            runs, or why none.
+        delayed_update: after ``delayed_update_warmup`` synchronous steps, the CPU update
+            runs during the next forward and backward, which use weights one update old
+            (ZeRO-Offload's delayed parameter update; changes the math).  Not with ZeRO or
+            ``stream_cpu_step``.
+        delayed_update_warmup: synchronous optimizer steps before the update is delayed.
+        host_state_dtype: ``"float32"`` (default) or ``"bfloat16"`` (stochastic rounding;
+            changes the math): the offloaded Adam moments' dtype in host memory;
+            checkpoints hold float32 either way.  Adam/AdamW, not with ZeRO.
         forward_waits: ``"step"`` (default: the next forward starts once every new weight
-            is back on the device) or ``"module"``: each module's forward waits only for
-            the weights of its own parameters, so the first layers compute while the
-            offloaded share's weights are still crossing (same results; see
-            :mod:`lightning_fastopt.offload.forward_waits`).  Used where nothing reads
-            weights between a step and the next forward but the modules' forward
-            (automatic optimization, no hook between steps overridden beyond Lightning's
-            own callbacks that do not read weights, no torch.compile); otherwise one log
-            line says why not.  Not with ZeRO.
-        closure_optimizers: optimizer classes, or their names, whose ``step`` evaluates the
-            closure again after changing the weights (SAM and its variants): they run as
-            torch runs them, on the model's weights, not offloaded (one log line says so),
-            as LBFGS always does.  Offloaded, such a step is an error at its first step
-            that names this argument (:mod:`lightning_fastopt.optim.closure`).
-        per_parameter_optimizers: optimizer classes, or their names, with a ``step`` of
-            their own (not torch's) that updates each parameter from its own gradient and
-            state alone: stepped on the strategy's shares of the parameters (offloaded,
-            sharded by ZeRO) like torch's optimizers.  Any other class with its own step
-            runs as torch runs it, on the model's weights, not offloaded (one log line says
-            so): a step that combines parameters (a norm over every gradient, a step size
-            estimated over all of them) would see one share's
-            (:mod:`~lightning_fastopt.optim.known_steps`).
-        offload_optimizer_device: ``"cpu"`` (default: the offloaded share's float32
-            masters and optimizer state in host memory) or ``"nvme"``: in a working file in
-            ``nvme_path`` (one per process, unnamed, its space reserved at set-up), read and
-            written bucket by bucket through ``nvme_window_mb`` of host memory while the
-            CPU update runs; the same results, bit for bit.  The words of Lightning's
-            ``DeepSpeedStrategy``; see docs/strategy.md.
-        nvme_path: the directory of that file (a fast disk's), for ``"nvme"``.
-        nvme_window_mb: host memory for the buckets on their way to and from the disk, for
-            ``"nvme"`` only (refused otherwise, as ``nvme_path`` is); at most the host's
-            memory.  None (default): what the state needs (two buckets' masters and state,
-            about 3 x ``bucket_size_mb`` each with Adam, or all of them where fewer), 512
-            MiB at most; a number is the most the window may take.
-        host_state_gib: with ``"nvme"``, up to this many GiB of the offloaded state (whole
-            buckets, masters with their moments) kept in host memory, the rest on disk,
-            buckets spread so that the disk's transfers overlap the host buckets' updates
-            (one log line gives each tier's bytes); ``"auto"``: what the host has available
-            at set-up, less what the first steps will still take (the gradients' and
-            copies' buffers), the window and ``host_reserve_gib``, shared by the processes
-            on the host.  None (default): all on disk.  The same results, bit for bit; a
-            checkpoint does not depend on it.
-        host_reserve_gib: with ``host_state_gib="auto"``, the GiB left free (None: a tenth of
+            is back) or ``"module"``: each module's forward waits only for its own weights
+            (same results; used where nothing else reads weights between steps, else one
+            log line says why not).  Not with ZeRO.
+        closure_optimizers: optimizer classes, or names, whose ``step`` evaluates the
+            closure again after changing the weights (SAM): run as torch runs them, not
+            offloaded, as LBFGS is.
+        per_parameter_optimizers: optimizer classes, or names, with a ``step`` of their own
+            that updates each parameter from its own gradient and state alone: stepped on
+            the strategy's shares; any other class with its own step runs as torch runs it.
+        offload_optimizer_device: ``"cpu"`` (default) or ``"nvme"``: the offloaded masters
+            and state in a working file in ``nvme_path``, read and written bucket by bucket
+            through ``nvme_window_mb`` of host memory; the same results, bit for bit.
+        nvme_path: the directory of that file, for ``"nvme"``.
+        nvme_window_mb: the most host memory the disk tier's window may take, for
+            ``"nvme"``; None: what two buckets need, 512 MiB at most.
+        host_state_gib: with ``"nvme"``, up to this many GiB of the offloaded state kept in
+            host memory (whole buckets), the rest on disk; ``"auto"``: what the host has
+            free at set-up, less the reserve; None (default): all on disk.  Bit for bit;
+            checkpoints do not depend on it.
+        host_reserve_gib: with ``host_state_gib="auto"``, GiB left free (None: a tenth of
             the machine's memory).
         zero_optimization, stage, offload_optimizer, config: Lightning's ``DeepSpeedStrategy``
-            arguments, with its meaning (``config``: a DeepSpeed config, a dict or a JSON
-            file's path); where any is given, DeepSpeed's defaults hold (``stage`` 2, nothing
-            offloaded without ``offload_optimizer=True``), and ``zero_stage`` and
-            ``offload_fraction`` must be left out or agree.  Its other arguments are taken
-            through ``**kwargs``: of no effect here (said once), or refused with the reason
-            (:mod:`~lightning_fastopt.from_deepspeed`, docs/from_deepspeed.md).
+            arguments with its meaning (``config``: a dict or a JSON file's path); then
+            DeepSpeed's defaults hold and ``zero_stage``/``offload_fraction`` must agree or be
+            left out.  Its other arguments come through ``**kwargs``: of no effect (said
+            once) or refused with the reason (docs/from_deepspeed.md).
         **kwargs: passed to Lightning's ``DDPStrategy``.
 
     A mixin: each front-end's ``FastOptStrategy`` puts it before its package's
     ``DDPStrategy``, and its one-process twin before ``SingleDeviceStrategy``; both name the
     package (``package``) and its precision plugin (``precision_type``).
     """
-
     strategy_name = "fastopt_offload"
     package: TrainerPackage
     precision_type: type[TrainerPrecision]
