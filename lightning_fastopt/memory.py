@@ -99,76 +99,33 @@ def estimate_memory(model: torch.nn.Module, offload_fraction: float = 1.0, preci
                     nvme_window_mb: float | None = None, auto_wrap_policy: Any = None,
                     min_num_params: int | None = None, host_state_dtype: Any = None,
                     host_state_gib: float | None = None) -> MemoryEstimate:
-    """Bytes on the accelerator ("gpu") and in host memory ("cpu") for the trainable
-    parameters of ``model`` under ``fastopt_offload`` with this ``offload_fraction``, on one
-    rank.
+    """Bytes on the accelerator ("gpu"), in host memory ("cpu") and on disk for the trainable
+    parameters of ``model``, on one rank, as the strategies place them (activations not
+    counted).  What each argument changes is told at length in docs/strategy.md ("How much
+    memory") and docs/fsdp.md; ``tests/test_memory.py`` checks the figures against what runs
+    allocate.
 
-    - weights stay on the accelerator in the model's dtype (Lightning's ``*-mixed``
-      precisions keep float32 weights and cast inside autocast, so ``precision`` changes
-      no byte here; it is checked against the supported flags);
-    - accelerator-side parameters keep their gradients there; a float32 parameter is its
-      own master, a half-precision one gets a float32 master beside it;
-    - offloaded parameters: a float32 master, the optimizer state and a gradient buffer
-      in host memory (plus a buffer for the model-dtype copy of a half-precision weight);
-      their device gradients are freed as soon as they are copied out, so they are not
-      counted on the accelerator;
-    - optimizer state: float32 (float64 for float64 parameters, ``"64-true"``), 2 tensors
-      per element for adam/adamw/lamb (3 with ``amsgrad``), 1 for sgd (with
-      momentum)/lars/lion/adagrad;
-    - ``speculate=True`` (``stream_cpu_step`` where the step checks the gradients first):
-      the offloaded masters and state once more in host memory (``speculation``), kept
-      aside while an update is speculated (:mod:`~lightning_fastopt.offload.speculative`);
-    - ``zero_stage`` 1 or 2 with ``world_size`` ranks (``fastopt_zero1``/``fastopt_zero2``):
-      a rank keeps the masters and state of the parameters it owns (the same partition the
-      strategy makes), ``offload_fraction`` of those offloaded; ``rank`` says which (default:
-      the rank that needs the most accelerator memory, and of those the most host memory:
-      the one to plan a GPU with; offloading whole tensors, the rank owning the most
-      elements need not be it).  Stage 1 keeps every
-      gradient on the accelerator until the step (DDP's), stage 2 only those of its own
-      non-offloaded parameters.  Each rank on a machine holds its own host share: the
-      machine's host memory needs the sum over its ranks.  Without ZeRO (``zero_stage=0``,
-      DDP) every rank holds what one process would, whatever ``world_size``.
-    - ``zero_stage=3`` (``fastopt_fsdp``, FSDP2 over ``world_size`` data-parallel ranks;
-      ``model`` unsharded): a rank holds its rows of every parameter (the first dimension
-      chunked as ``fully_shard`` chunks it; the padding of the last chunk not counted),
-      their gradients until ``zero_grad`` (offloaded ones too: they are copied to the host
-      at the step), and the masters and state of those rows, ``offload_fraction`` of them
-      in host memory.  With tensor parallelism (``tensor_parallel_size`` of the
-      ``world_size`` processes, the mesh Lightning's ``ModelParallelStrategy`` makes:
-      rank = data-parallel rank * tensor_parallel_size + tensor-parallel rank), give the
-      plan ``configure_model`` hands ``parallelize_module`` (``tensor_parallel_plan``):
-      each parameter's tensor-parallel piece is then sharded by FSDP over the
-      ``world_size // tensor_parallel_size`` data-parallel ranks
-      (:mod:`~lightning_fastopt.fsdp.tensor_parallel_pieces`).
-    - ``offload_parameters=True`` (with ``zero_stage=3``, ``offload_fraction`` 1:
-      ``fastopt_fsdp_offload_parameters``): a rank's rows of every parameter, their
-      gradients and their state in host memory, float32 rows their own masters (16 bytes
-      an element with AdamW), half rows (``bf16-true``, ``16-true``: give the model in
-      that dtype) each with a float32 master apart (16 bytes too: 2 + 2 + 4 + 8); nothing
-      persistent on the accelerator, where FSDP gathers the units it is working on
-      (``gathered``, with a policy: below).
-    - ``auto_wrap_policy`` (module classes) or ``min_num_params`` (with ``zero_stage=3``):
-      the units the strategies' one-line form makes with that policy, and ``gathered``: the
-      weights FSDP gathers whole on each rank's accelerator for the units in flight and
-      their unsharded gradients (the roots' weights, the two largest other units', the
-      largest unit's gradients: :mod:`~lightning_fastopt.fsdp.units_in_flight`), about,
-      activations not counted.  A LightningModule is sharded as the Trainer's strategy
-      does (its children holding the rest as roots), any other module as Fabric's (itself
-      the root).  Without either, ``gathered`` is 0: not counted.
-    - ``host_state_dtype="bfloat16"`` (adam/adamw): the offloaded share's two moments in
-      bfloat16 (2 bytes an element each; the masters stay float32).
-    - ``offload_optimizer_device="nvme"``: the offloaded float32 masters kept apart from the
-      weights and the offloaded optimizer state on disk (``disk``: a rank's file, less the
-      alignment of each tensor to 64 bytes and each bucket to 4 KiB) instead of in host
-      memory, which holds the window instead (``disk_window``: what the state needs,
-      ``nvme_window_mb`` or 512 MiB at most; about: each of its slots holds the largest
-      bucket's region).  The half copies and gradient buffers stay in host memory; so do the host
-      shards of ``offload_parameters`` (the masters), their state going to disk.  With
-      ``speculate`` the file holds each bucket twice (a speculated update is written
-      beside the last state), and nothing more is in host memory.  ``host_state_gib``:
-      that many GiB of them in host memory instead (``offload/split_tier.py``; a number:
-      ``"auto"`` is what the machine has free when the run starts), the rest on disk; the
-      window stays while anything is on disk.
+    Args:
+        offload_fraction: the share of the parameters whose masters and state are offloaded.
+        precision: the Trainer's flag (checked; ``*-mixed`` keeps float32 weights).
+        optimizer: ``"adam"``, ``"adamw"``, ``"lamb"`` (two state tensors an element, three with
+            ``amsgrad``), ``"sgd"``, ``"lars"``, ``"lion"`` or ``"adagrad"`` (one).
+        amsgrad: Adam's third state tensor.
+        speculate: ``stream_cpu_step`` where the step checks the gradients first: the offloaded
+            masters and state once more (``speculation``).
+        zero_stage, world_size, rank: ZeRO 1 or 2 (a rank's owned masters and state), or 3
+            (``fastopt_fsdp``: a rank's rows of every parameter); ``rank`` None: the rank that
+            needs the most accelerator memory, then the most host memory.
+        tensor_parallel_size, tensor_parallel_plan: with ``zero_stage=3``, the mesh's
+            tensor-parallel size and the plan ``configure_model`` gives ``parallelize_module``.
+        offload_parameters: with ``zero_stage=3``, the rows, gradients and state in host memory.
+        offload_optimizer_device, nvme_window_mb: ``"nvme"``: the offloaded masters and state in
+            the rank's file (``disk``), the window in host memory (``disk_window``).
+        auto_wrap_policy, min_num_params: with ``zero_stage=3``, the units the one-line form
+            makes, and the weights FSDP gathers for those in flight (``gathered``).
+        host_state_dtype: ``"bfloat16"``: the offloaded Adam moments at 2 bytes an element.
+        host_state_gib: with ``"nvme"``, that many GiB of the state in host memory, the rest on
+            disk (a number: ``"auto"`` is measured when the run starts).
     """
     if host_state_gib is not None:
         if offload_optimizer_device != "nvme":

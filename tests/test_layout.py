@@ -161,3 +161,35 @@ def test_the_architecture_pages_run_plan_is_what_the_code_prints():
     with contextlib.redirect_stdout(printed):
         exec(compile(code, "docs/architecture.md", "exec"), {"__name__": "architecture_example"})
     assert printed.getvalue().rstrip("\n") == shown
+
+
+
+CLASS_LINES, FUNCTION_LINES = 300, 60  # issue 68's bar, docstrings included
+
+
+def _oversized(source: str) -> list[str]:
+    """The classes over CLASS_LINES lines and the functions over FUNCTION_LINES in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            bar = CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES
+            lines = node.end_lineno - node.lineno + 1
+            if lines > bar:
+                found.append(f"{node.name} (line {node.lineno}): {lines} lines")
+    return found
+
+
+def test_the_size_check_sees_one_line_over_the_bar():
+    def body(n):
+        return "\n".join(f"    x{i} = {i}" for i in range(n))
+
+    at_bar = f"class Ok:\n{body(CLASS_LINES - 1)}\n\ndef ok():\n{body(FUNCTION_LINES - 1)}\n"
+    over = f"class Big:\n{body(CLASS_LINES)}\n\ndef big():\n{body(FUNCTION_LINES)}\n"
+    assert _oversized(at_bar) == []
+    assert _oversized(over) == [f"Big (line 1): {CLASS_LINES + 1} lines",
+                                f"big (line {CLASS_LINES + 3}): {FUNCTION_LINES + 1} lines"]
+
+
+def test_no_class_over_300_lines_and_no_function_over_60():
+    found = {str(p.relative_to(PACKAGE.parent)): _oversized(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    assert {path: names for path, names in found.items() if names} == {}
