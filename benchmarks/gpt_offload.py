@@ -239,6 +239,25 @@ def child(config: str, args, deliver) -> None:
             self.t0 = self.t1 = None
             self.profile = None
             self.prof = None
+            self.forwards = []  # each timed step's first forward: (start, end) marks (events on a GPU)
+            self.in_first_forward = False
+
+        def _now(self):
+            if not gpu:
+                return time.perf_counter() * 1e3
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+
+        def first_forward_ms(self) -> float | None:
+            """The mean of the timed steps' first forwards (read after the device has synchronized)."""
+            spans = [end - start if not gpu else start.elapsed_time(end) for start, end in self.forwards]
+            return sum(spans) / len(spans) if spans else None
+
+        def on_before_backward(self, trainer, module, loss):
+            if self.in_first_forward:
+                self.forwards[-1] = (self.forwards[-1], self._now())
+                self.in_first_forward = False
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx % accumulate:  # (a step's later micro-batches)
@@ -254,6 +273,9 @@ def child(config: str, args, deliver) -> None:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 self.t0 = time.perf_counter()
+            if batch_idx >= args.warmup:  # a timed step: its first forward starts
+                self.forwards.append(self._now())
+                self.in_first_forward = True
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if (batch_idx + 1) % accumulate:  # (not a step's last micro-batch)
@@ -333,7 +355,7 @@ def child(config: str, args, deliver) -> None:
                     # weights in host memory: each block's gathered for forward and again for backward
                     h2d_bytes_per_param=2 * copy_bytes if host_weights(config) else copy_bytes,
                     peak_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-                    phases_s=phases.seconds, **(profiled or {}))
+                    phases_s=phases.seconds, first_forward_ms=measure.first_forward_ms(), **(profiled or {}))
 
     trainer.fit(model, loader)
     raise RuntimeError(f"{config}: training ended before its last timed step")
@@ -418,12 +440,15 @@ def measure_terms(tiny: bool) -> Terms | None:
     return Terms(**json.loads(proc.stdout.splitlines()[-1]))
 
 
-def row_bound(r: dict, terms: Terms | None, gpu_step_ms: float | None) -> tuple[float | None, str]:
-    """A row's bound (ms) and the term that sets it: offloading rows only."""
+def row_bound(r: dict, terms: Terms | None, ref: dict | None) -> tuple[float | None, str]:
+    """A row's bound (ms) and the term that sets it, from its plain row ``ref``: offloading
+    rows only; a clipped row's with the update after backward (plain's first forward)."""
     if terms is None or r.get("fraction") is None:
         return None, ""
-    return bound_ms(terms, gpu_step_ms, r["fraction"] * r["params"], r["copy_bytes_per_param"],
-                    r.get("h2d_bytes_per_param"))
+    clipped = split_accumulation(r["configuration"])[0].endswith(CLIP)
+    return bound_ms(terms, ref and ref["step_ms"], r["fraction"] * r["params"], r["copy_bytes_per_param"],
+                    r.get("h2d_bytes_per_param"),
+                    first_forward_ms=ref.get("first_forward_ms") if clipped and ref else None)
 
 
 def main() -> None:
@@ -515,7 +540,7 @@ def main() -> None:
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         saved = (f"{plain['peak_gib'] - r['peak_gib']:.1f}" if plain and r["peak_gib"] is not None else "n/a")
         chosen = f" (chose {r['fraction']:g})" if ":auto" in r["configuration"] and r.get("fraction") is not None else ""
-        bound, term = row_bound(r, terms, ref and ref["step_ms"])
+        bound, term = row_bound(r, terms, ref)
         r["bound_ms"], r["bound_term"] = bound, term
         bound_cells = (f"{bound:.0f} ({term}) | {r['step_ms'] / bound:.2f}x" if bound
                        else f"n/a{f' ({term})' if term else ''} | n/a")

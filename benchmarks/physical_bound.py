@@ -11,7 +11,9 @@ An offload step cannot be shorter than the longest of three terms:
   more to the thread that launches the GPU's work, ``lightning_fastopt.core.cpu_threads``);
 - the copies (gradients down, weights up) at the pinned copy bandwidth of each direction,
   measured with one large pinned buffer (the two directions have copy engines of their own,
-  so each is a term).
+  so each is a term);
+- with clipping, the CPU update after backward's end: it needs every gradient first (their
+  norm), and only the next step's first forward can run beside it (``first_forward_ms``).
 
 Beside the terms, not one of them: the CPU update's rate again while one busy process
 shares the cores (``cpu_params_per_s_beside_busy``), as the training's own threads share
@@ -73,15 +75,26 @@ class Terms:
 
 
 def bound_ms(terms: Terms, gpu_step_ms: float | None, offloaded_params: float,
-             copy_bytes_per_param: float, h2d_bytes_per_param: float | None = None) -> tuple[float | None, str]:
+             copy_bytes_per_param: float, h2d_bytes_per_param: float | None = None,
+             first_forward_ms: float | None = None) -> tuple[float | None, str]:
     """The bound of a step that offloads ``offloaded_params`` parameters, copying
     ``copy_bytes_per_param`` bytes of each one each way (``h2d_bytes_per_param`` to the
     device where that differs: weights in host memory, gathered for forward and again for
     backward; on a GPU: a run without one copies nothing), and the name of the term that
-    sets it; (None, why) without a plain row."""
+    sets it; (None, why) without a plain row.
+
+    ``first_forward_ms``: the step clips its gradients (``gradient_clip_val``), and the
+    plain step's first forward (of its first micro-batch) takes this long.  The update
+    then cannot commit before every gradient is known (their global norm), so it starts
+    when backward ends; the next step's first forward may overlap it, module by module,
+    but what follows that forward (backward, and any later micro-batches) cannot: one
+    more term, the CPU update plus the plain step less that first forward."""
     if gpu_step_ms is None:
         return None, "no plain row"
-    named = {"GPU step": gpu_step_ms, "CPU update": offloaded_params / terms.cpu_params_per_s * 1e3}
+    update = offloaded_params / terms.cpu_params_per_s * 1e3
+    named = {"GPU step": gpu_step_ms, "CPU update": update}
+    if first_forward_ms is not None:
+        named["update after backward"] = update + gpu_step_ms - first_forward_ms
     up = copy_bytes_per_param if h2d_bytes_per_param is None else h2d_bytes_per_param
     if terms.d2h_bytes_per_s is not None:
         named["D2H copies"] = offloaded_params * copy_bytes_per_param / terms.d2h_bytes_per_s * 1e3

@@ -49,9 +49,17 @@ def _configs_done(files, name, shell_variable):
     assert [r["configuration"] for r in rows] == wanted
     # the bound's terms measured first, and each offloading row's bound (no copies without a GPU)
     assert table["terms"]["cpu_params_per_s"] > 0 and table["terms"]["d2h_bytes_per_s"] is None
+    by = {r["configuration"]: r for r in rows}
     for r in rows:
+        assert r["first_forward_ms"] > 0, r  # each row's timed first forwards (a clipped row's bound reads plain's)
         if r["fraction"] is not None:
-            assert r["bound_ms"] > 0 and r["bound_term"] in ("GPU step", "CPU update"), r
+            clipped = ":clip" in r["configuration"]
+            terms = ("GPU step", "CPU update") + (("update after backward",) if clipped else ())
+            assert r["bound_ms"] > 0 and r["bound_term"] in terms, r
+            accumulated = re.search(r":a\d+$", r["configuration"])
+            plain = by.get("plain:clip" + (accumulated.group(0) if accumulated else ""))
+            if clipped and plain:  # the update after backward: above plain's step less its first forward
+                assert r["bound_ms"] > plain["step_ms"] - plain["first_forward_ms"], (r, plain)
     assert "| x bound |" in files[f"{name}.md"]
     assert all(r["wall_s"] > 0 and r["step_ms"] > 0 for r in rows)
     for r in rows:  # where each row's wall time went, for planning the next GPU session

@@ -33,6 +33,16 @@ def test_the_longest_term_sets_the_bound():
     assert bound_ms(GPU_HOST, 100.0, 0, 4) == (100.0, "GPU step")
 
 
+def test_a_clipped_step_adds_the_update_after_backward():
+    """Clipping: the update starts when backward ends; only the next first forward overlaps it."""
+    # 100 ms plain step, 30 of it the first forward; 50M parameters: a 50 ms update
+    assert bound_ms(GPU_HOST, 100.0, 5e7, 4, first_forward_ms=30.0) == (pytest.approx(120.0), "update after backward")
+    # unclipped, the same step is the GPU's
+    assert bound_ms(GPU_HOST, 100.0, 5e7, 4) == (100.0, "GPU step")
+    # the CPU update alone longer still (1B: 1000 ms) sets the clipped bound at the update plus backward
+    assert bound_ms(GPU_HOST, 100.0, 1e9, 4, first_forward_ms=30.0) == (pytest.approx(1070.0), "update after backward")
+
+
 def test_without_a_gpu_nothing_is_copied_and_without_a_plain_row_there_is_no_bound():
     cpu_only = Terms(cpu_params_per_s=1e9, threads=2, d2h_bytes_per_s=None, h2d_bytes_per_s=None)
     assert bound_ms(cpu_only, 3.0, 1e7, 4) == (pytest.approx(10.0), "CPU update")
