@@ -23,6 +23,7 @@ a bucket each, ``lightning_fastopt/offload/pieces.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -34,6 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from timeline import lanes_from_events, merge, profile  # noqa: E402
 
 from lightning_fastopt import FusedAdam  # noqa: E402
 from lightning_fastopt.offload import OffloadOptimizer  # noqa: E402
@@ -72,11 +75,13 @@ def disk_rates(directory: str, nbytes: int, block: int) -> dict[str, float]:
 
 def step_times(params: int, directory: str | None, bucket_mb: float, window_mb: float, steps: int,
                count: int = 8, host_state_gib: float | str | None = None,
-               host_reserve_gib: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[float, int]:
+               host_reserve_gib: float | None = None, dtype: torch.dtype = torch.float32,
+               seen: dict | None = None) -> tuple[float, int]:
     """The median AdamW step (seconds) over ``count`` tensors of ``dtype`` (bfloat16: half
     weights and gradients beside float32 masters, as ``bf16-true`` runs) and the bytes the disk
     tier's file holds (``host_state_gib``: that much of the state kept in host memory, the rest
-    on disk)."""
+    on disk).  ``seen``: filled with what the last step's profile shows of the disk
+    (:func:`disk_seen`)."""
     torch.manual_seed(0)
     tensors = [torch.randn(n).to(dtype).requires_grad_() for n in _split(params, count)]
     disk = dict(offload_optimizer_device="nvme", nvme_path=directory, nvme_window_mb=window_mb) if directory else {}
@@ -88,17 +93,30 @@ def step_times(params: int, directory: str | None, bucket_mb: float, window_mb: 
                            bucket_size_mb=bucket_mb, **disk)
     grads = [torch.randn_like(t) for t in tensors]
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         for t, g in zip(tensors, grads):
             t.grad = g  # (the step takes them to its host buffers and drops p.grad, as after backward)
-        started = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - started)
+        profiled = seen is not None and i == steps - 1  # the last step, with the profiler on
+        with profile(gpu=False) if profiled else contextlib.nullcontext() as prof:
+            started = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - started)
+        if profiled:
+            seen.update(disk_seen(lanes_from_events(prof.events()), times[-1]))
     held = opt.layout.tier.disk_bytes()
     opt.close()
     del opt, tensors, grads
     gc.collect()  # (the optimizer's buffers freed now: host_state_gib='auto' in the next run measures what is free)
     return statistics.median(times[1:]), held
+
+
+def disk_seen(lanes: dict, step_s: float) -> dict[str, float]:
+    """The disk lanes of a profiled step: how long some transfer was in flight (``busy_s``) and
+    that share of the step: near 1, the schedule kept the disk busy, and a step above its bound
+    comes from the disk's rate while busy, not from the disk waiting."""
+    spans = merge([*lanes.get("disk read", []), *lanes.get("disk write", [])])
+    busy = sum(e - s for s, e in spans) / 1e3
+    return dict(busy_s=busy, busy_share=busy / step_s if step_s else 0.0)
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -141,17 +159,20 @@ def main() -> None:
     measured = args.in_memory_share
     in_memory, _ = step_times(max(1, round(params * measured)), None, bucket, window, steps, args.tensors, dtype=dtype)
     in_memory /= measured  # (the update is linear in the parameters)
-    on_disk, held = step_times(params, directory, bucket, window, steps, args.tensors, dtype=dtype)
+    seen = {}
+    on_disk, held = step_times(params, directory, bucket, window, steps, args.tensors, dtype=dtype, seen=seen)
     moved = 2 * held  # every region read and written back
     rate = moved / on_disk
     scaled = f" (measured on {measured:g} of the parameters, scaled)" if measured != 1 else ""
     print(f"step in host memory: {in_memory * 1e3:.0f} ms{scaled}; on disk: {on_disk * 1e3:.0f} ms "
           f"({on_disk / in_memory:.2f}x); the disk tier moved {moved / 1e9:.2f} GB a step: {rate / 1e9:.2f} GB/s, "
-          f"{rate / rates['read+write']:.0%} of the disk's rate reading and writing at once (target >= 80%)")
+          f"{rate / rates['read+write']:.0%} of the disk's rate reading and writing at once (target >= 80%); "
+          f"{_busy(seen, moved)}")
     for share in [s for s in args.host_shares.split(",") if s]:
         asked = "auto" if share == "auto" else float(share) * held / 2**30
+        seen = {}
         split, on_disk_now = step_times(params, directory, bucket, window, steps, args.tensors, asked,
-                                        args.host_reserve_gib, dtype)
+                                        args.host_reserve_gib, dtype, seen=seen)
         kept = 1.0 - on_disk_now / held if held else 1.0
         # the bound: the host share's update at the speed measured in host memory and the disk share's
         # regions read and written at the disk's rate (the faster of the disk's own measured above and
@@ -165,7 +186,15 @@ def main() -> None:
         print(f"host_state_gib={share if share == 'auto' else f'{asked:.3g}'} ({kept:.0%} of the state in host "
               f"memory): step {split * 1e3:.0f} ms, {on_disk / split:.2f}x faster than all on disk; bound "
               f"{bound * 1e3:.0f} ms (host update {host_part * 1e3:.0f}, disk {disk_part * 1e3:.0f}, edges "
-              f"{edges * 1e3:.0f}): {split / bound:.2f}x the bound (target <= 1.15x)")
+              f"{edges * 1e3:.0f}): {split / bound:.2f}x the bound (target <= 1.15x); {_busy(seen, 2 * on_disk_now)}")
+
+
+def _busy(seen: dict, moved: int) -> str:
+    """The profiled step's disk: its busy share, and the rate while busy."""
+    if not seen.get("busy_s"):
+        return "the disk: nothing in flight"
+    return (f"the last step's profile: a transfer in flight {seen['busy_share']:.0%} of the step, "
+            f"{moved / seen['busy_s'] / 1e9:.2f} GB/s while one was")
 
 
 if __name__ == "__main__":

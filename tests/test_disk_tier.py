@@ -10,6 +10,7 @@ file leaves nothing behind."""
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -480,9 +481,14 @@ def test_the_benchmark_measures_the_disk_and_the_step_on_it(tmp_path, tensors):
     out = proc.stdout
     assert "disk, direct I/O, 8 MiB transfers, 4 in flight: write" in out and "read+write" in out
     assert "step in host memory:" in out and "of the disk's rate reading and writing at once (target >= 80%)" in out
+    # each step on disk profiled: how much of it some transfer was in flight, and the disk's rate meanwhile
+    busy = re.findall(r"a transfer in flight (\d+)% of the step, ([\d.]+) GB/s while one was", out)
+    assert len(busy) == (2 if tensors == "8" else 1) and all(int(p) > 0 and float(r) > 0 for p, r in busy), out
     if tensors == "8":  # the state split (issue 72): each share beside its bound
         assert "% of the state in host memory): step" in out and "x the bound (target <= 1.15x)" in out
-        assert "host_state_gib=auto (100% of the state in host memory)" in out  # (a small state: all of it fits)
+        auto = next(line for line in out.splitlines() if line.startswith("host_state_gib=auto"))
+        assert "(100% of the state in host memory)" in auto  # (a small state: all of it fits)
+        assert auto.endswith("the disk: nothing in flight"), auto
     assert os.listdir(tmp_path) == []
 
 
