@@ -3,6 +3,7 @@ on the H200 (2026-11-28) a 7.25B try was cut off by the call's time and reported
 Lightning warning, its last line printed, as the error."""
 
 import json
+import re
 import subprocess
 import sys
 from argparse import Namespace
@@ -66,6 +67,51 @@ def test_a_tiny_try_says_each_phase_of_its_set_up_in_order():
     said = [line.split(" after ")[0] for line in done.stdout.splitlines() if line.startswith(largest_model.PROGRESS)]
     phases = ["built on the meta device", "sharded on the meta device; materializing it in host memory",
               "materialized in host memory", "the optimizer set up", "set up: the first step begins"]
+    # (the materializing line says how fast: on every core, benchmarks/host_init.py)
+    rate = re.fullmatch(r"(.*): [\d.e+-]+B elements in [\d.]+ s, [\d.e+-]+B a second", said[2])
+    assert rate, said[2]
+    said[2] = rate.group(1)
     assert [line[len(largest_model.PROGRESS):] for line in said[:5]] == phases
     assert [line.split(" took ")[0] for line in said[5:]] == ["PROGRESS step 1", "PROGRESS step 2"]
     assert json.loads(done.stdout.splitlines()[-1])["trained"] is True
+
+
+def test_the_model_is_initialized_on_every_core_the_same_whatever_the_threads():
+    """benchmarks/host_init.py: a GPT built on the meta device is made in host memory and
+    filled in chunks on a pool of threads, each chunk from its own seeded generator: the
+    same values on one thread as on two, and run after run; the GPT's scheme (the weights'
+    spread is checked against 0.02 within 2%: sampled numbers, 1.6M of them, so no exact
+    reference); a module of another kind reset by its own ``reset_parameters``."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import host_init
+        from gpt import TinyGPT
+    finally:
+        del sys.path[:2]
+
+    def built(threads):
+        torch.manual_seed(0)  # (the Conv1d's own reset draws from torch's generator)
+        with torch.device("meta"):
+            model = nn.Sequential(TinyGPT(n_layer=2, n_head=4, n_embd=256, block_size=32), nn.Conv1d(3, 5, 2))
+        filled = host_init.initialize_on_all_cores(model, seed=3, threads=threads)
+        return model, filled
+
+    one, filled = built(1)
+    two, _ = built(2)
+    gpt, conv = one[0], one[1]
+    assert not any(t.is_meta for t in one.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))
+    assert filled == sum(p.numel() for p in gpt.parameters())  # the tied head once; the Conv1d by its own reset
+    assert torch.equal(gpt.head.weight, gpt.tok.weight)
+    block = gpt.blocks[0]
+    assert torch.equal(block.ln1.weight, torch.ones(256)) and not block.ln1.bias.any() and not block.qkv.bias.any()
+    weights = torch.cat([block.mlp[0].weight.flatten(), block.qkv.weight.flatten()])
+    assert abs(weights.std().item() - host_init.STD) < 0.02 * host_init.STD
+    assert not torch.equal(block.qkv.weight, gpt.blocks[1].qkv.weight)  # each tensor its own numbers
+    assert conv.weight.abs().max() <= 1 / (3 * 2) ** 0.5 and conv.weight.std() > 0  # Conv1d's own reset: uniform
+    again, _ = built(2)
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), again.state_dict().values()))

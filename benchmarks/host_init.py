@@ -1,0 +1,88 @@
+"""A model built on the meta device, made in host memory and initialized on every core
+(issue 66's largest model: the 7.25B try of 2026-11-28 spent its call building).
+
+``reset_parameters`` draws each tensor's random numbers on one thread from torch's one
+generator (about 0.22 G parameters a second on this project's dev VM, 2026-12-07): a 12B
+model takes a minute before its first step.  :func:`initialize_on_all_cores` instead cuts
+each weight into chunks and fills them on a pool of threads, each chunk from a generator of
+its own seeded by its place (the same values on every run of the same model and threads
+or not), in the GPT's scheme (examples/gpt.py): ``Linear`` and ``Embedding`` weights
+normal(0, 0.02), their biases zero, ``LayerNorm`` weights one and biases zero.  Not the
+values ``reset_parameters`` would draw: a benchmark's timings and memory do not depend on
+them.  A module of any other kind, or with buffers on the meta device, is reset as the
+strategy would (``reset_parameters``, on the calling thread).
+
+FSDP's shards (DTensors) are filled through their local tensors: each rank draws its own
+rows' chunks.  Tied weights stay tied (``Module.to_empty`` one module at a time would make
+each owner a tensor of its own).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+CHUNK = 1 << 24  # elements a task fills (64 MiB of float32)
+STD = 0.02
+
+
+def initialize_on_all_cores(model: nn.Module, seed: int = 0, threads: int | None = None) -> int:
+    """Materialize ``model``'s meta tensors in host memory and fill them (above) on ``threads``
+    threads (default: the cores this process may use); the elements filled."""
+    fills: list[tuple[torch.Tensor, str]] = []
+    seen: set[int] = set()
+    # a meta parameter's id: it (kept, so that its id is not reused) and what it became (ties kept)
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in made:
+                module._parameters[name] = made[id(param)][1]
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not any(t.is_meta for t in own):
+            continue
+        before = {name: p for name, p in module._parameters.items() if p is not None}
+        module.to_empty(device="cpu", recurse=False)
+        for name, param in before.items():
+            made.setdefault(id(param), (param, module._parameters[name]))
+        known = isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)) and not list(module.buffers(False))
+        if not known:
+            module.reset_parameters()
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # (tied weights: filled once)
+                continue
+            seen.add(id(param))
+            kind = "zero" if name == "bias" else "one" if isinstance(module, nn.LayerNorm) else "normal"
+            with torch.no_grad():
+                fills.append((_local(param), kind))
+    tasks = []
+    for i, (tensor, kind) in enumerate(fills):
+        flat = tensor.view(-1)
+        for j, start in enumerate(range(0, flat.numel(), CHUNK)):
+            tasks.append((flat[start:start + CHUNK], kind, (seed, i, j)))
+    if threads is None:
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        list(pool.map(_fill, tasks))
+    return sum(t.numel() for t, _ in fills)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds of ``param`` (a DTensor's local shard)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.detach()
+
+
+def _fill(task: tuple[torch.Tensor, str, tuple[int, int, int]]) -> None:
+    chunk, kind, place = task
+    if kind == "zero":
+        chunk.zero_()
+    elif kind == "one":
+        chunk.fill_(1.0)
+    else:
+        seed, tensor, index = place
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + tensor) * 1_000_003 + index)
+        chunk.normal_(0.0, STD, generator=generator)
