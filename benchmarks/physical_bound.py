@@ -1,6 +1,6 @@
 """The physical bound of an offloaded step, measured on the machine that runs it (issue 50).
 
-An offload step cannot be shorter than the longest of three terms:
+An offload step cannot be shorter than the longest of these terms:
 
 - the GPU's own step (the plain row of the same run);
 - the CPU update of the offloaded share at the rate our kernels reach here: exact AdamW
