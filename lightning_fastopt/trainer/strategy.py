@@ -92,7 +92,7 @@ class TrainerStrategy(EngineHooks, PrecisionSlot):
         bucket_size_mb: offloaded parameters are handled in buckets of about this many
             MiB (fp32); the CPU starts on a bucket once its gradients have landed.
         cpu_threads: threads of the CPU step (and of torch on this process); default: on an
-            accelerator, this process's cores over the processes per node, else torch's.
+            accelerator, this process's cores divided by the processes per node, else torch's.
         bind_cpu_threads: the CPU step's threads on the first ``cpu_threads`` cores, the
             thread that launches the accelerator's work on the rest (one log line says
             which); with ``stream_cpu_step`` or ``delayed_update``; the bits do not change.
