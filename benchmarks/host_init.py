@@ -46,6 +46,8 @@ def initialize_on_all_cores(model: nn.Module, seed: int = 0, threads: int | None
         before = {name: p for name, p in module._parameters.items() if p is not None}
         module.to_empty(device="cpu", recurse=False)
         for name, param in before.items():
+            if not param.is_meta:  # made already (tied to an earlier module's): to_empty made another
+                module._parameters[name] = param
             made.setdefault(id(param), (param, module._parameters[name]))
         known = isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)) and not list(module.buffers(False))
         if not known:
@@ -65,7 +67,7 @@ def initialize_on_all_cores(model: nn.Module, seed: int = 0, threads: int | None
             tasks.append((flat[start:start + CHUNK], kind, (seed, i, j)))
     if threads is None:
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with torch.no_grad(), ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # (the chunks are detached: no autograd)
         list(pool.map(_fill, tasks))
     return sum(t.numel() for t, _ in fills)
 

@@ -115,3 +115,9 @@ def test_the_model_is_initialized_on_every_core_the_same_whatever_the_threads():
     assert conv.weight.abs().max() <= 1 / (3 * 2) ** 0.5 and conv.weight.std() > 0  # Conv1d's own reset: uniform
     again, _ = built(2)
     assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), again.state_dict().values()))
+    # a tied weight whose second owner also has a parameter of its own (a head with a bias) stays tied
+    with torch.device("meta"):
+        embedding, head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        head.weight = embedding.weight
+    host_init.initialize_on_all_cores(nn.Sequential(embedding, head), threads=2)
+    assert head.weight is embedding.weight and not head.bias.any() and head.weight.std() > 0

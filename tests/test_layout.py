@@ -163,7 +163,6 @@ def test_the_architecture_pages_run_plan_is_what_the_code_prints():
     assert printed.getvalue().rstrip("\n") == shown
 
 
-
 CLASS_LINES, FUNCTION_LINES = 300, 60  # issue 68's bar, docstrings included
 
 
