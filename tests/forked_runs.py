@@ -4,12 +4,14 @@ A two-process run of a test script spent about 3.5 of its 7 s importing torch, t
 compiler stack (which Lightning imports) and Lightning, on each rank, on 2 cores.  The
 tests that start real processes (DDP, ZeRO, FSDP, torchrun-style ranks: most of the slow
 suite) start them from a server process instead, which has imported ``torch``,
-``torch._dynamo`` and ``torch.distributed`` once (not Lightning, not ours: their
-import-time reading of the environment, Lightning's rank among it, stays the child's
-own).  Each child is a real process with its own arguments, environment, working
-directory, standard output and error, run as ``python SCRIPT ARGS`` (or ``-m MODULE``)
-runs it, the exit handlers included; it differs from a fresh interpreter in what those
-three imports read when they were imported (the server's environment: the test process's,
+``torch._dynamo``, ``torch.distributed`` and ``torchmetrics`` once (1.2 of the 1.4 s
+Lightning's import took in each child, transformers included where installed).  Not
+Lightning, not ours: their import-time reading of the environment, Lightning's rank among
+it, stays the child's own; torchmetrics reads one thing, its rank, which the child sets
+again from its own environment.  Each child is a real process with its own arguments,
+environment, working directory, standard output and error, run as ``python SCRIPT ARGS``
+(or ``-m MODULE``) runs it, the exit handlers included; it differs from a fresh
+interpreter in what those imports read when they were imported (the server's environment: the test process's,
 without the distributed variables) and in OpenMP's settings, which libgomp reads once
 when torch loads it (the tests set none), and numpy's OpenBLAS, which runs one thread in
 them (a thread server would make the fork unsafe; the server checks it runs no other).
@@ -33,12 +35,15 @@ __all__ = ["ForkServer", "fork_server"]
 _SERVER = r'''
 import json, os, select, sys
 import torch, torch._dynamo, torch.distributed  # noqa: F401  (what every child imports first)
+import torchmetrics  # noqa: F401  (Lightning's import of it: 1.2 of its 1.4 s, transformers included where installed)
 
 
 def child(request):
     import atexit, runpy, traceback
     os.environ.clear()
     os.environ.update(request["env"])
+    # what torchmetrics read of the environment when imported: the child's own, as its import would
+    torchmetrics.utilities.prints.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
     os.chdir(request["cwd"])
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
                             (1, request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),

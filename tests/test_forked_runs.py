@@ -72,3 +72,23 @@ def test_run_script_reports_a_failing_rank(tmp_path):
     with pytest.raises(AssertionError, match="rank 1 exited 5"):
         run_script(script, ranks=2)
     assert sys.modules["tests.forked_runs"]._server is not None  # (forked, where the server could start)
+
+
+def test_what_lightnings_imports_read_of_the_rank_is_the_childs_own_as_in_a_fresh_interpreter(server, tmp_path):
+    """The server imported torchmetrics (most of Lightning's import time); its rank, read from
+    the environment at import, is set again from the child's."""
+    script = _script(tmp_path, """
+        import lightning, torchmetrics.utilities.prints as tm
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+        print(rank_zero_only.rank, tm.rank_zero_only.rank)
+    """)
+    import subprocess
+
+    seen = {}
+    for rank in ("0", "1"):
+        env = {**subprocess_env(REPO), "LOCAL_RANK": rank, "RANK": rank}
+        pid = server.start([script], env, tmp_path, tmp_path / "out", tmp_path / "err")
+        assert server.wait(pid) == 0, (tmp_path / "err").read_text()
+        fresh = subprocess.run([sys.executable, script], env=env, cwd=tmp_path, capture_output=True, text=True)
+        seen[rank] = ((tmp_path / "out").read_text(), fresh.stdout)
+    assert seen == {"0": ("0 0\n", "0 0\n"), "1": ("1 1\n", "1 1\n")}

@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
 REPEATS = int(os.environ.get("FASTOPT_STRESS_REPEATS", "2"))
 
-# name: (script, its arguments, processes the test starts: None, Lightning's launcher starts rank 1); the
+# name: (script, its arguments, processes the test starts, as torchrun starts them: Lightning's launcher, which
+# starts rank 1 as a fresh interpreter after rank 0 built its Trainer, is tested in test_strategy_ddp.py); the
 # FSDP runs at fraction 1 through the accelerator's code path (the resumed one: streaming off; a fit, then a
 # resume from its checkpoint), streamed, and through the CPU's own path
 CONFIGS = {
@@ -56,16 +57,16 @@ CONFIGS = {
                                                "stream_cpu_step", "forward_waits=module"], 2),
     "fsdp-offload-on-disk-speculated": ("fsdp_trainer_run.py",
                                         ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"], 2),
-    "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], None),
-    "zero2-offload-speculated": ("ddp_run.py", ["zero2_speculate", "{out}"], None),
-    "offload-ddp-speculated": ("ddp_run.py", ["ddp_speculate", "{out}"], None),
-    "offload-delayed": ("ddp_run.py", ["delayed_offload", "{out}"], None),
+    "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], 2),
+    "zero2-offload-speculated": ("ddp_run.py", ["zero2_speculate", "{out}"], 2),
+    "offload-ddp-speculated": ("ddp_run.py", ["ddp_speculate", "{out}"], 2),
+    "offload-delayed": ("ddp_run.py", ["delayed_offload", "{out}"], 2),
     # streamed into backward, each step ending before its CPU updates (the worker takes the next forward's first)
-    "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"], None),
+    "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"], 2),
     # the same clipped (speculated): each step ends before the updates it redoes or held back
-    "offload-speculated-ending-early": ("ddp_run.py", ["module_streamed", "{out}"], None),
+    "offload-speculated-ending-early": ("ddp_run.py", ["module_streamed", "{out}"], 2),
     # half offloaded, gradients copied at the step (after DDP's reduction), updated after it ends
-    "offload-at-the-step-ending-early": ("ddp_run.py", ["module_waits", "{out}"], None),
+    "offload-at-the-step-ending-early": ("ddp_run.py", ["module_waits", "{out}"], 2),
 }
 TIMING_COUNTERS = ("buckets_", "handed_over_in_backward")
 
