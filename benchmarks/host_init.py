@@ -13,8 +13,7 @@ them.  A module of any other kind, or with buffers on the meta device, is reset 
 strategy would (``reset_parameters``, on the calling thread).
 
 FSDP's shards (DTensors) are filled through their local tensors: each rank draws its own
-rows' chunks.  Tied weights stay tied (``Module.to_empty`` one module at a time would make
-each owner a tensor of its own).
+rows' chunks.  Tied weights stay tied, filled once.
 """
 
 from __future__ import annotations
@@ -33,32 +32,19 @@ def initialize_on_all_cores(model: nn.Module, seed: int = 0, threads: int | None
     """Materialize ``model``'s meta tensors in host memory and fill them (above) on ``threads``
     threads (default: the cores this process may use); the elements filled."""
     fills: list[tuple[torch.Tensor, str]] = []
-    seen: set[int] = set()
-    # a meta parameter's id: it (kept, so that its id is not reused) and what it became (ties kept)
-    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    made: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # a meta parameter's id: it (kept) and what it became
+    filled: set[int] = set()  # (tied weights: filled once, by their first owner)
     for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None and id(param) in made:
-                module._parameters[name] = made[id(param)][1]
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if not any(t.is_meta for t in own):
+        if not _materialize(module, made):
             continue
-        before = {name: p for name, p in module._parameters.items() if p is not None}
-        module.to_empty(device="cpu", recurse=False)
-        for name, param in before.items():
-            if not param.is_meta:  # made already (tied to an earlier module's): to_empty made another
-                module._parameters[name] = param
-            made.setdefault(id(param), (param, module._parameters[name]))
         known = isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)) and not list(module.buffers(False))
         if not known:
             module.reset_parameters()
             continue
         for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:  # (tied weights: filled once)
-                continue
-            seen.add(id(param))
-            kind = "zero" if name == "bias" else "one" if isinstance(module, nn.LayerNorm) else "normal"
-            with torch.no_grad():
+            if id(param) not in filled:
+                filled.add(id(param))
+                kind = "zero" if name == "bias" else "one" if isinstance(module, nn.LayerNorm) else "normal"
                 fills.append((_local(param), kind))
     tasks = []
     for i, (tensor, kind) in enumerate(fills):
@@ -70,6 +56,28 @@ def initialize_on_all_cores(model: nn.Module, seed: int = 0, threads: int | None
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # (the chunks are detached: no autograd)
         list(pool.map(_fill, tasks))
     return sum(t.numel() for t, _ in fills)
+
+
+def _materialize(module: nn.Module, made: dict) -> bool:
+    """Give ``module``'s own meta parameters and buffers uninitialized host memory (as
+    ``Module.to_empty`` does, DTensors staying DTensors), a parameter tied to one made
+    already the same; whether any of its own was on the meta device.  Not ``to_empty``: on a
+    module whose parameters are partly made it gives those new storage too (``param.data``
+    swapped in place), which a tied weight's fill had already written."""
+    was_meta = False
+    for name, param in module._parameters.items():
+        if param is not None and id(param) in made:
+            module._parameters[name] = made[id(param)][1]
+        elif param is not None and param.is_meta:
+            was_meta = True
+            made[id(param)] = (param, nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                   requires_grad=param.requires_grad))
+            module._parameters[name] = made[id(param)][1]
+    for name, buffer in module._buffers.items():
+        if buffer is not None and buffer.is_meta:
+            was_meta = True
+            module._buffers[name] = torch.empty_like(buffer, device="cpu")
+    return was_meta
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,6 @@ directory without its manifest or with a malformed one, a damaged shard (resumin
 the strategy, and the consolidate command line)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +12,7 @@ import torch
 
 from lightning_fastopt import FastOptStrategy
 from lightning_fastopt.checkpoint import BrokenCheckpointError, read_manifest
+from tests.helpers import run_script
 from tests.test_precision import _data
 from tests.test_strategy import Model
 
@@ -87,8 +86,7 @@ def test_a_sharded_directory_with_a_missing_or_malformed_manifest_is_named(tmp_p
     manifest.write_text(good)
     shard = path / json.loads(good)["shards"][0]
     shard.write_bytes(shard.read_bytes()[:100])
-    out = subprocess.run([sys.executable, "-m", "lightning_fastopt.checkpoint", "consolidate", str(path),
-                          str(tmp_path / "one.ckpt")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_script("-m", "lightning_fastopt.checkpoint", "consolidate", path, tmp_path / "one.ckpt", check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"error: cannot read the optimizer shard {shard}: the file (100 bytes) is cut short" in out.stderr
     manifest.unlink()

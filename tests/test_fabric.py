@@ -25,8 +25,6 @@ or by value:
 """
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -39,8 +37,7 @@ from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
-from tests.helpers import (assert_params_equal, counting_checkpoint_io, free_port, run_script, said_lines,
-                           subprocess_env)
+from tests.helpers import (assert_params_equal, counting_checkpoint_io, free_port, run_script, said_lines)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -489,9 +486,9 @@ def test_what_fabric_cannot_do_is_refused_by_name(kw, match):
 
 
 def _process(name, out, *args, devices=2, killed=False):
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fabric_run.py"), name, str(out),
-                           "--devices", str(devices), *args], cwd=REPO, env=subprocess_env(REPO),
-                          capture_output=True, text=True, timeout=600)
+    """The script on ``devices`` processes, the second started by Fabric's launcher."""
+    proc = run_script(REPO / "tests" / "scripts" / "fabric_run.py", name, out, "--devices", devices, *args,
+                      check=False)
     if killed:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         return None
@@ -586,10 +583,7 @@ def test_sigkill_after_a_save_then_load_continues_exactly(tmp_path):
 
 def test_the_fabric_example_trains(tmp_path):
     ckpt = tmp_path / "last.ckpt"
-    out = subprocess.run([sys.executable, "examples/fabric_gpt.py", "--epochs", "2", "--limit-batches", "4",
-                          "--checkpoint", str(ckpt)], cwd=REPO, env=subprocess_env(REPO), capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_script("examples/fabric_gpt.py", "--epochs", "2", "--limit-batches", "4", "--checkpoint", ckpt)
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if "mean train loss" in line]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert "OffloadOptimizer(FusedAdam, offload_fraction=1.0" in out.stderr + out.stdout

@@ -252,15 +252,8 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     """SIGKILL after the shards of a second save to the same path are written, before its
     metadata, with the shards in host memory: the path still holds the first save whole, and
     a new run resumes from it (``tests/scripts/fsdp_kill_run.py host_params``)."""
-    import subprocess
-    import sys
-
-    from tests.helpers import subprocess_env
-
     script = SCRIPT.parent / "fsdp_kill_run.py"
-    repo = SCRIPT.parents[2]
-    killed = subprocess.run([sys.executable, str(script), "save", str(tmp_path), "host_params"], cwd=repo,
-                            env=subprocess_env(repo), capture_output=True, text=True, timeout=600)
+    killed = run_script(script, "save", tmp_path, "host_params", check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     run_script(script, "resume", tmp_path, "host_params")
     saved, loaded = (torch.load(tmp_path / f, weights_only=True) for f in ("saved.pt", "resumed.pt"))

@@ -373,8 +373,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     metadata: the path still holds the first save whole (saved in place, as Lightning
     saves, it held the new shards beside the old metadata), and a new run resumes from it."""
     script = REPO / "tests" / "scripts" / "fsdp_kill_run.py"
-    killed = subprocess.run([sys.executable, str(script), "save", str(tmp_path)], cwd=REPO, env=subprocess_env(REPO),
-                            capture_output=True, text=True, timeout=600)
+    killed = run_script(script, "save", tmp_path, check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
     staging = [p.name for p in tmp_path.glob(".last.ckpt.*.tmp")]  # the killed save's
     run_script(script, "resume", tmp_path)

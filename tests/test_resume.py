@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_fastopt.core.checkpoint_io import AtomicCheckpointIO
-from tests.helpers import subprocess_env
+from tests.helpers import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "scripts" / "resume_run.py"
@@ -24,8 +24,7 @@ EPOCH_2 = "epoch=1-step=16.ckpt"  # the end of the second of four epochs of 8 st
 
 
 def _run(out, *args, expect_kill=False):
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], cwd=REPO, env=subprocess_env(REPO),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_script(SCRIPT, out, *args, check=False)
     if expect_kill:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         return None
@@ -124,12 +123,10 @@ def test_cross_resume_with_plain_torch_adamw(tmp_path):
 def test_checkpoint_of_another_model_is_a_clear_error(fp16_run, tmp_path):
     ref_dir, _ = fp16_run
     ckpt = str(ref_dir / "ckpt" / EPOCH_2)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--width", "12", "--resume", ckpt], cwd=REPO,
-                          env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+    proc = run_script(SCRIPT, tmp_path, "--width", "12", "--resume", ckpt, check=False)
     assert proc.returncode != 0 and "size mismatch for net.0.weight" in proc.stderr
     # same shapes under other names (and lenient weight loading): the optimizer state refuses
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--prefix", "body", "--resume", ckpt],
-                          cwd=REPO, env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+    proc = run_script(SCRIPT, tmp_path, "--prefix", "body", "--resume", ckpt, check=False)
     assert proc.returncode != 0
     assert "CheckpointMismatchError" in proc.stderr and "missing here: 'body.0.weight'" in proc.stderr
 

@@ -9,15 +9,13 @@ keeps a stale shard; an unfinished save leaves the previous checkpoint."""
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_fastopt import checkpoint as ck
-from tests.helpers import run_script, subprocess_env
+from tests.helpers import run_script
 
 # real processes: README's test command leaves these to CI (pytest -m slow)
 pytestmark = pytest.mark.slow
@@ -80,10 +78,7 @@ def plain_resumed_on_one(two_rank_run, tmp_path_factory):
     out, _ = two_rank_run
     tmp = tmp_path_factory.mktemp("plain")
     single = tmp / "consolidated.ckpt"
-    proc = subprocess.run([sys.executable, "-m", "lightning_fastopt.checkpoint", "consolidate",
-                           str(out / "ckpt" / EPOCH_2), str(single)], cwd=REPO, env=subprocess_env(REPO),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr
+    run_script("-m", "lightning_fastopt.checkpoint", "consolidate", out / "ckpt" / EPOCH_2, single)
     return single, _run(tmp, "--devices", "1", "--strategy", "ddp", "--resume", str(single))
 
 
@@ -175,8 +170,7 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(two_rank_run, tmp_p
     """Rank 1 is killed (SIGKILL) half-way through writing its shard of the second
     checkpoint: rank 0 gives up at the barrier, the first checkpoint and last.ckpt still
     load whole, the half-written one never appears under its name, and training resumes."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--devices", "2", "--kill-rank1-at-save", "3"],
-                          cwd=REPO, env=subprocess_env(REPO), capture_output=True, text=True, timeout=600)
+    proc = run_script(SCRIPT, tmp_path, "--devices", "2", "--kill-rank1-at-save", "3", check=False)
     assert proc.returncode != 0
     ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith("."))
     assert ckpts == ["epoch=0-step=8.ckpt", "last.ckpt"]  # saves 1 and 2: epoch 0 and last
