@@ -133,7 +133,8 @@ def run_script(*args, timeout: int = 600, ranks: int | None = None, check: bool 
                     proc.wait()
         texts = [(out.read_text(), err.read_text()) for out, err in outputs]
     for rank, (proc, (_, err)) in enumerate(zip(procs, texts)):
-        assert proc.returncode == 0 or not check, (f"rank {rank} exited {proc.returncode}: " if ranks else "") + err[-3000:]
+        said = (f"rank {rank} exited {proc.returncode}: " if ranks else "") + err[-3000:]
+        assert proc.returncode == 0 or not check, said
     return subprocess.CompletedProcess(command, procs[0].returncode, *texts[0])
 
 

@@ -37,7 +37,7 @@ from lightning_fastopt import FastOptFabricPrecision, FastOptFabricStrategy
 from lightning_fastopt.offload import OffloadOptimizer
 from lightning_fastopt.optim.takeover import engine_of
 from tests.fabric_loop import make_model, make_optimizer, train
-from tests.helpers import (assert_params_equal, counting_checkpoint_io, free_port, run_script, said_lines)
+from tests.helpers import assert_params_equal, counting_checkpoint_io, free_port, run_script, said_lines
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fastopt import FastOptStrategy
-from tests.helpers import subprocess_env
+from tests.helpers import run_script, subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,8 +49,8 @@ def test_main_job_runs_and_reports_the_loss(tmp_path):
 
 def test_benchmark_scripts_run(tmp_path):
     """Tiny sizes: the numbers are not checked here, the benchmarks report them.  The
-    scripts run two at a time (each mostly imports; all six at once on 2 cores took 101 s,
-    one after another about 55), their outputs checked one by one."""
+    scripts run one after another, forked from the tests' fork server (each mostly imports:
+    35 s two at a time as fresh interpreters on 2 cores), their outputs checked one by one."""
     scripts = {
         "cpu": ["benchmarks/cpu_optimizers.py", "--quick", "--repeat", "1", "--algorithms",
                 "adam,adam-clipped,adam-mixed,lamb,lamb-rows"],
@@ -61,16 +61,7 @@ def test_benchmark_scripts_run(tmp_path):
                 str(tmp_path)],
         "checksums": ["benchmarks/checkpoint_checksums.py", "--dir", str(tmp_path), "--params", "2e5", "--repeats", "2"],
     }
-    out = {}
-    names = list(scripts)
-    for pair in (names[i:i + 2] for i in range(0, len(names), 2)):
-        running = {name: subprocess.Popen([sys.executable, *scripts[name]], cwd=REPO, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=subprocess_env(REPO))
-                   for name in pair}
-        for name, proc in running.items():
-            stdout, stderr = proc.communicate(timeout=600)
-            assert proc.returncode == 0, f"{scripts[name][0]}: {stderr[-3000:]}"
-            out[name] = stdout
+    out = {name: run_script(*script).stdout for name, script in scripts.items()}
     assert "read-modify-write bandwidth" in out["cpu"]
     assert "| lamb | lightning_fastopt FusedLAMB |" in out["cpu"]
     assert "| lamb-rows | lightning_fastopt FusedLAMB on rows (norms given) |" in out["cpu"]
