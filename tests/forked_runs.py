@@ -11,10 +11,11 @@ it, stays the child's own; torchmetrics reads one thing, its rank, which the chi
 again from its own environment.  Each child is a real process with its own arguments,
 environment, working directory, standard output and error, run as ``python SCRIPT ARGS``
 (or ``-m MODULE``) runs it, the exit handlers included; it differs from a fresh
-interpreter in what those imports read when they were imported (the server's environment: the test process's,
-without the distributed variables) and in OpenMP's settings, which libgomp reads once
-when torch loads it (the tests set none), and numpy's OpenBLAS, which runs one thread in
-them (a thread server would make the fork unsafe; the server checks it runs no other).
+interpreter in what those imports read when they were imported (the server's
+environment: the test process's, without the distributed variables) and in OpenMP's
+settings, which libgomp reads once when torch loads it (the tests set none), and numpy's
+OpenBLAS, which runs one thread in them (a thread server would make the fork unsafe; the
+server checks it runs no other).
 
 ``FASTOPT_TESTS_FORK=0`` starts every child as a fresh interpreter instead.
 """
