@@ -31,42 +31,42 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
 REPEATS = int(os.environ.get("FASTOPT_STRESS_REPEATS", "2"))
 
-# name: (script, its arguments, processes the test starts, as torchrun starts them: Lightning's launcher, which
-# starts rank 1 as a fresh interpreter after rank 0 built its Trainer, is tested in test_strategy_ddp.py); the
-# FSDP runs at fraction 1 through the accelerator's code path (the resumed one: streaming off; a fit, then a
-# resume from its checkpoint), streamed, and through the CPU's own path
+# name: (script, its arguments), run on two processes started at once, as torchrun starts them (Lightning's
+# launcher, which starts rank 1 as a fresh interpreter after rank 0 built its Trainer, is tested in
+# test_strategy_ddp.py); the FSDP runs at fraction 1 through the accelerator's code path (the resumed one:
+# streaming off; a fit, then a resume from its checkpoint), streamed, and through the CPU's own path
 CONFIGS = {
-    "fsdp-offload-in-place-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "in_place", "resume"], 2),
-    "fsdp-offload-streamed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "stream_cpu_step"], 2),
-    "fsdp-offload-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "resume"], 2),
+    "fsdp-offload-in-place-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "in_place", "resume"]),
+    "fsdp-offload-streamed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "stream_cpu_step"]),
+    "fsdp-offload-resumed": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "resume"]),
     # the host shards updated in place as FSDP hands their gradients over (streamed), and speculated with AdamW's
     # state on disk (the disk tier's reads and writes on threads of their own); the rows' state on disk, speculated
     "fsdp-host-shards-streamed": ("fsdp_trainer_run.py",
-                                  ["fastopt-1", "adamw", "{out}", "host_params", "stream_cpu_step", "clip=none"], 2),
+                                  ["fastopt-1", "adamw", "{out}", "host_params", "stream_cpu_step", "clip=none"]),
     "fsdp-host-shards-on-disk-speculated": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
-                                                                    "nvme", "stream_cpu_step", "clip=50"], 2),
+                                                                    "nvme", "stream_cpu_step", "clip=50"]),
     # half host shards (fp16 loss scaling, overflows skipped) speculated in place, redone or undone at once
     "fsdp-half-host-shards-speculated": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
-                                                                 "precision=16-true", "stream_cpu_step"], 2),
+                                                                 "precision=16-true", "stream_cpu_step"]),
     # the host shards' steps ending before their CPU updates, each unit's forward waiting for its rows (speculated
     # and redone: every clipped step)
     "fsdp-host-shards-ending-early": ("fsdp_trainer_run.py", ["fastopt-1", "adamw", "{out}", "host_params",
-                                                              "stream_cpu_step", "forward_waits=module"], 2),
+                                                              "stream_cpu_step", "forward_waits=module"]),
     "fsdp-host-shards-on-disk-ending-early": ("fsdp_trainer_run.py",
                                               ["fastopt-1", "adamw", "{out}", "host_params", "nvme",
-                                               "stream_cpu_step", "forward_waits=module"], 2),
+                                               "stream_cpu_step", "forward_waits=module"]),
     "fsdp-offload-on-disk-speculated": ("fsdp_trainer_run.py",
-                                        ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"], 2),
-    "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"], 2),
-    "zero2-offload-speculated": ("ddp_run.py", ["zero2_speculate", "{out}"], 2),
-    "offload-ddp-speculated": ("ddp_run.py", ["ddp_speculate", "{out}"], 2),
-    "offload-delayed": ("ddp_run.py", ["delayed_offload", "{out}"], 2),
+                                        ["fastopt-1", "adamw", "{out}", "nvme", "stream_cpu_step", "clip=50"]),
+    "zero2-offload": ("ddp_run.py", ["zero2_offload", "{out}"]),
+    "zero2-offload-speculated": ("ddp_run.py", ["zero2_speculate", "{out}"]),
+    "offload-ddp-speculated": ("ddp_run.py", ["ddp_speculate", "{out}"]),
+    "offload-delayed": ("ddp_run.py", ["delayed_offload", "{out}"]),
     # streamed into backward, each step ending before its CPU updates (the worker takes the next forward's first)
-    "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"], 2),
+    "offload-streamed-ending-early": ("ddp_run.py", ["module_streamed", "{out}", "--no-clip"]),
     # the same clipped (speculated): each step ends before the updates it redoes or held back
-    "offload-speculated-ending-early": ("ddp_run.py", ["module_streamed", "{out}"], 2),
+    "offload-speculated-ending-early": ("ddp_run.py", ["module_streamed", "{out}"]),
     # half offloaded, gradients copied at the step (after DDP's reduction), updated after it ends
-    "offload-at-the-step-ending-early": ("ddp_run.py", ["module_waits", "{out}"], 2),
+    "offload-at-the-step-ending-early": ("ddp_run.py", ["module_waits", "{out}"]),
 }
 TIMING_COUNTERS = ("buckets_", "handed_over_in_backward")
 
@@ -89,11 +89,11 @@ def _results(out: Path) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_seeded_run_repeated_under_contention_ends_on_the_same_bits(config, spinning, tmp_path):
-    script, args, ranks = CONFIGS[config]
+    script, args = CONFIGS[config]
     first = None
     for i in range(REPEATS):
         out = tmp_path / f"run{i}.pt"
-        run_script(SCRIPTS / script, *(a.format(out=out) for a in args), ranks=ranks)
+        run_script(SCRIPTS / script, *(a.format(out=out) for a in args), ranks=2)
         results = [{k: v for k, v in r.items() if not k.startswith(TIMING_COUNTERS)} for r in _results(out)]
         if first is None:
             first = results
